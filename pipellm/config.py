@@ -1,0 +1,133 @@
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + ("GPT2LMHeadModel",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str               # HF class name, one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int               # < num_heads means grouped-query attention
+    head_dim: int
+    intermediate_size: int          # MLP width
+    max_position_embeddings: int
+    norm_eps: float                 # RMSNorm (Llama family) or LayerNorm (GPT-2) epsilon
+    rope_theta: float = 10000.0     # unused by GPT-2 (learned positions)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False          # Qwen2, and Llama with attention_bias
+    o_bias: bool = False            # Llama with attention_bias
+    sliding_window: int | None = None  # Mistral: attend to the last sliding_window keys only
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+
+    @property
+    def is_gpt2(self) -> bool:
+        return self.architecture == "GPT2LMHeadModel"
+
+    @classmethod
+    def from_pretrained(cls, folder: str) -> "ModelConfig":
+        path = os.path.join(folder, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: no config.json; a model folder needs config.json and *.safetensors")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_hf_dict(d, path)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        archs = d.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"{source}: architecture {archs or d.get('model_type')} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if arch == "GPT2LMHeadModel":
+            for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+                if d.get(flag):
+                    raise ValueError(f"{source}: GPT-2 option {flag}=true is not supported")
+            n_embd, n_head = d["n_embd"], d["n_head"]
+            return cls(arch, d["vocab_size"], n_embd, d["n_layer"], n_head, n_head, n_embd // n_head,
+                       d.get("n_inner") or 4 * n_embd, d["n_positions"], d.get("layer_norm_epsilon", 1e-5),
+                       tie_word_embeddings=d.get("tie_word_embeddings", True), eos_token_ids=eos_ids)
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act={d['hidden_act']!r} is not supported (only silu)")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only default RoPE)")
+        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        window = d.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not d.get("use_sliding_window", False):
+            window = None
+        attention_bias = bool(d.get("attention_bias", False))
+        if d.get("mlp_bias"):
+            raise ValueError(f"{source}: mlp_bias=true is not supported")
+        return cls(arch, d["vocab_size"], d["hidden_size"], d["num_hidden_layers"], heads,
+                   d.get("num_key_value_heads") or heads, head_dim, d["intermediate_size"],
+                   d.get("max_position_embeddings", 2048), d.get("rms_norm_eps", 1e-6), rope_theta,
+                   tie_word_embeddings=d.get("tie_word_embeddings", False),
+                   qkv_bias=attention_bias or arch == "Qwen2ForCausalLM", o_bias=attention_bias,
+                   sliding_window=window, eos_token_ids=eos_ids)
+
+
+@dataclass
+class EngineConfig:
+    model: str                          # HF folder or GGUF path (resolved)
+    pipeline_parallel_size: int = 1     # number of stage processes
+    layer_partition: list[int] | None = None  # layers per stage; None = even split
+    dtype: str = "float32"              # weights and activations
+    block_size: int = 16                # tokens per KV cache block
+    max_model_len: int | None = None    # prompt + output tokens; None = the model's limit
+    max_num_seqs: int = 64              # requests in one step at most
+    max_num_batched_tokens: int = 2048  # tokens in one step at most (prefill chunk budget)
+    kv_cache_gib: float = 1.0           # KV cache memory per stage
+    seed: int = 0                       # seeds requests that do not set their own
+    threads_per_stage: int | None = None  # torch threads per stage; None = cores // P
+    step_timeout_s: float = 300.0       # a stage silent this long is reported as hung
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+            bad("pipeline_parallel_size", "must be an integer >= 1")
+        if self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {', '.join(DTYPES)}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            bad("block_size", "must be a positive integer")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            bad("max_model_len", "must be an integer >= 2 or None")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            bad("max_num_seqs", "must be a positive integer")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            bad("max_num_batched_tokens", "must be a positive integer")
+        if not self.kv_cache_gib > 0:
+            bad("kv_cache_gib", "must be > 0")
+        if self.threads_per_stage is not None and (not isinstance(self.threads_per_stage, int)
+                                                   or self.threads_per_stage < 1):
+            bad("threads_per_stage", "must be a positive integer or None")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def num_threads(self) -> int:
+        return self.threads_per_stage or max(1, len(os.sched_getaffinity(0)) // self.pipeline_parallel_size)

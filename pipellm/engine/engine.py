@@ -1,0 +1,225 @@
+"""The driver: tokenizes, schedules, keeps batches in flight through the pipeline, and detokenizes."""
+import itertools
+import json
+import os
+from collections import deque
+
+from pipellm.config import EngineConfig, ModelConfig
+from pipellm.engine.block_manager import BlockManager
+from pipellm.engine.scheduler import ScheduledBatch, Scheduler
+from pipellm.engine.sequence import Request
+from pipellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pipellm.pipeline.executor import PipelineError, PipelineExecutor
+from pipellm.pipeline.messages import SampledBatch
+from pipellm.pipeline.partition import make_partition
+from pipellm.sampling_params import SamplingParams
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads per-completion seeds apart
+
+
+def resolve_model(model: str | None) -> str:
+    """A model folder with config.json and safetensors, converting a GGUF file (cached) when given one."""
+    from pipellm.loader.default_model import default_model_path
+    from pipellm.loader.gguf import cached_gguf_folder
+
+    path = default_model_path() if model is None else os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise ValueError(f"model {path!r} does not exist; pass a folder with config.json and *.safetensors, "
+                         "a .gguf file, or None for the default model")
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return cached_gguf_folder(path)
+        raise ValueError(f"model {path!r} is a file but not .gguf; pass a model folder or a .gguf file "
+                         "(pickle checkpoints such as .bin/.pt are refused)")
+    return path
+
+
+def load_tokenizer(folder: str):
+    """The model's tokenizer, or None when the folder has none (then prompts must be token ids)."""
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_dir = resolve_model(config.model)
+        self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={mc.max_position_embeddings}")
+        self.stages = make_partition(mc.num_layers, config.pipeline_parallel_size, config.layer_partition)
+        self.num_blocks = self._num_kv_blocks()
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids = self._eos_token_ids()
+        self.block_manager = BlockManager(self.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.in_flight: deque[ScheduledBatch] = deque()
+        self._request_counter = itertools.count()
+        self.executor = PipelineExecutor(self.model_dir, mc, config, self.stages, self.num_blocks)
+
+    def _num_kv_blocks(self) -> int:
+        # The smallest count that fits every stage's budget, so one block table is valid on every stage.
+        mc, cfg = self.model_config, self.config
+        bytes_per_block_layer = 2 * cfg.block_size * mc.num_kv_heads * mc.head_dim * cfg.torch_dtype.itemsize
+        budget = cfg.kv_cache_gib * 2 ** 30
+        num_blocks = min(int(budget // (bytes_per_block_layer * s.num_layers)) for s in self.stages)
+        needed = -(-self.max_model_len // cfg.block_size)
+        if num_blocks < needed:
+            raise ValueError(f"kv_cache_gib={cfg.kv_cache_gib} holds {num_blocks * cfg.block_size} tokens per "
+                             f"sequence, fewer than max_model_len={self.max_model_len}; raise kv_cache_gib or "
+                             "lower max_model_len")
+        # More blocks than max_num_seqs full sequences can use is wasted memory.
+        return min(num_blocks, needed * cfg.max_num_seqs)
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        gen_cfg = os.path.join(self.model_dir, "generation_config.json")
+        if os.path.isfile(gen_cfg):
+            with open(gen_cfg) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"the model at {self.model_dir} has no tokenizer; pass {{'prompt_token_ids': [...]}}")
+        return self.tokenizer.encode(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids has ids outside [0, {vocab}): {bad[:5]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
+                             f"{self.max_model_len} (prompt plus at least one new token); shorten the prompt")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queues one prompt (params.n completions). Call validate() first."""
+        if request_id in self.requests or f"{request_id}-0" in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        counter = next(self._request_counter)
+        base_seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + counter
+        max_tokens = self.max_model_len - len(prompt_token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}-{i}"
+            req = Request(rid, list(prompt_token_ids), params, (base_seed + i * _SEED_STRIDE) % 2 ** 63,
+                          max_tokens, index=i, parent_id=request_id if params.n > 1 else None)
+            self.requests[rid] = req
+            self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> None:
+        for rid in [r for r, req in self.requests.items() if request_id in (r, req.parent_id)]:
+            req = self.requests.pop(rid)
+            if not req.is_finished:
+                self.scheduler.finish(req, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- stepping -------------------------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Fills the pipeline, then waits for the oldest batch. Returns the requests that got a token."""
+        num_stages = len(self.stages)
+        while len(self.in_flight) < num_stages:
+            # Split the runnable requests evenly over the batches in flight, so no stage waits on a big one.
+            per_batch = -(-self.scheduler.num_unfinished // num_stages)
+            batch = self.scheduler.schedule(max_num_seqs=max(1, per_batch))
+            if batch is None:
+                break
+            self.executor.submit(batch.stage_batch)
+            self.in_flight.append(batch)
+        if not self.in_flight:
+            return []
+        result = self.executor.receive()
+        return self._process(self.in_flight.popleft(), result)
+
+    def _process(self, batch: ScheduledBatch, result: SampledBatch) -> list[Request]:
+        assert batch.batch_id == result.batch_id, "pipeline returned batches out of order"
+        for req in batch.requests:
+            req.in_flight = False
+            if req.is_finished:  # aborted while in flight; its blocks were kept until now
+                self.block_manager.free(req)
+        updated = []
+        for req, tok in zip(batch.sampled, result.tokens):
+            if req.is_finished:
+                continue
+            req.output_token_ids.append(tok.token_id)
+            if req.params.logprobs is not None:
+                self._add_logprobs(req, tok)
+            self._check_stop(req)
+            updated.append(req)
+        return updated
+
+    def _add_logprobs(self, req: Request, tok) -> None:
+        entry = {tid: Logprob(lp, rank + 1, self._decode_token(tid)) for rank, (tid, lp) in enumerate(tok.top_logprobs)}
+        entry[tok.token_id] = Logprob(tok.logprob, tok.rank, self._decode_token(tok.token_id))
+        req.output_logprobs.append(entry)
+        req.cumulative_logprob += tok.logprob
+
+    def _decode_token(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _check_stop(self, req: Request) -> None:
+        params, token = req.params, req.output_token_ids[-1]
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return self.scheduler.finish(req, "stop")
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            return self.scheduler.finish(req, "stop")
+        text = self.decode(req) if params.stop else ""  # full decode: a stop string can span tokens
+        for stop in params.stop:
+            at = text.find(stop)
+            if at != -1:
+                req.text, req.stop_reason = text[:at], stop
+                return self.scheduler.finish(req, "stop")
+        if len(req.output_token_ids) >= req.max_tokens:
+            self.scheduler.finish(req, "length")
+
+    def decode(self, req: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+
+    def completion(self, req: Request) -> CompletionOutput:
+        text = req.text if isinstance(req.stop_reason, str) else self.decode(req)
+        return CompletionOutput(req.index, text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
+                                list(req.output_logprobs) if req.params.logprobs is not None else None,
+                                req.cumulative_logprob if req.params.logprobs is not None else None)
+
+    def pop_output(self, request_id: str, prompt: str | None) -> RequestOutput:
+        """The finished request's output; forgets the request."""
+        reqs = [r for rid, r in self.requests.items() if request_id in (rid, r.parent_id)]
+        for r in reqs:
+            del self.requests[r.request_id]
+        return RequestOutput(request_id, prompt, reqs[0].prompt_token_ids, [self.completion(r) for r in reqs],
+                             finished=all(r.is_finished for r in reqs))
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+
+    def inspect(self):
+        assert not self.in_flight, "inspect() between generate calls only"
+        return self.executor.inspect()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+__all__ = ["LLMEngine", "PipelineError"]

@@ -1,0 +1,129 @@
+"""Decides which requests run in the next step and with how many tokens (vLLM v1 style).
+
+A request is tracked as "tokens computed so far" against "tokens in total"; prefill, chunked prefill and decode
+are the same thing with different counts, so one step can mix them.
+"""
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipellm.engine.block_manager import BlockManager
+from pipellm.engine.sequence import Request, RequestStatus
+from pipellm.pipeline.messages import NewRequest, StageBatch
+
+
+@dataclass
+class ScheduledBatch:
+    batch_id: int
+    requests: list[Request]
+    num_new_tokens: list[int]        # per request, tokens run this step
+    sampled: list[Request]           # requests whose last known token is in this step: they get a new token
+    stage_batch: StageBatch
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_ids: list[str] = []  # to tell the last stage to drop their sampling state
+        self.num_batches = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        if not req.in_flight:  # an in-flight request's blocks are still being written; freed when it returns
+            self.block_manager.free(req)
+        if req.is_known_to_sampler:
+            self.finished_ids.append(req.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        # Recompute later: drop its cache, keep its tokens. Output stays the same (greedy or seeded).
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.num_computed_tokens, req.status = 0, RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self, max_num_seqs: int | None = None) -> ScheduledBatch | None:
+        """Picks requests not in flight, within the token budget and free KV blocks. None if nothing can run."""
+        max_seqs = min(self.max_num_seqs, max_num_seqs or self.max_num_seqs)
+        budget = self.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+        for req in list(self.running):
+            if len(chosen) == max_seqs or budget == 0:
+                break
+            if req.in_flight or req not in self.running:
+                continue
+            n = min(req.num_pending_tokens, budget)
+            while not self.block_manager.can_allocate(req, n):
+                victims = [r for r in self.running if not r.in_flight and r is not req
+                           and all(r is not c for c, _ in chosen)]
+                if not victims:
+                    break
+                self._preempt(victims[-1])
+            if not self.block_manager.can_allocate(req, n):
+                if not any(r.in_flight for r in self.running) and not chosen:
+                    self._preempt(req)  # alone and still too big: wait until memory frees up
+                continue
+            self.block_manager.allocate(req, n)
+            chosen.append((req, n))
+            budget -= n
+        while self.waiting and len(chosen) < max_seqs and budget > 0:
+            req = self.waiting[0]
+            n = min(req.num_pending_tokens, budget)
+            if not self.block_manager.can_allocate(req, n):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(req, n)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chosen.append((req, n))
+            budget -= n
+        if not chosen:
+            return None
+        return self._build(chosen)
+
+    def _build(self, chosen: list[tuple[Request, int]]) -> ScheduledBatch:
+        bs = self.block_manager.block_size
+        reqs = [r for r, _ in chosen]
+        counts = np.array([n for _, n in chosen], dtype=np.int64)
+        starts = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+        ids = np.concatenate([np.asarray(r.token_ids(s, s + n), dtype=np.int64) for r, (s, n)
+                              in zip(reqs, zip(starts, counts))])
+        # Positions of all new tokens at once: each sequence's start plus 0..n-1.
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        positions = np.repeat(starts, counts) + offsets
+        width = max(len(r.block_ids) for r in reqs)
+        tables = np.zeros((len(reqs), width), dtype=np.int32)
+        for i, r in enumerate(reqs):
+            tables[i, :len(r.block_ids)] = r.block_ids
+        rows = np.repeat(np.arange(len(reqs)), counts)
+        slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = starts + counts
+        sampled = [r for r, end in zip(reqs, seq_lens) if end == r.num_tokens]
+        logits_indices = (np.cumsum(counts) - 1)[seq_lens == np.array([r.num_tokens for r in reqs])]
+        new = [NewRequest(r.request_id, r.params, r.prompt_token_ids, r.seed)
+               for r in sampled if not r.is_known_to_sampler]
+        for r, n in chosen:
+            r.num_computed_tokens += n
+            r.in_flight = True
+        for r in sampled:
+            r.is_known_to_sampler = True
+        batch = StageBatch(self.num_batches, ids, positions, slots, counts, seq_lens, tables, logits_indices,
+                           [r.request_id for r in sampled], new, self.finished_ids)
+        self.finished_ids = []
+        self.num_batches += 1
+        return ScheduledBatch(batch.batch_id, reqs, counts.tolist(), sampled, batch)

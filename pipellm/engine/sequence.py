@@ -1,0 +1,59 @@
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pipellm.outputs import Logprob
+from pipellm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"      # queued, or preempted and waiting to recompute
+    RUNNING = "running"      # holds KV blocks
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One sequence being generated: its tokens, how many of them the KV cache holds, and its blocks."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int                        # generator seed for sampling
+    max_tokens: int                  # new tokens allowed, already capped by max_model_len
+    index: int = 0                   # which of the params.n completions this is
+    parent_id: str | None = None     # the user's request id when params.n > 1
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_computed_tokens: int = 0     # tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    in_flight: bool = False          # part of a batch whose token has not come back yet
+    is_known_to_sampler: bool = False  # the last stage holds its sampling state
+    num_preemptions: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]

@@ -1,0 +1,115 @@
+"""The offline API: LLM(...).generate(prompts) and LLM(...).chat(messages), as in vLLM."""
+import itertools
+import weakref
+
+from tqdm import tqdm
+
+from pipellm.config import EngineConfig
+from pipellm.engine.engine import LLMEngine
+from pipellm.outputs import RequestOutput
+from pipellm.sampling_params import SamplingParams
+
+PromptType = str | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, pipeline_parallel_size: int = 1,
+                 layer_partition: list[int] | None = None, dtype: str = "float32", block_size: int = 16,
+                 max_model_len: int | None = None, max_num_seqs: int = 64, seed: int = 0,
+                 threads_per_stage: int | None = None, **engine_kwargs):
+        config = EngineConfig(model, pipeline_parallel_size, layer_partition, dtype, block_size, max_model_len,
+                              max_num_seqs, seed=seed, threads_per_stage=threads_per_stage, **engine_kwargs)
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+        self._dead: str | None = None
+        # Stage processes end with this object even if the user never calls shutdown().
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def describe_stages(self) -> list[str]:
+        return [s.describe() for s in self.engine.stages]
+
+    # ---- generation -----------------------------------------------------------------------------------------
+
+    def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenize(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise ValueError("prompt_token_ids must be a list of token ids")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self.engine.tokenize(prompt["prompt"])
+        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids' (or 'prompt'), "
+                         f"not {type(prompt).__name__}")
+
+    def generate(self, prompts: PromptType | list[PromptType], sampling_params: SamplingParams | list | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if self._dead:
+            raise RuntimeError(self._dead)
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a string, a dict, or a non-empty list of them")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
+                             "give one, or one per prompt")
+        # Check every prompt before queueing any, so a bad one leaves the engine untouched.
+        encoded = [self._to_token_ids(p) for p in prompts]
+        for (_, ids), params in zip(encoded, params_list):
+            self.engine.validate(ids, params)
+        request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for rid, (_, ids), params in zip(request_ids, encoded, params_list):
+            self.engine.add_request(rid, ids, params)
+        try:
+            self._run(sum(p.n for p in params_list), use_tqdm)
+        except KeyboardInterrupt:
+            # A batch may be half received: the pipeline cannot be trusted any more.
+            self._dead = "the engine was shut down by KeyboardInterrupt; create a new LLM"
+            self.shutdown()
+            raise
+        except BaseException:
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            if not self.engine.executor.is_alive():
+                self._dead = "the pipeline failed earlier; create a new LLM"
+                self.shutdown()
+            raise
+        return [self.engine.pop_output(rid, prompt) for rid, (prompt, _) in zip(request_ids, encoded)]
+
+    def _run(self, total: int, use_tqdm: bool) -> None:
+        with tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                finished = sum(r.is_finished for r in self.engine.step())
+                bar.update(finished)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+                raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            # The template already holds any BOS token, so don't add special tokens again.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,0 +1,79 @@
+"""Reads from a safetensors checkpoint only the tensors one stage owns, tensor by tensor."""
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Buffers that some checkpoints carry and that we recompute.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+
+
+def checkpoint_files(folder: str) -> dict[str, str]:
+    """Tensor name -> safetensors file, from model.safetensors or a sharded index."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"{index}: not a valid safetensors index ({e})") from None
+        return {name: os.path.join(folder, file) for name, file in weight_map.items()}
+    if os.path.isfile(single):
+        try:
+            with safe_open(single, framework="pt") as f:
+                return {name: single for name in f.keys()}
+        except Exception as e:
+            raise ValueError(f"{single}: not a readable safetensors file ({e})") from None
+    pickles = sorted(f for f in os.listdir(folder) if f.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise ValueError(f"{folder}: only pickle checkpoints found ({', '.join(pickles)}); pickle files can run "
+                         "arbitrary code and are refused. Convert them to safetensors first.")
+    raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -> list[str]:
+    """Fills model's parameters from the checkpoint; returns the checkpoint names it read."""
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {}  # parameter -> rows filled
+    by_file: dict[str, list[tuple[str, list]]] = {}
+    for name, file in checkpoint_files(folder).items():
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        targets = model.map_weight(name)
+        if targets:
+            by_file.setdefault(file, []).append((name, targets))
+    to_layout = getattr(model, "to_param_layout", lambda name, t: t)
+    read = []
+    with torch.no_grad():
+        for file, entries in by_file.items():
+            try:
+                handle = safe_open(file, framework="pt")
+            except Exception as e:
+                raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+            with handle as f:
+                for name, targets in entries:
+                    try:
+                        tensor = to_layout(name, f.get_tensor(name))
+                    except Exception as e:
+                        raise ValueError(f"{file}: cannot read tensor {name} ({e})") from None
+                    read.append(name)
+                    for param_name, row in targets:
+                        param = params.get(param_name)
+                        if param is None:
+                            raise ValueError(f"{file}: unexpected tensor {name} for this architecture")
+                        dst = param[row:row + tensor.shape[0]]
+                        if dst.shape != tensor.shape:
+                            raise ValueError(f"{file}: tensor {name} has shape {list(tensor.shape)}, "
+                                             f"expected {list(dst.shape)} from config.json")
+                        dst.copy_(tensor)
+                        filled[param_name] = filled.get(param_name, 0) + tensor.shape[0]
+    missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+    if missing:
+        raise ValueError(f"{folder}: checkpoint lacks tensors for {', '.join(missing[:5])}"
+                         f"{' ...' if len(missing) > 5 else ''}")
+    model.to(dtype)
+    return read

@@ -1,0 +1,32 @@
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int                       # 1 = most likely token
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None    # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token: token id -> Logprob
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False

@@ -1,0 +1,68 @@
+"""Messages between the driver and the stage processes. Each carries only what the receiver needs."""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipellm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequest:
+    """Sampling state the last stage keeps for a request from its first step until it finishes."""
+    req_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    seed: int
+
+
+@dataclass
+class StageBatch:
+    """One step of work, driver -> every stage. T = new tokens, B = sequences, S = sequences sampled."""
+    batch_id: int
+    input_ids: np.ndarray | None     # [T] int64; only the first stage gets it
+    positions: np.ndarray            # [T] int64
+    slot_mapping: np.ndarray         # [T] int64 flat KV cache slot of each new token
+    query_lens: np.ndarray           # [B] new tokens per sequence
+    seq_lens: np.ndarray             # [B] context length after this step
+    block_tables: np.ndarray         # [B, max_blocks] int32, padded with 0
+    logits_indices: np.ndarray       # [S] token rows whose logits are sampled (last stage)
+    sample_req_ids: list[str] = field(default_factory=list)    # [S] (last stage)
+    new_requests: list[NewRequest] = field(default_factory=list)  # first step of a request (last stage)
+    finished_req_ids: list[str] = field(default_factory=list)     # sampling state to drop (last stage)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+
+@dataclass
+class SampledBatch:
+    """Last stage -> driver: one sampled token per entry of StageBatch.sample_req_ids."""
+    batch_id: int
+    tokens: list  # list[SampledToken]
+
+
+@dataclass
+class Inspect:
+    """Driver -> every stage: report what you hold (tests and diagnostics)."""
+
+
+@dataclass
+class Shutdown:
+    """Driver -> every stage: exit the loop."""
+
+
+@dataclass
+class StageReport:
+    rank: int                        # stage index, 0-based
+    description: str                 # e.g. "stage 0: embed + layers 0-14"
+    pid: int
+    param_names: list[str]           # parameters of this stage's model slice
+    checkpoint_tensors: list[str]    # checkpoint tensors this stage read
+    num_kv_caches: int               # K/V cache pairs, one per layer held
+    kv_cache_shape: tuple[int, ...]  # [num_blocks, block_size, num_kv_heads, head_dim]
+    num_threads: int
+    cpu_affinity: list[int]
+    steps: int                       # batches processed
+    activation_bytes_sent: int       # bytes of hidden states sent to the next stage
+    activation_tokens_sent: int      # token rows in those hidden states

@@ -1,0 +1,64 @@
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1                          # completions per prompt
+    max_tokens: int | None = 16         # new tokens at most; None = up to max_model_len
+    temperature: float = 1.0            # 0 = greedy
+    top_p: float = 1.0                  # nucleus mass kept, in (0, 1]
+    top_k: int = -1                     # keep the k most likely tokens; -1 (or 0) = all
+    min_p: float = 0.0                  # drop tokens below min_p * p(top token)
+    seed: int | None = None             # per-request seed; same seed, same output
+    stop: str | list[str] | None = None         # stop strings, not included in the output
+    stop_token_ids: list[int] | None = None     # extra stop tokens besides EOS
+    ignore_eos: bool = False            # keep going past EOS
+    repetition_penalty: float = 1.0     # >1 discourages tokens seen in prompt or output
+    presence_penalty: float = 0.0       # subtracted once from every token already generated
+    frequency_penalty: float = 0.0      # subtracted per occurrence in the generated tokens
+    logprobs: int | None = None         # top-k log-probabilities returned per generated token
+    skip_special_tokens: bool = True    # drop special tokens from the text
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._check()
+
+    def _check(self):
+        def bad(name, why):
+            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1 (or None for up to max_model_len)")
+        if not self.temperature >= 0.0:
+            bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be -1 (all tokens) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not self.repetition_penalty > 0.0:
+            bad("repetition_penalty", "must be > 0 (1 means none)")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            bad("logprobs", "must be None or an integer >= 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer or None")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative token ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
