@@ -11,6 +11,7 @@ import torch
 from pipellm.sampling_params import SamplingParams
 
 _NO_LIMIT = torch.finfo(torch.float32).min  # threshold that keeps every finite logit
+_GREEDY_BELOW = 1e-5  # as vLLM: tinier temperatures are greedy (dividing by them overflows to inf/nan)
 
 
 @dataclass(slots=True)
@@ -22,16 +23,19 @@ class SampledToken:
 
 
 class _Request:
-    __slots__ = ("params", "prompt_ids", "output_ids", "seed", "generator", "prompt_mask", "counts")
+    __slots__ = ("params", "prompt_ids", "seed", "generator", "prompt_mask", "counts")
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], seed: int):
         self.params = params
-        self.prompt_ids = list(prompt_ids)
-        self.output_ids: list[int] = []
+        self.prompt_ids = list(prompt_ids) if self.penalized else []  # only repetition penalty reads it
         self.seed = seed
         self.generator: torch.Generator | None = None   # made on first draw, on the logits' device
         self.prompt_mask: torch.Tensor | None = None    # [V] bool, made on first penalized step
-        self.counts: torch.Tensor | None = None         # [V] float32 output-token counts
+        self.counts: torch.Tensor | None = None         # [V] float32 output-token counts, penalized requests only
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature < _GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:
@@ -44,12 +48,11 @@ class _Request:
         return self.generator
 
     def penalty_state(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.counts is None:
+        if self.counts is None:  # first step of this request: no output yet
             self.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
             ids = torch.tensor([t for t in self.prompt_ids if 0 <= t < vocab], dtype=torch.long)
             self.prompt_mask[ids.to(device)] = True
-            out = torch.tensor(self.output_ids, dtype=torch.long)
-            self.counts = torch.bincount(out, minlength=vocab).float().to(device)
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
         return self.prompt_mask, self.counts
 
 
@@ -84,13 +87,13 @@ class Sampler:
         else:
             x = logits.float()
 
-        rand_rows = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
+        rand_rows = [i for i, r in enumerate(reqs) if not r.greedy]
         if not rand_rows:
             token_ids = x.argmax(dim=-1)
         elif len(rand_rows) == len(reqs):
             token_ids = _sample_random(x, reqs)
         else:
-            greedy = torch.tensor([i for i, r in enumerate(reqs) if r.params.is_greedy], device=dev)
+            greedy = torch.tensor([i for i, r in enumerate(reqs) if r.greedy], device=dev)
             rand = torch.tensor(rand_rows, device=dev)
             token_ids = torch.empty(len(reqs), dtype=torch.long, device=dev)
             token_ids[greedy] = x[greedy].argmax(dim=-1)
@@ -102,8 +105,7 @@ class Sampler:
         if lp_rows:
             _fill_logprobs(out, logits, token_ids, lp_rows, [reqs[i].params.logprobs for i in lp_rows])
 
-        for r, t in zip(reqs, ids):
-            r.output_ids.append(t)
+        for r, t in zip(reqs, ids):  # output history, kept only where a penalty reads it
             if r.counts is not None:
                 r.counts[t] += 1
         return out
@@ -192,25 +194,25 @@ def _top_k_top_p_threshold(L: torch.Tensor, params: list[SamplingParams]) -> tor
     dev = L.device
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).clamp_(max=vocab)
     top_p = torch.tensor([p.top_p for p in params], device=dev)
-    head = top_k.clone()
-    p_only = [i for i, p in enumerate(params) if p.top_k <= 0 and p.top_p < 1.0]
+    has_k = top_k < vocab
+    p_only = ~has_k & (top_p < 1.0)
     lse_full = None
-    if p_only:
+    if any(p.top_k <= 0 and p.top_p < 1.0 for p in params):
         # Tokens with p < (1-top_p)/V are always dropped (their total mass is < 1-top_p and they sort
         # last), so only the tokens above that bound need sorting.
-        idx = torch.tensor(p_only, device=dev)
         lse_full = L.logsumexp(dim=-1)
-        bound = lse_full[idx] + torch.log((1.0 - top_p[idx]) / vocab)
-        head[idx] = (L[idx] >= bound.unsqueeze(1)).sum(dim=-1).clamp_(min=1)
+        bound = torch.where(p_only, lse_full + torch.log((1.0 - top_p) / vocab), math.inf)
+        head = torch.where(p_only, (L >= bound.unsqueeze(1)).sum(dim=-1).clamp_(min=1), top_k)
+    else:
+        head = top_k
     width = int(head.max())
     vals = L.topk(width, dim=-1).values                                     # [n, width], descending
     pos = torch.arange(width, device=dev)
     vals_k = vals.masked_fill(pos >= top_k.unsqueeze(1), -math.inf)        # top-k applied to the head
-    has_k = torch.tensor([p.top_k > 0 for p in params], device=dev)
     kth = vals.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1)).squeeze(1)
     thresh = torch.where(has_k, kth, _NO_LIMIT)
 
-    if (top_p < 1.0).any():
+    if any(p.top_p < 1.0 for p in params):
         # Normaliser: the top-k rows' whole mass is in the head; other rows need the full row.
         lse = vals_k.logsumexp(dim=-1)
         if lse_full is not None:
@@ -231,11 +233,11 @@ def _fill_logprobs(out: list[SampledToken], logits: torch.Tensor, token_ids: tor
     tok_lp = lp.gather(1, tok)
     ranks = ((lp > tok_lp).sum(dim=-1) + 1).tolist()  # ties share the better rank
     tok_lp = tok_lp.squeeze(1).tolist()
+    top = [[] for _ in rows]
     kmax = min(max(ks), lp.shape[1])
-    top_vals, top_ids = lp.topk(kmax, dim=-1) if kmax else (None, None)
-    top_vals = top_vals.tolist() if kmax else None
-    top_ids = top_ids.tolist() if kmax else None
+    if kmax:
+        vals, ids = lp.topk(kmax, dim=-1)
+        top = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
     for j, (i, k) in enumerate(zip(rows, ks)):
         s = out[i]
-        s.logprob, s.rank = tok_lp[j], ranks[j]
-        s.top_logprobs = list(zip(top_ids[j][:k], top_vals[j][:k])) if k else []
+        s.logprob, s.rank, s.top_logprobs = tok_lp[j], ranks[j], top[j][:k]

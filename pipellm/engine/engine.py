@@ -8,6 +8,7 @@ from pipellm.config import EngineConfig, ModelConfig
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.scheduler import ScheduledBatch, Scheduler
 from pipellm.engine.sequence import Request
+from pipellm.loader.safetensors import checkpoint_files
 from pipellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pipellm.pipeline.executor import PipelineError, PipelineExecutor
 from pipellm.pipeline.messages import SampledBatch
@@ -47,6 +48,7 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        checkpoint_files(self.model_dir)  # fail here, before any process starts, if the weights are missing
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:

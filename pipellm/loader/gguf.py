@@ -1,6 +1,5 @@
 """Convert a llama.cpp GGUF file into an HF-style model folder (config, float32 safetensors, tokenizer)."""
 import hashlib
-import json
 import logging
 import os
 import re
@@ -16,7 +15,7 @@ logger = logging.getLogger(__name__)
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "mistral": ("MistralForCausalLM", "mistral", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -31,7 +30,8 @@ _MISSING = object()
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row order (rotary pairs interleaved per head) back to HF's rotate-half order."""
     rows, cols = w.shape
-    # [rows, cols] -> [n_head, 2, rows/n_head/2, cols] (HF) from [n_head, rows/n_head/2, 2, cols] (llama.cpp)
+    # per head, llama.cpp rows are [rows/n_head/2, 2] (pairs interleaved); HF rows are [2, rows/n_head/2] (two halves)
+    # [rows, cols] -> [n_head, rows/n_head/2, 2, cols] -> [n_head, 2, rows/n_head/2, cols] -> [rows, cols]
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
@@ -61,6 +61,7 @@ def _f32(x: float) -> float:
 
 
 def _hf_config(reader, path: str) -> tuple[str, dict]:
+    """(GGUF architecture, HF config fields)."""
     arch = _meta(reader, path, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
@@ -73,7 +74,7 @@ def _hf_config(reader, path: str) -> tuple[str, dict]:
     if scaling != "none" or m("rope.scale_linear", 1.0) != 1.0:
         raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (only plain RoPE)")
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ValueError(f"{path}: per-frequency rope factors (rope_freqs.weight, Llama 3 rope scaling) are not supported")
+        raise ValueError(f"{path}: Llama 3 rope scaling (tensor rope_freqs.weight) is not supported")
 
     hidden, heads = m("embedding_length"), m("attention.head_count")
     head_dim = m("attention.key_length", hidden // heads)
@@ -102,7 +103,7 @@ def _hf_config(reader, path: str) -> tuple[str, dict]:
     }
     if model_type == "mistral":  # llama.cpp attends to the whole context unless the file says otherwise
         cfg["sliding_window"] = m("attention.sliding_window", None)
-    return model_type, cfg
+    return arch, cfg
 
 
 def _expected_shapes(cfg: dict, qkv_bias: bool) -> dict:
@@ -145,7 +146,8 @@ def _tensors(reader, path: str, cfg: dict, permuted: bool, qkv_bias: bool) -> di
         try:
             w = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
-            raise ValueError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which cannot be dequantized") from None
+            raise ValueError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, "
+                             "which gguf cannot dequantize") from None
         # t.shape lists dims innermost first ([in, out]); HF wants [out, in]
         w = np.ascontiguousarray(w.reshape(tuple(int(d) for d in reversed(t.shape))), dtype=np.float32)
         if w.shape != expected[name]:
@@ -170,8 +172,8 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     if os.path.exists(out_dir):
         raise FileExistsError(f"{out_dir} already exists")
     reader = _open(path)
-    model_type, cfg = _hf_config(reader, path)
-    _, _, permuted = ARCHITECTURES[_meta(reader, path, "general.architecture")]
+    arch, cfg = _hf_config(reader, path)
+    _, model_type, permuted = ARCHITECTURES[arch]
     tensors = _tensors(reader, path, cfg, permuted, qkv_bias=model_type == "qwen2")
 
     parent = os.path.dirname(out_dir)
@@ -208,7 +210,8 @@ def cached_gguf_folder(gguf_path: str, cache_dir: str | None = None) -> str:
     if not os.path.isfile(gguf_path):
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     cache_dir = cache_dir or os.environ.get("PIPELLM_CACHE_DIR") or os.path.join("~", ".cache", "pipellm")
-    folder = os.path.join(os.path.expanduser(cache_dir), "gguf", f"{_sha256(gguf_path)}-v{_CACHE_FORMAT}")
+    cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
+    folder = os.path.join(cache_dir, "gguf", f"{_sha256(gguf_path)}-v{_CACHE_FORMAT}")
     if os.path.isdir(folder):  # folders appear only by atomic rename, so one that exists is complete
         return folder
     logger.info("converting %s to %s (once; later starts reuse it)", gguf_path, folder)

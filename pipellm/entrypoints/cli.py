@@ -1,0 +1,103 @@
+"""pipellm generate | chat"""
+import argparse
+import sys
+import time
+
+
+def _partition(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layer-partition {text!r}: give layer counts per stage, e.g. 15,15")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder (config.json + safetensors) or .gguf file; "
+                                                 "default: SmolLM2-135M-Instruct")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, help="number of pipeline stages")
+    p.add_argument("--layer-partition", type=_partition, default=None, help="layers per stage, e.g. 10,12,8")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--threads-per-stage", type=int, default=None, help="default: cores // stages")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+
+
+def _make_llm(args):
+    from pipellm import LLM
+    return LLM(args.model, pipeline_parallel_size=args.pipeline_parallel_size, layer_partition=args.layer_partition,
+               dtype=args.dtype, max_model_len=args.max_model_len, threads_per_stage=args.threads_per_stage,
+               seed=args.seed)
+
+
+def _params(args):
+    from pipellm import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k)
+
+
+def cmd_generate(args) -> None:
+    params = _params(args)
+    with _make_llm(args) as llm:
+        for line in llm.describe_stages():
+            print(line)
+        start = time.perf_counter()
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        for out in outputs:
+            print(f"\n{out.prompt!r} ->\n{out.prompt}{out.outputs[0].text}")
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        print(f"\n{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s")
+
+
+def cmd_chat(args) -> None:
+    params = _params(args)
+    with _make_llm(args) as llm:
+        for line in llm.describe_stages():
+            print(line)
+        print("Type a message; an empty line or Ctrl-D quits.")
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        while True:
+            try:
+                user = input("> ")
+            except EOFError:
+                break
+            if not user.strip():
+                break
+            messages.append({"role": "user", "content": user})
+            reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+            print(reply)
+            messages.append({"role": "assistant", "content": reply})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pipellm", description="Pipeline-parallel LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts")
+    _engine_args(gen)
+    _sampling_args(gen)
+    gen.add_argument("prompts", nargs="+")
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="chat in the terminal with the model's chat template")
+    _engine_args(chat)
+    _sampling_args(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.set_defaults(func=cmd_chat)
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The vLLM-style API: inputs, outputs, sampling options, and errors that leave the engine usable."""
+import pytest
+
+from pipellm import LLM, CompletionOutput, RequestOutput, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _ids(llm, prompt, params=GREEDY):
+    return llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_output_shapes_and_prompt_forms(llm_pp2):
+    tok = llm_pp2.get_tokenizer()
+    outs = llm_pp2.generate(["The capital of France is", "Hello"], GREEDY, use_tqdm=False)
+    assert [type(o) for o in outs] == [RequestOutput, RequestOutput]
+    assert outs[0].prompt == "The capital of France is"
+    assert outs[0].prompt_token_ids == tok.encode("The capital of France is")
+    assert outs[0].request_id != outs[1].request_id
+    completion = outs[0].outputs[0]
+    assert isinstance(completion, CompletionOutput)
+    assert len(completion.token_ids) == 8 and completion.finish_reason == "length"
+    assert completion.text == tok.decode(completion.token_ids, skip_special_tokens=True)
+    assert completion.logprobs is None
+    # A single string, and token ids, give the same result as the batch.
+    single = llm_pp2.generate("The capital of France is", GREEDY, use_tqdm=False)[0]
+    by_ids = llm_pp2.generate({"prompt_token_ids": outs[0].prompt_token_ids}, GREEDY, use_tqdm=False)[0]
+    assert single.outputs[0].token_ids == by_ids.outputs[0].token_ids == completion.token_ids
+    assert by_ids.prompt is None
+
+
+def test_batching_does_not_change_greedy_output(llm_pp2):
+    prompts = [[5, 6, 7], [(3 * i) % 300 + 1 for i in range(30)], [1], [9] * 17]
+    alone = [_ids(llm_pp2, p) for p in prompts]
+    together = llm_pp2.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == alone
+
+
+def test_stop_token_ids_end_with_reason_stop(llm_pp2):
+    first = _ids(llm_pp2, [5, 6, 7])
+    params = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[first[2]])
+    out = llm_pp2.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == first[:3] and out.finish_reason == "stop" and out.stop_reason == first[2]
+
+
+def test_stop_string_is_cut_from_text(llm_pp2):
+    full = llm_pp2.generate("Once upon", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+    stop = full.text[3:6]
+    assert stop.strip(), "test needs a visible stop string"
+    out = llm_pp2.generate("Once upon", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=stop),
+                           use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[:full.text.find(stop)]
+
+
+def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples(llm_pp2):
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
+    a = _ids(llm_pp2, [5, 6, 7], params)
+    # Same seed, other requests in the batch: same tokens.
+    batch = llm_pp2.generate([{"prompt_token_ids": [9, 9]}, {"prompt_token_ids": [5, 6, 7]}], params,
+                             use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == a
+    assert _ids(llm_pp2, [5, 6, 7], SamplingParams(max_tokens=10, temperature=1.0, seed=99, ignore_eos=True)) != a
+    two = llm_pp2.generate({"prompt_token_ids": [5, 6, 7]},
+                           SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True),
+                           use_tqdm=False)[0]
+    assert [c.index for c in two.outputs] == [0, 1]
+    assert two.outputs[0].token_ids == a and two.outputs[1].token_ids != a
+
+
+def test_logprobs_are_returned_per_token(llm_pp2):
+    out = llm_pp2.generate({"prompt_token_ids": [5, 6, 7]},
+                           SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token_id, entry in zip(out.token_ids, out.logprobs):
+        assert entry[token_id].rank == 1  # greedy picks the top token
+        ranks = sorted(lp.rank for lp in entry.values())
+        assert ranks == [1, 2, 3]
+        assert all(lp.logprob <= 0 for lp in entry.values())
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_chat_applies_the_template(llm_pp2):
+    tok = llm_pp2.get_tokenizer()
+    messages = [{"role": "user", "content": "Hello"}]
+    out = llm_pp2.chat(messages, GREEDY, use_tqdm=False)[0]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out.prompt == text and out.prompt.endswith("<|assistant|>")
+    assert out.outputs[0].token_ids == _ids(llm_pp2, tok.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(temperature=-1), "temperature"), (dict(n=0), "n"), (dict(top_k=-5), "top_k"),
+    (dict(min_p=2), "min_p"), (dict(logprobs=-1), "logprobs"), (dict(stop=[""]), "stop"),
+    (dict(presence_penalty=3), "presence_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_raise_and_the_engine_keeps_working(llm_pp2):
+    before = _ids(llm_pp2, [5, 6, 7])
+    limit = llm_pp2.engine.max_model_len
+    with pytest.raises(ValueError, match=rf"has {limit} tokens, but max_model_len is {limit}"):
+        llm_pp2.generate({"prompt_token_ids": [1] * limit}, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm_pp2.generate("", use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm_pp2.generate({"prompt_token_ids": []}, use_tqdm=False)
+    with pytest.raises(ValueError, match="outside"):
+        llm_pp2.generate({"prompt_token_ids": [10 ** 6]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="must be a string"):
+        llm_pp2.generate([123], use_tqdm=False)
+    with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
+        llm_pp2.generate("a", [GREEDY, GREEDY], use_tqdm=False)
+    # A bad prompt in a batch queues nothing: the good one is not half-run.
+    with pytest.raises(ValueError):
+        llm_pp2.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": []}], use_tqdm=False)
+    assert not llm_pp2.engine.has_unfinished_requests()
+    assert _ids(llm_pp2, [5, 6, 7]) == before
+    assert llm_pp2.engine.block_manager.num_free_blocks == llm_pp2.engine.num_blocks
+
+
+def test_output_is_capped_by_max_model_len(llama_dir):
+    with LLM(llama_dir, max_model_len=12) as llm:
+        out = llm.generate({"prompt_token_ids": [1] * 10}, SamplingParams(max_tokens=50, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 2 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(pipeline_parallel_size=6), "greater than the model's 5 layers"),
+    (dict(pipeline_parallel_size=2, layer_partition=[2, 2]), "sums to 4, but the model has 5 layers"),
+    (dict(pipeline_parallel_size=2, layer_partition=[5, 0]), "every stage needs at least one layer"),
+    (dict(pipeline_parallel_size=3, layer_partition=[2, 3]), "has 2 entries but pipeline_parallel_size=3"),
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size=0"),
+    (dict(dtype="int8"), "dtype='int8'"),
+    (dict(max_model_len=100000), "exceeds the model's max_position_embeddings"),
+])
+def test_bad_engine_arguments(llama_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(llama_dir, **kwargs)

@@ -1,0 +1,121 @@
+"""What each stage process holds, what crosses a stage boundary, and how stage processes end."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from pipellm import LLM, SamplingParams
+from pipellm.pipeline.executor import PipelineError
+from tests.conftest import NUM_LAYERS
+
+HIDDEN = 64
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead too: it only waits to be reaped.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_each_stage_holds_only_its_layers(llama_dir):
+    with LLM(llama_dir, pipeline_parallel_size=3, layer_partition=[1, 3, 1]) as llm:
+        reports = llm.engine.inspect()
+    assert [r.description for r in reports] == [
+        "stage 0: embed + layers 0-0", "stage 1: layers 1-3", "stage 2: layers 4-4 + norm + lm_head"]
+    layer_sets = []
+    for report, (start, end) in zip(reports, [(0, 1), (1, 4), (4, 5)]):
+        assert report.num_kv_caches == end - start
+        assert report.kv_cache_shape[1:] == (16, 2, 16)  # [num_blocks, block_size, kv_heads, head_dim]
+        layer_sets.append({int(n.split(".")[1]) for n in report.param_names if n.startswith("layers.")})
+        # The checkpoint tensors it read are exactly those of its own layers (plus embed / head).
+        read_layers = {int(n.split(".")[2]) for n in report.checkpoint_tensors if n.startswith("model.layers.")}
+        assert read_layers == set(range(start, end))
+    assert layer_sets == [{0}, {0, 1, 2}, {0}]  # local indices: each stage builds a plain slice
+    assert any(n.startswith("embed_tokens") for n in reports[0].param_names)
+    assert not any(n.startswith(("embed_tokens", "lm_head", "norm")) for n in reports[1].param_names)
+    assert {"lm_head.weight", "norm.weight"} <= set(reports[2].param_names)
+    assert "model.embed_tokens.weight" not in reports[2].checkpoint_tensors  # untied head: no embedding there
+    assert len({r.pid for r in reports}) == 3 and os.getpid() not in {r.pid for r in reports}
+
+
+def test_only_hidden_states_cross_a_boundary(llama_dir):
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9] * 20, [3, 4]]
+    new_tokens = 6
+    with LLM(llama_dir, pipeline_parallel_size=3) as llm:
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
+        reports = llm.engine.inspect()
+    # Every prompt token once, then each generated token but the last is fed back once.
+    tokens = sum(len(p) for p in prompts) + len(prompts) * (new_tokens - 1)
+    for report in reports[:-1]:
+        assert report.activation_tokens_sent == tokens
+        assert report.activation_bytes_sent == tokens * HIDDEN * 1 * 4  # tokens x hidden x fp32, no residual
+    assert reports[-1].activation_bytes_sent == 0  # the last stage sends only sampled token ids
+
+
+def test_threads_and_affinity(llama_dir):
+    with LLM(llama_dir, pipeline_parallel_size=2, threads_per_stage=1) as llm:
+        reports = llm.engine.inspect()
+    assert [r.num_threads for r in reports] == [1, 1]
+    cores = sorted(os.sched_getaffinity(0))
+    assert [r.cpu_affinity for r in reports] == [[cores[0]], [cores[1 % len(cores)]]]
+
+
+def test_no_stage_outlives_shutdown(llama_dir):
+    llm = LLM(llama_dir, pipeline_parallel_size=2)
+    pids = [p.pid for p in llm.engine.executor.procs]
+    assert all(_alive(pid) for pid in pids)
+    llm.shutdown()
+    assert not any(_alive(pid) for pid in pids)
+    llm.shutdown()  # twice is fine
+
+
+def test_killed_stage_is_named_quickly_and_nothing_is_left(llama_dir):
+    llm = LLM(llama_dir, pipeline_parallel_size=3)
+    pids = [p.pid for p in llm.engine.executor.procs]
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(PipelineError, match=r"stage 1 \(pid \d+\) was killed by signal 9"):
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert time.monotonic() - start < 5
+    assert not any(_alive(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match="create a new LLM"):
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=False)
+    llm.shutdown()
+
+
+def test_stage_killed_mid_generation(llama_dir):
+    llm = LLM(llama_dir, pipeline_parallel_size=2)
+    pids = [p.pid for p in llm.engine.executor.procs]
+    killer = threading.Timer(1.0, os.kill, (pids[0], signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(PipelineError, match=r"stage 0 \(pid \d+\) was killed"):
+            llm.generate([{"prompt_token_ids": [i % 300 + 1] * 8} for i in range(64)],
+                         SamplingParams(max_tokens=240, ignore_eos=True), use_tqdm=False)
+    finally:
+        killer.cancel()
+        llm.shutdown()
+    assert time.monotonic() - start < 6
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_engine_error_names_the_stage_that_failed_to_load(tmp_path, llama_dir):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_dir, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors[f"model.layers.{NUM_LAYERS - 1}.mlp.down_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"stage 1: .*lacks tensors for layers\.\d+\.mlp\.down_proj\.weight"):
+        LLM(str(broken), pipeline_parallel_size=2)
