@@ -98,6 +98,7 @@ class EngineConfig:
     max_num_seqs: int = 64              # requests in one step at most
     max_num_batched_tokens: int = 2048  # tokens in one step at most (prefill chunk budget)
     kv_cache_gib: float = 1.0           # KV cache memory per stage
+    num_kv_blocks: int | None = None    # exact block count instead of kv_cache_gib (tests, tuning)
     seed: int = 0                       # seeds requests that do not set their own
     threads_per_stage: int | None = None  # torch threads per stage; None = cores // P
     step_timeout_s: float = 300.0       # a stage silent this long is reported as hung
@@ -120,6 +121,8 @@ class EngineConfig:
             bad("max_num_batched_tokens", "must be a positive integer")
         if not self.kv_cache_gib > 0:
             bad("kv_cache_gib", "must be > 0")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            bad("num_kv_blocks", "must be a positive integer or None")
         if self.threads_per_stage is not None and (not isinstance(self.threads_per_stage, int)
                                                    or self.threads_per_stage < 1):
             bad("threads_per_stage", "must be a positive integer or None")

@@ -1,7 +1,8 @@
-"""Token sampling for the last pipeline stage: penalties, temperature, top-k/top-p/min-p, seeded draws, logprobs.
+"""Token sampling in the last pipeline stage: penalties, temperature, top-k/p, min-p, seeded draws, logprobs.
 
-Semantics follow vLLM. Filtering is expressed as one keep-threshold per row on the tempered logits
-(keep L >= T), so rows without an option get T = -big and come out unchanged.
+Semantics follow vLLM. After temperature, every filter (top-k, top-p, min-p) is one per-row threshold
+on the unnormalised probabilities (tokens tied with the cut-off are kept), so a row without filters is
+multiplied by ones and comes out unchanged.
 """
 import math
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ import torch
 
 from pipellm.sampling_params import SamplingParams
 
-_NO_LIMIT = torch.finfo(torch.float32).min  # threshold that keeps every finite logit
+_TOP_P_HEAD = 128    # first guess at how many tokens top-p keeps (most rows of a peaked model)
 _GREEDY_BELOW = 1e-5  # as vLLM: tinier temperatures are greedy (dividing by them overflows to inf/nan)
 
 
@@ -22,43 +23,71 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None  # (token_id, logprob), descending
 
 
+class _History:
+    """What penalties read: a request's distinct prompt+output token ids, with their output counts.
+
+    Kept sparse (CPU tensors with spare room), so penalties cost O(distinct tokens), not O(vocab).
+    """
+
+    def __init__(self, prompt_ids: list[int]):
+        distinct = list(dict.fromkeys(prompt_ids))
+        self.pos = {t: i for i, t in enumerate(distinct)}
+        self.n = len(distinct)
+        self.ids = torch.zeros(max(64, 2 * self.n), dtype=torch.long)
+        self.ids[:self.n] = torch.tensor(distinct, dtype=torch.long)
+        self.counts = torch.zeros(len(self.ids))   # output occurrences; 0 for prompt-only tokens
+
+    def add(self, token: int) -> None:
+        i = self.pos.get(token)
+        if i is None:
+            if self.n == len(self.ids):
+                self.ids = torch.cat([self.ids, torch.zeros_like(self.ids)])
+                self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
+            i = self.pos[token] = self.n
+            self.ids[i] = token
+            self.n += 1
+        self.counts[i] += 1
+
+
 class _Request:
-    __slots__ = ("params", "prompt_ids", "seed", "generator", "prompt_mask", "counts")
+    __slots__ = ("params", "seed", "generator", "history")
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], seed: int):
         self.params = params
-        self.prompt_ids = list(prompt_ids) if self.penalized else []  # only repetition penalty reads it
         self.seed = seed
         self.generator: torch.Generator | None = None   # made on first draw, on the logits' device
-        self.prompt_mask: torch.Tensor | None = None    # [V] bool, made on first penalized step
-        self.counts: torch.Tensor | None = None         # [V] float32 output-token counts, penalized requests only
+        p = params
+        penalized = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        self.history = _History(prompt_ids) if penalized else None
 
     @property
     def greedy(self) -> bool:
         return self.params.temperature < _GREEDY_BELOW
-
-    @property
-    def penalized(self) -> bool:
-        p = self.params
-        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
     def gen(self, device: torch.device) -> torch.Generator:
         if self.generator is None:
             self.generator = torch.Generator(device=device).manual_seed(self.seed)
         return self.generator
 
-    def penalty_state(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.counts is None:  # first step of this request: no output yet
-            self.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-            ids = torch.tensor([t for t in self.prompt_ids if 0 <= t < vocab], dtype=torch.long)
-            self.prompt_mask[ids.to(device)] = True
-            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-        return self.prompt_mask, self.counts
+
+class _Scratch:
+    """Big buffers reused across steps: on CPU a fresh multi-MB tensor page-faults on every step."""
+
+    def __init__(self):
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape, dtype=torch.float32, device=None) -> torch.Tensor:
+        numel, device = math.prod(shape), torch.device(device or "cpu")
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = self._bufs[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
 
 
 class Sampler:
     def __init__(self):
         self._reqs: dict[str, _Request] = {}
+        self._scratch = _Scratch()
 
     def add_request(self, req_id: str, params: SamplingParams, prompt_token_ids: list[int], seed: int) -> None:
         if req_id in self._reqs:
@@ -80,86 +109,87 @@ class Sampler:
         reqs = [self._reqs[r] for r in req_ids]
         dev = logits.device
 
-        pen_rows = [i for i, r in enumerate(reqs) if r.penalized]
-        if pen_rows:
-            x = logits.to(torch.float32, copy=True)  # penalties write in place; never touch the caller's logits
-            _apply_penalties(x, pen_rows, [reqs[i] for i in pen_rows])
+        pen_rows = [i for i, r in enumerate(reqs) if r.history is not None]
+        if pen_rows or logits.dtype != torch.float32:
+            # Penalties write in place, so never into the caller's logits.
+            x = self._scratch.get("x", logits.shape, device=dev).copy_(logits)
+            if pen_rows:
+                _apply_penalties(x, pen_rows, [reqs[i] for i in pen_rows])
         else:
-            x = logits.float()
+            x = logits
 
         rand_rows = [i for i, r in enumerate(reqs) if not r.greedy]
         if not rand_rows:
             token_ids = x.argmax(dim=-1)
         elif len(rand_rows) == len(reqs):
-            token_ids = _sample_random(x, reqs)
+            token_ids = _sample_random(x, reqs, self._scratch)
         else:
             greedy = torch.tensor([i for i, r in enumerate(reqs) if r.greedy], device=dev)
             rand = torch.tensor(rand_rows, device=dev)
             token_ids = torch.empty(len(reqs), dtype=torch.long, device=dev)
             token_ids[greedy] = x[greedy].argmax(dim=-1)
-            token_ids[rand] = _sample_random(x[rand], [reqs[i] for i in rand_rows])
+            token_ids[rand] = _sample_random(x[rand], [reqs[i] for i in rand_rows], self._scratch)
 
         ids = token_ids.tolist()
         out = [SampledToken(t) for t in ids]
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if lp_rows:
-            _fill_logprobs(out, logits, token_ids, lp_rows, [reqs[i].params.logprobs for i in lp_rows])
+            ks = [reqs[i].params.logprobs for i in lp_rows]
+            _fill_logprobs(out, logits, token_ids, lp_rows, ks, self._scratch)
 
         for r, t in zip(reqs, ids):  # output history, kept only where a penalty reads it
-            if r.counts is not None:
-                r.counts[t] += 1
+            if r.history is not None:
+                r.history.add(t)
         return out
 
 
 def _apply_penalties(x: torch.Tensor, rows: list[int], reqs: list[_Request]) -> None:
-    vocab, dev = x.shape[1], x.device
-    states = [r.penalty_state(vocab, dev) for r in reqs]
-    prompt_mask = torch.stack([s[0] for s in states])
-    counts = torch.stack([s[1] for s in states])
+    hists = [r.history for r in reqs]
+    lengths = torch.tensor([h.n for h in hists])
+    which = torch.repeat_interleave(torch.arange(len(reqs)), lengths)   # request of each (row, token) entry
+    row = torch.tensor(rows)[which]
+    ids = torch.cat([h.ids[:h.n] for h in hists])
+    counts = torch.cat([h.counts[:h.n] for h in hists])
+    inside = ids < x.shape[1]
+    if not inside.all():  # prompt ids the logits don't cover
+        which, row, ids, counts = which[inside], row[inside], ids[inside], counts[inside]
+    rep, freq, pres = torch.tensor(
+        [[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty] for r in reqs]
+    )[which].to(x.device).unbind(1)
+    row, ids, counts = row.to(x.device), ids.to(x.device), counts.to(x.device)
 
-    def col(vals):
-        return torch.tensor(vals, dtype=torch.float32, device=dev).unsqueeze(1)
-
-    rep = col([r.params.repetition_penalty for r in reqs])
-    freq = col([r.params.frequency_penalty for r in reqs])
-    pres = col([r.params.presence_penalty for r in reqs])
-    idx = torch.tensor(rows, device=dev)
-    sub = x[idx]
-    in_output = counts > 0
-    # Repetition: seen anywhere (prompt or output); pushes positive and negative logits toward "less likely".
-    sub = torch.where(prompt_mask | in_output, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    # Frequency/presence: output tokens only, as in OpenAI/vLLM.
-    sub -= freq * counts + pres * in_output
-    x[idx] = sub
+    vals = x[row, ids]
+    # Repetition: every listed token is in the prompt or output; pushes either sign toward "less likely".
+    vals = torch.where(vals > 0, vals / rep, vals * rep)
+    # Frequency/presence: output tokens only (prompt-only tokens have count 0), as in OpenAI/vLLM.
+    vals -= freq * counts + pres * (counts > 0)
+    x[row, ids] = vals
 
 
-def _sample_random(x: torch.Tensor, reqs: list[_Request]) -> torch.Tensor:
+def _sample_random(x: torch.Tensor, reqs: list[_Request], scratch: _Scratch) -> torch.Tensor:
     n, vocab = x.shape
     dev = x.device
     params = [r.params for r in reqs]
-    L = x / torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
-    keep_min = torch.full((n,), _NO_LIMIT, device=dev)
+    temps = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+    L = torch.div(x, temps, out=scratch.get("w", x.shape, device=dev))
+    # Unnormalised probs with the top token at exactly 1; every filter below is "keep w >= threshold".
+    w = L.sub_(L.amax(dim=-1, keepdim=True)).exp_()
+    keep_min = torch.zeros(n, device=dev)
 
     head_rows = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
-    if head_rows:
-        if len(head_rows) == n:
-            keep_min = _top_k_top_p_threshold(L, params)
-        else:
-            idx = torch.tensor(head_rows, device=dev)
-            keep_min[idx] = _top_k_top_p_threshold(L[idx], [params[i] for i in head_rows])
-
-    row_max = L.amax(dim=-1)
+    if len(head_rows) == n:
+        keep_min = _top_k_top_p_threshold(w, params, scratch)
+    elif head_rows:
+        idx = torch.tensor(head_rows, device=dev)
+        keep_min[idx] = _top_k_top_p_threshold(w[idx], [params[i] for i in head_rows], scratch)
     use_min_p = any(p.min_p > 0 for p in params)
     if use_min_p:
-        # p / p_max >= min_p  <=>  L >= L_max + log(min_p); renormalisation after top-k/p cancels out.
-        log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=dev)
-        keep_min = torch.maximum(keep_min, row_max + log_min_p)
-
-    keep = L >= keep_min.unsqueeze(1) if head_rows or use_min_p else None
-    weights = L.sub_(row_max.unsqueeze(1)).exp_()  # unnormalised probs, in place: L is our own tensor
-    if keep is not None:
-        weights.mul_(keep)
-    return _draw(weights, [r.gen(dev) for r in reqs])
+        # p >= min_p * p_max is w >= min_p, since w_max = 1; renormalising after top-k/p changes neither side.
+        keep_min = torch.maximum(keep_min, torch.tensor([p.min_p for p in params], device=dev))
+    if head_rows or use_min_p:
+        # ge into a float buffer, then multiply: several times faster on CPU than a bool mask + where.
+        w.mul_(torch.ge(w, keep_min.unsqueeze(1), out=scratch.get("mask", w.shape, device=dev)))
+    return _draw(w, [r.gen(dev) for r in reqs])
 
 
 def _draw(weights: torch.Tensor, gens: list[torch.Generator], block: int = 256) -> torch.Tensor:
@@ -170,13 +200,14 @@ def _draw(weights: torch.Tensor, gens: list[torch.Generator], block: int = 256) 
     """
     n, vocab = weights.shape
     dev = weights.device
+    block = min(block, vocab)
     if vocab % block:
         weights = torch.nn.functional.pad(weights, (0, block - vocab % block))
     blocks = weights.view(n, -1, block)
     cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)                      # [n, n_blocks]
     u = torch.cat([torch.rand(1, generator=g, device=dev, dtype=torch.float64) for g in gens])
     target = _below(u * cdf[:, -1], cdf[:, -1]).unsqueeze(1)
-    b = torch.searchsorted(cdf, target, right=True)                         # first block whose cdf passes target
+    b = torch.searchsorted(cdf, target, right=True)                         # first block whose cdf passes it
     prev = torch.where(b > 0, cdf.gather(1, (b - 1).clamp(min=0)), 0.0)
     inner = blocks[torch.arange(n, device=dev), b.squeeze(1)].double().cumsum(dim=-1)   # [n, block]
     rest = _below(target - prev, inner[:, -1:])                             # guards sum-vs-cumsum rounding
@@ -188,50 +219,73 @@ def _below(value: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
     return torch.minimum(value, torch.nextafter(limit, torch.zeros_like(limit)))
 
 
-def _top_k_top_p_threshold(L: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Per-row minimum logit kept by top-k then top-p, computed from the sorted head of each row only."""
-    n, vocab = L.shape
-    dev = L.device
+def _top_k_top_p_threshold(w: torch.Tensor, params: list[SamplingParams], scratch: _Scratch) -> torch.Tensor:
+    """Per-row smallest weight kept by top-k then top-p, without sorting whole rows."""
+    n, vocab = w.shape
+    dev = w.device
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).clamp_(max=vocab)
     top_p = torch.tensor([p.top_p for p in params], device=dev)
-    has_k = top_k < vocab
-    p_only = ~has_k & (top_p < 1.0)
-    lse_full = None
-    if any(p.top_k <= 0 and p.top_p < 1.0 for p in params):
-        # Tokens with p < (1-top_p)/V are always dropped (their total mass is < 1-top_p and they sort
-        # last), so only the tokens above that bound need sorting.
-        lse_full = L.logsumexp(dim=-1)
-        bound = torch.where(p_only, lse_full + torch.log((1.0 - top_p) / vocab), math.inf)
-        head = torch.where(p_only, (L >= bound.unsqueeze(1)).sum(dim=-1).clamp_(min=1), top_k)
-    else:
-        head = top_k
-    width = int(head.max())
-    vals = L.topk(width, dim=-1).values                                     # [n, width], descending
-    pos = torch.arange(width, device=dev)
-    vals_k = vals.masked_fill(pos >= top_k.unsqueeze(1), -math.inf)        # top-k applied to the head
-    kth = vals.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1)).squeeze(1)
-    thresh = torch.where(has_k, kth, _NO_LIMIT)
-
-    if any(p.top_p < 1.0 for p in params):
-        # Normaliser: the top-k rows' whole mass is in the head; other rows need the full row.
-        lse = vals_k.logsumexp(dim=-1)
-        if lse_full is not None:
-            lse = torch.where(has_k, lse, lse_full)
-        probs = (vals_k - lse.unsqueeze(1)).exp()
-        before = probs.cumsum(dim=-1) - probs                               # mass strictly above each token
-        n_keep = (before < top_p.unsqueeze(1)).sum(dim=-1).clamp_(min=1)    # the top token always stays
-        p_thresh = vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
-        thresh = torch.where(top_p < 1.0, torch.maximum(thresh, p_thresh), thresh)
+    total = w.sum(dim=-1)
+    # Top-k rows need exactly their k best; top-p-only rows first try a short head, enough when peaked.
+    width = min(vocab, max(p.top_k if p.top_k > 0 else _TOP_P_HEAD for p in params))
+    thresh, done = _head_threshold(w.topk(width, dim=-1).values, top_k, top_p, total, vocab)
+    if not done.all():
+        idx = (~done).nonzero().squeeze(1)
+        thresh[idx] = _top_p_radix(w[idx], top_p[idx] * total[idx], scratch)
     return thresh
 
 
+def _head_threshold(vals, top_k, top_p, total, vocab):
+    """Thresholds from each row's descending head `vals` [n, width], and which rows the head sufficed for."""
+    width = vals.shape[1]
+    has_k = top_k < vocab
+    thresh = torch.where(has_k, vals.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1)).squeeze(1), 0.0)
+    use_p = top_p < 1.0
+    if not use_p.any():
+        return thresh, torch.ones_like(has_k)
+    vals_k = vals.masked_fill(torch.arange(width, device=vals.device) >= top_k.unsqueeze(1), 0.0)
+    mass = torch.where(has_k, vals_k.sum(dim=-1), total)   # a top-k row's whole mass is in its head
+    before = vals_k.cumsum(dim=-1) - vals_k                 # mass strictly above each token
+    n_keep = (before < (top_p * mass).unsqueeze(1)).sum(dim=-1).clamp_(min=1)   # the top token always stays
+    p_thresh = vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
+    thresh = torch.where(use_p, torch.maximum(thresh, p_thresh), thresh)
+    # A top-p-only row that keeps its whole head may have its cut-off further down.
+    return thresh, has_k | ~use_p | (n_keep < width) | (width == vocab)
+
+
+def _top_p_radix(w: torch.Tensor, need: torch.Tensor, scratch: _Scratch) -> torch.Tensor:
+    """Weight of the last token top-p keeps (mass above it < need <= mass down to it), by radix select.
+
+    Non-negative float32 values sort like their int32 bit patterns, so three histogram passes over
+    12 + 10 + 9 bits pin the cut-off exactly, in a few full-row passes instead of a sort.
+    """
+    n, dev = w.shape[0], w.device
+    bits = w.view(torch.int32)
+    key32 = scratch.get("key32", w.shape, torch.int32, dev)
+    key = scratch.get("key", w.shape, torch.long, dev)
+    prefix = torch.zeros(n, 1, dtype=torch.int32, device=dev)   # high bits of the cut-off found so far
+    need = need.unsqueeze(1)
+    for shift, nb in ((19, 12), (9, 10), (0, 9)):
+        # Bucket of each token within the current prefix; buckets 0 / 2^nb+1 gather those below / above it.
+        torch.bitwise_right_shift(bits, shift, out=key32).sub_(prefix << nb).clamp_(-1, 1 << nb).add_(1)
+        key.copy_(key32)  # scatter wants int64 indices
+        mass = torch.zeros(n, (1 << nb) + 2, device=dev).scatter_add_(1, key, w)
+        from_top = mass.flip(-1).cumsum(dim=-1)
+        # First bucket from the top where the mass reaches `need` (clamped against rounding).
+        b = ((1 << nb) - (from_top < need).sum(dim=-1, keepdim=True)).clamp_(0, (1 << nb) - 1)
+        prefix = (prefix << nb) | b.int()
+    return prefix.view(torch.float32).squeeze(1)
+
+
 def _fill_logprobs(out: list[SampledToken], logits: torch.Tensor, token_ids: torch.Tensor,
-                   rows: list[int], ks: list[int]) -> None:
+                   rows: list[int], ks: list[int], scratch: _Scratch) -> None:
     idx = torch.tensor(rows, device=logits.device)
     lp = logits[idx].float().log_softmax(dim=-1)  # raw logits: no penalties, no temperature (vLLM default)
     tok = token_ids[idx].unsqueeze(1)
     tok_lp = lp.gather(1, tok)
-    ranks = ((lp > tok_lp).sum(dim=-1) + 1).tolist()  # ties share the better rank
+    # Ties share the better rank; counting via a float 0/1 buffer avoids a slow bool->int64 sum on CPU.
+    above = torch.gt(lp, tok_lp, out=scratch.get("mask", lp.shape, device=lp.device))
+    ranks = (above.sum(dim=-1) + 1).long().tolist()
     tok_lp = tok_lp.squeeze(1).tolist()
     top = [[] for _ in rows]
     kmax = min(max(ks), lp.shape[1])

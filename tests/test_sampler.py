@@ -16,10 +16,13 @@ def make(params_list, prompts=None, seeds=None):
     return s, ids
 
 
-def draw_many(logits_row, params, n, seed0=0):
-    """n independent draws: n requests with distinct seeds sampling the same row."""
-    s, ids = make([params] * n, seeds=[seed0 + i for i in range(n)])
-    return torch.tensor([t.token_id for t in s.sample(logits_row.expand(n, -1), ids)])
+def draw_many(logits_row, params, n, seed0=0, batch=1000):
+    """n draws from the same row: up to `batch` requests with distinct seeds, over several steps."""
+    batch = min(n, batch)
+    assert n % batch == 0
+    s, ids = make([params] * batch, seeds=[seed0 + i for i in range(batch)])
+    rows = logits_row.expand(batch, -1)
+    return torch.tensor([t.token_id for _ in range(n // batch) for t in s.sample(rows, ids)])
 
 
 def chi_square(counts, probs):
@@ -83,11 +86,14 @@ def test_same_seed_same_tokens_across_samplers():
     assert run_steps(s1, steps, ids) == run_steps(s2, steps, ids)
 
 
-def test_seeded_tokens_independent_of_batch_mates_and_order():
+@pytest.mark.parametrize("mine", [
+    SP(temperature=0.9, top_p=0.8, top_k=200, min_p=0.01),
+    SP(temperature=1.2, top_p=0.8),   # flat rows: top-p keeps hundreds of tokens
+])
+def test_seeded_tokens_independent_of_batch_mates_and_order(mine):
     g = torch.Generator().manual_seed(4)
     V = 3000
-    row_steps = [torch.randn(V, generator=g) * 2 for _ in range(15)]
-    mine = SP(temperature=0.9, top_p=0.8, top_k=200, min_p=0.01)
+    row_steps = [torch.randn(V, generator=g) for _ in range(15)]
 
     alone = Sampler()
     alone.add_request("me", mine, [1, 2, 3], seed=1234)
@@ -152,6 +158,25 @@ def test_filters_give_expected_support(params, support):
     row[perm] = PROBS4.log()
     drawn = draw_many(row, params, 3000)
     assert set(drawn.tolist()) == {int(perm[i]) for i in support}
+
+
+def top_p_reference(row, top_p, top_k=None):
+    probs = torch.softmax(row.double(), dim=-1)
+    vals, idx = probs.sort(descending=True)
+    if top_k:
+        vals, idx = vals[:top_k] / vals[:top_k].sum(), idx[:top_k]
+    before = vals.cumsum(0) - vals
+    return set(idx[before < top_p].tolist())
+
+
+@pytest.mark.parametrize("params", [SP(top_p=0.65), SP(top_p=0.7, top_k=300), SP(top_p=0.8, temperature=0.5)])
+def test_top_p_large_kept_set_matches_sorted_reference(params):
+    row = torch.randn(400, generator=torch.Generator().manual_seed(10)) * 0.5
+    top_k = params.top_k if params.top_k > 0 else None
+    expected = top_p_reference(row / params.temperature, params.top_p, top_k)
+    assert 150 < len(expected) < 300  # many tokens kept (past the sampler's first short head), many dropped
+    drawn = set(draw_many(row, params, 10000, seed0=5, batch=2000).tolist())
+    assert drawn == expected
 
 
 def test_temperature_sampling_matches_softmax():
@@ -224,6 +249,13 @@ def test_frequency_penalty_scales_with_count():
     row = torch.tensor([1.0, 0.8, 0.0])
     # 0 -> 0.85 > 0.8 -> 0 -> 0.7 < 0.8 -> 1 -> (0.7 vs 0.65) -> 0
     assert greedy_seq(SP(temperature=0.0, frequency_penalty=0.15), row, [0], 4) == [0, 0, 1, 0]
+
+
+def test_presence_penalty_history_grows_over_many_distinct_tokens():
+    # Flat logits: each greedy step takes the lowest id not yet generated; once all 150 are used
+    # they are all penalised equally (presence counts once), so 0 wins from then on.
+    seq = greedy_seq(SP(temperature=0.0, presence_penalty=2.0), torch.zeros(150), [], 152)
+    assert seq == list(range(150)) + [0, 0]
 
 
 def test_penalties_only_touch_their_own_rows():

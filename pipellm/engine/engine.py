@@ -68,16 +68,19 @@ class LLMEngine:
     def _num_kv_blocks(self) -> int:
         # The smallest count that fits every stage's budget, so one block table is valid on every stage.
         mc, cfg = self.model_config, self.config
-        bytes_per_block_layer = 2 * cfg.block_size * mc.num_kv_heads * mc.head_dim * cfg.torch_dtype.itemsize
-        budget = cfg.kv_cache_gib * 2 ** 30
-        num_blocks = min(int(budget // (bytes_per_block_layer * s.num_layers)) for s in self.stages)
-        needed = -(-self.max_model_len // cfg.block_size)
+        needed = -(-self.max_model_len // cfg.block_size)  # one full-length sequence
+        if cfg.num_kv_blocks is not None:
+            num_blocks, source = cfg.num_kv_blocks, f"num_kv_blocks={cfg.num_kv_blocks}"
+        else:
+            bytes_per_block_layer = 2 * cfg.block_size * mc.num_kv_heads * mc.head_dim * cfg.torch_dtype.itemsize
+            budget = cfg.kv_cache_gib * 2 ** 30
+            num_blocks = min(int(budget // (bytes_per_block_layer * s.num_layers)) for s in self.stages)
+            # More blocks than max_num_seqs full-length sequences can use is wasted memory.
+            num_blocks, source = min(num_blocks, needed * cfg.max_num_seqs), f"kv_cache_gib={cfg.kv_cache_gib}"
         if num_blocks < needed:
-            raise ValueError(f"kv_cache_gib={cfg.kv_cache_gib} holds {num_blocks * cfg.block_size} tokens per "
-                             f"sequence, fewer than max_model_len={self.max_model_len}; raise kv_cache_gib or "
-                             "lower max_model_len")
-        # More blocks than max_num_seqs full sequences can use is wasted memory.
-        return min(num_blocks, needed * cfg.max_num_seqs)
+            raise ValueError(f"{source} holds {num_blocks * cfg.block_size} tokens, fewer than one sequence of "
+                             f"max_model_len={self.max_model_len}; give more KV cache or lower max_model_len")
+        return num_blocks
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)

@@ -30,6 +30,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_ids: list[str] = []  # to tell the last stage to drop their sampling state
         self.num_batches = 0
+        self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -55,6 +56,7 @@ class Scheduler:
         self.block_manager.free(req)
         req.num_computed_tokens, req.status = 0, RequestStatus.WAITING
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def schedule(self, max_num_seqs: int | None = None) -> ScheduledBatch | None:

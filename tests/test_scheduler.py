@@ -1,0 +1,114 @@
+"""BlockManager and Scheduler on tiny configs: exact block ids, chunked prefill, preemption, no leaks."""
+from pipellm import LLM, SamplingParams
+from pipellm.engine.block_manager import BlockManager
+from pipellm.engine.scheduler import Scheduler
+from pipellm.engine.sequence import Request
+
+
+def _req(rid: str, num_prompt: int, max_tokens: int = 4) -> Request:
+    return Request(rid, list(range(1, num_prompt + 1)), SamplingParams(max_tokens=max_tokens), 0, max_tokens)
+
+
+def _return_tokens(batch, token: int = 7) -> None:
+    """What the engine does when a batch's tokens come back."""
+    for req in batch.requests:
+        req.in_flight = False
+    for req in batch.sampled:
+        req.output_token_ids.append(token)
+
+
+def test_block_ids_are_handed_out_and_returned():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a, b = _req("a", 9), _req("b", 3)
+    assert bm.num_blocks_needed(a, 9) == 3
+    bm.allocate(a, 9)
+    bm.allocate(b, 3)
+    assert a.block_ids == [0, 1, 2] and b.block_ids == [3]
+    a.num_computed_tokens = 9
+    assert bm.num_blocks_needed(a, 3) == 0  # 12 tokens still fit in 3 blocks
+    assert bm.num_blocks_needed(a, 4) == 1
+    assert not bm.can_allocate(_req("c", 9), 9)
+    bm.free(a)
+    assert a.block_ids == [] and bm.num_free_blocks == 5
+    c = _req("c", 13)
+    bm.allocate(c, 13)
+    assert c.block_ids == [4, 5, 0, 1]  # never-used blocks first, then freed ones in order
+    assert bm.usage == 5 / 6
+
+
+def test_chunked_prefill_and_mixed_steps():
+    sched = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=8)
+    long, short = _req("long", 20), _req("short", 3)
+    sched.add(long)
+    first = sched.schedule()
+    assert first.num_new_tokens == [8] and first.sampled == []  # a chunk, no token sampled yet
+    assert first.stage_batch.positions.tolist() == list(range(8))
+    assert first.stage_batch.slot_mapping.tolist() == list(range(8))
+    assert sched.schedule() is None  # "long" is in flight: not scheduled again until it is back
+    _return_tokens(first)
+    sched.add(short)
+    second = sched.schedule()
+    assert [r.request_id for r in second.requests] == ["long"] and second.num_new_tokens == [8]
+    _return_tokens(second)
+    third = sched.schedule()
+    # The last 4 prompt tokens of "long" and the whole of "short" share one step.
+    assert [r.request_id for r in third.requests] == ["long", "short"] and third.num_new_tokens == [4, 3]
+    assert third.sampled == [long, short]
+    assert third.stage_batch.logits_indices.tolist() == [3, 6]
+    assert third.stage_batch.positions.tolist() == [16, 17, 18, 19, 0, 1, 2]
+    assert third.stage_batch.seq_lens.tolist() == [20, 3]
+    _return_tokens(third)
+    decode = sched.schedule()
+    assert decode.num_new_tokens == [1, 1] and decode.stage_batch.positions.tolist() == [20, 3]
+    assert decode.stage_batch.input_ids.tolist() == [7, 7]
+
+
+def test_preemption_frees_blocks_and_recomputes_later():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = _req("a", 8), _req("b", 8)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert a.block_ids == [0, 1] and b.block_ids == [2, 3] and bm.num_free_blocks == 0
+    _return_tokens(batch)
+    # Both now hold 9 tokens: "a" needs a third block; "b" (scheduled later) is preempted to make room.
+    batch = sched.schedule()
+    assert batch.requests == [a] and a.block_ids == [0, 1, 2]
+    assert b.num_computed_tokens == 0 and b.block_ids == [] and b.num_preemptions == 1
+    assert list(sched.waiting) == [b] and b.output_token_ids == [7]  # keeps its tokens for the recompute
+    _return_tokens(batch)
+    sched.finish(a, "length")
+    assert bm.num_free_blocks == 4 and sched.finished_ids == ["a"]
+    batch = sched.schedule()
+    assert batch.requests == [b] and batch.num_new_tokens == [9]  # prompt + its output, recomputed
+    assert batch.stage_batch.finished_req_ids == ["a"]
+
+
+def test_finished_and_aborted_requests_free_every_block(llama_dir):
+    with LLM(llama_dir, pipeline_parallel_size=2) as llm:
+        engine = llm.engine
+        engine.add_request("x", [1, 2, 3, 4, 5], SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        engine.step()
+        assert engine.block_manager.num_free_blocks < engine.num_blocks
+        engine.abort_request("x")
+        assert not engine.has_unfinished_requests()
+        assert engine.block_manager.num_free_blocks == engine.num_blocks
+        llm.generate([{"prompt_token_ids": [i + 1] * 30} for i in range(8)], SamplingParams(max_tokens=5),
+                     use_tqdm=False)
+        assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_memory_pressure_preempts_without_changing_greedy_output(llama_dir):
+    prompts = [{"prompt_token_ids": [(i * 7 + j) % 300 + 1 for j in range(10 + 3 * i)]} for i in range(10)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir) as ample:
+        expected = [o.outputs[0].token_ids for o in ample.generate(prompts, params, use_tqdm=False)]
+    # 16 blocks of 16 tokens for 10 requests needing up to 4 blocks each.
+    with LLM(llama_dir, pipeline_parallel_size=2, num_kv_blocks=16) as tight:
+        got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+        preempted = tight.engine.scheduler.num_preemptions
+        assert tight.engine.block_manager.num_free_blocks == 16
+    assert got == expected
+    assert preempted > 0
