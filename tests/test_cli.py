@@ -1,0 +1,32 @@
+"""The `pipellm` command, run as a user would."""
+import os
+import subprocess
+import sys
+
+CLI = [sys.executable, "-m", "pipellm.entrypoints.cli"]
+
+
+def _run(args, **kw):
+    return subprocess.run(CLI + args, capture_output=True, text=True, timeout=120, **kw)
+
+
+def test_generate_prints_stages_text_and_speed(llama_dir):
+    out = _run(["generate", "--model", llama_dir, "-pp", "2", "--max-tokens", "5", "Hello world"])
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:2] == ["stage 0: embed + layers 0-2", "stage 1: layers 3-4 + norm + lm_head"]
+    assert "'Hello world' ->" in out.stdout
+    assert "tokens/s" in lines[-1]
+
+
+def test_chat_reads_turns_until_eof(llama_dir):
+    out = _run(["chat", "--model", llama_dir, "--max-tokens", "4"], input="Hello\nHow are you?\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("> ") == 3  # two turns answered, then the prompt that met EOF
+
+
+def test_bad_arguments_exit_with_a_message(llama_dir):
+    out = _run(["generate", "--model", llama_dir, "--layer-partition", "2,2", "-pp", "2", "hi"])
+    assert out.returncode == 2 and "sums to 4, but the model has 5 layers" in out.stderr
+    out = _run(["generate", "--model", os.path.join(llama_dir, "missing"), "hi"])
+    assert out.returncode == 2 and "does not exist" in out.stderr
