@@ -24,9 +24,20 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    arrival_time: float                 # time.monotonic() clock
+    token_times: list[float]            # when each output token of the first completion arrived
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    metrics: RequestMetrics | None = None

@@ -2,6 +2,7 @@
 import itertools
 import json
 import os
+import time
 from collections import deque
 
 from pipellm.config import EngineConfig, ModelConfig
@@ -9,7 +10,7 @@ from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.scheduler import ScheduledBatch, Scheduler
 from pipellm.engine.sequence import Request
 from pipellm.loader.safetensors import checkpoint_files
-from pipellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pipellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pipellm.pipeline.executor import PipelineError, PipelineExecutor
 from pipellm.pipeline.messages import SampledBatch
 from pipellm.pipeline.partition import make_partition
@@ -162,11 +163,12 @@ class LLMEngine:
             req.in_flight = False
             if req.is_finished:  # aborted while in flight; its blocks were kept until now
                 self.block_manager.free(req)
-        updated = []
+        updated, now = [], time.monotonic()
         for req, tok in zip(batch.sampled, result.tokens):
             if req.is_finished:
                 continue
             req.output_token_ids.append(tok.token_id)
+            req.token_times.append(now)
             if req.params.logprobs is not None:
                 self._add_logprobs(req, tok)
             self._check_stop(req)
@@ -215,7 +217,8 @@ class LLMEngine:
         for r in reqs:
             del self.requests[r.request_id]
         return RequestOutput(request_id, prompt, reqs[0].prompt_token_ids, [self.completion(r) for r in reqs],
-                             finished=all(r.is_finished for r in reqs))
+                             finished=all(r.is_finished for r in reqs),
+                             metrics=RequestMetrics(reqs[0].arrival_time, list(reqs[0].token_times)))
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
 

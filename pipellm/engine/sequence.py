@@ -24,6 +24,7 @@ class Request:
     parent_id: str | None = None     # the user's request id when params.n > 1
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # time.monotonic() at which each output token arrived
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0     # tokens whose K/V are in the cache

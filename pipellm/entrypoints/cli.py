@@ -1,4 +1,4 @@
-"""pipellm generate | chat"""
+"""pipellm generate | chat | bench"""
 import argparse
 import sys
 import time
@@ -76,6 +76,30 @@ def cmd_chat(args) -> None:
             messages.append({"role": "assistant", "content": reply})
 
 
+def _length_range(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition("-")
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--input-len {text!r}: give a length (128) or a range (64-192)")
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"--input-len {text!r}: need 1 <= min <= max")
+    return lo, hi
+
+
+def cmd_bench(args) -> None:
+    import json
+
+    from pipellm.entrypoints.bench import format_result, run_bench
+    result = run_bench(args.model, args.pipeline_parallel_size, args.num_prompts, args.input_len, args.output_len,
+                       args.dtype, args.threads_per_stage, args.compare_hf, args.seed,
+                       layer_partition=args.layer_partition, max_model_len=args.max_model_len)
+    print(format_result(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pipellm", description="Pipeline-parallel LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +113,14 @@ def main(argv: list[str] | None = None) -> None:
     _sampling_args(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=cmd_chat)
+    bench = sub.add_parser("bench", help="offline throughput on generated requests")
+    _engine_args(bench)
+    bench.add_argument("--num-prompts", type=int, default=32)
+    bench.add_argument("--input-len", type=_length_range, default=(64, 192), help="prompt length or range, e.g. 64-192")
+    bench.add_argument("--output-len", type=int, default=64)
+    bench.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate, same requests")
+    bench.add_argument("--json", default=None, help="save every figure to this file")
+    bench.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     try:
         args.func(args)

@@ -12,10 +12,12 @@ class AttentionMetadata:
     T = tokens in the step, B = sequences, Q = longest query (new tokens of one sequence), K = longest context.
     """
     slot_mapping: torch.Tensor   # [T] flat cache slot each new token's K/V is written to
-    key_slots: torch.Tensor      # [B, K] flat cache slot of each context position (padding points at slot 0)
-    mask: torch.Tensor | None    # [B, 1, Q, K] True where a query may attend; None when every row sees all K keys
+    block_ids: torch.Tensor      # [B * N] the blocks of each sequence, N per sequence (padding: block 0)
+    mask: torch.Tensor | None    # [B, 1, Q, K] True where a query may attend (K = N * block_size);
+                                 # None when every row sees all K keys
     token_seq: torch.Tensor      # [T] sequence each token belongs to
     token_off: torch.Tensor      # [T] offset of each token among its sequence's new tokens
+    num_seqs: int
     max_query_len: int
 
     @classmethod
@@ -24,9 +26,11 @@ class AttentionMetadata:
               sliding_window: int | None = None) -> "AttentionMetadata":
         # All vector ops: the cost is per step, not per token or per layer.
         num_seqs = len(query_lens)
-        max_q, max_k = int(query_lens.max()), int(seq_lens.max())
-        key_pos = torch.arange(max_k)
-        key_slots = block_tables[:, key_pos // block_size].long() * block_size + key_pos % block_size  # [B, K]
+        max_q = int(query_lens.max())
+        # Keys are gathered whole blocks at a time (a row copy each), so K is a multiple of block_size.
+        num_blocks = -(-int(seq_lens.max()) // block_size)
+        block_ids = block_tables[:, :num_blocks].reshape(-1).long()                     # [B * N]
+        key_pos = torch.arange(num_blocks * block_size)
         token_seq = torch.repeat_interleave(torch.arange(num_seqs), query_lens)
         starts = torch.cumsum(query_lens, 0) - query_lens
         token_off = torch.arange(len(positions)) - starts[token_seq]
@@ -36,24 +40,23 @@ class AttentionMetadata:
         mask = key_pos[None, None, :] <= q_pos[:, :, None]                               # [B, Q, K]
         if sliding_window is not None:
             mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-        if max_q == 1 and sliding_window is None and bool((seq_lens == max_k).all()):
+        if max_q == 1 and sliding_window is None and bool((seq_lens == len(key_pos)).all()):
             mask = None  # decode of equal-length sequences: nothing to hide
         else:
             mask = mask[:, None]                                                        # [B, 1, Q, K]
-        return cls(slot_mapping, key_slots, mask, token_seq, token_off, max_q)
+        return cls(slot_mapping, block_ids, mask, token_seq, token_off, num_seqs, max_q)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, KV, D]; caches [num_blocks, block_size, KV, D]. Returns [T, H, D]."""
     num_kv, head_dim = k.shape[1], k.shape[2]
-    flat_k = k_cache.view(-1, num_kv, head_dim)                # [num_blocks * block_size, KV, D]
-    flat_v = v_cache.view(-1, num_kv, head_dim)
-    flat_k[meta.slot_mapping] = k
-    flat_v[meta.slot_mapping] = v
-    keys = flat_k[meta.key_slots].transpose(1, 2)              # [B, KV, K, D]
-    values = flat_v[meta.key_slots].transpose(1, 2)
-    num_seqs = meta.key_slots.shape[0]
+    k_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = k  # [num_blocks * block_size, KV, D]
+    v_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = v
+    num_seqs = meta.num_seqs
+    # [B * N, block_size, KV, D] -> [B, N * block_size, KV, D] -> [B, KV, K, D]
+    keys = k_cache.index_select(0, meta.block_ids).view(num_seqs, -1, num_kv, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, meta.block_ids).view(num_seqs, -1, num_kv, head_dim).transpose(1, 2)
     if meta.max_query_len == 1:
         queries = q.view(num_seqs, 1, q.shape[1], head_dim)    # [B, 1, H, D]: one new token per sequence
     else:

@@ -66,3 +66,4 @@ class StageReport:
     steps: int                       # batches processed
     activation_bytes_sent: int       # bytes of hidden states sent to the next stage
     activation_tokens_sent: int      # token rows in those hidden states
+    busy_s: float                    # seconds spent computing (model, logits, sampling), not waiting

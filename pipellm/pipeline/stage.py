@@ -5,6 +5,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -53,6 +54,7 @@ class StageWorker:
                           for _ in range(self.stage.num_layers)]
         self.sampler = Sampler() if self.stage.is_last else None
         self.steps = self.bytes_sent = self.tokens_sent = 0
+        self.busy_s = 0.0  # time computing, not waiting for input
         self.chan: comm.Channel | None = None
 
     @property
@@ -83,9 +85,11 @@ class StageWorker:
         else:
             x = self.chan.recv_tensor((batch.num_tokens, cfg.hidden_size), ecfg.torch_dtype,
                                       self.world_rank - 1)
+        start = time.perf_counter()
         hidden = self.model(x, positions, meta, self.kv_caches)
         self.steps += 1
         if not self.stage.is_last:
+            self.busy_s += time.perf_counter() - start
             self.chan.send_tensor(hidden, self.world_rank + 1)
             self.bytes_sent += hidden.numel() * hidden.element_size()
             self.tokens_sent += hidden.shape[0]
@@ -98,6 +102,7 @@ class StageWorker:
         if len(batch.logits_indices):
             logits = self.model.compute_logits(hidden[t(batch.logits_indices)])
             tokens = self.sampler.sample(logits, batch.sample_req_ids)
+        self.busy_s += time.perf_counter() - start
         self.chan.send_obj(SampledBatch(batch.batch_id, tokens), comm.DRIVER)
 
     def report(self) -> StageReport:
@@ -107,7 +112,7 @@ class StageWorker:
             checkpoint_tensors=self.checkpoint_tensors, num_kv_caches=len(self.kv_caches),
             kv_cache_shape=tuple(self.kv_caches[0][0].shape), num_threads=torch.get_num_threads(),
             cpu_affinity=sorted(os.sched_getaffinity(0)), steps=self.steps,
-            activation_bytes_sent=self.bytes_sent, activation_tokens_sent=self.tokens_sent)
+            activation_bytes_sent=self.bytes_sent, activation_tokens_sent=self.tokens_sent, busy_s=self.busy_s)
 
 
 def _die_with_parent() -> None:

@@ -1,0 +1,127 @@
+"""Offline throughput: `pipellm bench`, or run_bench() from Python."""
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+from pipellm.llm import LLM
+from pipellm.sampling_params import SamplingParams
+
+
+def make_prompts(num_prompts: int, input_len: tuple[int, int], vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token prompts with lengths uniform in [min, max], as vLLM's random dataset."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(rng.randint(*input_len))] for _ in range(num_prompts)]
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {"p50": q[49], "p90": q[89], "p99": q[98]}
+
+
+def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_prompts: int = 32,
+              input_len: tuple[int, int] = (64, 192), output_len: int = 64, dtype: str = "float32",
+              threads_per_stage: int | None = None, compare_hf: bool = False, seed: int = 0,
+              use_tqdm: bool = True, **engine_kwargs) -> dict:
+    with LLM(model, pipeline_parallel_size=pipeline_parallel_size, dtype=dtype,
+             threads_per_stage=threads_per_stage, seed=seed, **engine_kwargs) as llm:
+        engine = llm.engine
+        prompts = make_prompts(num_prompts, input_len, engine.model_config.vocab_size, seed)
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p[:16]} for p in prompts[:2]], SamplingParams(max_tokens=4),
+                     use_tqdm=False)  # warm-up
+        before = engine.inspect()
+        start = time.monotonic()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=use_tqdm)
+        elapsed = time.monotonic() - start
+        after = engine.inspect()
+        stages = [s.describe() for s in engine.stages]
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    prompt_tokens = sum(len(p) for p in prompts)
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
+    itl = [b - a for o in outputs for a, b in zip(o.metrics.token_times, o.metrics.token_times[1:])]
+    busy = [(a.busy_s - b.busy_s) / elapsed for a, b in zip(after, before)]
+    bytes_sent = [a.activation_bytes_sent - b.activation_bytes_sent for a, b in zip(after, before)]
+    tokens_sent = [a.activation_tokens_sent - b.activation_tokens_sent for a, b in zip(after, before)]
+    result = {
+        "config": dict(model=model, pipeline_parallel_size=pipeline_parallel_size, num_prompts=num_prompts,
+                       input_len=list(input_len), output_len=output_len, dtype=dtype,
+                       threads_per_stage=after[0].num_threads, seed=seed, stages=stages),
+        "elapsed_s": elapsed,
+        "generated_tokens": generated,
+        "prompt_tokens": prompt_tokens,
+        "generated_tok_s": generated / elapsed,
+        "total_tok_s": (generated + prompt_tokens) / elapsed,
+        "requests_s": len(outputs) / elapsed,
+        "ttft_s": percentiles(ttft),
+        "itl_s": percentiles(itl),
+        "stage_busy_pct": [100 * b for b in busy],
+        # Time the stages sat idle while requests were still unfinished (all of the run, offline).
+        "bubble_pct": 100 * (1 - statistics.mean(busy)),
+        "bytes_sent_per_token": [b / t if t else 0.0 for b, t in zip(bytes_sent, tokens_sent)],
+    }
+    if compare_hf:
+        threads = after[0].num_threads * pipeline_parallel_size
+        result["hf"] = run_hf(model, prompts, output_len, dtype, threads)
+        result["ratio_vs_hf"] = result["generated_tok_s"] / result["hf"]["generated_tok_s"]
+    return result
+
+
+def run_hf(model: str | None, prompts: list[list[int]], output_len: int, dtype: str, threads: int) -> dict:
+    """HF transformers generate on the same requests, as one padded batch, in a process of its own
+    (its OpenMP threads must not share a process, or cores, with a running engine)."""
+    from pipellm.engine.engine import resolve_model
+
+    job = json.dumps(dict(model_dir=resolve_model(model), prompts=prompts, output_len=output_len, dtype=dtype,
+                          threads=threads))
+    code = "import sys; from pipellm.entrypoints.bench import hf_worker; hf_worker(sys.stdin.read())"
+    out = subprocess.run([sys.executable, "-c", code], input=job, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def hf_worker(job_json: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    job = json.loads(job_json)
+    torch.set_num_threads(job["threads"])
+    dtype = getattr(torch, job["dtype"])
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=dtype).eval()
+    prompts, n = job["prompts"], job["output_len"]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        model.generate(ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, do_sample=False)  # warm-up
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+        elapsed = time.perf_counter() - start
+    generated = (out.shape[1] - width) * len(prompts)
+    print(json.dumps({"elapsed_s": elapsed, "generated_tok_s": generated / elapsed, "threads": job["threads"]}))
+
+
+def format_result(r: dict) -> str:
+    cfg = r["config"]
+    lines = [
+        f"pipellm bench: {cfg['num_prompts']} requests, prompt {cfg['input_len'][0]}-{cfg['input_len'][1]} tokens, "
+        f"{cfg['output_len']} new tokens, pp={cfg['pipeline_parallel_size']}, {cfg['threads_per_stage']} "
+        f"thread(s)/stage, {cfg['dtype']}",
+        *[f"  {s}" for s in cfg["stages"]],
+        f"elapsed            {r['elapsed_s']:.2f} s",
+        f"generated tok/s    {r['generated_tok_s']:.1f}",
+        f"total tok/s        {r['total_tok_s']:.1f}",
+        "TTFT  p50/p90/p99  " + " / ".join(f"{r['ttft_s'][k] * 1e3:.0f}" for k in ("p50", "p90", "p99")) + " ms",
+        "ITL   p50/p90/p99  " + " / ".join(f"{r['itl_s'][k] * 1e3:.1f}" for k in ("p50", "p90", "p99")) + " ms",
+        "stage busy         " + ", ".join(f"{b:.0f}%" for b in r["stage_busy_pct"]),
+        f"bubble             {r['bubble_pct']:.1f}%",
+        "bytes sent / token " + ", ".join(f"{b:.0f}" for b in r["bytes_sent_per_token"][:-1]),
+    ]
+    if "hf" in r:
+        lines.append(f"HF generate        {r['hf']['generated_tok_s']:.1f} generated tok/s "
+                     f"({r['hf']['threads']} threads); pipellm / HF = {r['ratio_vs_hf']:.2f}x")
+    return "\n".join(lines)
