@@ -20,6 +20,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads-per-stage", type=int, default=None, help="default: cores // stages")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -29,11 +30,17 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=-1)
 
 
+def _engine_kwargs(args) -> dict:
+    kwargs = dict(layer_partition=args.layer_partition, max_model_len=args.max_model_len)
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return kwargs
+
+
 def _make_llm(args):
     from pipellm import LLM
-    return LLM(args.model, pipeline_parallel_size=args.pipeline_parallel_size, layer_partition=args.layer_partition,
-               dtype=args.dtype, max_model_len=args.max_model_len, threads_per_stage=args.threads_per_stage,
-               seed=args.seed)
+    return LLM(args.model, pipeline_parallel_size=args.pipeline_parallel_size, dtype=args.dtype,
+               threads_per_stage=args.threads_per_stage, seed=args.seed, **_engine_kwargs(args))
 
 
 def _params(args):
@@ -92,8 +99,7 @@ def cmd_bench(args) -> None:
 
     from pipellm.entrypoints.bench import format_result, run_bench
     result = run_bench(args.model, args.pipeline_parallel_size, args.num_prompts, args.input_len, args.output_len,
-                       args.dtype, args.threads_per_stage, args.compare_hf, args.seed,
-                       layer_partition=args.layer_partition, max_model_len=args.max_model_len)
+                       args.dtype, args.threads_per_stage, args.compare_hf, args.seed, **_engine_kwargs(args))
     print(format_result(result))
     if args.json:
         with open(args.json, "w") as f:

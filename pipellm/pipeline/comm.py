@@ -25,31 +25,63 @@ def make_channel(store: dist.Store, world_rank: int, world_size: int) -> "Channe
     return Channel(dist.ProcessGroupGloo(store, world_rank, world_size, FOREVER))
 
 
+# Tags keep the three kinds of traffic apart, so a receive posted early matches only its own kind.
+TAG_MESSAGE, TAG_OVERFLOW, TAG_TENSOR = 0, 1, 2
+MAILBOX_BYTES = 32 * 1024  # one message of this size holds a whole decode batch
+
+
 class Channel:
-    """Sends tensors and picklable messages to one peer at a time; sends are async, receives block."""
+    """Sends tensors and picklable messages to one peer at a time; sends are async, receives block.
+
+    Messages go in fixed-size mailbox tensors whose receive is posted ahead of time. A gloo receive
+    posted after the data was sent costs a round trip to the sender, and the sender's I/O thread may
+    be waiting behind its own compute for a core: several ms on the critical path of every step.
+    """
 
     def __init__(self, pg: dist.ProcessGroup):
         self.pg = pg
         self._pending: list[tuple[object, torch.Tensor]] = []  # (work, tensor kept alive until sent)
+        self._posted: dict[int, tuple[object, torch.Tensor]] = {}  # src -> (work, mailbox) received into next
 
-    def send_tensor(self, tensor: torch.Tensor, dst: int) -> None:
+    def send_tensor(self, tensor: torch.Tensor, dst: int, tag: int = TAG_TENSOR) -> None:
         tensor = tensor.contiguous()
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
-        self._pending.append((self.pg.send([tensor], dst, 0), tensor))
+        self._pending.append((self.pg.send([tensor], dst, tag), tensor))
 
-    def recv_tensor(self, shape, dtype: torch.dtype, src: int, timeout: timedelta = FOREVER) -> torch.Tensor:
+    def recv_tensor(self, shape, dtype: torch.dtype, src: int, timeout: timedelta = FOREVER,
+                    tag: int = TAG_TENSOR) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=dtype)
-        self.pg.recv([tensor], src, 0).wait(timeout)
+        self.pg.recv([tensor], src, tag).wait(timeout)
         return tensor
 
     def send_obj(self, obj, dst: int) -> None:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-        self.send_tensor(torch.tensor([payload.numel()], dtype=torch.int64), dst)
-        self.send_tensor(payload, dst)
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        mailbox = torch.zeros(MAILBOX_BYTES, dtype=torch.uint8)
+        head = len(data).to_bytes(8, "little") + data[:MAILBOX_BYTES - 8]
+        mailbox[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        self.send_tensor(mailbox, dst, TAG_MESSAGE)
+        if len(data) > MAILBOX_BYTES - 8:
+            self.send_tensor(torch.frombuffer(bytearray(data[MAILBOX_BYTES - 8:]), dtype=torch.uint8), dst,
+                             TAG_OVERFLOW)
+
+    def post_recv(self, src: int) -> None:
+        """Posts the receive of the next message from src, if not posted yet."""
+        if src not in self._posted:
+            mailbox = torch.empty(MAILBOX_BYTES, dtype=torch.uint8)
+            self._posted[src] = (self.pg.recv([mailbox], src, TAG_MESSAGE), mailbox)
 
     def recv_obj(self, src: int, timeout: timedelta = FOREVER):
-        size = int(self.recv_tensor((1,), torch.int64, src, timeout)[0])
-        return pickle.loads(self.recv_tensor((size,), torch.uint8, src, timeout).numpy().tobytes())
+        self.post_recv(src)
+        work, mailbox = self._posted.pop(src)
+        work.wait(timeout)
+        self.post_recv(src)
+        raw = mailbox.numpy().tobytes()
+        size = int.from_bytes(raw[:8], "little")
+        data = raw[8:8 + size]
+        if size > MAILBOX_BYTES - 8:
+            data += self.recv_tensor((size - (MAILBOX_BYTES - 8),), torch.uint8, src, timeout,
+                                     TAG_OVERFLOW).numpy().tobytes()
+        return pickle.loads(data)
 
     def flush(self, timeout: timedelta = FOREVER) -> None:
         for work, _ in self._pending:
