@@ -39,7 +39,7 @@ def test_each_stage_holds_only_its_layers(llama_dir):
     assert layer_sets == [{0}, {0, 1, 2}, {0}]  # local indices: each stage builds a plain slice
     assert any(n.startswith("embed_tokens") for n in reports[0].param_names)
     assert not any(n.startswith(("embed_tokens", "lm_head", "norm")) for n in reports[1].param_names)
-    assert {"lm_head.weight", "norm.weight"} <= set(reports[2].param_names)
+    assert {"lm_head.weight_t", "norm.weight"} <= set(reports[2].param_names)
     assert "model.embed_tokens.weight" not in reports[2].checkpoint_tensors  # untied head: no embedding there
     assert len({r.pid for r in reports}) == 3 and os.getpid() not in {r.pid for r in reports}
 

@@ -103,3 +103,27 @@ class RotaryEmbedding(nn.Module):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class TransposedLinear(nn.Module):
+    """y = x @ W^T + b with W stored transposed, [in, out] contiguous. On the few-row inputs of decoding,
+    MKL runs this layout up to 2x faster than nn.Linear's [out, in] (measured: 16 x 576 x 3072, 1 thread)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return x @ self.weight_t
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
+def transpose_linears(module: nn.Module) -> None:
+    """Replaces every nn.Linear below module (after its weights are loaded) by a TransposedLinear."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, TransposedLinear(child))
+        else:
+            transpose_linears(child)

@@ -13,7 +13,7 @@ import torch
 
 from pipellm.config import EngineConfig, ModelConfig
 from pipellm.loader.safetensors import load_stage_weights
-from pipellm.models.layers import AttentionMetadata
+from pipellm.models.layers import AttentionMetadata, transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.pipeline import comm
 from pipellm.pipeline.messages import Inspect, SampledBatch, Shutdown, StageBatch, StageReport
@@ -48,6 +48,7 @@ class StageWorker:
         cfg, ecfg = args.model_config, args.engine_config
         self.model = build_stage_model(cfg, self.stage)
         self.checkpoint_tensors = load_stage_weights(self.model, args.model_dir, ecfg.torch_dtype)
+        transpose_linears(self.model)
         self.model.eval()
         shape = (args.num_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=ecfg.torch_dtype), torch.zeros(shape, dtype=ecfg.torch_dtype))
