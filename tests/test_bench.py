@@ -1,0 +1,32 @@
+"""`pipellm bench`: the figures it prints and saves are there and consistent."""
+import json
+import subprocess
+import sys
+
+from pipellm.entrypoints.bench import run_bench
+
+
+def test_run_bench_reports_consistent_figures(llama_dir):
+    r = run_bench(llama_dir, pipeline_parallel_size=2, num_prompts=6, input_len=(8, 24), output_len=5,
+                  use_tqdm=False, compare_hf=True)
+    assert r["generated_tokens"] == 6 * 5
+    assert 6 * 8 <= r["prompt_tokens"] <= 6 * 24
+    assert r["generated_tok_s"] > 0 and r["total_tok_s"] > r["generated_tok_s"]
+    for key in ("ttft_s", "itl_s"):
+        p = r[key]
+        assert 0 < p["p50"] <= p["p90"] <= p["p99"]
+    assert len(r["stage_busy_pct"]) == 2 and all(0 < b <= 100 for b in r["stage_busy_pct"])
+    assert 0 <= r["bubble_pct"] <= 100
+    assert r["bytes_sent_per_token"][0] == 64 * 4  # hidden 64, fp32, no residual
+    assert r["hf"]["generated_tok_s"] > 0 and r["ratio_vs_hf"] == r["generated_tok_s"] / r["hf"]["generated_tok_s"]
+
+
+def test_cli_bench_saves_json(tmp_path, llama_dir):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "pipellm.entrypoints.cli", "bench", "--model", llama_dir,
+                           "--num-prompts", "4", "--input-len", "8-16", "--output-len", "3", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "generated tok/s" in proc.stdout and "bubble" in proc.stdout
+    saved = json.loads(out.read_text())
+    assert saved["config"]["input_len"] == [8, 16] and saved["generated_tokens"] == 12
