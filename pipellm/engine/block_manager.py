@@ -1,36 +1,149 @@
-from collections import deque
+"""Hands out KV cache block ids, and keeps computed full blocks for later prompts that start the same way.
+
+Every stage indexes its own layers' caches with the same ids, so a block cached here is cached on every stage.
+A full block is named by a chained hash of its tokens and the previous block's hash: one hash stands for the whole
+prefix up to the end of that block, so equal tokens after a different prefix never match.
+"""
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 from pipellm.engine.sequence import Request
 
 
-class BlockManager:
-    """Hands out KV cache block ids. Every stage indexes its own layers' caches with the same ids."""
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    # sha256, not hash(): a collision would silently give one prompt another prompt's K/V.
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
-    def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
+        self.ref_counts = [0] * num_blocks                       # requests holding each block
+        self.block_hashes: list[bytes | None] = [None] * num_blocks  # set once the block is full and computed
+        self.cached: dict[bytes, int] = {}                       # hash -> the one block indexed under it
+        self.free_ids: deque[int] = deque(range(num_blocks))     # unreferenced, holding nothing worth keeping
+        self.evictable: OrderedDict[int, None] = OrderedDict()   # unreferenced but cached; least recently freed first
+        self.num_prefix_queries = 0                              # tokens of admitted requests looked up
+        self.num_prefix_hits = 0                                 # of those, tokens found in the cache
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_ids) + len(self.evictable)
 
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def num_blocks_needed(self, req: Request, num_new_tokens: int) -> int:
-        total = req.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(req.block_ids))
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_prefix_hits / self.num_prefix_queries if self.num_prefix_queries else 0.0
 
-    def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
-        return self.num_blocks_needed(req, num_new_tokens) <= self.num_free_blocks
+    def cached_prefix(self, req: Request) -> list[int]:
+        """The blocks that hold req's longest cached prefix of full blocks."""
+        if not self.enable_caching:
+            return []
+        # At most (num_tokens - 1) // block_size blocks: the last token must run to give logits, and it may not be
+        # written into a shared block, so a fully cached prompt recomputes its whole last block.
+        num_blocks = (req.num_tokens - 1) // self.block_size
+        self._hash_blocks(req, num_blocks)
+        ids = []
+        for h in req.block_hashes[:num_blocks]:
+            if h not in self.cached:
+                break
+            ids.append(self.cached[h])
+        return ids
 
-    def allocate(self, req: Request, num_new_tokens: int) -> None:
-        """Gives req enough blocks to hold num_new_tokens more tokens."""
-        needed = self.num_blocks_needed(req, num_new_tokens)
-        assert needed <= self.num_free_blocks, "allocate() without can_allocate()"
-        req.block_ids.extend(self.free_block_ids.popleft() for _ in range(needed))
+    def num_blocks_needed(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> int:
+        total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(req.block_ids) - len(cached))
+
+    def can_allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
+        # Taking a cached block that nobody holds takes it out of the free count too.
+        num_revived = sum(self.ref_counts[b] == 0 for b in cached)
+        return self.num_blocks_needed(req, num_new_tokens, cached) + num_revived <= self.num_free_blocks
+
+    def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> None:
+        """Gives req enough blocks for num_new_tokens more tokens. A request's first allocate() is its admission:
+        it takes the cached prefix blocks (from cached_prefix) first, and they count as computed."""
+        assert not req.in_flight, "allocate() while the request's batch is out"
+        assert self.can_allocate(req, num_new_tokens, cached), "allocate() without can_allocate()"
+        if req.block_ids:
+            assert not cached, "cached blocks are taken on admission only"
+            self._cache_computed_blocks(req)
+        else:
+            self._admit(req, cached)
+        req.block_ids.extend(self._take_free() for _ in range(self.num_blocks_needed(req, num_new_tokens)))
+        # The blocks this step writes into belong to req alone and are not in the cache.
+        assert all(self.ref_counts[b] == 1 and self.block_hashes[b] is None
+                   for b in req.block_ids[req.num_computed_tokens // self.block_size:])
 
     def free(self, req: Request) -> None:
-        self.free_block_ids.extend(req.block_ids)
+        assert not req.in_flight, "free() while the request's batch is out: its blocks are still being written"
+        self._cache_computed_blocks(req)
+        for b in req.block_ids:
+            self.ref_counts[b] -= 1
+            assert self.ref_counts[b] >= 0
+        released = [b for b in req.block_ids if self.ref_counts[b] == 0]
+        # Cached blocks queue for eviction tail first: others are likelier to share a prompt's head, and a chain is
+        # useless past its first evicted block.
+        for b in reversed(released):
+            h = self.block_hashes[b]
+            if h is not None and self.cached.setdefault(h, b) == b:  # indexed, or takes over from an evicted twin
+                self.evictable[b] = None
+        for b in released:
+            if b not in self.evictable:
+                self.block_hashes[b] = None  # unhashed, or a second copy of a cached block: nothing to keep
+                self.free_ids.append(b)
         req.block_ids = []
+
+    # ---- internals ------------------------------------------------------------------------------------------
+
+    def _hash_blocks(self, req: Request, num_blocks: int) -> None:
+        bs, hashes = self.block_size, req.block_hashes  # kept on req: its full blocks never change
+        for i in range(len(hashes), num_blocks):
+            hashes.append(hash_block(hashes[-1] if hashes else b"", req.token_ids(i * bs, (i + 1) * bs)))
+
+    def _is_cached(self, block_id: int) -> bool:
+        h = self.block_hashes[block_id]
+        return h is not None and self.cached.get(h) == block_id
+
+    def _admit(self, req: Request, cached: Sequence[int]) -> None:
+        assert req.num_computed_tokens == 0
+        for b in cached:
+            assert self._is_cached(b)
+            if self.ref_counts[b] == 0:
+                del self.evictable[b]
+            self.ref_counts[b] += 1
+        req.block_ids = list(cached)
+        req.num_computed_tokens = len(cached) * self.block_size
+        if self.enable_caching:
+            self.num_prefix_queries += req.num_tokens
+            self.num_prefix_hits += req.num_computed_tokens
+
+    def _cache_computed_blocks(self, req: Request) -> None:
+        # Called only while req has no batch out, so num_computed_tokens counts K/V that really are in the cache.
+        if not self.enable_caching:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        start = num_full
+        while start > 0 and self.block_hashes[req.block_ids[start - 1]] is None:  # hashed blocks form a prefix
+            start -= 1
+        self._hash_blocks(req, num_full)
+        for i in range(start, num_full):
+            b, h = req.block_ids[i], req.block_hashes[i]
+            self.block_hashes[b] = h
+            self.cached.setdefault(h, b)  # a second copy (computed at the same time) is not indexed
+
+    def _take_free(self) -> int:
+        # An empty block first; else evict the least recently freed cached one.
+        if self.free_ids:
+            b = self.free_ids.popleft()
+        else:
+            b, _ = self.evictable.popitem(last=False)
+            del self.cached[self.block_hashes[b]]
+            self.block_hashes[b] = None
+        assert self.ref_counts[b] == 0
+        self.ref_counts[b] = 1
+        return b

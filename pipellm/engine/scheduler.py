@@ -85,11 +85,12 @@ class Scheduler:
             budget -= n
         while self.waiting and len(chosen) < max_seqs and budget > 0:
             req = self.waiting[0]
-            n = min(req.num_pending_tokens, budget)
-            if not self.block_manager.can_allocate(req, n):
+            cached = self.block_manager.cached_prefix(req)  # its K/V is already there: compute only the rest
+            n = min(req.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_allocate(req, n, cached):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(req, n)
+            self.block_manager.allocate(req, n, cached)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chosen.append((req, n))

@@ -1,0 +1,233 @@
+"""Automatic prefix caching on tiny configs (exact block ids, vLLM tests/v1/core style), then end to end."""
+import pytest
+
+from pipellm import LLM, SamplingParams
+from pipellm.config import EngineConfig
+from pipellm.engine.block_manager import BlockManager
+from pipellm.engine.scheduler import Scheduler
+from pipellm.engine.sequence import Request
+
+BS = 4  # block size of the unit tests
+
+
+def _req(rid: str, tokens: list[int], max_tokens: int = 4) -> Request:
+    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), 0, max_tokens)
+
+
+def _admit(bm: BlockManager, req: Request) -> list[int]:
+    """What the scheduler does on admission; returns the cached blocks it took."""
+    cached = bm.cached_prefix(req)
+    n = req.num_tokens - len(cached) * BS
+    assert bm.can_allocate(req, n, cached)
+    bm.allocate(req, n, cached)
+    return cached
+
+
+def _computed(bm: BlockManager, req: Request) -> None:
+    """Admits req and marks its whole prompt computed, as after its batch came back."""
+    _admit(bm, req)
+    req.num_computed_tokens = req.num_tokens
+
+
+def _return_tokens(batch, token: int = 7) -> None:
+    for req in batch.requests:
+        req.in_flight = False
+    for req in batch.sampled:
+        req.output_token_ids.append(token)
+
+
+def test_second_request_reuses_the_prefix_blocks():
+    sched = Scheduler(BlockManager(16, BS), max_num_seqs=8, max_num_batched_tokens=64)
+    bm = sched.block_manager
+    a = _req("a", range(1, 11))                      # 2 full blocks + 2 tokens
+    sched.add(a)
+    first = sched.schedule()
+    assert a.block_ids == [0, 1, 2] and bm.cached == {}  # nothing is cached while its batch is out
+    _return_tokens(first)
+    b = _req("b", list(range(1, 9)) + [50, 51, 52])  # same first 2 blocks
+    sched.add(b)
+    assert bm.cached_prefix(b) == []                 # a's blocks are registered when the scheduler next takes it
+    second = sched.schedule()
+    assert second.requests == [a, b] and second.num_new_tokens == [1, 3]
+    assert b.block_ids == [0, 1, 3] and bm.ref_counts[:4] == [2, 2, 1, 1]
+    # b starts at num_computed_tokens == 2 * BS: only its last 3 tokens run, into its own block 3.
+    assert second.stage_batch.positions.tolist() == [10, 8, 9, 10]
+    assert second.stage_batch.slot_mapping.tolist() == [2 * BS + 2, 3 * BS, 3 * BS + 1, 3 * BS + 2]
+    assert second.stage_batch.seq_lens.tolist() == [11, 11]
+    assert (bm.num_prefix_queries, bm.num_prefix_hits) == (10 + 11, 2 * BS)
+    assert bm.prefix_hit_rate == 8 / 21
+
+
+def test_admission_sets_num_computed_tokens_to_the_cached_length():
+    bm, a = BlockManager(8, BS), _req("a", range(1, 11))
+    _computed(bm, a)
+    bm.allocate(a, 1)  # a's next step (no new block needed) registers its computed full blocks
+    b = _req("b", list(range(1, 9)) + [60])
+    assert _admit(bm, b) == [0, 1]
+    assert b.num_computed_tokens == 2 * BS and b.block_ids == [0, 1, 3]
+
+
+def test_hashes_are_chained():
+    bm = BlockManager(8, BS)
+    a = _req("a", range(1, 11))
+    _computed(bm, a)
+    bm.free(a)  # registers a's computed full blocks 0 and 1
+    # Block 2 of this prompt has the same tokens as a's block 1, after a different first block: no hit.
+    assert bm.cached_prefix(_req("c", [90, 91, 92, 93, 5, 6, 7, 8, 9])) == []
+    # Same first block, different second: only the first hits.
+    assert bm.cached_prefix(_req("d", [1, 2, 3, 4, 60, 61, 62, 63, 9])) == [0]
+    assert bm.cached_prefix(_req("e", range(1, 10))) == [0, 1]
+
+
+def test_fully_cached_prompt_recomputes_its_last_block():
+    bm = BlockManager(8, BS)
+    a = _req("a", range(1, 13))  # 3 full blocks
+    _computed(bm, a)
+    bm.free(a)
+    same = _req("same", range(1, 13))
+    # The last token must run for logits and may not be written into a shared block: the last block is redone.
+    assert _admit(bm, same) == [0, 1]
+    assert same.num_computed_tokens == 2 * BS and same.block_ids == [0, 1, 3]
+    longer = _req("longer", range(1, 14))  # one token past the cached blocks: all three are reused
+    assert _admit(bm, longer) == [0, 1, 2] and longer.num_computed_tokens == 3 * BS
+    assert longer.block_ids == [0, 1, 2, 4]
+    assert bm.num_prefix_hits == 2 * BS + 3 * BS
+
+
+def test_shared_block_stays_allocated_until_both_finish():
+    bm = BlockManager(6, BS)
+    a = _req("a", range(1, 10))
+    _computed(bm, a)
+    bm.allocate(a, 1)  # a's next step registers its computed full blocks
+    b = _req("b", range(1, 10))
+    assert _admit(bm, b) == [0, 1] and b.block_ids == [0, 1, 3]
+    assert bm.num_free_blocks == 2 and bm.usage == pytest.approx(4 / 6)
+    bm.free(a)
+    assert bm.ref_counts[:4] == [1, 1, 0, 1] and bm.num_free_blocks == 3 and 0 not in bm.evictable
+    b.num_computed_tokens = 9
+    bm.free(b)
+    assert bm.ref_counts == [0] * 6 and bm.num_free_blocks == 6 and bm.usage == 0.0
+    assert bm.cached_prefix(_req("c", range(1, 10))) == [0, 1]  # unreferenced, still cached
+
+
+def test_eviction_prefers_empty_blocks_then_least_recently_freed():
+    bm = BlockManager(6, BS)
+    x, y = _req("x", range(1, 9)), _req("y", range(11, 19))
+    _computed(bm, x)
+    _computed(bm, y)
+    assert x.block_ids == [0, 1] and y.block_ids == [2, 3]
+    bm.free(x)
+    bm.free(y)
+    # Each request's blocks queue tail first; x was freed before y.
+    assert list(bm.evictable) == [1, 0, 3, 2] and list(bm.free_ids) == [4, 5]
+    z = _req("z", range(100, 112))
+    assert _admit(bm, z) == [] and z.block_ids == [4, 5, 1]  # empty blocks first, then x's tail
+    assert bm.cached_prefix(_req("x2", range(1, 10))) == [0]  # x's head is still there
+    w = _req("w", range(200, 208))
+    _admit(bm, w)
+    assert w.block_ids == [0, 3]
+    assert bm.cached_prefix(_req("x3", range(1, 10))) == [] and bm.cached_prefix(_req("y2", range(11, 20))) == [2]
+    assert not bm.can_allocate(_req("v", range(300, 309)), 9)  # 1 free block left, 3 needed
+
+
+def test_reviving_a_free_cached_block_counts_against_free_space():
+    bm = BlockManager(3, BS)
+    a = _req("a", range(1, 9))
+    _computed(bm, a)
+    bm.free(a)
+    b = _req("b", range(1, 14))  # would take cached blocks 0 and 1 (both unreferenced) and need 2 more
+    cached = bm.cached_prefix(b)
+    assert cached == [0, 1] and bm.num_free_blocks == 3
+    assert not bm.can_allocate(b, 5, cached)
+    assert bm.can_allocate(b, 4, cached)
+
+
+def test_caching_off_never_hits():
+    bm = BlockManager(8, BS, enable_caching=False)
+    a = _req("a", range(1, 10))
+    _computed(bm, a)
+    bm.free(a)
+    b = _req("b", range(1, 10))
+    assert _admit(bm, b) == [] and b.num_computed_tokens == 0 and b.block_ids == [3, 4, 5]
+    assert bm.cached == {} and bm.prefix_hit_rate == 0.0
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineConfig("model", enable_prefix_caching="yes")
+
+
+def test_no_leaks_after_preempt_finish_and_abort():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = _req("a", range(1, 9)), _req("b", range(1, 9))
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert a.block_ids == [0, 1] and b.block_ids == [2, 3]  # admitted together: nothing cached yet
+    _return_tokens(batch)
+    # "a" needs a third block: "b" is preempted; its computed blocks are cached as it frees them, and a's
+    # identical blocks become second copies. a's new block evicts b's tail (block 3).
+    batch = sched.schedule()
+    assert batch.requests == [a] and a.block_ids == [0, 1, 3] and b.num_preemptions == 1
+    assert bm.cached_prefix(b) == [2] and list(sched.waiting) == [b]  # 1 free block: not enough for b yet
+    _return_tokens(batch)
+    sched.finish(a, "length")
+    assert bm.num_free_blocks == 4
+    # a's copy of the second block took over the index when b's own copy was evicted: b comes back on its own
+    # first block and a's second, and recomputes only its last token.
+    batch = sched.schedule()
+    assert batch.requests == [b] and batch.num_new_tokens == [1] and b.block_ids == [2, 1, 0]
+    # Aborted while its batch is out: its blocks are kept until the batch returns, then freed.
+    sched.finish(b, "abort")
+    assert bm.num_free_blocks < 4
+    for req in batch.requests:
+        req.in_flight = False
+        bm.free(req)
+    assert bm.num_free_blocks == 4 and bm.ref_counts == [0] * 4 and bm.usage == 0.0
+    assert sched.num_unfinished == 0
+
+
+# ---- end to end: tiny random Llama, 2 stages ----------------------------------------------------------------
+
+SYSTEM = [(7 * i) % 300 + 1 for i in range(40)]  # a 40-token system prompt: 2 full blocks of 16, plus 8
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _prompts() -> list[dict]:
+    prompts = [{"prompt_token_ids": SYSTEM + [(11 * i + j) % 300 + 1 for j in range(1 + (5 * i) % 37)]}
+               for i in range(22)]
+    prompts.append({"prompt_token_ids": SYSTEM + [5] * 8})  # exactly 3 blocks; the same prompt twice
+    prompts.append({"prompt_token_ids": SYSTEM + [5] * 8})
+    return prompts
+
+
+def _token_ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_prefix_caching_keeps_greedy_output(llama_dir):
+    prompts = _prompts()
+    with LLM(llama_dir) as single:
+        expected = _token_ids(single.generate(prompts, GREEDY, use_tqdm=False))
+    with LLM(llama_dir, pipeline_parallel_size=2, enable_prefix_caching=False) as off:
+        assert _token_ids(off.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        assert off.engine.block_manager.num_prefix_hits == 0
+    # max_num_seqs=2 admits requests over many steps, so later ones find the prefix computed by earlier ones.
+    with LLM(llama_dir, pipeline_parallel_size=2, max_num_seqs=2) as on:
+        assert _token_ids(on.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        bm = on.engine.block_manager
+        assert bm.num_prefix_queries == sum(len(p["prompt_token_ids"]) for p in prompts)
+        # The first 2 batches (2 requests each) go out before any comes back and compute the prefix; each of
+        # the other 20 requests takes its 2 full blocks of 16.
+        assert bm.num_prefix_hits == 20 * 32 and bm.prefix_hit_rate == 640 / bm.num_prefix_queries
+        assert bm.num_free_blocks == on.engine.num_blocks and bm.usage == 0.0
+
+
+def test_same_prompt_twice_hits_the_cache(llm_pp2):
+    bm = llm_pp2.engine.block_manager
+    prompt = {"prompt_token_ids": [(13 * i) % 300 + 50 for i in range(40)]}
+    queries, hits = bm.num_prefix_queries, bm.num_prefix_hits
+    first = _token_ids(llm_pp2.generate(prompt, GREEDY, use_tqdm=False))
+    assert (bm.num_prefix_queries - queries, bm.num_prefix_hits - hits) == (40, 0)
+    second = _token_ids(llm_pp2.generate(prompt, GREEDY, use_tqdm=False))
+    assert second == first
+    assert (bm.num_prefix_queries - queries, bm.num_prefix_hits - hits) == (80, 32)  # 2 full blocks of 16
+    assert bm.num_free_blocks == llm_pp2.engine.num_blocks
