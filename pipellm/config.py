@@ -102,6 +102,9 @@ class EngineConfig:
     seed: int = 0                       # seeds requests that do not set their own
     threads_per_stage: int | None = None  # torch threads per stage; None = cores // P
     step_timeout_s: float = 300.0       # a stage silent this long is reported as hung
+    trace: bool = False                 # record per-batch timings in every stage (pipellm.observe.trace)
+    max_batches_in_flight: int | None = None  # micro-batches in the pipeline at once; None = one per stage
+    enable_prefix_caching: bool = True  # reuse computed KV blocks of prompt prefixes seen before
 
     def __post_init__(self):
         def bad(name, why):
@@ -126,6 +129,11 @@ class EngineConfig:
         if self.threads_per_stage is not None and (not isinstance(self.threads_per_stage, int)
                                                    or self.threads_per_stage < 1):
             bad("threads_per_stage", "must be a positive integer or None")
+        if self.max_batches_in_flight is not None and (not isinstance(self.max_batches_in_flight, int)
+                                                       or self.max_batches_in_flight < 1):
+            bad("max_batches_in_flight", "must be a positive integer or None")
+        if not isinstance(self.enable_prefix_caching, bool):
+            bad("enable_prefix_caching", "must be True or False")
 
     @property
     def torch_dtype(self) -> torch.dtype:

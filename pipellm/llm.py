@@ -16,14 +16,15 @@ class LLM:
     def __init__(self, model: str | None = None, pipeline_parallel_size: int = 1,
                  layer_partition: list[int] | None = None, dtype: str = "float32", block_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 64, seed: int = 0,
-                 threads_per_stage: int | None = None, **engine_kwargs):
+                 threads_per_stage: int | None = None, trace_dir: str | None = None, **engine_kwargs):
         config = EngineConfig(model, pipeline_parallel_size, layer_partition, dtype, block_size, max_model_len,
-                              max_num_seqs, seed=seed, threads_per_stage=threads_per_stage, **engine_kwargs)
+                              max_num_seqs, seed=seed, threads_per_stage=threads_per_stage,
+                              trace=trace_dir is not None or engine_kwargs.pop("trace", False), **engine_kwargs)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
         self._dead: str | None = None
         # Stage processes end with this object even if the user never calls shutdown().
-        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+        self._finalizer = weakref.finalize(self, _close, self.engine, trace_dir)
 
     def __enter__(self) -> "LLM":
         return self
@@ -33,6 +34,13 @@ class LLM:
 
     def shutdown(self) -> None:
         self._finalizer()
+
+    def save_trace(self, out_dir: str) -> dict:
+        """Writes trace.json, pipeline.png, kv_cache.png and summary.json for what ran since the last save."""
+        from pipellm.observe.trace import collect, write_trace_dir
+        if self.engine.tracer is None:
+            raise ValueError("tracing is off; create the LLM with trace_dir=... to record a trace")
+        return write_trace_dir(collect(self.engine), out_dir)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -113,3 +121,12 @@ class LLM:
             # The template already holds any BOS token, so don't add special tokens again.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _close(engine: LLMEngine, trace_dir: str | None) -> None:
+    try:
+        if trace_dir is not None and engine.executor.is_alive() and not engine.in_flight:
+            from pipellm.observe.trace import collect, write_trace_dir
+            write_trace_dir(collect(engine), trace_dir)
+    finally:
+        engine.shutdown()

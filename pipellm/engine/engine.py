@@ -10,6 +10,7 @@ from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.scheduler import ScheduledBatch, Scheduler
 from pipellm.engine.sequence import Request
 from pipellm.loader.safetensors import checkpoint_files
+from pipellm.observe.trace import TraceRecorder
 from pipellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pipellm.pipeline.executor import PipelineError, PipelineExecutor
 from pipellm.pipeline.messages import SampledBatch
@@ -59,11 +60,12 @@ class LLMEngine:
         self.num_blocks = self._num_kv_blocks()
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = self._eos_token_ids()
-        self.block_manager = BlockManager(self.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.in_flight: deque[ScheduledBatch] = deque()
         self._request_counter = itertools.count()
+        self.tracer = TraceRecorder() if config.trace else None
         self.executor = PipelineExecutor(self.model_dir, mc, config, self.stages, self.num_blocks)
 
     def _num_kv_blocks(self) -> int:
@@ -141,20 +143,28 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------------------------
 
-    def step(self) -> list[Request]:
-        """Fills the pipeline, then waits for the oldest batch. Returns the requests that got a token."""
-        num_stages = len(self.stages)
-        while len(self.in_flight) < num_stages:
+    def step(self, fill: bool = True) -> list[Request]:
+        """Fills the pipeline, then waits for the oldest batch. Returns the requests that got a token.
+        fill=False submits nothing new, so repeated calls empty the pipeline (inspect() needs it empty)."""
+        num_batches = self.config.max_batches_in_flight or len(self.stages)
+        while fill and len(self.in_flight) < num_batches:
             # Split the runnable requests evenly over the batches in flight, so no stage waits on a big one.
-            per_batch = -(-self.scheduler.num_unfinished // num_stages)
+            per_batch = -(-self.scheduler.num_unfinished // num_batches)
             batch = self.scheduler.schedule(max_num_seqs=max(1, per_batch))
             if batch is None:
                 break
             self.executor.submit(batch.stage_batch)
             self.in_flight.append(batch)
+            if self.tracer:
+                bm = self.block_manager
+                self.tracer.on_submit(batch.batch_id, batch.stage_batch.num_tokens, len(batch.requests),
+                                      bm.num_blocks - bm.num_free_blocks,
+                                      sum(c > 1 for c in getattr(bm, "ref_counts", ())))
         if not self.in_flight:
             return []
         result = self.executor.receive()
+        if self.tracer:
+            self.tracer.on_receive(result.batch_id, len(result.tokens))
         return self._process(self.in_flight.popleft(), result)
 
     def _process(self, batch: ScheduledBatch, result: SampledBatch) -> list[Request]:

@@ -7,6 +7,7 @@ import sys
 import time
 
 from pipellm.llm import LLM
+from pipellm.observe.trace import collect, write_trace_dir
 from pipellm.sampling_params import SamplingParams
 
 
@@ -26,20 +27,24 @@ def percentiles(values: list[float]) -> dict[str, float]:
 def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_prompts: int = 32,
               input_len: tuple[int, int] = (64, 192), output_len: int = 64, dtype: str = "float32",
               threads_per_stage: int | None = None, compare_hf: bool = False, seed: int = 0,
-              use_tqdm: bool = True, **engine_kwargs) -> dict:
-    with LLM(model, pipeline_parallel_size=pipeline_parallel_size, dtype=dtype,
-             threads_per_stage=threads_per_stage, seed=seed, **engine_kwargs) as llm:
+              use_tqdm: bool = True, trace_dir: str | None = None, **engine_kwargs) -> dict:
+    with LLM(model, pipeline_parallel_size=pipeline_parallel_size, dtype=dtype, threads_per_stage=threads_per_stage,
+             seed=seed, trace=trace_dir is not None, **engine_kwargs) as llm:
         engine = llm.engine
         prompts = make_prompts(num_prompts, input_len, engine.model_config.vocab_size, seed)
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p[:16]} for p in prompts[:2]], SamplingParams(max_tokens=4),
                      use_tqdm=False)  # warm-up
+        if trace_dir is not None:
+            collect(engine)  # drop the warm-up's events
         before = engine.inspect()
         start = time.monotonic()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=use_tqdm)
         elapsed = time.monotonic() - start
+        trace_data = collect(engine) if trace_dir is not None else None  # before inspect(), which drains events
         after = engine.inspect()
         stages = [s.describe() for s in engine.stages]
+    trace_summary = write_trace_dir(trace_data, trace_dir) if trace_data is not None else None
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(p) for p in prompts)
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
@@ -64,6 +69,8 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
         "bubble_pct": 100 * (1 - statistics.mean(busy)),
         "bytes_sent_per_token": [b / t if t else 0.0 for b, t in zip(bytes_sent, tokens_sent)],
     }
+    if trace_summary is not None:
+        result["trace"] = dict(dir=trace_dir, bubble_pct=trace_summary["bubble_pct"], balance=trace_summary["balance"])
     if compare_hf:
         threads = after[0].num_threads * pipeline_parallel_size
         result["hf"] = run_hf(model, prompts, output_len, dtype, threads)

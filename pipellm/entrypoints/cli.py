@@ -1,4 +1,4 @@
-"""pipellm generate | chat | bench"""
+"""pipellm generate | chat | bench | trace"""
 import argparse
 import sys
 import time
@@ -99,11 +99,24 @@ def cmd_bench(args) -> None:
 
     from pipellm.entrypoints.bench import format_result, run_bench
     result = run_bench(args.model, args.pipeline_parallel_size, args.num_prompts, args.input_len, args.output_len,
-                       args.dtype, args.threads_per_stage, args.compare_hf, args.seed, **_engine_kwargs(args))
+                       args.dtype, args.threads_per_stage, args.compare_hf, args.seed, trace_dir=args.trace_dir,
+                       **_engine_kwargs(args))
     print(format_result(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def cmd_trace(args) -> None:
+    import os
+
+    from pipellm.observe.trace import load_trace, render_pipeline_png, summarize
+    data = load_trace(args.trace_json)
+    png = args.png or os.path.join(os.path.dirname(args.trace_json), "pipeline.png")
+    render_pipeline_png(data, png)
+    summary = summarize(data)
+    print(f"{png}: bubble {summary['bubble_pct']:.1f}%, balance {summary['balance']:.2f}, "
+          f"{summary['tokens_per_s']:.1f} generated tok/s")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,7 +139,12 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--output-len", type=int, default=64)
     bench.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate, same requests")
     bench.add_argument("--json", default=None, help="save every figure to this file")
+    bench.add_argument("--trace-dir", default=None, help="write trace.json, pipeline.png, kv_cache.png, summary.json")
     bench.set_defaults(func=cmd_bench)
+    trace = sub.add_parser("trace", help="re-render a saved trace.json")
+    trace.add_argument("trace_json")
+    trace.add_argument("--png", default=None, help="pipeline picture to write (default: beside the trace)")
+    trace.set_defaults(func=cmd_trace)
     args = parser.parse_args(argv)
     try:
         args.func(args)

@@ -67,3 +67,5 @@ class StageReport:
     activation_bytes_sent: int       # bytes of hidden states sent to the next stage
     activation_tokens_sent: int      # token rows in those hidden states
     busy_s: float                    # seconds spent computing (model, logits, sampling), not waiting
+    events: list[tuple] | None = None  # trace events since the last report, when tracing
+    clock_offset_s: float = 0.0      # wall clock minus this process's perf_counter, to align events

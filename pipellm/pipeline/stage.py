@@ -7,6 +7,7 @@ import signal
 import sys
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,8 @@ class StageArgs:
     master_addr: str
     master_port: int
 
+MAX_EVENTS = 200_000  # trace events a stage keeps between two reports
+
 
 def ready_key(rank: int) -> str:
     return f"ready/{rank}"
@@ -57,6 +60,8 @@ class StageWorker:
         self.steps = self.bytes_sent = self.tokens_sent = 0
         self.busy_s = 0.0  # time computing, not waiting for input
         self.chan: comm.Channel | None = None
+        # (kind, batch id, start, end, tokens, sequences), perf_counter clock; None when not tracing.
+        self.events: deque[tuple] | None = deque(maxlen=MAX_EVENTS) if ecfg.trace else None
 
     @property
     def world_rank(self) -> int:
@@ -65,6 +70,7 @@ class StageWorker:
     def serve(self, chan: comm.Channel) -> None:
         self.chan = chan
         while True:
+            waiting_since = time.perf_counter()
             msg = chan.recv_obj(comm.DRIVER)
             if isinstance(msg, Shutdown):
                 chan.flush()
@@ -72,7 +78,13 @@ class StageWorker:
             if isinstance(msg, Inspect):
                 chan.send_obj(self.report(), comm.DRIVER)
             else:
+                self._record("wait_batch", msg, waiting_since)
                 self.step(msg)
+
+    def _record(self, kind: str, batch: StageBatch, start: float, end: float | None = None) -> None:
+        if self.events is not None:
+            self.events.append((kind, batch.batch_id, start, end or time.perf_counter(), batch.num_tokens,
+                                len(batch.query_lens)))
 
     @torch.inference_mode()
     def step(self, batch: StageBatch) -> None:
@@ -84,13 +96,16 @@ class StageWorker:
         if self.stage.is_first:
             x = t(batch.input_ids)
         else:
+            waiting_since = time.perf_counter()
             x = self.chan.recv_tensor((batch.num_tokens, cfg.hidden_size), ecfg.torch_dtype,
                                       self.world_rank - 1)
+            self._record("wait_hidden", batch, waiting_since)
         start = time.perf_counter()
         hidden = self.model(x, positions, meta, self.kv_caches)
         self.steps += 1
         if not self.stage.is_last:
             self.busy_s += time.perf_counter() - start
+            self._record("forward", batch, start)
             self.chan.send_tensor(hidden, self.world_rank + 1)
             self.bytes_sent += hidden.numel() * hidden.element_size()
             self.tokens_sent += hidden.shape[0]
@@ -104,16 +119,21 @@ class StageWorker:
             logits = self.model.compute_logits(hidden[t(batch.logits_indices)])
             tokens = self.sampler.sample(logits, batch.sample_req_ids)
         self.busy_s += time.perf_counter() - start
+        self._record("forward", batch, start)
         self.chan.send_obj(SampledBatch(batch.batch_id, tokens), comm.DRIVER)
 
     def report(self) -> StageReport:
+        events = None
+        if self.events is not None:  # each report hands over the events recorded since the last one
+            events, self.events = list(self.events), deque(maxlen=MAX_EVENTS)
         return StageReport(
             rank=self.stage.rank, description=self.stage.describe(), pid=os.getpid(),
             param_names=[n for n, _ in self.model.named_parameters()],
             checkpoint_tensors=self.checkpoint_tensors, num_kv_caches=len(self.kv_caches),
             kv_cache_shape=tuple(self.kv_caches[0][0].shape), num_threads=torch.get_num_threads(),
             cpu_affinity=sorted(os.sched_getaffinity(0)), steps=self.steps,
-            activation_bytes_sent=self.bytes_sent, activation_tokens_sent=self.tokens_sent, busy_s=self.busy_s)
+            activation_bytes_sent=self.bytes_sent, activation_tokens_sent=self.tokens_sent, busy_s=self.busy_s,
+            events=events, clock_offset_s=time.time() - time.perf_counter())
 
 
 def _die_with_parent() -> None:
