@@ -96,7 +96,7 @@ class EngineConfig:
     block_size: int = 16                # tokens per KV cache block
     max_model_len: int | None = None    # prompt + output tokens; None = the model's limit
     max_num_seqs: int = 64              # requests in one step at most
-    max_num_batched_tokens: int = 2048  # tokens in one step at most (prefill chunk budget)
+    max_num_batched_tokens: int = 512   # tokens in one step at most: small, equal steps keep stages balanced
     kv_cache_gib: float = 1.0           # KV cache memory per stage
     num_kv_blocks: int | None = None    # exact block count instead of kv_cache_gib (tests, tuning)
     seed: int = 0                       # seeds requests that do not set their own

@@ -148,9 +148,11 @@ class LLMEngine:
         fill=False submits nothing new, so repeated calls empty the pipeline (inspect() needs it empty)."""
         num_batches = self.config.max_batches_in_flight or len(self.stages)
         while fill and len(self.in_flight) < num_batches:
-            # Split the runnable requests evenly over the batches in flight, so no stage waits on a big one.
-            per_batch = -(-self.scheduler.num_unfinished // num_batches)
-            batch = self.scheduler.schedule(max_num_seqs=max(1, per_batch))
+            # Split the work evenly over the batches in flight, in requests, and in tokens over the batch slots
+            # still free, so that no stage waits behind a big batch.
+            seqs = -(-self.scheduler.num_unfinished // num_batches)
+            tokens = -(-self.scheduler.num_schedulable_tokens // (num_batches - len(self.in_flight)))
+            batch = self.scheduler.schedule(max_num_seqs=max(1, seqs), max_num_tokens=max(1, tokens))
             if batch is None:
                 break
             self.executor.submit(batch.stage_batch)

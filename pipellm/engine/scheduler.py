@@ -59,10 +59,16 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def schedule(self, max_num_seqs: int | None = None) -> ScheduledBatch | None:
+    @property
+    def num_schedulable_tokens(self) -> int:
+        """Tokens that requests not in flight could run now."""
+        return sum(r.num_pending_tokens for r in self.running if not r.in_flight) + \
+            sum(r.num_pending_tokens for r in self.waiting)
+
+    def schedule(self, max_num_seqs: int | None = None, max_num_tokens: int | None = None) -> ScheduledBatch | None:
         """Picks requests not in flight, within the token budget and free KV blocks. None if nothing can run."""
         max_seqs = min(self.max_num_seqs, max_num_seqs or self.max_num_seqs)
-        budget = self.max_num_batched_tokens
+        budget = min(self.max_num_batched_tokens, max_num_tokens or self.max_num_batched_tokens)
         chosen: list[tuple[Request, int]] = []
         for req in list(self.running):
             if len(chosen) == max_seqs or budget == 0:
