@@ -5,6 +5,7 @@ import pickle
 import select
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -53,6 +54,25 @@ class PipelineExecutor:
         except BaseException:
             self._kill()
             raise
+        self.first_death: int | None = None  # rank of the stage that died first
+        self._closing = False
+        self._wake_r, self._wake_w = os.pipe()
+        threading.Thread(target=self._watch, name="pipellm-stage-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Sleeps until a stage process ends. If that was not a shutdown, stops the other stages too:
+        their sockets close, so whatever the driver waits on fails at once instead of hanging (a gloo
+        receive from a peer that died before it was posted may otherwise never return)."""
+        fds = {os.pidfd_open(p.pid): rank for rank, p in enumerate(self.procs)}
+        try:
+            ready, _, _ = select.select(list(fds) + [self._wake_r], [], [])
+            dead = [fds[fd] for fd in ready if fd in fds]
+            if dead and not self._closing:
+                self.first_death = dead[0]
+                self._kill()
+        finally:
+            for fd in [*fds, self._wake_r]:
+                os.close(fd)
 
     @property
     def last_rank(self) -> int:
@@ -87,7 +107,10 @@ class PipelineExecutor:
         while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
             self._wait_any_exit(0.1)
         problems = []
+        first = self.__dict__.get("first_death")
         for rank, proc in enumerate(self.procs):
+            if first is not None and rank != first and not self.store.check([error_key(rank)]):
+                continue  # stopped by the watchdog, not a cause
             if self.store.check([error_key(rank)]):
                 err = json.loads(self.store.get(error_key(rank)))
                 problems.append(f"stage {rank} (pid {proc.pid}) failed: {err['type']}: {err['message']}")
@@ -95,8 +118,8 @@ class PipelineExecutor:
                 code = proc.returncode
                 how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
                 problems.append(f"stage {rank} (pid {proc.pid}) {how}")
-        # A stage that died outright is the cause; the others only lost their connection to it.
-        problems.sort(key=lambda p: "failed:" in p)
+        if first is not None and len(self.procs) > 1:
+            problems.append("the other stages were stopped")
         return PipelineError(f"{what}: " + ("; ".join(problems) or "no stage reported a cause"))
 
     def _guard(self, what: str, fn, *args):
@@ -138,6 +161,14 @@ class PipelineExecutor:
         return not self.failed and all(p.poll() is None for p in self.procs)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._closing = True
+        if hasattr(self, "_wake_w") and self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"x")  # stops the watchdog
+            except OSError:
+                pass  # it stopped already
+            os.close(self._wake_w)
+            self._wake_w = -1
         if self.is_alive() and hasattr(self, "chan"):
             try:
                 for stage in self.stages:
