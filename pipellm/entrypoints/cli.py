@@ -1,4 +1,4 @@
-"""pipellm generate | chat | bench | trace"""
+"""pipellm generate | chat | bench | trace | serve"""
 import argparse
 import sys
 import time
@@ -119,6 +119,19 @@ def cmd_trace(args) -> None:
           f"{summary['tokens_per_s']:.1f} generated tok/s")
 
 
+def cmd_serve(args) -> None:
+    from pipellm.entrypoints.server import ServerConfig, run_server
+    from pipellm.loader.default_model import DEFAULT_MODEL_NAME
+    if args.model_path and args.model and args.model_path != args.model:
+        raise ValueError(f"two models given ({args.model_path!r} and --model {args.model!r}); give one")
+    model = args.model_path or args.model
+    engine_kwargs = dict(pipeline_parallel_size=args.pipeline_parallel_size, dtype=args.dtype, seed=args.seed,
+                         threads_per_stage=args.threads_per_stage, **_engine_kwargs(args))
+    config = ServerConfig(args.served_model_name or model or DEFAULT_MODEL_NAME, args.host, args.port, args.api_key,
+                          args.max_request_bytes, args.log_level)
+    run_server(model, engine_kwargs, config)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pipellm", description="Pipeline-parallel LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -145,6 +158,16 @@ def main(argv: list[str] | None = None) -> None:
     trace.add_argument("trace_json")
     trace.add_argument("--png", default=None, help="pipeline picture to write (default: beside the trace)")
     trace.set_defaults(func=cmd_trace)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_path", nargs="?", default=None, metavar="model", help="same as --model")
+    _engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     try:
         args.func(args)

@@ -1,0 +1,1 @@
+"""Observability: trace.py (per-batch pipeline timelines) and metrics.py (the server's Prometheus metrics)."""

@@ -1,0 +1,340 @@
+"""An asyncio front end over LLMEngine: one background thread steps the engine, asyncio tasks await their requests.
+
+The engine is not thread-safe, so every engine call happens on that one thread. Requests and aborts reach it through a
+thread-safe queue; per-request token updates come back to the event loop with one call_soon_threadsafe per step.
+"""
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pipellm.engine.engine import LLMEngine, load_tokenizer
+from pipellm.outputs import Logprob
+from pipellm.sampling_params import SamplingParams
+
+_IDLE_WAIT_S = 0.5          # an idle engine thread sleeps on its queue this long, then checks the stages
+_REPORT_EVERY_S = 2.0       # stage reports (busy seconds, bytes sent) are refreshed at most this often...
+_REPORT_FORCED_S = 15.0     # ...and under load at least this often (draining the pipeline for it costs a bubble)
+
+
+class EngineDeadError(RuntimeError):
+    """The pipeline failed; no request can run any more."""
+
+
+# ---- messages between the event loop and the engine thread ---------------------------------------------------
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    updates: asyncio.Queue          # receives list[EngineDelta] per step, or an EngineDeadError
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class Stop:
+    pass
+
+
+@dataclass
+class EngineDelta:
+    """What one completion got in one step: only the new tokens."""
+    index: int
+    token_ids: list[int]
+    token_times: list[float]                        # time.monotonic() of each new token
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    stop_text: str | None                           # the text cut before a stop string, when one ended it
+
+
+@dataclass
+class EngineStats:
+    """A snapshot the engine thread writes after each step, for /metrics."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0                     # fraction of KV blocks in use
+    prefix_cache_hit_rate: float = 0.0
+    num_generated_tokens: int = 0                   # all tokens the engine generated, aborted requests' too
+    stage_reports: list = field(default_factory=list)  # list[StageReport]: every 2 s idle, 15 s under load
+
+
+@dataclass
+class StreamDelta:
+    """What one completion's client sees: new text that will not be taken back, and its tokens."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+# ---- incremental detokenization -------------------------------------------------------------------------------
+
+class IncrementalDetokenizer:
+    """Turns a completion's growing token ids into text deltas. It decodes the whole output each time (outputs are
+    short beside a step's cost), so the streamed text is exactly the final text, and holds back what may change:
+    a trailing U+FFFD (an incomplete UTF-8 sequence) and any tail that could still grow into a stop string."""
+
+    def __init__(self, tokenizer, params: SamplingParams):
+        self.tokenizer, self.params = tokenizer, params
+        self.token_ids: list[int] = []
+        self.num_sent_chars = 0
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.token_ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def add(self, token_ids: list[int], finished: bool, stop_text: str | None = None) -> str:
+        self.token_ids += token_ids
+        text = stop_text if stop_text is not None else self._decode()
+        end = len(text)
+        if not finished:
+            while end > self.num_sent_chars and text[end - 1] == "\ufffd":
+                end -= 1
+            end -= _stop_prefix_len(text[:end], self.params.stop)
+        delta = text[self.num_sent_chars:end]
+        self.num_sent_chars = max(self.num_sent_chars, end)
+        return delta
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of text that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
+# ---- the engine thread ----------------------------------------------------------------------------------------
+
+@dataclass
+class _Tracked:
+    updates: asyncio.Queue
+    num_sent: list[int]             # per completion: output tokens already published
+    is_open: list[bool]             # per completion: not finished yet
+
+
+class AsyncEngine:
+    """Create the LLMEngine on a thread that lives as long as the server: its stage processes die with the thread
+    that started them (PR_SET_PDEATHSIG)."""
+
+    def __init__(self, engine: LLMEngine, metrics=None):
+        self.engine, self.metrics = engine, metrics
+        # A tokenizer of our own for the event loop: HF fast tokenizers are not safe to share between threads.
+        self.tokenizer = load_tokenizer(engine.model_dir)
+        self.stats = EngineStats()
+        self.error: str | None = None            # set once when the pipeline fails
+        self._commands: queue.Queue = queue.Queue()
+        self._active: dict[str, _Tracked] = {}   # engine thread only
+        self._last_report = 0.0
+        self._has_stepped = True                 # since the last stage report; an idle server asks nothing
+        self._num_generated = 0                  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pipellm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ends every request (finish_reason "abort") and the engine thread. The caller shuts the engine down."""
+        if self._thread is not None and self._thread.is_alive():
+            self._commands.put(Stop())
+            self._thread.join(timeout_s)
+
+    def stage_status(self) -> list[dict]:
+        # Popen.poll is safe from any thread; this reads no engine state.
+        return [{"rank": rank, "pid": p.pid, "alive": p.poll() is None, "returncode": p.returncode}
+                for rank, p in enumerate(self.engine.executor.procs)]
+
+    def is_alive(self) -> bool:
+        return self.error is None and self.engine.executor.is_alive()
+
+    def dead_reason(self) -> str | None:
+        """None while the pipeline works; else why not (the engine thread may not have noticed yet)."""
+        return None if self.is_alive() else self.error or _describe_dead(self.stage_status())
+
+    # ---- event loop side ------------------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[list[StreamDelta]]:
+        """Yields the new text of the request's completions as it comes. Closing the iterator early (a client that
+        went away) aborts the request, which frees its KV blocks."""
+        if self.error:
+            raise EngineDeadError(self.error)
+        arrival = time.monotonic()
+        updates: asyncio.Queue = asyncio.Queue()
+        detoks = [IncrementalDetokenizer(self.tokenizer, params) for _ in range(params.n)]
+        last_time: list[float | None] = [None] * params.n  # per completion: its latest token's time
+        is_open = [True] * params.n
+        self._commands.put(AddRequest(request_id, prompt_token_ids, params, updates))
+        if self.metrics:
+            self.metrics.on_request(len(prompt_token_ids))
+        try:
+            while any(is_open):
+                items = [await updates.get()]
+                while not updates.empty():  # a slow reader gets fewer, larger chunks
+                    items.append(updates.get_nowait())
+                out: dict[int, StreamDelta] = {}
+                for item in items:
+                    if isinstance(item, Exception):
+                        raise item
+                    for d in item:
+                        if not is_open[d.index]:
+                            continue
+                        is_open[d.index] = d.finish_reason is None
+                        text = detoks[d.index].add(d.token_ids, not is_open[d.index], d.stop_text)
+                        if self.metrics:
+                            self.metrics.on_delta(d.token_times, last_time[d.index], arrival, d.finish_reason)
+                        if d.token_times:
+                            last_time[d.index] = d.token_times[-1]
+                        _merge(out, d, text)
+                yield list(out.values())
+        finally:
+            if any(is_open):
+                self._commands.put(AbortRequest(request_id))
+                if self.metrics:
+                    for _ in range(sum(is_open)):
+                        self.metrics.on_delta([], None, arrival, "abort")
+
+    # ---- engine thread ----------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            busy = self.error is None and (engine.has_unfinished_requests() or bool(engine.in_flight))
+            for cmd in self._take_commands(block=not busy):
+                if isinstance(cmd, Stop):
+                    return self._end_all(None)
+                self._handle(cmd)
+            if self.error is not None:
+                continue
+            try:
+                if not engine.executor.is_alive():  # also noticed while idle, so /health and new requests see it
+                    raise EngineDeadError(_describe_dead(self.stage_status()))
+                if engine.has_unfinished_requests() or engine.in_flight:
+                    self._publish(engine.step())
+                    self._has_stepped = True
+                self._refresh_stats()
+            except Exception as e:  # the pipeline failed (PipelineError), or a bug: stop serving, say why
+                self._fail(str(e) if isinstance(e, EngineDeadError) else f"{type(e).__name__}: {e}")
+
+    def _take_commands(self, block: bool) -> list:
+        cmds = []
+        try:
+            if block:  # idle: sleep on the queue, never spin; the cores belong to the stages
+                cmds.append(self._commands.get(timeout=_IDLE_WAIT_S))
+            while True:
+                cmds.append(self._commands.get_nowait())
+        except queue.Empty:
+            return cmds
+
+    def _handle(self, cmd) -> None:
+        if isinstance(cmd, AbortRequest):
+            if self._active.pop(cmd.request_id, None) is not None:
+                self.engine.abort_request(cmd.request_id)
+            return
+        if self.error is not None:
+            return self._send([(cmd.updates, EngineDeadError(self.error))])
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+        except ValueError as e:  # validated on the event loop already; a duplicate id would land here
+            return self._send([(cmd.updates, e)])
+        self._active[cmd.request_id] = _Tracked(cmd.updates, [0] * cmd.params.n, [True] * cmd.params.n)
+
+    def _publish(self, updated: list) -> None:
+        self._num_generated += len(updated)  # one new token each
+        per_request: dict[str, list[EngineDelta]] = {}
+        for req in updated:
+            rid = req.parent_id or req.request_id
+            tracked = self._active.get(rid)
+            if tracked is None:
+                continue
+            start = tracked.num_sent[req.index]
+            tracked.num_sent[req.index] = len(req.output_token_ids)
+            tracked.is_open[req.index] = not req.is_finished
+            per_request.setdefault(rid, []).append(EngineDelta(
+                req.index, req.output_token_ids[start:], req.token_times[start:],
+                req.output_logprobs[start:] if req.params.logprobs is not None else None,
+                req.finish_reason, req.stop_reason, req.text if isinstance(req.stop_reason, str) else None))
+        batch = []
+        for rid, deltas in per_request.items():
+            tracked = self._active[rid]
+            batch.append((tracked.updates, deltas))
+            if not any(tracked.is_open):  # every completion finished: the engine can forget the request
+                del self._active[rid]
+                self.engine.abort_request(rid)
+        self._send(batch)
+
+    def _send(self, batch: list) -> None:
+        if batch:  # one wake-up of the event loop per step, not one per request
+            self._loop.call_soon_threadsafe(_deliver, batch)
+
+    def _refresh_stats(self) -> None:
+        engine, bm = self.engine, self.engine.block_manager
+        reports = self.stats.stage_reports
+        age = time.monotonic() - self._last_report
+        if self._has_stepped and (age >= _REPORT_FORCED_S or (age >= _REPORT_EVERY_S and not engine.in_flight)):
+            while engine.in_flight:  # inspect() needs an empty pipeline: let the batches out, submit no more
+                self._publish(engine.step(fill=False))
+            reports, self._last_report, self._has_stepped = engine.inspect(), time.monotonic(), False
+        sched = engine.scheduler
+        # Replaced whole, never mutated: the event loop reads it without a lock.
+        self.stats = EngineStats(len(sched.running), len(sched.waiting), bm.usage,
+                                 getattr(bm, "prefix_hit_rate", 0.0), self._num_generated, reports)
+
+    def _fail(self, message: str) -> None:
+        self.error = message
+        self._end_all(EngineDeadError(message))
+        self.engine.shutdown()  # stop the stages still alive; /health reports 503 from now on
+
+    def _end_all(self, error: Exception | None) -> None:
+        """Ends every request: with the error, or (on stop) as finished with finish_reason "abort"."""
+        if error is None:
+            self.error = "the server is shutting down"
+        batch = []
+        for rid, tracked in self._active.items():
+            if error is None:
+                self.engine.abort_request(rid)
+                batch.append((tracked.updates, [EngineDelta(i, [], [], None, "abort", None, None)
+                                                for i, is_open in enumerate(tracked.is_open) if is_open]))
+            else:
+                batch.append((tracked.updates, error))
+        self._active.clear()
+        self._send(batch)
+
+def _describe_dead(stages: list[dict]) -> str:
+    def how(code):
+        return f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+    return "; ".join(f"stage {s['rank']} (pid {s['pid']}) {how(s['returncode'])}" for s in stages
+                     if not s["alive"]) or "the pipeline failed"
+
+
+def _deliver(batch: list) -> None:
+    for updates, item in batch:
+        updates.put_nowait(item)
+
+
+def _merge(out: dict[int, StreamDelta], d: EngineDelta, text: str) -> None:
+    prev = out.get(d.index)
+    if prev is None:
+        logprobs = None if d.logprobs is None else list(d.logprobs)
+        out[d.index] = StreamDelta(d.index, text, list(d.token_ids), logprobs, d.finish_reason, d.stop_reason)
+        return
+    prev.text += text
+    prev.token_ids += d.token_ids
+    if prev.logprobs is not None:
+        prev.logprobs += d.logprobs
+    prev.finish_reason, prev.stop_reason = d.finish_reason, d.stop_reason

@@ -1,0 +1,530 @@
+"""`pipellm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncEngine.
+
+/v1/models, /v1/completions, /v1/chat/completions (with SSE streaming), /health, /version, /metrics.
+User errors come back in OpenAI's error shape with 400/401/404/413, a dead pipeline gives 503: never a 500 for user
+input.
+"""
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
+import pipellm
+from pipellm.engine.async_engine import AsyncEngine, EngineDeadError, StreamDelta
+from pipellm.engine.engine import LLMEngine
+from pipellm.observe.metrics import CONTENT_TYPE, ServerMetrics
+from pipellm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pipellm.server")
+MAX_N = 128                 # completions per prompt
+MAX_LOGPROBS = 20           # top log-probabilities per token
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str              # the name clients pass as `model`
+    host: str = "127.0.0.1"             # loopback unless told otherwise
+    port: int = 8000
+    api_key: str | None = None          # when set, /v1/* needs "Authorization: Bearer <key>"
+    max_request_bytes: int = 1 << 20    # larger request bodies get 413
+    log_level: str = "info"
+    graceful_shutdown_s: float = 30.0   # on SIGINT/SIGTERM, in-flight requests get this long to finish
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.body = status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# ---- request bodies (OpenAI's fields; unknown ones are ignored, as OpenAI clients send extras) ------------------
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logit_bias: dict | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list | None = None
+
+
+def _parse(model: type[BaseModel], data: dict):
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise APIError(400, f"{loc}: {err['msg']}", param=str(err["loc"][0]) if err["loc"] else None) from None
+
+
+def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def get(name, default):
+        value = getattr(req, name)
+        return default if value is None else value
+
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if get("n", 1) > MAX_N:
+        raise APIError(400, f"n={req.n}: at most {MAX_N} completions per prompt", param="n")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"logprobs={logprobs}: must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+    try:
+        return SamplingParams(n=get("n", 1), max_tokens=max_tokens, temperature=get("temperature", 1.0),
+                              top_p=get("top_p", 1.0), top_k=get("top_k", -1), min_p=get("min_p", 0.0),
+                              seed=req.seed, stop=req.stop, ignore_eos=get("ignore_eos", False),
+                              repetition_penalty=get("repetition_penalty", 1.0),
+                              presence_penalty=get("presence_penalty", 0.0),
+                              frequency_penalty=get("frequency_penalty", 0.0), logprobs=logprobs,
+                              skip_special_tokens=get("skip_special_tokens", True))
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+# ---- the app --------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Choice:
+    """A completion's output gathered for a non-streaming response."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OpenAIServer:
+    def __init__(self, engine: LLMEngine, config: ServerConfig):
+        self.config, self.engine = config, engine
+        self.async_engine = AsyncEngine(engine)
+        self.metrics = ServerMetrics(config.served_model_name, lambda: self.async_engine.stats)
+        self.async_engine.metrics = self.metrics
+        self.created = int(time.time())
+
+    # ---- checks shared by the endpoints -----------------------------------------------------------------------
+
+    def check_key(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken says nothing about how much of the key matched.
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())):
+            raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def read_json(self, request: Request) -> dict:
+        limit = self.config.max_request_bytes
+        length = request.headers.get("content-length", "")
+        too_big = APIError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        if length.isdigit() and int(length) > limit:
+            raise too_big
+        body = bytearray()
+        try:
+            async for chunk in request.stream():  # counted as it arrives: a chunked body has no content-length
+                body += chunk
+                if len(body) > limit:
+                    raise too_big
+        except ClientDisconnect:
+            raise APIError(499, "the client closed the connection") from None
+        try:
+            data = json.loads(body)
+        except ValueError as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        return data
+
+    def check_model_and_engine(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{self.config.served_model_name!r}", param="model", code="model_not_found")
+        dead = self.async_engine.dead_reason()
+        if dead:
+            raise APIError(503, f"the engine is dead: {dead}", type_="server_error", code="engine_dead")
+
+    def check_prompt(self, ids: list[int], params: SamplingParams, max_tokens_given: bool) -> None:
+        limit = self.engine.max_model_len
+        if max_tokens_given and len(ids) + params.max_tokens > limit:
+            raise APIError(400, f"this model's maximum context length (max_model_len) is {limit} tokens, but "
+                           f"{len(ids) + params.max_tokens} were requested ({len(ids)} in the prompt, "
+                           f"{params.max_tokens} for the completion); shorten the prompt or lower max_tokens",
+                           param="max_tokens")
+        try:
+            self.engine.validate(ids, params)  # reads only the config: safe off the engine thread
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    # ---- generation ---------------------------------------------------------------------------------------
+
+    async def generate_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams):
+        """Runs every prompt at once; yields (prompt index, deltas) as tokens come."""
+        if len(prompts) == 1:
+            async with aclosing(self.async_engine.generate(request_id, prompts[0], params)) as stream:
+                async for deltas in stream:
+                    yield 0, deltas
+            return
+        results: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int]) -> None:
+            try:
+                async with aclosing(self.async_engine.generate(f"{request_id}-{i}", ids, params)) as stream:
+                    async for deltas in stream:
+                        results.put_nowait((i, deltas))
+                results.put_nowait((i, None))
+            except Exception as e:
+                results.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await results.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item is None:
+                    remaining -= 1
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:  # a cancelled pump closes its stream, which aborts its request
+                t.cancel()
+
+    async def collect(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[_Choice]:
+        choices = [_Choice() for _ in range(len(prompts) * params.n)]
+        try:
+            async for i, deltas in self.generate_all(request_id, prompts, params):
+                for d in deltas:
+                    c = choices[i * params.n + d.index]
+                    c.text += d.text
+                    c.token_ids += d.token_ids
+                    c.logprobs += d.logprobs or []
+                    c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine is dead: {e}", type_="server_error", code="engine_dead") from None
+        return choices
+
+    async def collect_unless_gone(self, request: Request, request_id: str, prompts: list[list[int]],
+                                  params: SamplingParams) -> list[_Choice] | None:
+        """collect(), but a client that hangs up before the answer aborts its request (None)."""
+        work = asyncio.ensure_future(self.collect(request_id, prompts, params))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()  # closes the streams, which aborts the requests and frees their KV blocks
+        return work.result() if not work.cancelled() else None
+
+    async def sse(self, base: dict, prompts: list[list[int]], params: SamplingParams, include_usage: bool,
+                  make_choice, first_choices: list[dict] = ()):
+        """The SSE body: a chunk per choice update (make_choice(index, delta) -> dict, or None to skip), then the
+        usage (if asked), then [DONE]."""
+        def event(obj) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        extra = {"usage": None} if include_usage else {}
+        num_tokens = 0
+        try:
+            for choice in first_choices:
+                yield event(base | {"choices": [choice]} | extra)
+            async for i, deltas in self.generate_all(base["id"], prompts, params):
+                for d in deltas:
+                    num_tokens += len(d.token_ids)
+                    choice = make_choice(i * params.n + d.index, d)
+                    if choice is not None:
+                        yield event(base | {"choices": [choice]} | extra)
+            if include_usage:
+                yield event(base | {"choices": [], "usage": _usage(prompts, num_tokens)})
+        except EngineDeadError as e:
+            yield event(APIError(503, f"the engine is dead: {e}", "server_error", code="engine_dead").body)
+        except Exception as e:  # the status line is gone already: say it in the stream
+            logger.exception("internal error while streaming", exc_info=e)
+            yield event(APIError(500, f"internal error: {type(e).__name__}", "server_error").body)
+        yield "data: [DONE]\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the client going away.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _usage(prompts: list[list[int]], num_completion_tokens: int) -> dict:
+    num_prompt = sum(len(p) for p in prompts)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt + num_completion_tokens}
+
+
+def _token_str(lp) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else ""
+
+
+class _CompletionLogprobs:
+    """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset (running over chunks)."""
+
+    def __init__(self):
+        self.offset = 0
+
+    def format(self, token_ids: list[int], entries: list[dict]) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, entry in zip(token_ids, entries):
+            token = _token_str(entry[tid])
+            out["tokens"].append(token)
+            out["token_logprobs"].append(entry[tid].logprob)
+            # The top k, plus the sampled token when it is not among them (as OpenAI and vLLM do).
+            out["top_logprobs"].append({_token_str(lp): lp.logprob for _, lp in
+                                        sorted(entry.items(), key=lambda kv: kv[1].rank)})
+            out["text_offset"].append(self.offset)
+            self.offset += len(token)
+        return out
+
+
+def _chat_logprobs(token_ids: list[int], entries: list[dict], top_k: int) -> dict:
+    def item(lp) -> dict:
+        token = _token_str(lp)
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        top = sorted((lp for lp in entry.values() if lp.rank <= top_k), key=lambda lp: lp.rank)
+        content.append(item(entry[tid]) | {"top_logprobs": [item(lp) for lp in top]})
+    return {"content": content}
+
+
+# ---- endpoints ------------------------------------------------------------------------------------------------
+
+class _Endpoints:
+    def __init__(self, server: OpenAIServer):
+        self.s = server
+
+    def completion_prompts(self, prompt) -> list[list[int]]:
+        items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+        if not items:
+            raise APIError(400, "prompt is empty; give a string, a list of strings, or token ids", param="prompt")
+        tokenizer = self.s.async_engine.tokenizer
+        if tokenizer is None and any(isinstance(p, str) for p in items):
+            raise APIError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
+        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+
+    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        tokenizer = self.s.async_engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions")
+        if not messages:
+            raise APIError(400, "messages is empty", param="messages")
+        conversation = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):
+                if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+                    raise APIError(400, "only text content parts are supported", param="messages")
+                content = "\n".join(part["text"] for part in content)
+            conversation.append({"role": m.role, "content": content or ""})
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template may reject a conversation (roles out of order, ...)
+            raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
+        # The template already holds any BOS token, so don't add special tokens again (as LLM.chat does).
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def base(self, prefix: str, kind: str) -> dict:
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+                "model": self.s.config.served_model_name}
+
+    async def completions(self, request: Request):
+        s = self.s
+        s.check_key(request)
+        req = _parse(CompletionRequest, await s.read_json(request))
+        s.check_model_and_engine(req.model)
+        if req.echo or req.suffix:
+            raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
+        # OpenAI's default is 16 new tokens; without an explicit max_tokens the engine caps it at what fits.
+        params = _sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+        prompts = self.completion_prompts(req.prompt)
+        for ids in prompts:
+            s.check_prompt(ids, params, req.max_tokens is not None)
+        base = self.base("cmpl", "text_completion")
+        logprobs = [_CompletionLogprobs() for _ in range(len(prompts) * params.n)]
+
+        def choice(index: int, text: str, token_ids, entries, finish_reason, stop_reason) -> dict:
+            lps = logprobs[index].format(token_ids, entries) if params.logprobs is not None else None
+            return {"index": index, "text": text, "logprobs": lps, "finish_reason": finish_reason,
+                    "stop_reason": stop_reason}
+
+        if req.stream:
+            def make_choice(index: int, d: StreamDelta) -> dict | None:
+                if not d.text and d.finish_reason is None and not (d.logprobs and d.token_ids):
+                    return None
+                return choice(index, d.text, d.token_ids, d.logprobs, d.finish_reason, d.stop_reason)
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(s.sse(base, prompts, params, include_usage, make_choice),
+                                     media_type="text/event-stream")
+        choices = await s.collect_unless_gone(request, base["id"], prompts, params)
+        if choices is None:
+            return Response(status_code=499)  # nobody is listening
+        return base | {"choices": [choice(i, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
+                                   for i, c in enumerate(choices)],
+                       "usage": _usage(prompts, sum(len(c.token_ids) for c in choices))}
+
+    async def chat(self, request: Request):
+        s = self.s
+        s.check_key(request)
+        req = _parse(ChatRequest, await s.read_json(request))
+        s.check_model_and_engine(req.model)
+        if req.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        top_k = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = _sampling_params(req, max_tokens, top_k)  # None: up to max_model_len, as OpenAI's chat does
+        prompts = [self.chat_prompt(req.messages)]
+        s.check_prompt(prompts[0], params, max_tokens is not None)
+        base = self.base("chatcmpl", "chat.completion")
+
+        def lps(token_ids, entries):
+            return _chat_logprobs(token_ids, entries, top_k) if top_k is not None else None
+
+        if req.stream:
+            base["object"] = "chat.completion.chunk"
+            first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(params.n)]
+
+            def make_choice(index: int, d: StreamDelta) -> dict | None:
+                if not d.text and d.finish_reason is None and not (d.logprobs and d.token_ids):
+                    return None
+                return {"index": index, "delta": {"content": d.text} if d.text else {},
+                        "logprobs": lps(d.token_ids, d.logprobs), "finish_reason": d.finish_reason,
+                        "stop_reason": d.stop_reason}
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(s.sse(base, prompts, params, include_usage, make_choice, first),
+                                     media_type="text/event-stream")
+        choices = await s.collect_unless_gone(request, base["id"], prompts, params)
+        if choices is None:
+            return Response(status_code=499)
+        return base | {"choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                                    "logprobs": lps(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason} for i, c in enumerate(choices)],
+                       "usage": _usage(prompts, sum(len(c.token_ids) for c in choices))}
+
+    async def models(self, request: Request):
+        self.s.check_key(request)
+        card = {"id": self.s.config.served_model_name, "object": "model", "created": self.s.created,
+                "owned_by": "pipellm", "root": self.s.engine.model_dir, "max_model_len": self.s.engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def health(self):
+        ae = self.s.async_engine
+        dead = ae.dead_reason()
+        body = {"status": "dead" if dead else "ok", "stages": ae.stage_status(), "error": dead}
+        return JSONResponse(body, status_code=503 if dead else 200)
+
+    async def version(self):
+        return {"version": pipellm.__version__}
+
+    async def metrics(self):
+        return Response(self.s.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    server = OpenAIServer(engine, config)
+    ep = _Endpoints(server)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.async_engine.start()
+        yield
+        await asyncio.to_thread(server.async_engine.stop)  # ends what is left with finish_reason "abort"
+        engine.shutdown()
+
+    app = FastAPI(title="pipellm", version=pipellm.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = server
+    app.add_api_route("/v1/completions", ep.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", ep.chat, methods=["POST"])
+    app.add_api_route("/v1/models", ep.models, methods=["GET"])
+    app.add_api_route("/health", ep.health, methods=["GET"])
+    app.add_api_route("/version", ep.version, methods=["GET"])
+    app.add_api_route("/metrics", ep.metrics, methods=["GET"])
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body, status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException):  # unknown route, wrong method
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body, status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception):
+        logger.exception("internal error", exc_info=exc)
+        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}", "server_error").body,
+                            status_code=500)
+
+    return app
+
+
+def run_server(model: str | None, engine_kwargs: dict, config: ServerConfig) -> None:
+    import uvicorn
+
+    from pipellm.config import EngineConfig
+
+    # Built on the main thread, which lives as long as the server: the stage processes are tied to the thread
+    # that started them (PR_SET_PDEATHSIG), so a short-lived thread would take them down with it.
+    engine = LLMEngine(EngineConfig(model, **engine_kwargs))
+    try:
+        for stage in engine.stages:
+            print(stage.describe(), flush=True)
+        uvicorn.run(build_app(engine, config), host=config.host, port=config.port, log_level=config.log_level,
+                    timeout_graceful_shutdown=config.graceful_shutdown_s)
+    finally:
+        engine.shutdown()

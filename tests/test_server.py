@@ -1,0 +1,389 @@
+"""`pipellm serve` as a user runs it: a real server subprocess on a loopback port, driven by the official openai client
+and by httpx. The expected texts come from LLM.generate / LLM.chat on the same tiny checkpoint (llm_pp2)."""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipellm import SamplingParams
+
+KEY, NAME, MAX_MODEL_LEN = "test-key", "tiny", 128
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world! How are you?"}]
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log: str
+
+    def stage_pids(self) -> list[int]:
+        return [s["pid"] for s in httpx.get(f"{self.url}/health").json()["stages"]]
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_until(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@contextmanager
+def serve(model_dir: str, tmp_dir, *extra: str):
+    port = _free_port()
+    log = os.path.join(tmp_dir, f"server-{port}.log")
+    cmd = [sys.executable, "-m", "pipellm.entrypoints.cli", "serve", "--model", model_dir, "-pp", "2",
+           "--port", str(port), "--log-level", "warning", *extra]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{open(log).read()}"
+            assert time.monotonic() < deadline, f"server not healthy in time:\n{open(log).read()}"
+            try:
+                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    with serve(llama_dir, tmp_path_factory.mktemp("serve"), "--api-key", KEY, "--served-model-name", NAME,
+               "--max-model-len", str(MAX_MODEL_LEN)) as s:
+        yield s
+
+
+def _greedy(llm, prompt, **kw):
+    return llm.generate(prompt, SamplingParams(temperature=0.0, **kw), use_tqdm=False)[0]
+
+
+def _metrics(server: Server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + "".join(f"[{v}]" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[key] = s.value
+    return out
+
+
+def _still_serves(server: Server) -> None:
+    out = server.client().completions.create(model=NAME, prompt="Hello", max_tokens=2)
+    assert out.usage.completion_tokens >= 1
+
+
+class _ByteTokenizer:
+    """Token id = one byte: makes incomplete UTF-8 sequences easy to produce."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_incremental_detokenizer_holds_back_partial_chars_and_stop_prefixes():
+    from pipellm.engine.async_engine import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(_ByteTokenizer(), SamplingParams(stop=["XYZ"]))
+    pieces = [detok.add(list(b), False) for b in (b"a", b"\xc3", b"\xa9", b"X", b"Y", b"Q", b"X")]
+    assert pieces == ["a", "", "\u00e9", "", "", "XYQ", ""]
+    assert detok.add(list(b"YZ"), True, stop_text="a\u00e9XYQ") == ""  # the engine cut at the stop string
+    detok = IncrementalDetokenizer(_ByteTokenizer(), SamplingParams())
+    assert detok.add([0xc3], False) == "" and detok.add([], True) == "\ufffd"  # ends mid-character: as decoded
+
+
+# ---- the OpenAI API ---------------------------------------------------------------------------------------------
+
+def test_models_health_version(server):
+    assert [m.id for m in server.client().models.list().data] == [NAME]
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok" and len(health["stages"]) == 2
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_completion_greedy_matches_llm_generate(server, llm_pp2):
+    expected = _greedy(llm_pp2, PROMPT, max_tokens=12).outputs[0]
+    out = server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == expected.finish_reason
+    assert out.usage.prompt_tokens == len(llm_pp2.get_tokenizer().encode(PROMPT))
+    assert out.usage.completion_tokens == len(expected.token_ids)
+
+    stream = server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    assert chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
+
+
+def test_chat_greedy_matches_llm_chat(server, llm_pp2):
+    expected = llm_pp2.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)[0]
+    out = server.client().chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=10, temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected.outputs[0].text
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert out.usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+    chunks = list(server.client().chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=10,
+                                                          temperature=0, stream=True,
+                                                          stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.outputs[0].text
+    assert chunks[-1].usage.total_tokens == out.usage.total_tokens
+
+
+def test_prompt_forms(server, llm_pp2):
+    tok = llm_pp2.get_tokenizer()
+    prompts = [PROMPT, "Once upon a time"]
+    expected = [_greedy(llm_pp2, p, max_tokens=5).outputs[0].text for p in prompts]
+    client = server.client()
+    for prompt in (prompts, [tok.encode(p) for p in prompts]):
+        out = client.completions.create(model=NAME, prompt=prompt, max_tokens=5, temperature=0)
+        assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == expected
+    out = client.completions.create(model=NAME, prompt=tok.encode(PROMPT), max_tokens=5, temperature=0)
+    assert out.choices[0].text == expected[0]
+
+
+def test_n2_seeded_matches_llm(server, llm_pp2):
+    params = SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=8)
+    expected = llm_pp2.generate(PROMPT, params, use_tqdm=False)[0].outputs
+    out = server.client().completions.create(model=NAME, prompt=PROMPT, n=2, temperature=0.9, seed=7,
+                                             max_tokens=8)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.text for c in out.choices] == [e.text for e in expected]
+    assert out.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+    stream = server.client().chat.completions.create(model=NAME, messages=MESSAGES, n=2, max_tokens=6, stream=True)
+    finished = {c.choices[0].index for c in stream if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1}
+
+
+def test_stop_string_cuts_text_in_both_modes(server, llm_pp2):
+    full = _greedy(llm_pp2, PROMPT, max_tokens=24, ignore_eos=True).outputs[0].text
+    stop = full[6:8]
+    expected = _greedy(llm_pp2, PROMPT, max_tokens=24, ignore_eos=True, stop=[stop]).outputs[0]
+    assert expected.finish_reason == "stop" and expected.text == full[:full.find(stop)]
+    client = server.client()
+    extra = {"ignore_eos": True}
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+                                    extra_body=extra)
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (expected.text, "stop")
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+                                            stream=True, extra_body=extra))
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs(server, llm_pp2):
+    expected = _greedy(llm_pp2, PROMPT, max_tokens=6, logprobs=3).outputs[0]
+    out = server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens
+    for tid, entry, got, top in zip(expected.token_ids, expected.logprobs, lp.token_logprobs, lp.top_logprobs):
+        assert got == pytest.approx(entry[tid].logprob, abs=1e-4)
+        assert 1 <= len(top) <= 4 and max(top.values()) <= 0.0
+
+    out = server.client().chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=5, temperature=0,
+                                                  logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)  # greedy takes the top token
+
+
+# ---- errors -----------------------------------------------------------------------------------------------------
+
+def _error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def test_error_statuses_and_still_serving(server):
+    url, client = server.url, server.client()
+    completions = f"{url}/v1/completions"
+    assert "not valid JSON" in _error(httpx.post(completions, content=b"{bad", headers=AUTH), 400)["message"]
+    assert _error(httpx.post(completions, json={"prompt": PROMPT, "n": "two"}, headers=AUTH), 400)["param"] == "n"
+    _error(httpx.post(completions, json={"max_tokens": 3}, headers=AUTH), 400)  # no prompt
+    _still_serves(server)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model=NAME, prompt=PROMPT, top_p=0.0)
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=MAX_MODEL_LEN)
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=NAME, prompt="a " * 200, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="outside"):
+        client.completions.create(model=NAME, prompt=[10 ** 6], max_tokens=1)
+    _still_serves(server)
+    with pytest.raises(openai.AuthenticationError):
+        server.client("wrong-key").completions.create(model=NAME, prompt=PROMPT)
+    assert _error(httpx.get(f"{url}/v1/models"), 401)["code"] == "invalid_api_key"
+    _still_serves(server)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4", messages=MESSAGES)
+    _still_serves(server)
+    big = b'{"prompt": "' + b"a" * (2 << 20) + b'"}'
+    assert _error(httpx.post(completions, content=big, headers=AUTH), 413)["code"] == "request_too_large"
+    chunked = (big[i:i + 65536] for i in range(0, len(big), 65536))  # no content-length: counted as it arrives
+    _error(httpx.post(completions, content=chunked, headers=AUTH), 413)
+    _still_serves(server)
+
+
+def test_dead_stage_gives_503_then_sigterm_leaves_no_stage(llama_dir, tmp_path):
+    with serve(llama_dir, tmp_path, "--max-model-len", "64") as dead:
+        pids = dead.stage_pids()
+        os.kill(pids[1], signal.SIGKILL)
+        _wait_until(lambda: httpx.get(f"{dead.url}/health").status_code == 503, 10, "/health to say 503")
+        err = _error(httpx.post(f"{dead.url}/v1/completions", json={"prompt": PROMPT}), 503)
+        assert err["code"] == "engine_dead" and f"stage 1 (pid {pids[1]}) was killed by signal 9" in err["message"]
+        with pytest.raises(openai.InternalServerError):
+            dead.client().chat.completions.create(model=llama_dir, messages=MESSAGES)
+        assert httpx.get(f"{dead.url}/v1/models").status_code == 200  # still answering
+        _wait_until(lambda: not any(map(_is_running, pids)), 10, "the other stage to be stopped")
+        dead.proc.send_signal(signal.SIGTERM)
+        dead.proc.wait(20)
+
+
+# ---- load, disconnects, metrics -----------------------------------------------------------------------------------
+
+async def _stream(client: httpx.AsyncClient, url: str, i: int, disconnect: bool) -> dict:
+    body = {"model": NAME, "prompt": f"Hello world {i}", "max_tokens": 100 if disconnect else 24, "temperature": 0.8,
+            "seed": i, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    events = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if disconnect and len(events) == 3:
+                    break  # leaving the block closes the connection mid-stream
+    return {"events": events}
+
+
+def test_32_concurrent_streams_some_disconnect_then_kv_cache_empty(server):
+    before = _metrics(server)
+    disconnect = [i % 4 == 0 for i in range(32)]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(_stream(client, server.url, i, d) for i, d in enumerate(disconnect)))
+
+    results = asyncio.run(run())
+    for r, d in zip(results, disconnect):
+        if d:
+            continue
+        assert r["events"][-1] == "[DONE]"
+        usage = json.loads(r["events"][-2])["usage"]
+        assert usage["completion_tokens"] == 24
+        assert json.loads(r["events"][-3])["choices"][0]["finish_reason"] == "length"
+
+    def idle():
+        m = _metrics(server)
+        return m["pipellm:num_requests_running"] == 0 and m["pipellm:num_requests_waiting"] == 0
+    _wait_until(idle, 15, "every request to end")
+    after = _metrics(server)
+    assert after["pipellm:kv_cache_usage_perc"] == 0.0
+    aborted = after.get("pipellm:request_finished_total[abort]", 0) - before.get(
+        "pipellm:request_finished_total[abort]", 0)
+    assert aborted == sum(disconnect)
+    # The disconnected requests stopped early: fewer tokens than their 100 each.
+    generated = after["pipellm:generation_tokens_total"] - before["pipellm:generation_tokens_total"]
+    assert generated < 24 * 24 + 8 * 80
+    _still_serves(server)
+
+
+def test_client_gone_before_a_plain_answer_aborts(server):
+    before = _metrics(server).get("pipellm:request_finished_total[abort]", 0)
+    body = json.dumps({"model": NAME, "prompt": PROMPT, "max_tokens": 120, "n": 4, "ignore_eos": True}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        _wait_until(lambda: _metrics(server)["pipellm:num_requests_running"] > 0, 10, "the request to run")
+    _wait_until(lambda: _metrics(server).get("pipellm:request_finished_total[abort]", 0) == before + 4, 10,
+                "the completions to be aborted")
+    _wait_until(lambda: _metrics(server)["pipellm:kv_cache_usage_perc"] == 0.0, 10, "the KV cache to empty")
+
+
+def test_metrics_parse_and_move(server):
+    before = _metrics(server)
+    server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0, extra_body={
+        "ignore_eos": True})
+    after = _metrics(server)
+    assert after["pipellm:prompt_tokens_total"] > before["pipellm:prompt_tokens_total"]
+    assert after["pipellm:generation_tokens_total"] - before["pipellm:generation_tokens_total"] == 4
+    for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert after[f"pipellm:{hist}_count"] > before[f"pipellm:{hist}_count"]
+    for name in ("pipellm:kv_cache_usage_perc", "pipellm:prefix_cache_hit_rate"):
+        assert name in after
+    # Per-stage figures come from the engine thread every ~2 s.
+    key = "pipellm:stage_busy_seconds_total[0]"
+    _wait_until(lambda: _metrics(server).get(key, 0) > before.get(key, 0), 10, "stage busy seconds to move")
+    m = _metrics(server)
+    assert m["pipellm:stage_busy_seconds_total[1]"] > 0
+    assert m["pipellm:stage_activation_bytes_sent_total[0->1][0]"] > 0
+
+
+def test_sigterm_ends_in_flight_request_and_leaves_no_stage(server):
+    """Runs last: it stops the module's server."""
+    pids = server.stage_pids()
+    events = []
+
+    def reader():
+        body = {"model": NAME, "prompt": PROMPT, "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60) as resp:
+            events.extend(line for line in resp.iter_lines() if line.startswith("data: "))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    _wait_until(lambda: len(events) > 0, 20, "the stream to start")
+    server.proc.send_signal(signal.SIGTERM)
+    thread.join(30)
+    assert not thread.is_alive() and events[-1] == "data: [DONE]"
+    server.proc.wait(30)
+    assert not any(map(_is_running, pids)), "a stage process outlived the server"
