@@ -16,10 +16,12 @@ WORKLOAD = dict(num_prompts=32, input_len=(64, 192), output_len=64)
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--partition", default=None, help="layer partition for the 2-stage runs, e.g. 17,13")
+    parser.add_argument("--partition", default=None, help="layer partition for the 2-stage runs: 17,13 or auto")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    partition = [int(x) for x in args.partition.split(",")] if args.partition else None
+    partition = args.partition
+    if partition and partition != "auto":
+        partition = [int(x) for x in partition.split(",")]
     systems = {
         "pp1_1thread": dict(pipeline_parallel_size=1, threads_per_stage=1),
         "pp1_2threads": dict(pipeline_parallel_size=1, threads_per_stage=2),

@@ -91,7 +91,7 @@ class ModelConfig:
 class EngineConfig:
     model: str                          # HF folder or GGUF path (resolved)
     pipeline_parallel_size: int = 1     # number of stage processes
-    layer_partition: list[int] | None = None  # layers per stage; None = even split
+    layer_partition: list[int] | str | None = None  # layers per stage; None = even; "auto" = profiled balance
     dtype: str = "float32"              # weights and activations
     block_size: int = 16                # tokens per KV cache block
     max_model_len: int | None = None    # prompt + output tokens; None = the model's limit
@@ -102,6 +102,7 @@ class EngineConfig:
     seed: int = 0                       # seeds requests that do not set their own
     threads_per_stage: int | None = None  # torch threads per stage; None = cores // P
     step_timeout_s: float = 300.0       # a stage silent this long is reported as hung
+    auto_partition_prompt_ratio: float = 2.0  # prompt tokens per generated token "auto" balances for
     trace: bool = False                 # record per-batch timings in every stage (pipellm.observe.trace)
     max_batches_in_flight: int | None = None  # micro-batches in the pipeline at once; None = one per stage
     enable_prefix_caching: bool = True  # reuse computed KV blocks of prompt prefixes seen before
@@ -112,6 +113,8 @@ class EngineConfig:
 
         if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
             bad("pipeline_parallel_size", "must be an integer >= 1")
+        if isinstance(self.layer_partition, str) and self.layer_partition != "auto":
+            bad("layer_partition", 'must be a list of layer counts per stage, "auto" or None')
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {', '.join(DTYPES)}")
         if not isinstance(self.block_size, int) or self.block_size < 1:

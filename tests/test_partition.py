@@ -27,3 +27,32 @@ def test_stage_layout_and_description():
 def test_bad_partitions(stages, partition, message):
     with pytest.raises(ValueError, match=message):
         make_partition(4, stages, partition)
+
+
+def test_balanced_partition_moves_layers_off_the_head_stage():
+    from pipellm.pipeline.profile import LayerCosts, balanced_partition, stage_times
+
+    costs = LayerCosts(layer_s=4e-3, embed_s=1e-4, head_s=20e-3, num_tokens=16)
+    assert balanced_partition(30, 1, costs) == [30]
+    assert balanced_partition(30, 2, costs) == [17, 13]  # 68.1 ms and 72.0 ms, against 60.1 / 80.0 for 15/15
+    assert max(stage_times([17, 13], costs)) < max(stage_times([15, 15], costs))
+    sizes = balanced_partition(30, 4, costs)
+    assert sum(sizes) == 30 and min(sizes) >= 1 and sizes[-1] < sizes[0]
+    # Without a head to carry, it is an even split with the leftovers early.
+    assert balanced_partition(5, 3, LayerCosts(1.0, 0.0, 0.0, 1)) == [2, 2, 1]
+
+
+def test_auto_partition_keeps_greedy_output(llama_dir, tmp_path, monkeypatch):
+    from pipellm import LLM, SamplingParams
+
+    monkeypatch.setenv("PIPELLM_CACHE_DIR", str(tmp_path))  # a fresh profile
+    prompts = [{"prompt_token_ids": [(3 * i + j) % 300 + 1 for j in range(5 + 4 * i)]} for i in range(5)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    with LLM(llama_dir, pipeline_parallel_size=3, layer_partition="auto") as auto:
+        sizes = [s.num_layers for s in auto.engine.stages]
+        assert sum(sizes) == 5 and min(sizes) >= 1
+        assert auto.engine.partition_note.startswith("auto partition")
+        assert [o.outputs[0].token_ids for o in auto.generate(prompts, params, use_tqdm=False)] == expected
+    assert list((tmp_path / "profile").glob("*.json"))  # profiled once, kept for the next start

@@ -56,7 +56,15 @@ class LLMEngine:
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={mc.max_position_embeddings}")
-        self.stages = make_partition(mc.num_layers, config.pipeline_parallel_size, config.layer_partition)
+        self.partition_note = None
+        partition = config.layer_partition
+        if partition == "auto":
+            from pipellm.pipeline.profile import balanced_partition, describe_choice, profile_costs
+            make_partition(mc.num_layers, config.pipeline_parallel_size)  # same checks as an even split
+            costs = profile_costs(mc, config)
+            partition = balanced_partition(mc.num_layers, config.pipeline_parallel_size, costs)
+            self.partition_note = describe_choice(mc.num_layers, config.pipeline_parallel_size, costs)
+        self.stages = make_partition(mc.num_layers, config.pipeline_parallel_size, partition)
         self.num_blocks = self._num_kv_blocks()
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = self._eos_token_ids()

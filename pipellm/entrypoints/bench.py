@@ -28,6 +28,8 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
               input_len: tuple[int, int] = (64, 192), output_len: int = 64, dtype: str = "float32",
               threads_per_stage: int | None = None, compare_hf: bool = False, seed: int = 0,
               use_tqdm: bool = True, trace_dir: str | None = None, **engine_kwargs) -> dict:
+    if engine_kwargs.get("layer_partition") == "auto":  # balance for this workload's prompt/output mix
+        engine_kwargs.setdefault("auto_partition_prompt_ratio", sum(input_len) / 2 / output_len)
     with LLM(model, pipeline_parallel_size=pipeline_parallel_size, dtype=dtype, threads_per_stage=threads_per_stage,
              seed=seed, trace=trace_dir is not None, **engine_kwargs) as llm:
         engine = llm.engine
@@ -44,6 +46,7 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
         trace_data = collect(engine) if trace_dir is not None else None  # before inspect(), which drains events
         after = engine.inspect()
         stages = [s.describe() for s in engine.stages]
+        partition_note = engine.partition_note
     trace_summary = write_trace_dir(trace_data, trace_dir) if trace_data is not None else None
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(p) for p in prompts)
@@ -55,7 +58,8 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
     result = {
         "config": dict(model=model, pipeline_parallel_size=pipeline_parallel_size, num_prompts=num_prompts,
                        input_len=list(input_len), output_len=output_len, dtype=dtype,
-                       threads_per_stage=after[0].num_threads, seed=seed, stages=stages),
+                       threads_per_stage=after[0].num_threads, seed=seed, stages=stages,
+                       partition_note=partition_note),
         "elapsed_s": elapsed,
         "generated_tokens": generated,
         "prompt_tokens": prompt_tokens,
@@ -119,6 +123,7 @@ def format_result(r: dict) -> str:
         f"{cfg['output_len']} new tokens, pp={cfg['pipeline_parallel_size']}, {cfg['threads_per_stage']} "
         f"thread(s)/stage, {cfg['dtype']}",
         *[f"  {s}" for s in cfg["stages"]],
+        *([f"  {cfg['partition_note']}"] if cfg.get("partition_note") else []),
         f"elapsed            {r['elapsed_s']:.2f} s",
         f"generated tok/s    {r['generated_tok_s']:.1f}",
         f"total tok/s        {r['total_tok_s']:.1f}",

@@ -4,7 +4,9 @@ import sys
 import time
 
 
-def _partition(text: str) -> list[int]:
+def _partition(text: str) -> list[int] | str:
+    if text == "auto":
+        return text
     try:
         return [int(x) for x in text.split(",")]
     except ValueError:
@@ -15,7 +17,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder (config.json + safetensors) or .gguf file; "
                                                  "default: SmolLM2-135M-Instruct")
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, help="number of pipeline stages")
-    p.add_argument("--layer-partition", type=_partition, default=None, help="layers per stage, e.g. 10,12,8")
+    p.add_argument("--layer-partition", "--partition", type=_partition, default=None,
+                   help="layers per stage, e.g. 10,12,8, or auto (profiled on this machine)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads-per-stage", type=int, default=None, help="default: cores // stages")

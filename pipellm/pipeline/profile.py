@@ -1,0 +1,149 @@
+"""layer_partition="auto": time one decoder layer, the embedding and the LM head on this machine (once, cached
+on disk), then split the layers so that the slowest stage is as fast as it can be."""
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pipellm.config import EngineConfig, ModelConfig
+from pipellm.models.layers import AttentionMetadata, transpose_linears
+from pipellm.models.registry import build_stage_model
+from pipellm.pipeline.partition import StageLayers, even_partition
+
+CONTEXT = 128  # tokens of context each profiled sequence attends over
+
+
+@dataclass
+class LayerCosts:
+    """Seconds to produce num_tokens generated tokens, prefill of their prompts included."""
+    layer_s: float   # one decoder layer
+    embed_s: float   # the embedding (first stage)
+    head_s: float    # final norm + LM head (last stage); only sampled rows pass through it
+    num_tokens: int  # generated tokens: one decode micro-batch
+
+
+def profile_costs(model_config: ModelConfig, engine_config: EngineConfig, repeats: int = 5) -> LayerCosts:
+    """Times a decode micro-batch and a prefill chunk (random weights of the model's shapes time the same as
+    the real ones), then weighs them by engine_config.auto_partition_prompt_ratio prompt tokens per generated
+    token: the LM head, the heaviest single op, runs on generated tokens only."""
+    raw = _profile_raw(model_config, engine_config, repeats)
+    ratio, n = engine_config.auto_partition_prompt_ratio, raw["num_tokens"]
+    prefill_per_token = raw["layer_prefill_s"] / raw["chunk"]
+    return LayerCosts(raw["layer_decode_s"] + ratio * n * prefill_per_token,
+                      raw["embed_s"] * (1 + ratio), raw["head_s"], n)
+
+
+def _profile_raw(model_config: ModelConfig, engine_config: EngineConfig, repeats: int) -> dict:
+    num_tokens = max(1, min(engine_config.max_num_seqs, 32) // engine_config.pipeline_parallel_size)
+    key = json.dumps(["v2", asdict(model_config), engine_config.dtype, engine_config.num_threads, num_tokens,
+                      engine_config.max_num_batched_tokens],
+                     sort_keys=True)
+    cache_dir = os.path.join(os.environ.get("PIPELLM_CACHE_DIR") or os.path.expanduser("~/.cache/pipellm"),
+                             "profile")
+    path = os.path.join(cache_dir, hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    raw = _measure(model_config, engine_config, num_tokens, repeats)
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(raw, f)
+    os.replace(path + ".tmp", path)
+    return raw
+
+
+@torch.inference_mode()
+def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int) -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(ecfg.num_threads)  # as a stage will run
+    try:
+        model = build_stage_model(cfg, StageLayers(0, 0, 1, True, True)).to(ecfg.torch_dtype)
+        transpose_linears(model)
+        bs = ecfg.block_size
+        blocks_per_seq = -(-CONTEXT // bs)
+        shape = (num_tokens * blocks_per_seq, bs, cfg.num_kv_heads, cfg.head_dim)
+        caches = [(torch.zeros(shape, dtype=ecfg.torch_dtype), torch.zeros(shape, dtype=ecfg.torch_dtype))]
+        tables = torch.arange(num_tokens * blocks_per_seq, dtype=torch.int32).view(num_tokens, blocks_per_seq)
+        positions = torch.full((num_tokens,), CONTEXT - 1)
+        slots = tables[:, -1].long() * bs + (CONTEXT - 1) % bs
+        meta = AttentionMetadata.build(positions, torch.ones(num_tokens, dtype=torch.long),
+                                       torch.full((num_tokens,), CONTEXT), tables, slots, bs, cfg.sliding_window)
+        ids = torch.randint(0, cfg.vocab_size, (num_tokens,))
+        hidden = torch.randn(num_tokens, cfg.hidden_size, dtype=ecfg.torch_dtype)
+        layer = model.h[0] if cfg.is_gpt2 else model.layers[0]
+        embed = (lambda: model.wte(ids) + model.wpe(positions)) if cfg.is_gpt2 else (lambda: model.embed_tokens(ids))
+        run_layer = (lambda: layer(hidden, meta, caches[0])) if cfg.is_gpt2 else \
+            (lambda: layer(hidden, positions, model.rotary, meta, caches[0]))
+        decode_s = _best_of(run_layer, repeats)
+        # A prefill chunk of one sequence, as big as a step's token budget.
+        chunk = min(ecfg.max_num_batched_tokens, CONTEXT * 4, cfg.max_position_embeddings)
+        blocks = -(-chunk // bs)
+        shape = (blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+        cache = (torch.zeros(shape, dtype=ecfg.torch_dtype), torch.zeros(shape, dtype=ecfg.torch_dtype))
+        pos = torch.arange(chunk)
+        pmeta = AttentionMetadata.build(pos, torch.tensor([chunk]), torch.tensor([chunk]),
+                                        torch.arange(blocks, dtype=torch.int32)[None], pos, bs, cfg.sliding_window)
+        x = torch.randn(chunk, cfg.hidden_size, dtype=ecfg.torch_dtype)
+        prefill = (lambda: layer(x, pmeta, cache)) if cfg.is_gpt2 else \
+            (lambda: layer(x, pos, model.rotary, pmeta, cache))
+        return dict(layer_decode_s=decode_s, layer_prefill_s=_best_of(prefill, max(1, repeats // 2)), chunk=chunk,
+                    embed_s=_best_of(embed, repeats), num_tokens=num_tokens,
+                    head_s=_best_of(lambda: model.compute_logits(hidden).argmax(-1), repeats))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _best_of(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def stage_times(sizes: list[int], costs: LayerCosts) -> list[float]:
+    return [stage_times_of(i, n, i == len(sizes) - 1, costs) for i, n in enumerate(sizes)]
+
+
+def balanced_partition(num_layers: int, num_stages: int, costs: LayerCosts) -> list[int]:
+    """The contiguous split (every stage at least one layer) whose slowest stage is fastest (dynamic
+    programming over stage count and layers placed)."""
+    inf = float("inf")
+
+    def cost(stage: int, start: int, end: int) -> float:
+        return stage_times_of(stage, end - start, end == num_layers, costs)
+
+    # best[k][i]: the slowest of stages 0..k when they hold layers [0, i); choice[k][i]: where stage k starts.
+    best = [[inf] * (num_layers + 1) for _ in range(num_stages)]
+    choice = [[0] * (num_layers + 1) for _ in range(num_stages)]
+    for i in range(1, num_layers + 1):
+        best[0][i] = cost(0, 0, i)
+    for k in range(1, num_stages):
+        for i in range(k + 1, num_layers + 1):
+            for j in range(k, i):  # stage k holds [j, i); later starts (bigger earlier stages) win ties
+                slowest = max(best[k - 1][j], cost(k, j, i))
+                if slowest <= best[k][i]:
+                    best[k][i], choice[k][i] = slowest, j
+    sizes, end = [], num_layers
+    for k in range(num_stages - 1, 0, -1):
+        start = choice[k][end]
+        sizes.append(end - start)
+        end = start
+    return [end] + sizes[::-1]
+
+
+def stage_times_of(stage: int, num_layers: int, is_last: bool, costs: LayerCosts) -> float:
+    return num_layers * costs.layer_s + (costs.embed_s if stage == 0 else 0.0) + (costs.head_s if is_last else 0.0)
+
+
+def describe_choice(num_layers: int, num_stages: int, costs: LayerCosts) -> str:
+    even = even_partition(num_layers, num_stages)
+    auto = balanced_partition(num_layers, num_stages, costs)
+    fmt = lambda sizes: f"{sizes} (stage ms: " + ", ".join(  # noqa: E731
+        f"{t * 1e3:.1f}" for t in stage_times(sizes, costs)) + ")"
+    return f"auto partition {fmt(auto)}; even {fmt(even)}; per decode micro-batch of {costs.num_tokens} tokens"
