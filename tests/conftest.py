@@ -27,7 +27,7 @@ def save_tokenizer(folder: str) -> None:
     tok.save_pretrained(folder)
 
 
-def hf_config(arch: str):
+def hf_config(arch: str, **overrides):
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     # initializer_range 0.2 spreads the logits, so greedy choices are not near-ties.
@@ -35,7 +35,7 @@ def hf_config(arch: str):
     if arch == "gpt2":
         return GPT2Config(n_embd=64, n_layer=NUM_LAYERS, n_head=4, n_positions=256, **common)
     llama_like = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, **common)
+                      num_key_value_heads=2, max_position_embeddings=256, **common) | overrides
     if arch == "llama":
         return LlamaConfig(rope_theta=500000.0, tie_word_embeddings=False, **llama_like)
     if arch == "qwen2":
@@ -45,11 +45,11 @@ def hf_config(arch: str):
     raise ValueError(arch)
 
 
-def make_checkpoint(arch: str, folder: str, seed: int = 0):
+def make_checkpoint(arch: str, folder: str, seed: int = 0, **overrides):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(arch), attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides), attn_implementation="eager").eval()
     if arch == "qwen2":  # random q/k/v biases, so loading them is tested
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

@@ -92,8 +92,9 @@ def serve(model_dir: str, tmp_dir, *extra: str):
 
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
-    with serve(llama_dir, tmp_path_factory.mktemp("serve"), "--api-key", KEY, "--served-model-name", NAME,
-               "--max-model-len", str(MAX_MODEL_LEN)) as s:
+    tmp = tmp_path_factory.mktemp("serve")
+    with serve(llama_dir, tmp, "--api-key", KEY, "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN),
+               "--trace-dir", str(tmp / "trace")) as s:
         yield s
 
 
@@ -387,3 +388,9 @@ def test_sigterm_ends_in_flight_request_and_leaves_no_stage(server):
     assert not thread.is_alive() and events[-1] == "data: [DONE]"
     server.proc.wait(30)
     assert not any(map(_is_running, pids)), "a stage process outlived the server"
+    # --trace-dir: the whole session's pipeline trace is written on the way out.
+    trace_dir = os.path.join(os.path.dirname(server.log), "trace")
+    trace = json.load(open(os.path.join(trace_dir, "trace.json")))
+    forwards = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 0]
+    assert {e["pid"] for e in forwards} == {0, 1} and len(forwards) > 50
+    assert os.path.getsize(os.path.join(trace_dir, "pipeline.png")) > 0

@@ -61,10 +61,15 @@ def test_summary_figures(traced):
     assert summary["tokens_per_s"] > 0
 
 
-def test_one_batch_in_flight_leaves_more_bubble(llama_dir, tmp_path, traced):
-    _, pipelined = traced
-    serial = _run(llama_dir, tmp_path, max_batches_in_flight=1)
-    assert serial["bubble_pct"] > pipelined["bubble_pct"]
+def test_one_batch_in_flight_leaves_more_bubble(tmp_path):
+    from tests.conftest import make_checkpoint
+
+    # Wide enough that compute, not per-step messaging, fills the stages' time.
+    model_dir = tmp_path / "wide"
+    make_checkpoint("llama", str(model_dir), hidden_size=512, intermediate_size=1536)
+    pipelined = _run(str(model_dir), tmp_path / "pipelined")
+    serial = _run(str(model_dir), tmp_path / "serial", max_batches_in_flight=1)
+    assert 0 <= pipelined["bubble_pct"] < serial["bubble_pct"] <= 100
     assert serial["bubble_pct"] > 50  # one batch at a time: two of three stages always wait
 
 

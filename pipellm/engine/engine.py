@@ -244,7 +244,10 @@ class LLMEngine:
 
     def inspect(self):
         assert not self.in_flight, "inspect() between generate calls only"
-        return self.executor.inspect()
+        reports = self.executor.inspect()
+        if self.tracer:
+            self.tracer.add_reports(reports)
+        return reports
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -131,7 +131,7 @@ def cmd_serve(args) -> None:
     engine_kwargs = dict(pipeline_parallel_size=args.pipeline_parallel_size, dtype=args.dtype, seed=args.seed,
                          threads_per_stage=args.threads_per_stage, **_engine_kwargs(args))
     config = ServerConfig(args.served_model_name or model or DEFAULT_MODEL_NAME, args.host, args.port, args.api_key,
-                          args.max_request_bytes, args.log_level)
+                          args.max_request_bytes, args.log_level, trace_dir=args.trace_dir)
     run_server(model, engine_kwargs, config)
 
 
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--trace-dir", default=None, help="on shutdown, write the pipeline trace and pictures here")
     serve.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     try:

@@ -39,6 +39,7 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20    # larger request bodies get 413
     log_level: str = "info"
     graceful_shutdown_s: float = 30.0   # on SIGINT/SIGTERM, in-flight requests get this long to finish
+    trace_dir: str | None = None        # on shutdown, write the pipeline trace and pictures here
 
 
 class APIError(Exception):
@@ -484,6 +485,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         server.async_engine.start()
         yield
         await asyncio.to_thread(server.async_engine.stop)  # ends what is left with finish_reason "abort"
+        if config.trace_dir is not None and engine.executor.is_alive():
+            await asyncio.to_thread(_write_trace, engine, config.trace_dir)  # the engine thread has ended
         engine.shutdown()
 
     app = FastAPI(title="pipellm", version=pipellm.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -513,6 +516,14 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
+def _write_trace(engine: LLMEngine, trace_dir: str) -> None:
+    from pipellm.observe.trace import collect, write_trace_dir
+    while engine.in_flight:  # aborted requests' batches may still be on their way back
+        engine.step(fill=False)
+    summary = write_trace_dir(collect(engine), trace_dir)
+    print(f"trace written to {trace_dir}: bubble {summary['bubble_pct']:.1f}%", flush=True)
+
+
 def run_server(model: str | None, engine_kwargs: dict, config: ServerConfig) -> None:
     import uvicorn
 
@@ -520,7 +531,7 @@ def run_server(model: str | None, engine_kwargs: dict, config: ServerConfig) -> 
 
     # Built on the main thread, which lives as long as the server: the stage processes are tied to the thread
     # that started them (PR_SET_PDEATHSIG), so a short-lived thread would take them down with it.
-    engine = LLMEngine(EngineConfig(model, **engine_kwargs))
+    engine = LLMEngine(EngineConfig(model, trace=config.trace_dir is not None, **engine_kwargs))
     try:
         for stage in engine.stages:
             print(stage.describe(), flush=True)

@@ -15,6 +15,14 @@ class TraceRecorder:
     kv: list[tuple[float, int, int]] = field(default_factory=list)  # (time, blocks in use, blocks shared)
     generated_tokens: int = 0
     clock_offset_s: float = field(default_factory=lambda: time.time() - time.perf_counter())
+    stage_events: dict[int, list[dict]] = field(default_factory=dict)  # rank -> events, wall clock
+
+    def add_reports(self, reports) -> None:
+        """Keeps the events that stage reports hand over (every inspect() drains them from the stages)."""
+        for report in reports:
+            self.stage_events.setdefault(report.rank, []).extend(
+                dict(kind=k, batch=b, start=s + report.clock_offset_s, end=e + report.clock_offset_s, tokens=t,
+                     seqs=n) for k, b, s, e, t, n in (report.events or []))
 
     def on_submit(self, batch_id: int, num_tokens: int, num_seqs: int, blocks_used: int, blocks_shared: int):
         now = time.perf_counter()
@@ -36,8 +44,7 @@ def collect(engine) -> dict:
     engine.tracer = TraceRecorder()
     stages = []
     for report in reports:
-        events = [dict(kind=k, batch=b, start=s + report.clock_offset_s, end=e + report.clock_offset_s,
-                       tokens=t, seqs=n) for k, b, s, e, t, n in (report.events or [])]
+        events = rec.stage_events.get(report.rank, [])
         bytes_per_token = report.activation_bytes_sent / max(1, report.activation_tokens_sent)
         stages.append(dict(rank=report.rank, description=report.description, events=events,
                            num_layers=report.num_kv_caches, bytes_sent_per_token=bytes_per_token,
