@@ -36,6 +36,7 @@ class PipelineExecutor:
         self.step_timeout = timedelta(seconds=engine_config.step_timeout_s)
         self.procs: list[subprocess.Popen] = []
         self.failed: PipelineError | None = None
+        self.first_death: int | None = None  # rank of the stage that died first (set by the watchdog)
         world_size = len(stages) + 1
         self.store = comm.make_store("127.0.0.1", 0, world_size, is_master=True)
         cores = stage_cores(len(stages), engine_config.num_threads)
@@ -54,7 +55,6 @@ class PipelineExecutor:
         except BaseException:
             self._kill()
             raise
-        self.first_death: int | None = None  # rank of the stage that died first
         self._closing = False
         self._wake_r, self._wake_w = os.pipe()
         threading.Thread(target=self._watch, name="pipellm-stage-watchdog", daemon=True).start()
@@ -107,7 +107,7 @@ class PipelineExecutor:
         while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
             self._wait_any_exit(0.1)
         problems = []
-        first = self.__dict__.get("first_death")
+        first = self.first_death
         for rank, proc in enumerate(self.procs):
             if first is not None and rank != first and not self.store.check([error_key(rank)]):
                 continue  # stopped by the watchdog, not a cause
