@@ -119,3 +119,33 @@ def test_engine_error_names_the_stage_that_failed_to_load(tmp_path, llama_dir):
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"stage 1: .*lacks tensors for layers\.\d+\.mlp\.down_proj\.weight"):
         LLM(str(broken), pipeline_parallel_size=2)
+
+
+def test_ctrl_c_during_generate_ends_every_stage_quickly(llama_dir):
+    import re
+    import subprocess
+    import sys
+
+    script = (f"from pipellm import LLM, SamplingParams\n"
+              f"llm = LLM({llama_dir!r}, pipeline_parallel_size=2)\n"
+              f"print('pids', [p.pid for p in llm.engine.executor.procs], flush=True)\n"
+              f"llm.generate([{{'prompt_token_ids': [i % 200 + 1] * 10}} for i in range(400)],\n"
+              f"             SamplingParams(max_tokens=240, ignore_eos=True), use_tqdm=False)\n")
+    # A terminal's Ctrl-C: SIGINT to the whole foreground process group (stages included: they ignore it).
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        pids = [int(x) for x in re.findall(r"\d+", proc.stdout.readline())]
+        assert len(pids) == 2
+        time.sleep(1.0)  # well inside the generate call
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        out = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert time.monotonic() - start < 5
+    assert "KeyboardInterrupt" in out
+    time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids)

@@ -73,8 +73,7 @@ class StageWorker:
             waiting_since = time.perf_counter()
             msg = chan.recv_obj(comm.DRIVER)
             if isinstance(msg, Shutdown):
-                chan.flush()
-                return
+                return  # without waiting on pending sends: results of batches in flight have no reader now
             if isinstance(msg, Inspect):
                 chan.send_obj(self.report(), comm.DRIVER)
             else:
