@@ -293,7 +293,7 @@ class AsyncEngine:
         sched = engine.scheduler
         # Replaced whole, never mutated: the event loop reads it without a lock.
         self.stats = EngineStats(len(sched.running), len(sched.waiting), bm.usage,
-                                 getattr(bm, "prefix_hit_rate", 0.0), self._num_generated, reports)
+                                 bm.prefix_hit_rate, self._num_generated, reports)
 
     def _fail(self, message: str) -> None:
         self.error = message

@@ -33,6 +33,11 @@ class BlockManager:
         return len(self.free_ids) + len(self.evictable)
 
     @property
+    def num_shared_blocks(self) -> int:
+        """Blocks that more than one request holds (prefix caching)."""
+        return sum(c > 1 for c in self.ref_counts)
+
+    @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 

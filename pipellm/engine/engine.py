@@ -168,8 +168,7 @@ class LLMEngine:
             if self.tracer:
                 bm = self.block_manager
                 self.tracer.on_submit(batch.batch_id, batch.stage_batch.num_tokens, len(batch.requests),
-                                      bm.num_blocks - bm.num_free_blocks,
-                                      sum(c > 1 for c in getattr(bm, "ref_counts", ())))
+                                      bm.num_blocks - bm.num_free_blocks, bm.num_shared_blocks)
         if not self.in_flight:
             return []
         result = self.executor.receive()
