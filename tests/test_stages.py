@@ -149,3 +149,20 @@ def test_ctrl_c_during_generate_ends_every_stage_quickly(llama_dir):
     assert "KeyboardInterrupt" in out
     time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_stage_that_stops_answering_is_named(llama_dir):
+    llm = LLM(llama_dir, pipeline_parallel_size=2, heartbeat_timeout_s=2.0)
+    pids = [p.pid for p in llm.engine.executor.procs]
+    stopper = threading.Timer(0.5, os.kill, (pids[1], signal.SIGSTOP))  # alive, but frozen
+    stopper.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(PipelineError, match=r"stage 1 \(pid \d+\) stopped answering: no heartbeat for 2 s"):
+            llm.generate([{"prompt_token_ids": [i % 300 + 1] * 8} for i in range(64)],
+                         SamplingParams(max_tokens=240, ignore_eos=True), use_tqdm=False)
+    finally:
+        stopper.cancel()
+        llm.shutdown()
+    assert time.monotonic() - start < 6
+    assert not any(_alive(pid) for pid in pids)

@@ -14,7 +14,7 @@ from pipellm.config import EngineConfig, ModelConfig
 from pipellm.pipeline import comm
 from pipellm.pipeline.messages import Inspect, SampledBatch, Shutdown, StageBatch, StageReport
 from pipellm.pipeline.partition import StageLayers
-from pipellm.pipeline.stage import StageArgs, error_key, ready_key
+from pipellm.pipeline.stage import HEARTBEAT_S, StageArgs, error_key, heartbeat_key, ready_key
 
 
 STAGE_ENTRY = "from pipellm.pipeline.stage import main_from_stdin; main_from_stdin()"
@@ -37,6 +37,8 @@ class PipelineExecutor:
         self.procs: list[subprocess.Popen] = []
         self.failed: PipelineError | None = None
         self.first_death: int | None = None  # rank of the stage that died first (set by the watchdog)
+        self.hung = False                     # ... or stopped answering: its heartbeat went silent
+        self.heartbeat_timeout_s = engine_config.heartbeat_timeout_s
         world_size = len(stages) + 1
         self.store = comm.make_store("127.0.0.1", 0, world_size, is_master=True)
         cores = stage_cores(len(stages), engine_config.num_threads)
@@ -60,16 +62,24 @@ class PipelineExecutor:
         threading.Thread(target=self._watch, name="pipellm-stage-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
-        """Sleeps until a stage process ends. If that was not a shutdown, stops the other stages too:
-        their sockets close, so whatever the driver waits on fails at once instead of hanging (a gloo
+        """Waits for a stage process to end or to miss its heartbeats. If that was not a shutdown, stops every
+        stage: their sockets close, so whatever the driver waits on fails at once instead of hanging (a gloo
         receive from a peer that died before it was posted may otherwise never return)."""
         fds = {os.pidfd_open(p.pid): rank for rank, p in enumerate(self.procs)}
+        store = comm.make_store("127.0.0.1", self.store.port, len(self.stages) + 1, is_master=False)  # own client
         try:
-            ready, _, _ = select.select(list(fds) + [self._wake_r], [], [])
-            dead = [fds[fd] for fd in ready if fd in fds]
-            if dead and not self._closing:
-                self.first_death = dead[0]
+            while not self._closing:
+                ready, _, _ = select.select(list(fds) + [self._wake_r], [], [], HEARTBEAT_S)
+                dead = [fds[fd] for fd in ready if fd in fds]
+                now = time.time()
+                silent = [rank for rank in range(len(self.stages))
+                          if now - float(store.get(heartbeat_key(rank))) > self.heartbeat_timeout_s]
+                if self._closing or not (dead or silent):
+                    continue
+                self.first_death = (dead or silent)[0]
+                self.hung = not dead
                 self._kill()
+                return
         finally:
             for fd in [*fds, self._wake_r]:
                 os.close(fd)
@@ -111,6 +121,10 @@ class PipelineExecutor:
         for rank, proc in enumerate(self.procs):
             if first is not None and rank != first and not self.store.check([error_key(rank)]):
                 continue  # stopped by the watchdog, not a cause
+            if rank == first and self.hung:
+                problems.append(f"stage {rank} (pid {proc.pid}) stopped answering: no heartbeat for "
+                                f"{self.heartbeat_timeout_s:.0f} s")
+                continue
             if self.store.check([error_key(rank)]):
                 err = json.loads(self.store.get(error_key(rank)))
                 problems.append(f"stage {rank} (pid {proc.pid}) failed: {err['type']}: {err['message']}")

@@ -5,6 +5,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -35,6 +36,22 @@ class StageArgs:
     master_port: int
 
 MAX_EVENTS = 200_000  # trace events a stage keeps between two reports
+
+
+HEARTBEAT_S = 0.5  # how often a stage tells the driver it is still there
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"heartbeat/{rank}"
+
+
+def _heartbeat(args: StageArgs) -> None:
+    """Stamps the wall clock into the store twice a second. It stops when the process stops (SIGSTOP, a hang
+    in native code that holds the GIL, death), which is how the driver tells a hung stage from a slow one."""
+    store = comm.make_store(args.master_addr, args.master_port, args.num_stages + 1, is_master=False)
+    while True:
+        store.set(heartbeat_key(args.stage.rank), repr(time.time()))
+        time.sleep(HEARTBEAT_S)
 
 
 def ready_key(rank: int) -> str:
@@ -154,6 +171,8 @@ def stage_main(args: StageArgs) -> None:
     try:
         store = comm.make_store(args.master_addr, args.master_port, args.num_stages + 1, is_master=False)
         worker = StageWorker(args)
+        store.set(heartbeat_key(rank), repr(time.time()))  # the first one before ready: the driver reads it next
+        threading.Thread(target=_heartbeat, args=(args,), name="pipellm-heartbeat", daemon=True).start()
         store.set(ready_key(rank), "1")
         worker.serve(comm.make_channel(store, comm.stage_world_rank(rank), args.num_stages + 1))
     except BaseException as e:  # report any failure where the driver looks for it, then exit non-zero
