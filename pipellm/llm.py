@@ -37,10 +37,10 @@ class LLM:
 
     def save_trace(self, out_dir: str) -> dict:
         """Writes trace.json, pipeline.png, kv_cache.png and summary.json for what ran since the last save."""
-        from pipellm.observe.trace import collect, write_trace_dir
+        from pipellm.observe.trace import save_trace
         if self.engine.tracer is None:
             raise ValueError("tracing is off; create the LLM with trace_dir=... to record a trace")
-        return write_trace_dir(collect(self.engine), out_dir)
+        return save_trace(self.engine, out_dir)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -125,8 +125,8 @@ class LLM:
 
 def _close(engine: LLMEngine, trace_dir: str | None) -> None:
     try:
-        if trace_dir is not None and engine.executor.is_alive() and not engine.in_flight:
-            from pipellm.observe.trace import collect, write_trace_dir
-            write_trace_dir(collect(engine), trace_dir)
+        if trace_dir is not None and engine.executor.is_alive():
+            from pipellm.observe.trace import save_trace
+            save_trace(engine, trace_dir)
     finally:
         engine.shutdown()

@@ -90,21 +90,27 @@ def test_killed_stage_is_named_quickly_and_nothing_is_left(llama_dir):
     llm.shutdown()
 
 
-def test_stage_killed_mid_generation(llama_dir):
-    llm = LLM(llama_dir, pipeline_parallel_size=2)
+def _fails_mid_generation(llm: LLM, delay_s: float, action, match: str) -> None:
+    """Runs a long generate, does action() delay_s into it, and expects a PipelineError matching match
+    within 6 s, with every stage process gone afterwards."""
     pids = [p.pid for p in llm.engine.executor.procs]
-    killer = threading.Timer(1.0, os.kill, (pids[0], signal.SIGKILL))
-    killer.start()
+    timer = threading.Timer(delay_s, action, (pids,))
+    timer.start()
     start = time.monotonic()
     try:
-        with pytest.raises(PipelineError, match=r"stage 0 \(pid \d+\) was killed"):
+        with pytest.raises(PipelineError, match=match):
             llm.generate([{"prompt_token_ids": [i % 300 + 1] * 8} for i in range(64)],
                          SamplingParams(max_tokens=240, ignore_eos=True), use_tqdm=False)
     finally:
-        killer.cancel()
+        timer.cancel()
         llm.shutdown()
     assert time.monotonic() - start < 6
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_stage_killed_mid_generation(llama_dir):
+    _fails_mid_generation(LLM(llama_dir, pipeline_parallel_size=2), 1.0,
+                          lambda pids: os.kill(pids[0], signal.SIGKILL), r"stage 0 \(pid \d+\) was killed")
 
 
 def test_engine_error_names_the_stage_that_failed_to_load(tmp_path, llama_dir):
@@ -152,17 +158,6 @@ def test_ctrl_c_during_generate_ends_every_stage_quickly(llama_dir):
 
 
 def test_stage_that_stops_answering_is_named(llama_dir):
-    llm = LLM(llama_dir, pipeline_parallel_size=2, heartbeat_timeout_s=2.0)
-    pids = [p.pid for p in llm.engine.executor.procs]
-    stopper = threading.Timer(0.5, os.kill, (pids[1], signal.SIGSTOP))  # alive, but frozen
-    stopper.start()
-    start = time.monotonic()
-    try:
-        with pytest.raises(PipelineError, match=r"stage 1 \(pid \d+\) stopped answering: no heartbeat for 2 s"):
-            llm.generate([{"prompt_token_ids": [i % 300 + 1] * 8} for i in range(64)],
-                         SamplingParams(max_tokens=240, ignore_eos=True), use_tqdm=False)
-    finally:
-        stopper.cancel()
-        llm.shutdown()
-    assert time.monotonic() - start < 6
-    assert not any(_alive(pid) for pid in pids)
+    _fails_mid_generation(LLM(llama_dir, pipeline_parallel_size=2, heartbeat_timeout_s=2.0), 0.5,
+                          lambda pids: os.kill(pids[1], signal.SIGSTOP),  # alive, but frozen
+                          r"stage 1 \(pid \d+\) stopped answering: no heartbeat for 2 s")

@@ -517,10 +517,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
 
 def _write_trace(engine: LLMEngine, trace_dir: str) -> None:
-    from pipellm.observe.trace import collect, write_trace_dir
-    while engine.in_flight:  # aborted requests' batches may still be on their way back
-        engine.step(fill=False)
-    summary = write_trace_dir(collect(engine), trace_dir)
+    from pipellm.observe.trace import save_trace
+    summary = save_trace(engine, trace_dir)  # aborted requests' batches may still be on their way back
     print(f"trace written to {trace_dir}: bubble {summary['bubble_pct']:.1f}%", flush=True)
 
 

@@ -177,6 +177,13 @@ def write_trace_dir(data: dict, out_dir: str) -> dict:
     return summary
 
 
+def save_trace(engine, out_dir: str) -> dict:
+    """Lets the batches still in flight come back (submitting none), then writes the trace directory."""
+    while engine.in_flight:
+        engine.step(fill=False)
+    return write_trace_dir(collect(engine), out_dir)
+
+
 def load_trace(path: str) -> dict:
     with open(path) as f:
         trace = json.load(f)
