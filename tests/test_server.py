@@ -5,12 +5,8 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
 
 import httpx
 import openai
@@ -18,76 +14,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipellm import SamplingParams
+from tests.serving import KEY, Server, free_port, is_running, serve, wait_until
 
-KEY, NAME, MAX_MODEL_LEN = "test-key", "tiny", 128
+
+NAME, MAX_MODEL_LEN = "tiny", 128
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world! How are you?"}]
-
-
-@dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen
-    log: str
-
-    def stage_pids(self) -> list[int]:
-        return [s["pid"] for s in httpx.get(f"{self.url}/health").json()["stages"]]
-
-    def client(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_until(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-@contextmanager
-def serve(model_dir: str, tmp_dir, *extra: str):
-    port = _free_port()
-    log = os.path.join(tmp_dir, f"server-{port}.log")
-    cmd = [sys.executable, "-m", "pipellm.entrypoints.cli", "serve", "--model", model_dir, "-pp", "2",
-           "--port", str(port), "--log-level", "warning", *extra]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", proc, log)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{open(log).read()}"
-            assert time.monotonic() < deadline, f"server not healthy in time:\n{open(log).read()}"
-            try:
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        yield server
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -279,13 +212,13 @@ def test_dead_stage_gives_503_then_sigterm_leaves_no_stage(llama_dir, tmp_path):
     with serve(llama_dir, tmp_path, "--max-model-len", "64") as dead:
         pids = dead.stage_pids()
         os.kill(pids[1], signal.SIGKILL)
-        _wait_until(lambda: httpx.get(f"{dead.url}/health").status_code == 503, 10, "/health to say 503")
+        wait_until(lambda: httpx.get(f"{dead.url}/health").status_code == 503, 10, "/health to say 503")
         err = _error(httpx.post(f"{dead.url}/v1/completions", json={"prompt": PROMPT}), 503)
         assert err["code"] == "engine_dead" and f"stage 1 (pid {pids[1]}) was killed by signal 9" in err["message"]
         with pytest.raises(openai.InternalServerError):
             dead.client().chat.completions.create(model=llama_dir, messages=MESSAGES)
         assert httpx.get(f"{dead.url}/v1/models").status_code == 200  # still answering
-        _wait_until(lambda: not any(map(_is_running, pids)), 10, "the other stage to be stopped")
+        wait_until(lambda: not any(map(is_running, pids)), 10, "the other stage to be stopped")
         dead.proc.send_signal(signal.SIGTERM)
         dead.proc.wait(20)
 
@@ -326,7 +259,7 @@ def test_32_concurrent_streams_some_disconnect_then_kv_cache_empty(server):
     def idle():
         m = _metrics(server)
         return m["pipellm:num_requests_running"] == 0 and m["pipellm:num_requests_waiting"] == 0
-    _wait_until(idle, 15, "every request to end")
+    wait_until(idle, 15, "every request to end")
     after = _metrics(server)
     assert after["pipellm:kv_cache_usage_perc"] == 0.0
     aborted = after.get("pipellm:request_finished_total[abort]", 0) - before.get(
@@ -345,10 +278,10 @@ def test_client_gone_before_a_plain_answer_aborts(server):
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-        _wait_until(lambda: _metrics(server)["pipellm:num_requests_running"] > 0, 10, "the request to run")
-    _wait_until(lambda: _metrics(server).get("pipellm:request_finished_total[abort]", 0) == before + 4, 10,
+        wait_until(lambda: _metrics(server)["pipellm:num_requests_running"] > 0, 10, "the request to run")
+    wait_until(lambda: _metrics(server).get("pipellm:request_finished_total[abort]", 0) == before + 4, 10,
                 "the completions to be aborted")
-    _wait_until(lambda: _metrics(server)["pipellm:kv_cache_usage_perc"] == 0.0, 10, "the KV cache to empty")
+    wait_until(lambda: _metrics(server)["pipellm:kv_cache_usage_perc"] == 0.0, 10, "the KV cache to empty")
 
 
 def test_metrics_parse_and_move(server):
@@ -364,7 +297,7 @@ def test_metrics_parse_and_move(server):
         assert name in after
     # Per-stage figures come from the engine thread every ~2 s.
     key = "pipellm:stage_busy_seconds_total[0]"
-    _wait_until(lambda: _metrics(server).get(key, 0) > before.get(key, 0), 10, "stage busy seconds to move")
+    wait_until(lambda: _metrics(server).get(key, 0) > before.get(key, 0), 10, "stage busy seconds to move")
     m = _metrics(server)
     assert m["pipellm:stage_busy_seconds_total[1]"] > 0
     assert m["pipellm:stage_activation_bytes_sent_total[0->1][0]"] > 0
@@ -382,12 +315,12 @@ def test_sigterm_ends_in_flight_request_and_leaves_no_stage(server):
 
     thread = threading.Thread(target=reader)
     thread.start()
-    _wait_until(lambda: len(events) > 0, 20, "the stream to start")
+    wait_until(lambda: len(events) > 0, 20, "the stream to start")
     server.proc.send_signal(signal.SIGTERM)
     thread.join(30)
     assert not thread.is_alive() and events[-1] == "data: [DONE]"
     server.proc.wait(30)
-    assert not any(map(_is_running, pids)), "a stage process outlived the server"
+    assert not any(map(is_running, pids)), "a stage process outlived the server"
     # --trace-dir: the whole session's pipeline trace is written on the way out.
     trace_dir = os.path.join(os.path.dirname(server.log), "trace")
     trace = json.load(open(os.path.join(trace_dir, "trace.json")))
