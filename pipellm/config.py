@@ -107,6 +107,12 @@ class EngineConfig:
     trace: bool = False                 # record per-batch timings in every stage (pipellm.observe.trace)
     max_batches_in_flight: int | None = None  # micro-batches in the pipeline at once; None = one per stage
     enable_prefix_caching: bool = True  # reuse computed KV blocks of prompt prefixes seen before
+    restart_on_failure: bool = False    # when a stage fails, start a new pipeline and re-run unfinished requests
+    nnodes: int = 1                     # hosts the stages run on; node k > 0 runs `pipellm stage --node-rank k`
+    master_addr: str = "127.0.0.1"      # the driver's rendezvous address (this host's, reachable from the others)
+    master_port: int = 0                # its port; 0 = any free port (one host only)
+    distributed_executor_backend: str = "mp"  # "mp": the driver starts this host's stages; "external_launcher":
+    #                                           torchrun started every process (RANK, MASTER_ADDR, MASTER_PORT)
 
     def __post_init__(self):
         def bad(name, why):
@@ -138,6 +144,19 @@ class EngineConfig:
             bad("max_batches_in_flight", "must be a positive integer or None")
         if not isinstance(self.enable_prefix_caching, bool):
             bad("enable_prefix_caching", "must be True or False")
+        if not isinstance(self.restart_on_failure, bool):
+            bad("restart_on_failure", "must be True or False")
+        if not isinstance(self.nnodes, int) or not 1 <= self.nnodes <= self.pipeline_parallel_size:
+            bad("nnodes", f"must be an integer from 1 to pipeline_parallel_size={self.pipeline_parallel_size} "
+                          "(every host runs at least one stage)")
+        if not isinstance(self.master_port, int) or not 0 <= self.master_port < 65536:
+            bad("master_port", "must be a port number (0 = any free port)")
+        if self.nnodes > 1 and self.master_port == 0:
+            bad("master_port", "must be set when nnodes > 1: the other hosts connect to it")
+        if self.distributed_executor_backend not in ("mp", "external_launcher"):
+            bad("distributed_executor_backend", 'must be "mp" or "external_launcher" (torchrun)')
+        if self.restart_on_failure and self.distributed_executor_backend == "external_launcher":
+            bad("restart_on_failure", "needs stages that pipellm starts; under torchrun, use its --max-restarts")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -89,10 +89,18 @@ class Sampler:
         self._reqs: dict[str, _Request] = {}
         self._scratch = _Scratch()
 
-    def add_request(self, req_id: str, params: SamplingParams, prompt_token_ids: list[int], seed: int) -> None:
+    def add_request(self, req_id: str, params: SamplingParams, prompt_token_ids: list[int], seed: int,
+                    output_token_ids: list[int] = ()) -> None:
+        """output_token_ids: tokens this request generated before (in a pipeline that failed). The state is rebuilt
+        as if they had been sampled here, so the rest of the output is what it would have been."""
         if req_id in self._reqs:
             raise ValueError(f"request {req_id!r} already added")
-        self._reqs[req_id] = _Request(params, prompt_token_ids, seed)
+        req = self._reqs[req_id] = _Request(params, prompt_token_ids, seed)
+        for t in output_token_ids:
+            if req.history is not None:
+                req.history.add(t)
+            if not req.greedy:  # one uniform per draw, as _draw takes it
+                torch.rand(1, generator=req.gen(torch.device("cpu")), dtype=torch.float64)
 
     def remove_request(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)

@@ -69,7 +69,7 @@ def test_threads_and_affinity(llama_dir):
 
 def test_no_stage_outlives_shutdown(llama_dir):
     llm = LLM(llama_dir, pipeline_parallel_size=2)
-    pids = [p.pid for p in llm.engine.executor.procs]
+    pids = [p.pid for p in llm.engine.executor.procs.values()]
     assert all(_alive(pid) for pid in pids)
     llm.shutdown()
     assert not any(_alive(pid) for pid in pids)
@@ -78,7 +78,7 @@ def test_no_stage_outlives_shutdown(llama_dir):
 
 def test_killed_stage_is_named_quickly_and_nothing_is_left(llama_dir):
     llm = LLM(llama_dir, pipeline_parallel_size=3)
-    pids = [p.pid for p in llm.engine.executor.procs]
+    pids = [p.pid for p in llm.engine.executor.procs.values()]
     os.kill(pids[1], signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(PipelineError, match=r"stage 1 \(pid \d+\) was killed by signal 9"):
@@ -93,7 +93,7 @@ def test_killed_stage_is_named_quickly_and_nothing_is_left(llama_dir):
 def _fails_mid_generation(llm: LLM, delay_s: float, action, match: str) -> None:
     """Runs a long generate, does action() delay_s into it, and expects a PipelineError matching match
     within 6 s, with every stage process gone afterwards."""
-    pids = [p.pid for p in llm.engine.executor.procs]
+    pids = [p.pid for p in llm.engine.executor.procs.values()]
     timer = threading.Timer(delay_s, action, (pids,))
     timer.start()
     start = time.monotonic()
@@ -134,7 +134,7 @@ def test_ctrl_c_during_generate_ends_every_stage_quickly(llama_dir):
 
     script = (f"from pipellm import LLM, SamplingParams\n"
               f"llm = LLM({llama_dir!r}, pipeline_parallel_size=2)\n"
-              f"print('pids', [p.pid for p in llm.engine.executor.procs], flush=True)\n"
+              f"print('pids', [p.pid for p in llm.engine.executor.procs.values()], flush=True)\n"
               f"llm.generate([{{'prompt_token_ids': [i % 200 + 1] * 10}} for i in range(400)],\n"
               f"             SamplingParams(max_tokens=240, ignore_eos=True), use_tqdm=False)\n")
     # A terminal's Ctrl-C: SIGINT to the whole foreground process group (stages included: they ignore it).

@@ -126,8 +126,7 @@ class _Tracked:
 
 
 class AsyncEngine:
-    """Create the LLMEngine on a thread that lives as long as the server: its stage processes die with the thread
-    that started them (PR_SET_PDEATHSIG)."""
+    """Steps an LLMEngine on a thread of its own; with restart_on_failure on, restarts a failed pipeline there."""
 
     def __init__(self, engine: LLMEngine, metrics=None):
         self.engine, self.metrics = engine, metrics
@@ -155,16 +154,18 @@ class AsyncEngine:
             self._thread.join(timeout_s)
 
     def stage_status(self) -> list[dict]:
-        # Popen.poll is safe from any thread; this reads no engine state.
-        return [{"rank": rank, "pid": p.pid, "alive": p.poll() is None, "returncode": p.returncode}
-                for rank, p in enumerate(self.engine.executor.procs)]
+        return self.engine.executor.stage_status()  # safe from any thread
 
     def is_alive(self) -> bool:
         return self.error is None and self.engine.executor.is_alive()
 
     def dead_reason(self) -> str | None:
         """None while the pipeline works; else why not (the engine thread may not have noticed yet)."""
-        return None if self.is_alive() else self.error or _describe_dead(self.stage_status())
+        if self.is_alive():
+            return None
+        if self.error is None and self.engine.restarting:
+            return f"restarting the pipeline after: {self.engine.restarting}"
+        return self.error or _describe_dead(self.stage_status())
 
     # ---- event loop side ------------------------------------------------------------------------------------
 
@@ -222,14 +223,13 @@ class AsyncEngine:
             if self.error is not None:
                 continue
             try:
-                if not engine.executor.is_alive():  # also noticed while idle, so /health and new requests see it
-                    raise EngineDeadError(_describe_dead(self.stage_status()))
+                engine.check_pipeline()  # also noticed while idle, so /health and new requests see it
                 if engine.has_unfinished_requests() or engine.in_flight:
                     self._publish(engine.step())
                     self._has_stepped = True
                 self._refresh_stats()
             except Exception as e:  # the pipeline failed (PipelineError), or a bug: stop serving, say why
-                self._fail(str(e) if isinstance(e, EngineDeadError) else f"{type(e).__name__}: {e}")
+                self._fail(f"{type(e).__name__}: {e}")
 
     def _take_commands(self, block: bool) -> list:
         cmds = []
@@ -319,7 +319,7 @@ def _describe_dead(stages: list[dict]) -> str:
     def how(code):
         return f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
     return "; ".join(f"stage {s['rank']} (pid {s['pid']}) {how(s['returncode'])}" for s in stages
-                     if not s["alive"]) or "the pipeline failed"
+                     if s["returncode"] is not None) or "the pipeline failed"
 
 
 def _deliver(batch: list) -> None:

@@ -1,9 +1,11 @@
 """The driver: tokenizes, schedules, keeps batches in flight through the pipeline, and detokenizes."""
 import itertools
 import json
+import logging
 import os
 import time
 from collections import deque
+from datetime import timedelta
 
 from pipellm.config import EngineConfig, ModelConfig
 from pipellm.engine.block_manager import BlockManager
@@ -12,12 +14,15 @@ from pipellm.engine.sequence import Request
 from pipellm.loader.safetensors import checkpoint_files
 from pipellm.observe.trace import TraceRecorder
 from pipellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pipellm.pipeline import comm
 from pipellm.pipeline.executor import PipelineError, PipelineExecutor
 from pipellm.pipeline.messages import SampledBatch
 from pipellm.pipeline.partition import make_partition
 from pipellm.sampling_params import SamplingParams
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads per-completion seeds apart
+RESTART_LIMIT, RESTART_WINDOW_S = 3, 60.0  # this many failures within the window: a stage keeps dying, stop
+log = logging.getLogger("pipellm")
 
 
 def resolve_model(model: str | None) -> str:
@@ -74,7 +79,30 @@ class LLMEngine:
         self.in_flight: deque[ScheduledBatch] = deque()
         self._request_counter = itertools.count()
         self.tracer = TraceRecorder() if config.trace else None
-        self.executor = PipelineExecutor(self.model_dir, mc, config, self.stages, self.num_blocks)
+        self.failures: list[float] = []   # monotonic times of pipeline failures, for the restart limit
+        self.restarts: list[dict] = []    # per restart: its cause, and how long the new pipeline took to start
+        self.restarting: str | None = None  # the cause, while a restart is under way
+        self.store = self._make_store()
+        self.executor = self._start_pipeline()
+
+    def _make_store(self):
+        """The rendezvous store every stage connects to. Under torchrun, its agent on the first host holds one
+        already at MASTER_ADDR:MASTER_PORT; otherwise this process serves it."""
+        cfg = self.config
+        if cfg.distributed_executor_backend == "external_launcher":
+            world_size = int(os.environ.get("WORLD_SIZE", 0))
+            if world_size != len(self.stages) + 1:
+                raise ValueError(f"torchrun started {world_size} processes, but pipeline_parallel_size="
+                                 f"{len(self.stages)} needs {len(self.stages) + 1} (the driver, then one per stage)")
+            agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            return comm.make_store(cfg.master_addr, cfg.master_port, is_master=not agent_store)
+        store = comm.make_store(cfg.master_addr, cfg.master_port, is_master=True)
+        store.set(comm.NNODES_KEY, str(cfg.nnodes))
+        return store
+
+    def _start_pipeline(self) -> PipelineExecutor:
+        return PipelineExecutor(self.model_dir, self.model_config, self.config, self.stages, self.num_blocks,
+                                self.store, generation=len(self.restarts))
 
     def _num_kv_blocks(self) -> int:
         # The smallest count that fits every stage's budget, so one block table is valid on every stage.
@@ -153,7 +181,45 @@ class LLMEngine:
 
     def step(self, fill: bool = True) -> list[Request]:
         """Fills the pipeline, then waits for the oldest batch. Returns the requests that got a token.
-        fill=False submits nothing new, so repeated calls empty the pipeline (inspect() needs it empty)."""
+        fill=False submits nothing new, so repeated calls empty the pipeline (inspect() needs it empty).
+        When a stage fails: with restart_on_failure, restarts the pipeline (no request gets a token this step);
+        otherwise raises PipelineError, naming the stage."""
+        try:
+            return self._step(fill)
+        except PipelineError as e:
+            self.restart(e)
+            return []
+
+    def check_pipeline(self) -> None:
+        """For an idle driver: notices a stage that died between steps, and restarts or raises as step() does."""
+        if not self.executor.is_alive():
+            self.restart(self.executor.failure())
+
+    def restart(self, error: PipelineError) -> None:
+        """Replaces a failed pipeline with a new one and queues every unfinished request to run again from its
+        prompt plus the tokens it has already generated. Raises error when restarts are off or exhausted."""
+        if not self.config.restart_on_failure:
+            raise error
+        now = time.monotonic()
+        self.failures = [t for t in self.failures if now - t < RESTART_WINDOW_S] + [now]
+        if len(self.failures) >= RESTART_LIMIT:
+            raise PipelineError(f"{error}\nThe pipeline failed {len(self.failures)} times within "
+                                f"{RESTART_WINDOW_S:.0f} s; not restarting it again") from error
+        log.warning("%s; restarting the pipeline and re-running %d unfinished requests", error,
+                    self.scheduler.num_unfinished)
+        self.restarting = str(error)
+        self.executor.shutdown()
+        self.in_flight.clear()
+        # The new stages' KV caches are empty: forget every block, cached prefixes included.
+        self.block_manager = BlockManager(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler.requeue_all(self.block_manager)
+        self.restarts.append({"error": str(error), "detected_at": now})
+        self.executor = self._start_pipeline()
+        self.restarts[-1]["start_s"] = time.monotonic() - now
+        self.restarting = None
+        log.warning("pipeline restarted in %.1f s", time.monotonic() - now)
+
+    def _step(self, fill: bool) -> list[Request]:
         num_batches = self.config.max_batches_in_flight or len(self.stages)
         while fill and len(self.in_flight) < num_batches:
             # Split the work evenly over the batches in flight, in requests, and in tokens over the batch slots
@@ -250,6 +316,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        try:
+            self.store.set(comm.SHUTDOWN_KEY, "1")  # node agents on other hosts exit...
+            if self.config.nnodes > 1 and self.config.distributed_executor_backend == "mp":
+                # ...and say so before this process, which holds the store, goes
+                self.store.wait([f"pipellm/bye/{k}" for k in range(1, self.config.nnodes)], timedelta(seconds=3))
+        except Exception:
+            pass
 
 
 __all__ = ["LLMEngine", "PipelineError"]

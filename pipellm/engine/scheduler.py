@@ -59,6 +59,16 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def requeue_all(self, block_manager: BlockManager) -> None:
+        """After a pipeline restart: every unfinished request waits to recompute its prompt and output so far,
+        in the new pipeline's empty caches, in its old order."""
+        self.block_manager = block_manager
+        for req in self.running + list(self.waiting):
+            req.num_computed_tokens, req.block_ids, req.status = 0, [], RequestStatus.WAITING
+            req.in_flight = req.is_known_to_sampler = False
+        self.waiting = deque(self.running + list(self.waiting))
+        self.running, self.finished_ids = [], []
+
     @property
     def num_schedulable_tokens(self) -> int:
         """Tokens that requests not in flight could run now."""
@@ -124,7 +134,7 @@ class Scheduler:
         seq_lens = starts + counts
         sampled = [r for r, end in zip(reqs, seq_lens) if end == r.num_tokens]
         logits_indices = (np.cumsum(counts) - 1)[seq_lens == np.array([r.num_tokens for r in reqs])]
-        new = [NewRequest(r.request_id, r.params, r.prompt_token_ids, r.seed)
+        new = [NewRequest(r.request_id, r.params, r.prompt_token_ids, r.seed, list(r.output_token_ids))
                for r in sampled if not r.is_known_to_sampler]
         for r, n in chosen:
             r.num_computed_tokens += n

@@ -1,5 +1,6 @@
-"""pipellm generate | chat | bench | trace | serve"""
+"""pipellm generate | chat | bench | trace | serve | stage"""
 import argparse
+import os
 import sys
 import time
 
@@ -24,6 +25,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads-per-stage", type=int, default=None, help="default: cores // stages")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--restart-on-failure", action=argparse.BooleanOptionalAction, default=None,
+                   help="when a stage fails, start a new pipeline and re-run unfinished requests "
+                        "(default: on for serve on one host, off otherwise)")
+    _multinode_args(p)
+    p.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "external_launcher"],
+                   help="external_launcher: torchrun started every process (RANK 0 is the driver, 1.. the stages)")
+
+
+def _multinode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nnodes", type=int, default=1, help="hosts the stages run on (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this host's index; 0 runs the driver")
+    p.add_argument("--master-addr", default="127.0.0.1", help="the driver host's address, reachable from the others")
+    p.add_argument("--master-port", type=int, default=None, help="the driver's rendezvous port (default 29500 when "
+                                                                 "--nnodes > 1, any free port otherwise)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -33,11 +48,34 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=-1)
 
 
-def _engine_kwargs(args) -> dict:
-    kwargs = dict(layer_partition=args.layer_partition, max_model_len=args.max_model_len)
+def _engine_kwargs(args, restart_default: bool = False) -> dict:
+    kwargs = dict(layer_partition=args.layer_partition, max_model_len=args.max_model_len,
+                  distributed_executor_backend=args.distributed_executor_backend)
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.distributed_executor_backend == "external_launcher":
+        kwargs.update(master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                      master_port=int(os.environ.get("MASTER_PORT", 0)))
+        restart_default = False
+    else:
+        if args.node_rank != 0:
+            raise ValueError(f"--node-rank {args.node_rank}: this command runs the driver on node 0; on the other "
+                             f"hosts run `pipellm stage --nnodes {args.nnodes} --node-rank {args.node_rank} "
+                             f"--master-addr {args.master_addr} ...`")
+        port = args.master_port if args.master_port is not None else 29500 if args.nnodes > 1 else 0
+        kwargs.update(nnodes=args.nnodes, master_addr=args.master_addr, master_port=port)
+        restart_default = restart_default and args.nnodes == 1
+    kwargs["restart_on_failure"] = restart_default if args.restart_on_failure is None else args.restart_on_failure
     return kwargs
+
+
+def _stage_of_torchrun(args) -> bool:
+    """Under torchrun every process runs the same command; all but RANK 0 (the driver) become stages."""
+    if args.distributed_executor_backend != "external_launcher" or os.environ.get("RANK", "0") == "0":
+        return False
+    from pipellm.pipeline.stage import main as stage_main
+    stage_main([] if args.model is None else ["--model", args.model])
+    return True
 
 
 def _make_llm(args):
@@ -53,6 +91,8 @@ def _params(args):
 
 
 def cmd_generate(args) -> None:
+    if _stage_of_torchrun(args):
+        return
     params = _params(args)
     with _make_llm(args) as llm:
         for line in llm.describe_stages():
@@ -67,6 +107,8 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
+    if _stage_of_torchrun(args):
+        return
     params = _params(args)
     with _make_llm(args) as llm:
         for line in llm.describe_stages():
@@ -101,6 +143,8 @@ def cmd_bench(args) -> None:
     import json
 
     from pipellm.entrypoints.bench import format_result, run_bench
+    if _stage_of_torchrun(args):
+        return
     result = run_bench(args.model, args.pipeline_parallel_size, args.num_prompts, args.input_len, args.output_len,
                        args.dtype, args.threads_per_stage, args.compare_hf, args.seed, trace_dir=args.trace_dir,
                        **_engine_kwargs(args))
@@ -127,12 +171,23 @@ def cmd_serve(args) -> None:
     from pipellm.loader.default_model import DEFAULT_MODEL_NAME
     if args.model_path and args.model and args.model_path != args.model:
         raise ValueError(f"two models given ({args.model_path!r} and --model {args.model!r}); give one")
-    model = args.model_path or args.model
+    model = args.model = args.model_path or args.model
+    if _stage_of_torchrun(args):
+        return
     engine_kwargs = dict(pipeline_parallel_size=args.pipeline_parallel_size, dtype=args.dtype, seed=args.seed,
-                         threads_per_stage=args.threads_per_stage, **_engine_kwargs(args))
+                         threads_per_stage=args.threads_per_stage, **_engine_kwargs(args, restart_default=True))
     config = ServerConfig(args.served_model_name or model or DEFAULT_MODEL_NAME, args.host, args.port, args.api_key,
                           args.max_request_bytes, args.log_level, trace_dir=args.trace_dir)
     run_server(model, engine_kwargs, config)
+
+
+def cmd_stage(args) -> None:
+    from pipellm.engine.engine import resolve_model
+    from pipellm.pipeline.node import NodeAgent
+    model_dir = None if args.model is None else resolve_model(args.model)
+    agent = NodeAgent(args.nnodes, args.node_rank, args.master_addr, args.master_port or 29500, model_dir,
+                      args.connect_timeout)
+    sys.exit(agent.run())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,6 +227,11 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--trace-dir", default=None, help="on shutdown, write the pipeline trace and pictures here")
     serve.set_defaults(func=cmd_serve)
+    stage = sub.add_parser("stage", help="run this host's pipeline stages for a driver on another host")
+    stage.add_argument("--model", default=None, help="this host's copy of the model (default: the driver's path)")
+    _multinode_args(stage)
+    stage.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to wait for the driver")
+    stage.set_defaults(func=cmd_stage)
     args = parser.parse_args(argv)
     try:
         args.func(args)

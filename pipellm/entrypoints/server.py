@@ -527,8 +527,6 @@ def run_server(model: str | None, engine_kwargs: dict, config: ServerConfig) -> 
 
     from pipellm.config import EngineConfig
 
-    # Built on the main thread, which lives as long as the server: the stage processes are tied to the thread
-    # that started them (PR_SET_PDEATHSIG), so a short-lived thread would take them down with it.
     engine = LLMEngine(EngineConfig(model, trace=config.trace_dir is not None, **engine_kwargs))
     try:
         for stage in engine.stages:

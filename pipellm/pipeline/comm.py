@@ -1,11 +1,14 @@
 """Point-to-point messaging over torch.distributed (gloo). World rank 0 is the driver; stage i is rank i + 1."""
+import os
 import pickle
+import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 DRIVER = 0
+HEARTBEAT_S = 0.5  # how often a stage tells the driver it is still there
 FOREVER = timedelta(days=365)
 
 
@@ -13,16 +16,65 @@ def stage_world_rank(stage: int) -> int:
     return stage + 1
 
 
-def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float = 60.0) -> dist.TCPStore:
-    """Rendezvous and side channel (readiness, errors). port=0 on the master picks a free port."""
-    return dist.TCPStore(host, port, world_size, is_master=is_master, timeout=timedelta(seconds=timeout_s),
+def make_store(host: str, port: int, is_master: bool, timeout_s: float = 60.0) -> dist.TCPStore:
+    """Rendezvous and side channel (plan, readiness, errors, heartbeats). port=0 on the master picks a free port.
+    A client retries connecting for timeout_s, so a stage may start before the driver listens."""
+    return dist.TCPStore(host, port, is_master=is_master, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
 
 
-def make_channel(store: dist.Store, world_rank: int, world_size: int) -> "Channel":
+# Keys of the rendezvous store. Each pipeline (a first start or a restart after a failure) is a new generation whose
+# keys, process group included, live under a prefix of their own, so a restarted pipeline never reads stale ones.
+GENERATION_KEY = "pipellm/generation"  # the newest generation; stages and node agents start on it
+NNODES_KEY = "pipellm/nnodes"
+SHUTDOWN_KEY = "pipellm/shutdown"      # the driver is done: node agents exit
+
+
+def generation_store(store: dist.Store, generation: int) -> dist.Store:
+    return dist.PrefixStore(f"pipellm/{generation}/", store)
+
+
+def args_key(rank: int) -> str:      # pickled StageArgs of stage `rank`
+    return f"args/{rank}"
+
+
+def ready_key(rank: int) -> str:     # JSON {"pid", "host"} once loaded
+    return f"ready/{rank}"
+
+
+def error_key(rank: int) -> str:     # JSON {"type", "message", "traceback"} of a failed stage
+    return f"error/{rank}"
+
+
+def exit_key(rank: int) -> str:      # return code of a stage that ended, written by its node agent
+    return f"exit/{rank}"
+
+
+def heartbeat_key(rank: int) -> str:  # a counter the stage bumps every HEARTBEAT_S
+    return f"heartbeat/{rank}"
+
+
+ABORT_KEY = "abort"                  # this generation failed: node agents kill its stages
+
+
+def local_address(peer: str) -> str:
+    """This host's address on the route to peer: the one other hosts reach this process at. (By default gloo
+    listens on whatever the hostname resolves to, often a loopback address.)"""
+    family, _, _, _, addr = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)  # UDP: picks the route, sends nothing
+        return s.getsockname()[0]
+
+
+def make_channel(store: dist.Store, world_rank: int, world_size: int, master_addr: str) -> "Channel":
     # A process group object of our own rather than the default group: the user's process may
     # hold several engines, or a default group of its own.
-    return Channel(dist.ProcessGroupGloo(store, world_rank, world_size, FOREVER))
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout, opts._threads = FOREVER, 2
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")  # the user's choice of interface wins
+    opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname) if ifname else
+                     dist.ProcessGroupGloo.create_device(hostname=local_address(master_addr))]
+    return Channel(dist.ProcessGroupGloo(store, world_rank, world_size, opts))
 
 
 # Tags keep the three kinds of traffic apart, so a receive posted early matches only its own kind.

@@ -1,92 +1,143 @@
-"""Driver side of the pipeline: starts the stage processes, sends them batches and collects sampled tokens."""
+"""Driver side of the pipeline: starts the stage processes, sends them batches and collects sampled tokens.
+
+Stages on this host are started here. Stages on other hosts are started there, by a node agent (`pipellm stage`,
+pipellm.pipeline.node) or by torchrun; all of them find their work in the driver's rendezvous store.
+"""
 import json
 import os
 import pickle
+import queue
 import select
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import replace
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from pipellm.config import EngineConfig, ModelConfig
 from pipellm.pipeline import comm
-from pipellm.pipeline.messages import Inspect, SampledBatch, Shutdown, StageBatch, StageReport
-from pipellm.pipeline.partition import StageLayers
-from pipellm.pipeline.stage import HEARTBEAT_S, StageArgs, error_key, heartbeat_key, ready_key
+from pipellm.pipeline.messages import Inspect, SampledBatch, Shutdown, StageArgs, StageBatch, StageReport
+from pipellm.pipeline.partition import StageLayers, node_of_stage
 
-
-STAGE_ENTRY = "from pipellm.pipeline.stage import main_from_stdin; main_from_stdin()"
+STAGE_ENTRY = "from pipellm.pipeline.stage import main; main()"
 
 
 class PipelineError(RuntimeError):
     """A stage died, failed or stopped answering. The message names the stage."""
 
 
-def stage_cores(num_stages: int, threads: int) -> list[list[int]]:
-    cores = sorted(os.sched_getaffinity(0))
-    return [[cores[(rank * threads + i) % len(cores)] for i in range(threads)] for rank in range(num_stages)]
+def stage_env(world_rank: int, world_size: int, master_addr: str, master_port: int, local_rank: int,
+              local_world_size: int) -> dict[str, str]:
+    """The environment a stage process reads: the names torchrun uses."""
+    return {**os.environ, "RANK": str(world_rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size)}
+
+
+_spawn_requests: queue.Queue = queue.Queue()
+
+
+def _spawner() -> None:
+    while True:
+        cmd, env, future = _spawn_requests.get()
+        try:
+            future.set_result(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
+        except BaseException as e:
+            future.set_exception(e)
+
+
+_spawner_lock = threading.Lock()
+_spawner_thread: threading.Thread | None = None
+
+
+def start_stage(env: dict[str, str], model_dir: str | None = None) -> subprocess.Popen:
+    """Starts a stage process from one daemon thread that lives as long as this process: a stage kills itself when
+    the thread that started it ends (PR_SET_PDEATHSIG is per thread), and restarts happen on whichever thread
+    steps the engine. A fresh interpreter running the stage module: unlike multiprocessing's spawn, it does not
+    re-import the user's script, so scripts need no `if __name__ == "__main__"` guard."""
+    global _spawner_thread
+    with _spawner_lock:
+        if _spawner_thread is None:
+            _spawner_thread = threading.Thread(target=_spawner, name="pipellm-spawner", daemon=True)
+            _spawner_thread.start()
+    future: Future = Future()
+    cmd = [sys.executable, "-c", STAGE_ENTRY, *(["--model", model_dir] if model_dir else [])]
+    _spawn_requests.put((cmd, env, future))
+    return future.result(timeout=60)
 
 
 class PipelineExecutor:
     def __init__(self, model_dir: str, model_config: ModelConfig, engine_config: EngineConfig,
-                 stages: list[StageLayers], num_blocks: int, start_timeout_s: float = 300.0):
+                 stages: list[StageLayers], num_blocks: int, store: dist.TCPStore, generation: int = 0,
+                 start_timeout_s: float = 300.0):
         self.stages = stages
         self.step_timeout = timedelta(seconds=engine_config.step_timeout_s)
-        self.procs: list[subprocess.Popen] = []
-        self.failed: PipelineError | None = None
-        self.first_death: int | None = None  # rank of the stage that died first (set by the watchdog)
-        self.hung = False                     # ... or stopped answering: its heartbeat went silent
         self.heartbeat_timeout_s = engine_config.heartbeat_timeout_s
+        self.failed: PipelineError | None = None
+        self.first_death: int | None = None  # rank of the stage that failed first (set by the watchdog)
+        self.hung = False                     # ... by going silent: no heartbeat
+        self.info: dict[int, dict] = {}       # rank -> {"pid", "host"} once loaded
+        self._closing = False
+        self._store_addr = (store.host, store.port)
+        self.generation = generation
+        self.store = comm.generation_store(store, generation)
         world_size = len(stages) + 1
-        self.store = comm.make_store("127.0.0.1", 0, world_size, is_master=True)
-        cores = stage_cores(len(stages), engine_config.num_threads)
+        local = [s.rank for s in stages if engine_config.distributed_executor_backend == "mp"
+                 and node_of_stage(s.rank, len(stages), engine_config.nnodes) == 0]
+        self.procs: dict[int, subprocess.Popen] = {}  # rank -> process, for the stages started here
         try:
             for stage in stages:
-                args = StageArgs(stage, len(stages), model_dir, model_config, engine_config, num_blocks,
-                                 cores[stage.rank], "127.0.0.1", self.store.port)
-                # A fresh interpreter running the stage module: unlike multiprocessing's spawn, it does not
-                # re-import the user's script, so scripts need no `if __name__ == "__main__"` guard.
-                proc = subprocess.Popen([sys.executable, "-c", STAGE_ENTRY], stdin=subprocess.PIPE)
-                self.procs.append(proc)
-                proc.stdin.write(pickle.dumps(args))
-                proc.stdin.close()
+                args = StageArgs(stage, len(stages), model_dir, model_config, engine_config, num_blocks)
+                self.store.set(comm.args_key(stage.rank), pickle.dumps(args))
+            store.set(comm.GENERATION_KEY, str(generation))  # the plan is complete: stages may start
+            for i, rank in enumerate(local):
+                env = stage_env(comm.stage_world_rank(rank), world_size, *self._store_addr, i, len(local))
+                self.procs[rank] = start_stage(env)
             self._wait_ready(start_timeout_s)
-            self.chan = comm.make_channel(self.store, comm.DRIVER, world_size)
+            self.chan = comm.make_channel(self.store, comm.DRIVER, world_size, self._store_addr[0])
         except BaseException:
             self._kill()
             raise
-        self._closing = False
         self._wake_r, self._wake_w = os.pipe()
         threading.Thread(target=self._watch, name="pipellm-stage-watchdog", daemon=True).start()
 
+    # ---- failure detection ----------------------------------------------------------------------------------
+
     def _watch(self) -> None:
-        """Waits for a stage process to end or to miss its heartbeats. If that was not a shutdown, stops every
-        stage: their sockets close, so whatever the driver waits on fails at once instead of hanging (a gloo
-        receive from a peer that died before it was posted may otherwise never return)."""
-        fds = {os.pidfd_open(p.pid): rank for rank, p in enumerate(self.procs)}
-        store = comm.make_store("127.0.0.1", self.store.port, len(self.stages) + 1, is_master=False)  # own client
+        """Waits for a stage to end or to miss its heartbeats. If that was not a shutdown, stops every stage: their
+        sockets close, so whatever the driver waits on fails at once instead of hanging (a gloo receive from a peer
+        that died before it was posted may otherwise never return). Local stages are watched through their
+        process handles; stages elsewhere through the exit codes their node agents write, and heartbeats."""
+        fds = {os.pidfd_open(p.pid): rank for rank, p in self.procs.items()}
+        store = comm.generation_store(comm.make_store(*self._store_addr, is_master=False), self.generation)
+        beats = {rank: (0, time.monotonic()) for rank in range(len(self.stages))}  # last count, when it changed
         try:
             while not self._closing:
-                ready, _, _ = select.select(list(fds) + [self._wake_r], [], [], HEARTBEAT_S)
+                ready, _, _ = select.select(list(fds) + [self._wake_r], [], [], comm.HEARTBEAT_S)
+                if self._closing:
+                    return
                 dead = [fds[fd] for fd in ready if fd in fds]
-                now = time.time()
-                silent = [rank for rank in range(len(self.stages))
-                          if now - float(store.get(heartbeat_key(rank))) > self.heartbeat_timeout_s]
-                if self._closing or not (dead or silent):
-                    continue
-                self.first_death = (dead or silent)[0]
-                self.hung = not dead
-                self._kill()
-                return
+                dead += [r for r in range(len(self.stages)) if r not in self.procs and store.check([comm.exit_key(r)])]
+                now, silent = time.monotonic(), []
+                for rank, (count, since) in beats.items():
+                    new = store.add(comm.heartbeat_key(rank), 0)
+                    if new != count:
+                        beats[rank] = (new, now)
+                    elif now - since > self.heartbeat_timeout_s:
+                        silent.append(rank)
+                if dead or silent:
+                    self.first_death, self.hung = (dead or silent)[0], not dead
+                    self._kill()
+                    return
+        except Exception:  # the store went away with the driver's shutdown
+            if not self._closing:
+                raise
         finally:
             for fd in [*fds, self._wake_r]:
                 os.close(fd)
-
-    @property
-    def last_rank(self) -> int:
-        return comm.stage_world_rank(len(self.stages) - 1)
 
     def _wait_ready(self, timeout_s: float) -> None:
         # Stages load their weights in parallel; watch for readiness, a reported error, or a death.
@@ -94,47 +145,65 @@ class PipelineExecutor:
         pending = set(range(len(self.stages)))
         while pending:
             for rank in list(pending):
-                if self.store.check([error_key(rank)]):
+                if self.store.check([comm.error_key(rank)]):
                     raise self._stage_error(rank)
-                if self.store.check([ready_key(rank)]):
+                if self.store.check([comm.ready_key(rank)]):
+                    self.info[rank] = json.loads(self.store.get(comm.ready_key(rank)))
                     pending.discard(rank)
-                elif self.procs[rank].poll() is not None:
+                elif self._exit_code(rank) is not None:
                     raise self._diagnose(f"stage {rank} exited while loading")
             if time.monotonic() > deadline:
-                raise PipelineError(f"stages {sorted(pending)} did not finish loading within {timeout_s:.0f} s")
+                remote = sorted(r for r in pending if r not in self.procs)
+                hint = f"; is `pipellm stage` running on the hosts of stages {remote}?" if remote else ""
+                raise PipelineError(f"stages {sorted(pending)} did not finish loading within {timeout_s:.0f} s{hint}")
             self._wait_any_exit(0.05)
 
+    def _exit_code(self, rank: int) -> int | None:
+        if rank in self.procs:
+            return self.procs[rank].poll()
+        return int(self.store.get(comm.exit_key(rank))) if self.store.check([comm.exit_key(rank)]) else None
+
     def _stage_error(self, rank: int) -> Exception:
-        err = json.loads(self.store.get(error_key(rank)))
+        err = json.loads(self.store.get(comm.error_key(rank)))
         msg = f"stage {rank}: {err['type']}: {err['message']}"
         # Bad input reported by a stage (a missing tensor, a bad file) stays a ValueError for the user.
         return ValueError(msg) if err["type"] in ("ValueError", "FileNotFoundError") else PipelineError(
             f"{msg}\n{err['traceback']}")
 
+    def _who(self, rank: int) -> str:
+        info = self.info.get(rank, {})
+        pid = self.procs[rank].pid if rank in self.procs else info.get("pid")
+        where = "" if rank in self.procs or "host" not in info else f" on {info['host']}"
+        return f"stage {rank} (pid {pid}{where})"
+
     def _diagnose(self, what: str) -> PipelineError:
         """Names the stages that died or reported an error. Waits briefly so a failure can propagate."""
         deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
+        while time.monotonic() < deadline and self.first_death is None and all(
+                self._exit_code(r) is None for r in range(len(self.stages))):
             self._wait_any_exit(0.1)
         problems = []
         first = self.first_death
-        for rank, proc in enumerate(self.procs):
-            if first is not None and rank != first and not self.store.check([error_key(rank)]):
+        for rank in range(len(self.stages)):
+            has_error = self.store.check([comm.error_key(rank)])
+            if first is not None and rank != first and not has_error:
                 continue  # stopped by the watchdog, not a cause
             if rank == first and self.hung:
-                problems.append(f"stage {rank} (pid {proc.pid}) stopped answering: no heartbeat for "
+                problems.append(f"{self._who(rank)} stopped answering: no heartbeat for "
                                 f"{self.heartbeat_timeout_s:.0f} s")
-                continue
-            if self.store.check([error_key(rank)]):
-                err = json.loads(self.store.get(error_key(rank)))
-                problems.append(f"stage {rank} (pid {proc.pid}) failed: {err['type']}: {err['message']}")
-            elif proc.poll() is not None:
-                code = proc.returncode
-                how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-                problems.append(f"stage {rank} (pid {proc.pid}) {how}")
-        if first is not None and len(self.procs) > 1:
+            elif has_error:
+                err = json.loads(self.store.get(comm.error_key(rank)))
+                problems.append(f"{self._who(rank)} failed: {err['type']}: {err['message']}")
+            elif (code := self._exit_code(rank)) is not None:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                problems.append(f"{self._who(rank)} {how}")
+        if first is not None and len(self.stages) > 1:
             problems.append("the other stages were stopped")
         return PipelineError(f"{what}: " + ("; ".join(problems) or "no stage reported a cause"))
+
+    def failure(self) -> PipelineError:
+        """Why the pipeline is down (call when is_alive() is False)."""
+        return self.failed or self._diagnose("the pipeline stopped")
 
     def _guard(self, what: str, fn, *args):
         if self.failed:
@@ -148,6 +217,12 @@ class PipelineExecutor:
                 self.failed = self._diagnose(what)
             self._kill()
             raise self.failed from None
+
+    # ---- work -----------------------------------------------------------------------------------------------
+
+    @property
+    def last_rank(self) -> int:
+        return comm.stage_world_rank(len(self.stages) - 1)
 
     def submit(self, batch: StageBatch) -> None:
         """Sends a batch to every stage without waiting for it to run."""
@@ -171,8 +246,21 @@ class PipelineExecutor:
             return [self.chan.recv_obj(comm.stage_world_rank(s.rank), self.step_timeout) for s in self.stages]
         return self._guard("inspecting the stages", ask)
 
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+
     def is_alive(self) -> bool:
-        return not self.failed and all(p.poll() is None for p in self.procs)
+        return not self.failed and self.first_death is None and all(p.poll() is None for p in self.procs.values())
+
+    def stage_status(self) -> list[dict]:
+        """Per stage: rank, pid, host, alive. Safe from any thread."""
+        out = []
+        for rank in range(len(self.stages)):
+            info = self.info.get(rank, {})
+            code = self.procs[rank].poll() if rank in self.procs else None
+            alive = code is None and self.first_death is None and not self.failed
+            out.append({"rank": rank, "pid": self.procs[rank].pid if rank in self.procs else info.get("pid"),
+                        "host": info.get("host"), "alive": alive, "returncode": code})
+        return out
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._closing = True
@@ -191,7 +279,7 @@ class PipelineExecutor:
             except RuntimeError:
                 pass
             deadline = time.monotonic() + timeout_s
-            for proc in self.procs:
+            for proc in self.procs.values():
                 try:
                     proc.wait(max(0.01, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
@@ -199,7 +287,7 @@ class PipelineExecutor:
         self._kill()
 
     def _wait_any_exit(self, timeout_s: float) -> None:
-        fds = [os.pidfd_open(p.pid) for p in self.procs if p.poll() is None]
+        fds = [os.pidfd_open(p.pid) for p in self.procs.values() if p.poll() is None]
         try:
             select.select(fds, [], [], timeout_s)
         finally:
@@ -207,8 +295,13 @@ class PipelineExecutor:
                 os.close(fd)
 
     def _kill(self) -> None:
-        for proc in self.procs:
+        """Stops every stage of this generation: here directly, elsewhere through the node agents."""
+        try:
+            self.store.set(comm.ABORT_KEY, "1")
+        except Exception:
+            pass  # the store is gone: so are the node agents' stages
+        for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
-        for proc in self.procs:
+        for proc in self.procs.values():
             proc.wait()

@@ -3,7 +3,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipellm.config import EngineConfig, ModelConfig
+from pipellm.pipeline.partition import StageLayers
 from pipellm.sampling_params import SamplingParams
+
+
+@dataclass
+class StageArgs:
+    """Driver -> a starting stage, through the rendezvous store: what to load and run."""
+    stage: StageLayers
+    num_stages: int
+    model_dir: str                   # the driver's path; a stage on another host may be given its own
+    model_config: ModelConfig
+    engine_config: EngineConfig
+    num_blocks: int
 
 
 @dataclass
@@ -13,6 +26,7 @@ class NewRequest:
     params: SamplingParams
     prompt_token_ids: list[int]
     seed: int
+    output_token_ids: list[int] = field(default_factory=list)  # tokens generated before a pipeline restart
 
 
 @dataclass

@@ -50,3 +50,8 @@ def make_partition(num_layers: int, num_stages: int, layer_partition: list[int] 
         stages.append(StageLayers(rank, start, start + n, rank == 0, rank == num_stages - 1))
         start += n
     return stages
+
+
+def node_of_stage(rank: int, num_stages: int, nnodes: int) -> int:
+    """Hosts get contiguous, even runs of stages (node 0, the driver's host, the first run)."""
+    return rank * nnodes // num_stages

@@ -1,65 +1,39 @@
 """The stage process: holds a contiguous range of layers, their weights and KV caches, and runs batches."""
+import argparse
 import ctypes
 import json
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
-from pipellm.config import EngineConfig, ModelConfig
 from pipellm.loader.safetensors import load_stage_weights
 from pipellm.models.layers import AttentionMetadata, transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.pipeline import comm
-from pipellm.pipeline.messages import Inspect, SampledBatch, Shutdown, StageBatch, StageReport
-from pipellm.pipeline.partition import StageLayers
+from pipellm.pipeline.messages import Inspect, SampledBatch, Shutdown, StageArgs, StageBatch, StageReport
 from pipellm.sampler import Sampler
 
 
-@dataclass
-class StageArgs:
-    stage: StageLayers
-    num_stages: int
-    model_dir: str
-    model_config: ModelConfig
-    engine_config: EngineConfig
-    num_blocks: int
-    cores: list[int]                 # CPU cores this stage pins itself to
-    master_addr: str
-    master_port: int
-
 MAX_EVENTS = 200_000  # trace events a stage keeps between two reports
+START_TIMEOUT_S = 300.0  # how long a stage waits for the driver to publish its work
 
 
-HEARTBEAT_S = 0.5  # how often a stage tells the driver it is still there
-
-
-def heartbeat_key(rank: int) -> str:
-    return f"heartbeat/{rank}"
-
-
-def _heartbeat(args: StageArgs) -> None:
-    """Stamps the wall clock into the store twice a second. It stops when the process stops (SIGSTOP, a hang
-    in native code that holds the GIL, death), which is how the driver tells a hung stage from a slow one."""
-    store = comm.make_store(args.master_addr, args.master_port, args.num_stages + 1, is_master=False)
+def _heartbeat(store_addr: tuple[str, int], generation: int, rank: int) -> None:
+    """Bumps a counter in the store twice a second. It stops when the process stops (SIGSTOP, a hang in native code
+    that holds the GIL, death), which is how the driver tells a hung stage from a slow one. A counter, not a
+    timestamp: the driver times its changes on its own clock, so clocks of other hosts do not matter."""
+    store = comm.generation_store(comm.make_store(*store_addr, is_master=False), generation)
     while True:
-        store.set(heartbeat_key(args.stage.rank), repr(time.time()))
-        time.sleep(HEARTBEAT_S)
-
-
-def ready_key(rank: int) -> str:
-    return f"ready/{rank}"
-
-
-def error_key(rank: int) -> str:
-    return f"error/{rank}"
+        store.add(comm.heartbeat_key(rank), 1)
+        time.sleep(comm.HEARTBEAT_S)
 
 
 class StageWorker:
@@ -129,7 +103,7 @@ class StageWorker:
         for req_id in batch.finished_req_ids:
             self.sampler.remove_request(req_id)
         for req in batch.new_requests:
-            self.sampler.add_request(req.req_id, req.params, req.prompt_token_ids, req.seed)
+            self.sampler.add_request(req.req_id, req.params, req.prompt_token_ids, req.seed, req.output_token_ids)
         tokens = []
         if len(batch.logits_indices):
             logits = self.model.compute_logits(hidden[t(batch.logits_indices)])
@@ -160,32 +134,73 @@ def _die_with_parent() -> None:
         pass
 
 
-def stage_main(args: StageArgs) -> None:
-    """Entry point of a stage process."""
+def stage_cores(local_rank: int, local_world_size: int, threads: int) -> list[int]:
+    """The cores of this host that the local_rank-th stage on it pins itself to."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [cores[(local_rank * threads + i) % len(cores)] for i in range(threads)]
+
+
+def stage_main(world_rank: int, master_addr: str, master_port: int, local_rank: int = 0, local_world_size: int = 1,
+               model_dir: str | None = None) -> None:
+    """Entry point of a stage process: world rank r >= 1 runs stage r - 1 of the newest generation's plan."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; it shuts us down
-    os.sched_setaffinity(0, args.cores)
-    torch.set_num_threads(args.engine_config.num_threads)
-    rank = args.stage.rank
+    rank = world_rank - 1
     store = None
     try:
-        store = comm.make_store(args.master_addr, args.master_port, args.num_stages + 1, is_master=False)
+        base = comm.make_store(master_addr, master_port, is_master=False, timeout_s=START_TIMEOUT_S)
+        generation = int(base.get(comm.GENERATION_KEY))  # waits until the driver has published its plan
+        store = comm.generation_store(base, generation)
+        args: StageArgs = pickle.loads(store.get(comm.args_key(rank)))
+        if model_dir is not None:
+            args.model_dir = model_dir  # this host's own copy of the checkpoint
+        threads = args.engine_config.threads_per_stage or max(1, len(os.sched_getaffinity(0)) // local_world_size)
+        os.sched_setaffinity(0, stage_cores(local_rank, local_world_size, threads))
+        torch.set_num_threads(threads)
         worker = StageWorker(args)
-        store.set(heartbeat_key(rank), repr(time.time()))  # the first one before ready: the driver reads it next
-        threading.Thread(target=_heartbeat, args=(args,), name="pipellm-heartbeat", daemon=True).start()
-        store.set(ready_key(rank), "1")
-        worker.serve(comm.make_channel(store, comm.stage_world_rank(rank), args.num_stages + 1))
+        store.add(comm.heartbeat_key(rank), 1)
+        threading.Thread(target=_heartbeat, args=((master_addr, master_port), generation, rank),
+                         name="pipellm-heartbeat", daemon=True).start()
+        store.set(comm.ready_key(rank), json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        worker.serve(comm.make_channel(store, world_rank, args.num_stages + 1, master_addr))
     except BaseException as e:  # report any failure where the driver looks for it, then exit non-zero
         if store is not None:
             try:
-                store.set(error_key(rank), json.dumps({"type": type(e).__name__, "message": str(e),
-                                                       "traceback": traceback.format_exc()}))
+                store.set(comm.error_key(rank), json.dumps({"type": type(e).__name__, "message": str(e),
+                                                            "traceback": traceback.format_exc()}))
             except Exception:
                 pass
+        else:
+            traceback.print_exc()
         os._exit(1)
     os._exit(0)  # skip interpreter teardown: gloo's destructors can block on peers that already left
 
 
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None or not value.isdigit():
+        sys.exit(f"pipellm stage: environment variable {name} must be set to an integer (got {value!r}); "
+                 "start stages with torchrun, `pipellm stage`, or let the driver start them")
+    return int(value)
 
-def main_from_stdin() -> None:
-    stage_main(pickle.loads(sys.stdin.buffer.read()))
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m pipellm.pipeline.stage [--model PATH]`, as torchrun or a node agent starts it. Reads RANK (1..P;
+    rank 0 is the driver), MASTER_ADDR and MASTER_PORT (the driver's rendezvous store), LOCAL_RANK and
+    LOCAL_WORLD_SIZE (which cores of this host to take), and its layers from the store."""
+    parser = argparse.ArgumentParser(prog="python -m pipellm.pipeline.stage")
+    parser.add_argument("--model", default=None, help="this host's copy of the model (default: the driver's path)")
+    args = parser.parse_args(argv)
+    rank = _env_int("RANK")
+    if rank < 1:
+        sys.exit("pipellm stage: RANK 0 is the driver (pipellm serve / generate); stages have RANK 1 and up")
+    model_dir = None
+    if args.model is not None:
+        from pipellm.engine.engine import resolve_model
+        model_dir = resolve_model(args.model)
+    stage_main(rank, os.environ.get("MASTER_ADDR", "127.0.0.1"), _env_int("MASTER_PORT"),
+               int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), model_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""`pipellm stage`: the node agent of a host other than the driver's.
+
+It connects to the driver's rendezvous store, starts this host's stages for every pipeline the driver publishes (the
+first one and each restart), writes their exit codes where the driver's watchdog looks, and ends with the driver.
+"""
+import pickle
+import subprocess
+import time
+from datetime import timedelta
+
+from pipellm.pipeline import comm
+from pipellm.pipeline.executor import stage_env, start_stage
+from pipellm.pipeline.partition import node_of_stage
+
+POLL_S = 0.2
+
+
+class NodeAgent:
+    def __init__(self, nnodes: int, node_rank: int, master_addr: str, master_port: int, model_dir: str | None,
+                 connect_timeout_s: float = 300.0):
+        if not 1 <= node_rank < nnodes:
+            raise ValueError(f"--node-rank {node_rank}: give 1 to {nnodes - 1}; node 0 is the driver's host, "
+                             "where `pipellm serve` (or generate, bench) runs with --node-rank 0")
+        self.nnodes, self.node_rank, self.model_dir = nnodes, node_rank, model_dir
+        self.addr = (master_addr, master_port)
+        print(f"node {node_rank}: connecting to the driver at {master_addr}:{master_port}", flush=True)
+        self.store = comm.make_store(master_addr, master_port, is_master=False, timeout_s=connect_timeout_s)
+        self.store.wait([comm.NNODES_KEY], timedelta(seconds=connect_timeout_s))
+        driver_nnodes = int(self.store.get(comm.NNODES_KEY))
+        if driver_nnodes != nnodes:
+            raise ValueError(f"--nnodes {nnodes}, but the driver at {master_addr}:{master_port} runs with "
+                             f"--nnodes {driver_nnodes}; give both the same")
+        self.procs: dict[int, subprocess.Popen] = {}  # stage rank -> process, of the current generation
+        self.reported: set[int] = set()
+
+    def run(self) -> int:
+        """Serves pipeline after pipeline until the driver shuts down (0) or goes away (1)."""
+        generation, gstore = None, None
+        try:
+            while not self.store.check([comm.SHUTDOWN_KEY]):
+                if self.store.check([comm.GENERATION_KEY]) and int(self.store.get(comm.GENERATION_KEY)) != generation:
+                    self._stop()  # a new pipeline replaces the failed one
+                    generation = int(self.store.get(comm.GENERATION_KEY))
+                    gstore = comm.generation_store(self.store, generation)
+                    self._start(gstore, generation)
+                if gstore is not None:
+                    self._report_exits(gstore)
+                    if gstore.check([comm.ABORT_KEY]):
+                        self._stop()
+                time.sleep(POLL_S)
+        except RuntimeError as e:  # the store's errors (DistNetworkError, DistStoreError) are RuntimeErrors
+            print(f"node {self.node_rank}: lost the driver at {self.addr[0]}:{self.addr[1]} ({e}); stopping",
+                  flush=True)
+            return 1
+        finally:
+            self._stop(grace_s=5.0)
+        self.store.set(f"pipellm/bye/{self.node_rank}", "1")  # the driver waits for it
+        print(f"node {self.node_rank}: the driver shut down; done", flush=True)
+        return 0
+
+    def _start(self, gstore, generation: int) -> None:
+        num_stages = pickle.loads(gstore.get(comm.args_key(0))).num_stages
+        ranks = [r for r in range(num_stages) if node_of_stage(r, num_stages, self.nnodes) == self.node_rank]
+        for i, rank in enumerate(ranks):
+            env = stage_env(comm.stage_world_rank(rank), num_stages + 1, *self.addr, i, len(ranks))
+            self.procs[rank] = start_stage(env, self.model_dir)
+        self.reported = set()
+        print(f"node {self.node_rank}: pipeline {generation}: started stages {ranks} "
+              f"(pids {[p.pid for p in self.procs.values()]})", flush=True)
+
+    def _report_exits(self, gstore) -> None:
+        for rank, proc in self.procs.items():
+            if rank not in self.reported and proc.poll() is not None:
+                gstore.set(comm.exit_key(rank), str(proc.returncode))
+                self.reported.add(rank)
+
+    def _stop(self, grace_s: float = 0.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs = {}

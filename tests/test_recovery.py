@@ -1,0 +1,108 @@
+"""A stage that dies mid-generation: without recovery the user gets an error naming it within 5 s; with
+restart_on_failure the engine starts a new pipeline and every request ends as if nothing had happened."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from pipellm import LLM, SamplingParams
+from pipellm.pipeline.executor import PipelineError
+from tests.serving import is_running
+
+PROMPTS = [{"prompt_token_ids": [i % 300 + 1, 7, (3 * i) % 250 + 2] * (2 + i % 5)} for i in range(24)]
+# Greedy, and seeded random draws with penalties: both must come out the same after a restart.
+PARAMS = [SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0) if i % 3 else
+          SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.9, seed=i, repetition_penalty=1.3,
+                         frequency_penalty=0.2) for i in range(len(PROMPTS))]
+
+
+class KillWhen(threading.Thread):
+    """Kills a stage of llm's current pipeline once some request has `after_tokens` output tokens."""
+
+    def __init__(self, llm: LLM, rank: int, after_tokens: int = 6):
+        super().__init__(daemon=True)
+        self.llm, self.rank, self.after_tokens = llm, rank, after_tokens
+        self.killed_at: float | None = None
+        self.progress: list[int] = []    # output lengths at the kill
+        self.stop = threading.Event()
+
+    def run(self):
+        executor = self.llm.engine.executor
+        while not self.stop.is_set():
+            lengths = [len(r.output_token_ids) for r in list(self.llm.engine.requests.values())]
+            if lengths and max(lengths) >= self.after_tokens:
+                self.progress = lengths
+                os.kill(executor.procs[self.rank].pid, signal.SIGKILL)
+                self.killed_at = time.monotonic()
+                return
+            time.sleep(0.002)
+
+
+def _token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def recovering_llm(llama_dir):
+    with LLM(llama_dir, pipeline_parallel_size=2, restart_on_failure=True) as llm:
+        yield llm
+
+
+def test_restart_gives_every_request_the_tokens_of_a_fault_free_run(recovering_llm):
+    llm = recovering_llm
+    expected = _token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    for rank in (1, 0):  # the last stage holds the sampling state; the first one the embedding
+        old_pids = [p.pid for p in llm.engine.executor.procs.values()]
+        killer = KillWhen(llm, rank)
+        killer.start()
+        got = _token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+        killer.stop.set()
+        assert killer.killed_at is not None, "the generation ended before the kill"
+        assert 0 < max(killer.progress) < 48, "the kill did not land mid-generation"
+        restart = llm.engine.restarts[-1]
+        assert f"stage {rank} (pid {old_pids[rank]}) was killed by signal 9" in restart["error"]
+        assert restart["detected_at"] - killer.killed_at < 5.0
+        assert got == expected
+        assert not any(map(is_running, old_pids)), "a stage of the failed pipeline is still running"
+    assert len(llm.engine.restarts) == 2
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_without_restart_the_error_names_the_stage_within_5_s(llama_dir):
+    llm = LLM(llama_dir, pipeline_parallel_size=2)
+    pids = [p.pid for p in llm.engine.executor.procs.values()]
+    killer = KillWhen(llm, 1)
+    killer.start()
+    try:
+        with pytest.raises(PipelineError, match=r"stage 1 \(pid \d+\) was killed by signal 9"):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert killer.killed_at is not None and time.monotonic() - killer.killed_at < 5.0
+    finally:
+        killer.stop.set()
+        llm.shutdown()
+    assert not any(map(is_running, pids))
+
+
+def test_a_stage_that_keeps_dying_stops_the_restarts(llama_dir):
+    llm = LLM(llama_dir, pipeline_parallel_size=2, restart_on_failure=True)
+    pids = []
+
+    def keep_killing():
+        for generation in range(3):
+            while llm.engine.executor.generation != generation or not llm.engine.executor.is_alive():
+                time.sleep(0.01)
+            pids.extend(p.pid for p in llm.engine.executor.procs.values())
+            os.kill(llm.engine.executor.procs[0].pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=keep_killing, daemon=True)
+    killer.start()
+    try:
+        with pytest.raises(PipelineError, match=r"stage 0 .* was killed by signal 9(.|\n)*failed 3 times within 60 s"):
+            llm.generate(PROMPTS * 8, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+    finally:
+        killer.join(30)
+        llm.shutdown()
+    assert len(llm.engine.restarts) == 2
+    assert not any(map(is_running, pids))
