@@ -119,7 +119,7 @@ class StageWorker:
         return StageReport(
             rank=self.stage.rank, description=self.stage.describe(), pid=os.getpid(),
             param_names=[n for n, _ in self.model.named_parameters()],
-            checkpoint_tensors=self.checkpoint_tensors, num_kv_caches=len(self.kv_caches),
+            checkpoint_tensors=self.checkpoint_tensors, model_dir=self.args.model_dir, num_kv_caches=len(self.kv_caches),
             kv_cache_shape=tuple(self.kv_caches[0][0].shape), num_threads=torch.get_num_threads(),
             cpu_affinity=sorted(os.sched_getaffinity(0)), steps=self.steps,
             activation_bytes_sent=self.bytes_sent, activation_tokens_sent=self.tokens_sent, busy_s=self.busy_s,
