@@ -141,3 +141,31 @@ def test_stage_killed_on_the_other_host_is_restarted_there(hosts, llama_dir, tmp
     assert result["new_status"][1]["pid"] != result["status"][1]["pid"]
     wait_until(lambda: not any(is_running(s["pid"]) for s in result["status"] + result["new_status"]), 10,
                "every stage to end")
+
+
+def test_torchrun_on_both_hosts(hosts, llama_dir, tmp_path, llm_pp2):
+    """Plain torchrun on each host, 2 processes on A (driver = RANK 0, stage 0) and 1 on B (stage 1)."""
+    ns_a, ns_b = hosts
+    port = 29900 + os.getpid() % 90
+    prompt = "The capital of France is"
+    procs = []
+    for ns, node_rank, nproc in ((ns_b, 1, 1), (ns_a, 0, 2)):
+        log = open(tmp_path / f"torchrun_{node_rank}.log", "w+")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
+               "--nproc-per-node", str(nproc), "--master-addr", HOST_A, "--master-port", str(port),
+               "-m", "pipellm.entrypoints.cli", "generate", "--model", llama_dir, "-pp", "2", "--max-tokens", "8",
+               "--distributed-executor-backend", "external_launcher", prompt]
+        procs.append((_in_ns(ns, *cmd, log=log), log))
+    try:
+        for proc, _ in procs:
+            proc.wait(180)
+    finally:
+        for proc, _ in procs:
+            _stop(proc)
+    logs = []
+    for proc, log in procs:
+        log.seek(0)
+        logs.append(log.read())
+        assert proc.returncode == 0, f"torchrun exited with {proc.returncode}:\n{logs[-1]}"
+    expected = llm_pp2.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    assert f"{prompt}{expected.outputs[0].text}\n" in logs[1]
