@@ -1,5 +1,6 @@
 """A stage that dies mid-generation: without recovery the user gets an error naming it within 5 s; with
 restart_on_failure the engine starts a new pipeline and every request ends as if nothing had happened."""
+import json
 import os
 import signal
 import threading
@@ -105,4 +106,79 @@ def test_a_stage_that_keeps_dying_stops_the_restarts(llama_dir):
         killer.join(30)
         llm.shutdown()
     assert len(llm.engine.restarts) == 2
+    assert not any(map(is_running, pids))
+
+
+STORIES = [f"Story number {i}: once upon a time" for i in range(6)]
+
+
+async def _stream_all(server, kill_after_chunks: int | None = None) -> tuple[list[str], list[dict], float | None]:
+    """Streams a greedy completion per story at once; SIGKILLs stage 1 once that many chunks have arrived.
+    Returns each stream's text, the error events seen, and when the kill happened."""
+    import asyncio
+
+    import httpx
+
+    victim = server.stage_pids()[1]
+    state = {"chunks": 0, "killed_at": None}
+    errors = []
+
+    async def one(client, prompt):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0.0, "ignore_eos": True,
+                "stream": True}
+        text = ""
+        async with client.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    errors.append(event["error"])
+                    continue
+                text += event["choices"][0]["text"]
+                state["chunks"] += 1
+                if kill_after_chunks is not None and state["chunks"] == kill_after_chunks:
+                    os.kill(victim, signal.SIGKILL)
+                    state["killed_at"] = time.monotonic()
+        return text
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        texts = await asyncio.gather(*(one(client, p) for p in STORIES))
+    return list(texts), errors, state["killed_at"]
+
+
+def test_server_restarts_and_streams_go_on_without_gap_or_duplicate(llama_dir, tmp_path):
+    import asyncio
+
+    import httpx
+
+    from tests.serving import serve
+    with serve(llama_dir, tmp_path, "--served-model-name", "tiny") as server:  # restart is on by default
+        expected, errors, _ = asyncio.run(_stream_all(server))
+        assert not errors and all(expected)
+        old_pids = server.stage_pids()
+        got, errors, killed_at = asyncio.run(_stream_all(server, kill_after_chunks=8))
+        assert killed_at is not None and not errors
+        assert got == expected  # each stream's text: no token lost or repeated across the restart
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["status"] == "ok" and set(server.stage_pids()).isdisjoint(old_pids)
+        assert not any(map(is_running, old_pids))
+        assert any(line.startswith("pipellm:pipeline_restarts_total{") and line.endswith(" 1.0")
+                   for line in httpx.get(f"{server.url}/metrics").text.splitlines())
+
+
+def test_server_without_restart_ends_streams_with_an_error_naming_the_stage(llama_dir, tmp_path):
+    import asyncio
+
+    import httpx
+
+    from tests.serving import serve
+    with serve(llama_dir, tmp_path, "--served-model-name", "tiny", "--no-restart-on-failure") as server:
+        pids = server.stage_pids()
+        start = time.monotonic()
+        _, errors, killed_at = asyncio.run(_stream_all(server, kill_after_chunks=8))
+        assert killed_at is not None and time.monotonic() - killed_at < 5.0, "the streams did not end within 5 s"
+        assert errors and all(f"stage 1 (pid {pids[1]}) was killed by signal 9" in e["message"] for e in errors)
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        assert time.monotonic() - start < 60
     assert not any(map(is_running, pids))

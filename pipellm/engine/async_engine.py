@@ -63,6 +63,7 @@ class EngineStats:
     kv_cache_usage: float = 0.0                     # fraction of KV blocks in use
     prefix_cache_hit_rate: float = 0.0
     num_generated_tokens: int = 0                   # all tokens the engine generated, aborted requests' too
+    num_restarts: int = 0                           # pipelines started anew after a stage failed
     stage_reports: list = field(default_factory=list)  # list[StageReport]: every 2 s idle, 15 s under load
 
 
@@ -293,7 +294,7 @@ class AsyncEngine:
         sched = engine.scheduler
         # Replaced whole, never mutated: the event loop reads it without a lock.
         self.stats = EngineStats(len(sched.running), len(sched.waiting), bm.usage,
-                                 bm.prefix_hit_rate, self._num_generated, reports)
+                                 bm.prefix_hit_rate, self._num_generated, len(engine.restarts), reports)
 
     def _fail(self, message: str) -> None:
         self.error = message

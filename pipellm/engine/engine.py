@@ -309,7 +309,11 @@ class LLMEngine:
 
     def inspect(self):
         assert not self.in_flight, "inspect() between generate calls only"
-        reports = self.executor.inspect()
+        try:
+            reports = self.executor.inspect()
+        except PipelineError as e:
+            self.restart(e)
+            return []
         if self.tracer:
             self.tracer.add_reports(reports)
         return reports

@@ -83,6 +83,10 @@ class _EngineCollector:
                                         "later.", labels=["model_name"])
         generated.add_metric(m, stats.num_generated_tokens)
         yield generated
+        restarts = CounterMetricFamily("pipellm:pipeline_restarts", "Pipelines started anew after a stage failed.",
+                                       labels=["model_name"])
+        restarts.add_metric(m, stats.num_restarts)
+        yield restarts
         busy = CounterMetricFamily("pipellm:stage_busy_seconds", "Seconds each stage spent computing "
                                    "(refreshed every few seconds).", labels=["model_name", "stage"])
         sent = CounterMetricFamily("pipellm:stage_activation_bytes_sent", "Bytes of activations each stage sent "
