@@ -30,3 +30,23 @@ def test_bad_arguments_exit_with_a_message(llama_dir):
     assert out.returncode == 2 and "sums to 4, but the model has 5 layers" in out.stderr
     out = _run(["generate", "--model", os.path.join(llama_dir, "missing"), "hi"])
     assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+def test_bad_multihost_arguments_exit_with_a_message(llama_dir):
+    out = _run(["generate", "--model", llama_dir, "-pp", "2", "--nnodes", "2", "--node-rank", "1", "hi"])
+    assert out.returncode == 2 and "on the other hosts run `pipellm stage --nnodes 2 --node-rank 1" in out.stderr
+    out = _run(["generate", "--model", llama_dir, "-pp", "2", "--nnodes", "3", "hi"])
+    assert out.returncode == 2 and "nnodes=3: must be an integer from 1 to pipeline_parallel_size=2" in out.stderr
+    out = _run(["stage", "--nnodes", "2", "--node-rank", "0"])
+    assert out.returncode == 2 and "node 0 is the driver's host" in out.stderr
+    out = _run(["stage", "--nnodes", "2", "--node-rank", "1", "--master-port", "1", "--connect-timeout", "1"])
+    assert out.returncode == 2 and "no driver answered at 127.0.0.1:1 within 1 s" in out.stderr
+
+
+def test_stage_agent_refuses_a_different_nnodes(llama_dir):
+    from pipellm.pipeline import comm
+    store = comm.make_store("127.0.0.1", 0, is_master=True)
+    store.set(comm.NNODES_KEY, "3")
+    out = _run(["stage", "--nnodes", "2", "--node-rank", "1", "--master-port", str(store.port)])
+    assert out.returncode == 2 and "--nnodes 2, but the driver at 127.0.0.1" in out.stderr
+    assert "runs with --nnodes 3" in out.stderr

@@ -24,8 +24,13 @@ class NodeAgent:
         self.nnodes, self.node_rank, self.model_dir = nnodes, node_rank, model_dir
         self.addr = (master_addr, master_port)
         print(f"node {node_rank}: connecting to the driver at {master_addr}:{master_port}", flush=True)
-        self.store = comm.make_store(master_addr, master_port, is_master=False, timeout_s=connect_timeout_s)
-        self.store.wait([comm.NNODES_KEY], timedelta(seconds=connect_timeout_s))
+        try:
+            self.store = comm.make_store(master_addr, master_port, is_master=False, timeout_s=connect_timeout_s)
+            self.store.wait([comm.NNODES_KEY], timedelta(seconds=connect_timeout_s))
+        except RuntimeError as e:  # DistNetworkError, DistStoreError
+            raise ValueError(f"no driver answered at {master_addr}:{master_port} within {connect_timeout_s:.0f} s "
+                             f"({e}); start `pipellm serve --nnodes {nnodes} --node-rank 0 ...` there, or check "
+                             "--master-addr, --master-port and the firewall") from None
         driver_nnodes = int(self.store.get(comm.NNODES_KEY))
         if driver_nnodes != nnodes:
             raise ValueError(f"--nnodes {nnodes}, but the driver at {master_addr}:{master_port} runs with "
