@@ -182,3 +182,30 @@ def test_server_without_restart_ends_streams_with_an_error_naming_the_stage(llam
         assert httpx.get(f"{server.url}/health").status_code == 503
         assert time.monotonic() - start < 60
     assert not any(map(is_running, pids))
+
+
+def test_a_lost_host_fails_the_restart_fast_instead_of_waiting(llama_dir):
+    """Host 1 (its `pipellm stage` agent and stage) vanishes: the restart gives up once the agent is silent."""
+    import subprocess
+    import sys
+
+    from tests.serving import free_port
+    port = free_port()
+    agent = subprocess.Popen([sys.executable, "-m", "pipellm.entrypoints.cli", "stage", "--nnodes", "2", "--node-rank",
+                              "1", "--master-port", str(port), "--connect-timeout", "60"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        llm = LLM(llama_dir, pipeline_parallel_size=2, nnodes=2, master_port=port, restart_on_failure=True)
+        try:
+            pids = [s["pid"] for s in llm.engine.executor.stage_status()]
+            os.killpg(agent.pid, signal.SIGKILL)  # the whole host: the agent and its stage
+            start = time.monotonic()
+            with pytest.raises(PipelineError, match=r"node agent of host 1 .* stopped answering"):
+                llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+            assert time.monotonic() - start < 15
+        finally:
+            llm.shutdown()
+        assert not any(map(is_running, pids))
+    finally:
+        agent.kill()
+        agent.wait(10)

@@ -30,6 +30,10 @@ NNODES_KEY = "pipellm/nnodes"
 SHUTDOWN_KEY = "pipellm/shutdown"      # the driver is done: node agents exit
 
 
+def agent_key(node_rank: int) -> str:  # a counter the node agent of a host bumps while it runs
+    return f"pipellm/agent/{node_rank}"
+
+
 def generation_store(store: dist.Store, generation: int) -> dist.Store:
     return dist.PrefixStore(f"pipellm/{generation}/", store)
 

@@ -85,8 +85,9 @@ class PipelineExecutor:
         self.generation = generation
         self.store = comm.generation_store(store, generation)
         world_size = len(stages) + 1
-        local = [s.rank for s in stages if engine_config.distributed_executor_backend == "mp"
-                 and node_of_stage(s.rank, len(stages), engine_config.nnodes) == 0]
+        self.node_of = [node_of_stage(s.rank, len(stages), engine_config.nnodes) for s in stages]
+        local = [s.rank for s in stages
+                 if engine_config.distributed_executor_backend == "mp" and self.node_of[s.rank] == 0]
         self.procs: dict[int, subprocess.Popen] = {}  # rank -> process, for the stages started here
         try:
             for stage in stages:
@@ -96,7 +97,7 @@ class PipelineExecutor:
             for i, rank in enumerate(local):
                 env = stage_env(comm.stage_world_rank(rank), world_size, *self._store_addr, i, len(local))
                 self.procs[rank] = start_stage(env)
-            self._wait_ready(start_timeout_s)
+            self._wait_ready(start_timeout_s, store)
             self.chan = comm.make_channel(self.store, comm.DRIVER, world_size, self._store_addr[0])
         except BaseException:
             self._kill()
@@ -139,11 +140,14 @@ class PipelineExecutor:
             for fd in [*fds, self._wake_r]:
                 os.close(fd)
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def _wait_ready(self, timeout_s: float, base_store: dist.Store) -> None:
         # Stages load their weights in parallel; watch for readiness, a reported error, or a death.
         deadline = time.monotonic() + timeout_s
         pending = set(range(len(self.stages)))
+        agents: dict[str, tuple[int, float]] = {}  # node agent key -> (last count, when it changed)
         while pending:
+            for rank in pending - set(self.procs):
+                self._check_agent(base_store, comm.agent_key(self.node_of[rank]), agents)
             for rank in list(pending):
                 if self.store.check([comm.error_key(rank)]):
                     raise self._stage_error(rank)
@@ -157,6 +161,19 @@ class PipelineExecutor:
                 hint = f"; is `pipellm stage` running on the hosts of stages {remote}?" if remote else ""
                 raise PipelineError(f"stages {sorted(pending)} did not finish loading within {timeout_s:.0f} s{hint}")
             self._wait_any_exit(0.05)
+
+    def _check_agent(self, store: dist.Store, key: str, seen: dict[str, tuple[int, float]]) -> None:
+        """A node agent that has been seen and then goes silent took its host's stages with it: fail now rather
+        than at the start timeout. One not seen yet may still be starting: the user starts hosts in any order."""
+        if not store.check([key]):
+            return
+        count, now = store.add(key, 0), time.monotonic()
+        last, since = seen.get(key, (None, now))
+        if count != last:
+            seen[key] = (count, now)
+        elif now - since > self.heartbeat_timeout_s:
+            raise PipelineError(f"the node agent of host {key.rsplit('/', 1)[1]} (`pipellm stage`) stopped answering "
+                                f"for {self.heartbeat_timeout_s:.0f} s while its stages were starting; is that host up?")
 
     def _exit_code(self, rank: int) -> int | None:
         if rank in self.procs:

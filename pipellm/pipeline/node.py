@@ -43,6 +43,7 @@ class NodeAgent:
         generation, gstore = None, None
         try:
             while not self.store.check([comm.SHUTDOWN_KEY]):
+                self.store.add(comm.agent_key(self.node_rank), 1)
                 if self.store.check([comm.GENERATION_KEY]) and int(self.store.get(comm.GENERATION_KEY)) != generation:
                     self._stop()  # a new pipeline replaces the failed one
                     generation = int(self.store.get(comm.GENERATION_KEY))
