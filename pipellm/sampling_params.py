@@ -44,8 +44,9 @@ class SamplingParams:
             bad("top_k", "must be -1 (all tokens) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
-        if not self.repetition_penalty > 0.0:
-            bad("repetition_penalty", "must be > 0 (1 means none)")
+        # Further out, dividing float32 logits by it overflows to inf and no token can be drawn.
+        if not 0.01 <= self.repetition_penalty <= 100.0:
+            bad("repetition_penalty", "must be in [0.01, 100] (1 means none)")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:

@@ -96,6 +96,7 @@ def test_chat_applies_the_template(llm_pp2):
     (dict(top_p=1.5), "top_p"), (dict(temperature=-1), "temperature"), (dict(n=0), "n"), (dict(top_k=-5), "top_k"),
     (dict(min_p=2), "min_p"), (dict(logprobs=-1), "logprobs"), (dict(stop=[""]), "stop"),
     (dict(presence_penalty=3), "presence_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(repetition_penalty=5e-324), "repetition_penalty"), (dict(repetition_penalty=1e9), "repetition_penalty"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
