@@ -102,7 +102,8 @@ class EngineConfig:
     seed: int = 0                       # seeds requests that do not set their own
     threads_per_stage: int | None = None  # torch threads per stage; None = cores // P
     step_timeout_s: float = 300.0       # a step that takes longer is reported as hung
-    heartbeat_timeout_s: float = 5.0    # a stage process whose heartbeat is silent this long is stopped
+    heartbeat_timeout_s: float = 3.0    # a stage whose heartbeat is silent this long is stopped: with the 0.5 s
+    #                                     beat and poll, a frozen stage is named within 4 s
     auto_partition_prompt_ratio: float = 2.0  # prompt tokens per generated token "auto" balances for
     trace: bool = False                 # record per-batch timings in every stage (pipellm.observe.trace)
     max_batches_in_flight: int | None = None  # micro-batches in the pipeline at once; None = one per stage

@@ -63,19 +63,22 @@ import json, os, signal, sys, threading, time
 from pipellm import LLM, SamplingParams
 cfg = json.loads(sys.argv[1])
 llm = LLM(cfg["model"], pipeline_parallel_size=2, nnodes=2, master_addr=cfg["addr"], master_port=cfg["port"],
-          restart_on_failure=cfg["kill"])
+          restart_on_failure=cfg["restart"])
 params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
 out = {"local": sorted(llm.engine.executor.procs), "status": llm.engine.executor.stage_status(),
        "reports": [[r.model_dir, r.checkpoint_tensors] for r in llm.engine.inspect()]}
-if cfg["kill"]:  # SIGKILL stage 1, on the other host, once generation is under way
-    def kill():
+if cfg["fault"]:  # signal stage 1, on the other host, once generation is under way
+    def fault():
         while max([len(r.output_token_ids) for r in list(llm.engine.requests.values())] or [0]) < 4:
             time.sleep(0.002)
-        out["killed"] = time.monotonic()
-        os.kill(out["status"][1]["pid"], signal.SIGKILL)
-    threading.Thread(target=kill, daemon=True).start()
-outs = llm.generate([{"prompt_token_ids": p} for p in cfg["prompts"]], params, use_tqdm=False)
-out["tokens"] = [o.outputs[0].token_ids for o in outs]
+        out["fault_at"] = time.monotonic()
+        os.kill(out["status"][1]["pid"], getattr(signal, cfg["fault"]))
+    threading.Thread(target=fault, daemon=True).start()
+try:
+    outs = llm.generate([{"prompt_token_ids": p} for p in cfg["prompts"]], params, use_tqdm=False)
+    out["tokens"] = [o.outputs[0].token_ids for o in outs]
+except Exception as e:
+    out["error"], out["error_at"] = str(e), time.monotonic()
 out["restarts"] = llm.engine.restarts
 out["new_status"] = llm.engine.executor.stage_status()
 llm.shutdown()
@@ -83,7 +86,8 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def _two_hosts(hosts, model_a: str, model_b: str, tmp_path, kill: bool) -> tuple[dict, str]:
+def _two_hosts(hosts, model_a: str, model_b: str, tmp_path, fault: str | None = None,
+               restart: bool = False) -> tuple[dict, str]:
     """Runs the driver (+ stage 0) on host A and `pipellm stage` on host B; returns the driver's result and B's log."""
     ns_a, ns_b = hosts
     port = 29400 + os.getpid() % 500
@@ -91,7 +95,8 @@ def _two_hosts(hosts, model_a: str, model_b: str, tmp_path, kill: bool) -> tuple
     agent = _in_ns(ns_b, sys.executable, "-m", "pipellm.entrypoints.cli", "stage", "--nnodes", "2", "--node-rank",
                    "1", "--master-addr", HOST_A, "--master-port", str(port), "--model", model_b,
                    "--connect-timeout", "60", log=log_b)
-    cfg = dict(model=model_a, addr=HOST_A, port=port, kill=kill, prompts=PROMPTS, max_tokens=MAX_TOKENS)
+    cfg = dict(model=model_a, addr=HOST_A, port=port, fault=fault, restart=restart, prompts=PROMPTS,
+               max_tokens=MAX_TOKENS)
     driver = _in_ns(ns_a, sys.executable, "-c", DRIVER, json.dumps(cfg), log=log_a)
     try:
         driver.wait(180)
@@ -118,7 +123,7 @@ def single_host_tokens(llm_pp2):
 def test_two_hosts_give_the_single_host_tokens(hosts, llama_dir, tmp_path, single_host_tokens):
     copy_b = str(tmp_path / "host_b_model")  # host B's own copy of the checkpoint
     shutil.copytree(llama_dir, copy_b)
-    result, log_b = _two_hosts(hosts, llama_dir, copy_b, tmp_path, kill=False)
+    result, log_b = _two_hosts(hosts, llama_dir, copy_b, tmp_path)
     assert result["tokens"] == single_host_tokens
     assert result["local"] == [0], "the driver started a stage that belongs to host B"
     stage1_pid = result["status"][1]["pid"]
@@ -132,15 +137,24 @@ def test_two_hosts_give_the_single_host_tokens(hosts, llama_dir, tmp_path, singl
 
 
 def test_stage_killed_on_the_other_host_is_restarted_there(hosts, llama_dir, tmp_path, single_host_tokens):
-    result, log_b = _two_hosts(hosts, llama_dir, llama_dir, tmp_path, kill=True)
+    result, log_b = _two_hosts(hosts, llama_dir, llama_dir, tmp_path, fault="SIGKILL", restart=True)
     assert result["tokens"] == single_host_tokens
     [restart] = result["restarts"]
     assert f"stage 1 (pid {result['status'][1]['pid']}" in restart["error"]
-    assert restart["detected_at"] - result["killed"] < 5.0
+    assert restart["detected_at"] - result["fault_at"] < 5.0
     assert "pipeline 1: started stages [1]" in log_b  # host B's agent started the new stage 1
     assert result["new_status"][1]["pid"] != result["status"][1]["pid"]
     wait_until(lambda: not any(is_running(s["pid"]) for s in result["status"] + result["new_status"]), 10,
                "every stage to end")
+
+
+def test_frozen_stage_on_the_other_host_is_named_within_5_s(hosts, llama_dir, tmp_path):
+    """SIGSTOP: the process lives but answers nothing; only its silent heartbeat, timed by the driver, tells."""
+    result, _ = _two_hosts(hosts, llama_dir, llama_dir, tmp_path, fault="SIGSTOP")
+    assert f"stage 1 (pid {result['status'][1]['pid']} on " in result["error"]
+    assert "stopped answering: no heartbeat for 3 s" in result["error"]
+    assert result["error_at"] - result["fault_at"] < 5.0
+    wait_until(lambda: not is_running(result["status"][1]["pid"]), 10, "the frozen stage to be killed")
 
 
 def test_torchrun_on_both_hosts(hosts, llama_dir, tmp_path, llm_pp2):
