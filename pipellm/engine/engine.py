@@ -197,27 +197,35 @@ class LLMEngine:
 
     def restart(self, error: PipelineError) -> None:
         """Replaces a failed pipeline with a new one and queues every unfinished request to run again from its
-        prompt plus the tokens it has already generated. Raises error when restarts are off or exhausted."""
+        prompt plus the tokens it has already generated. A new pipeline that fails to start is a failure too.
+        Raises the failure when restarts are off, or after RESTART_LIMIT failures within RESTART_WINDOW_S."""
         if not self.config.restart_on_failure:
             raise error
-        now = time.monotonic()
-        self.failures = [t for t in self.failures if now - t < RESTART_WINDOW_S] + [now]
-        if len(self.failures) >= RESTART_LIMIT:
-            raise PipelineError(f"{error}\nThe pipeline failed {len(self.failures)} times within "
-                                f"{RESTART_WINDOW_S:.0f} s; not restarting it again") from error
-        log.warning("%s; restarting the pipeline and re-running %d unfinished requests", error,
-                    self.scheduler.num_unfinished)
-        self.restarting = str(error)
         self.executor.shutdown()
         self.in_flight.clear()
         # The new stages' KV caches are empty: forget every block, cached prefixes included.
         self.block_manager = BlockManager(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler.requeue_all(self.block_manager)
-        self.restarts.append({"error": str(error), "detected_at": now})
-        self.executor = self._start_pipeline()
-        self.restarts[-1]["start_s"] = time.monotonic() - now
-        self.restarting = None
-        log.warning("pipeline restarted in %.1f s", time.monotonic() - now)
+        while True:
+            now = time.monotonic()
+            self.failures = [t for t in self.failures if now - t < RESTART_WINDOW_S] + [now]
+            if len(self.failures) >= RESTART_LIMIT:
+                self.restarting = None
+                raise PipelineError(f"{error}\nThe pipeline failed {len(self.failures)} times within "
+                                    f"{RESTART_WINDOW_S:.0f} s; not restarting it again") from error
+            log.warning("%s; restarting the pipeline and re-running %d unfinished requests", error,
+                        self.scheduler.num_unfinished)
+            self.restarting = str(error)
+            self.restarts.append({"error": str(error), "detected_at": now})
+            try:
+                self.executor = self._start_pipeline()
+            except PipelineError as e:
+                error = e
+                continue
+            self.restarts[-1]["start_s"] = time.monotonic() - now
+            self.restarting = None
+            log.warning("pipeline restarted in %.1f s", self.restarts[-1]["start_s"])
+            return
 
     def _step(self, fill: bool) -> list[Request]:
         num_batches = self.config.max_batches_in_flight or len(self.stages)
