@@ -2,6 +2,7 @@
 import os
 import pickle
 import socket
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -70,7 +71,19 @@ def local_address(peer: str) -> str:
         return s.getsockname()[0]
 
 
-def make_channel(store: dist.Store, world_rank: int, world_size: int, master_addr: str) -> "Channel":
+def max_pending_sends(world_rank: int, num_stages: int, batches_in_flight: int) -> int:
+    """How many sends a process may leave unwaited, such that the older ones are sure to have been received.
+
+    The driver submits batch b only after the result of batch b - B is back (B batches in flight), so by then
+    every process has received all it was sent for batch b - B. The driver sends each stage a message per batch,
+    a stage one tensor (the last: one result) per batch; each message is at most two sends (mailbox, overflow),
+    and one more batch's worth covers a stage report."""
+    per_batch = 2 * num_stages if world_rank == DRIVER else 2
+    return per_batch * (batches_in_flight + 1)
+
+
+def make_channel(store: dist.Store, world_rank: int, world_size: int, master_addr: str,
+                 max_pending: int) -> "Channel":
     # A process group object of our own rather than the default group: the user's process may
     # hold several engines, or a default group of its own.
     opts = dist.ProcessGroupGloo._Options()
@@ -78,12 +91,13 @@ def make_channel(store: dist.Store, world_rank: int, world_size: int, master_add
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")  # the user's choice of interface wins
     opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname) if ifname else
                      dist.ProcessGroupGloo.create_device(hostname=local_address(master_addr))]
-    return Channel(dist.ProcessGroupGloo(store, world_rank, world_size, opts))
+    return Channel(dist.ProcessGroupGloo(store, world_rank, world_size, opts), max_pending)
 
 
 # Tags keep the three kinds of traffic apart, so a receive posted early matches only its own kind.
 TAG_MESSAGE, TAG_OVERFLOW, TAG_TENSOR = 0, 1, 2
 MAILBOX_BYTES = 32 * 1024  # one message of this size holds a whole decode batch
+SEND_TIMEOUT = timedelta(seconds=60)  # for a send that should be done already: not answering means a dead peer
 
 
 class Channel:
@@ -94,15 +108,20 @@ class Channel:
     be waiting behind its own compute for a core: several ms on the critical path of every step.
     """
 
-    def __init__(self, pg: dist.ProcessGroup):
+    def __init__(self, pg: dist.ProcessGroup, max_pending: int):
         self.pg = pg
-        self._pending: list[tuple[object, torch.Tensor]] = []  # (work, tensor kept alive until sent)
+        # (work, tensor kept alive until sent). A gloo send reports completion only once waited on, so sends are
+        # waited on, oldest first, once more than max_pending are out: by then they are received, and the wait is
+        # instant (see max_pending_sends). Without it, every message sent would be kept.
+        self._pending: deque[tuple[object, torch.Tensor]] = deque()
+        self.max_pending = max_pending
         self._posted: dict[int, tuple[object, torch.Tensor]] = {}  # src -> (work, mailbox) received into next
 
     def send_tensor(self, tensor: torch.Tensor, dst: int, tag: int = TAG_TENSOR) -> None:
         tensor = tensor.contiguous()
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
         self._pending.append((self.pg.send([tensor], dst, tag), tensor))
+        while len(self._pending) > self.max_pending:
+            self._pending.popleft()[0].wait(SEND_TIMEOUT)
 
     def recv_tensor(self, shape, dtype: torch.dtype, src: int, timeout: timedelta = FOREVER,
                     tag: int = TAG_TENSOR) -> torch.Tensor:

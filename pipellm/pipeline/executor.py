@@ -98,7 +98,9 @@ class PipelineExecutor:
                 env = stage_env(comm.stage_world_rank(rank), world_size, *self._store_addr, i, len(local))
                 self.procs[rank] = start_stage(env)
             self._wait_ready(start_timeout_s, store)
-            self.chan = comm.make_channel(self.store, comm.DRIVER, world_size, self._store_addr[0])
+            in_flight = engine_config.max_batches_in_flight or len(stages)
+            self.chan = comm.make_channel(self.store, comm.DRIVER, world_size, self._store_addr[0],
+                                          comm.max_pending_sends(comm.DRIVER, len(stages), in_flight))
         except BaseException:
             self._kill()
             raise
