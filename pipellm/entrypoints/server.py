@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
@@ -125,8 +126,9 @@ def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int
                               presence_penalty=get("presence_penalty", 0.0),
                               frequency_penalty=get("frequency_penalty", 0.0), logprobs=logprobs,
                               skip_special_tokens=get("skip_special_tokens", True))
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
+    except ValueError as e:  # "SamplingParams.<field>=<value>: <why>"
+        field = re.match(r"SamplingParams\.(\w+)=", str(e))
+        raise APIError(400, str(e), param=field and field.group(1)) from None
 
 
 # ---- the app --------------------------------------------------------------------------------------------------
