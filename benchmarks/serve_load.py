@@ -11,13 +11,12 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
+
+from soak import start_server, stop_server  # benchmarks/ itself: they run as scripts
 
 
 def percentile(values: list[float], q: int) -> float:
@@ -74,30 +73,6 @@ async def run_load(url: str, clients: int, per_client: int, input_len: tuple[int
     }
 
 
-def launch_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "pipellm.entrypoints.cli", "serve", "-pp", "2", "--port", str(port),
-           "--log-level", "warning", *extra]
-    print("$", " ".join(cmd[2:]), flush=True)
-    proc = subprocess.Popen(cmd)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit("server not healthy within 300 s")
-        time.sleep(0.5)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default=None, help="a running server; default: start `pipellm serve -pp 2`")
@@ -110,14 +85,13 @@ def main() -> None:
     p.add_argument("--json", default=None, help="save the figures to this file")
     args = p.parse_args()
     lo, _, hi = args.input_len.partition("-")
-    proc, url = (None, args.url) if args.url else launch_server(args.server_args.split())
+    proc, url = (None, args.url) if args.url else start_server(None, args.server_args.split())
     try:
         result = asyncio.run(run_load(url, args.clients, args.requests_per_client, (int(lo), int(hi or lo)),
                                       args.output_len, args.seed))
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(60)
+            stop_server(proc)
     print(f"{result['requests']} requests from {args.clients} streaming clients in {result['elapsed_s']:.1f} s: "
           f"{result['requests_per_s']:.2f} req/s, {result['generated_tokens_per_s']:.1f} generated tok/s, "
           f"TTFT p50 {result['ttft_s']['p50']:.2f} s p99 {result['ttft_s']['p99']:.2f} s, "

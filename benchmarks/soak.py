@@ -38,17 +38,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: str | None, server_args: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: str | None, server_args: list[str],
+                 log_path: str | None = None) -> tuple[subprocess.Popen, str]:
+    """`pipellm serve -pp 2` on a free loopback port, once healthy; its output goes to log_path (else ours)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "pipellm.entrypoints.cli", "serve", "-pp", "2", "--port", str(port),
            "--log-level", "warning", *(["--model", model_dir] if model_dir else []), *server_args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    log = open(log_path, "w") if log_path else None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
+    if log:
+        log.close()
+
+    def output() -> str:
+        return open(log_path).read() if log_path else "(its output is above)"
+
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300  # the default model may be converted from its GGUF first
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{open(log_path).read()}")
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{output()}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url
@@ -56,7 +64,7 @@ def start_server(model_dir: str | None, server_args: list[str], log_path: str) -
             pass
         if time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"server not healthy within 300 s:\n{open(log_path).read()}")
+            raise RuntimeError(f"server not healthy within 300 s:\n{output()}")
         time.sleep(0.2)
 
 
