@@ -142,6 +142,8 @@ def test_stage_killed_on_the_other_host_is_restarted_there(hosts, llama_dir, tmp
     [restart] = result["restarts"]
     assert f"stage 1 (pid {result['status'][1]['pid']}" in restart["error"]
     assert restart["detected_at"] - result["fault_at"] < 5.0
+    print(f"stage 1 killed on host B: noticed in {restart['detected_at'] - result['fault_at']:.2f} s, "
+          f"new pipeline in {restart['start_s']:.2f} s")
     assert "pipeline 1: started stages [1]" in log_b  # host B's agent started the new stage 1
     assert result["new_status"][1]["pid"] != result["status"][1]["pid"]
     wait_until(lambda: not any(is_running(s["pid"]) for s in result["status"] + result["new_status"]), 10,
@@ -154,6 +156,7 @@ def test_frozen_stage_on_the_other_host_is_named_within_5_s(hosts, llama_dir, tm
     assert f"stage 1 (pid {result['status'][1]['pid']} on " in result["error"]
     assert "stopped answering: no heartbeat for 3 s" in result["error"]
     assert result["error_at"] - result["fault_at"] < 5.0
+    print(f"stage 1 frozen on host B: error after {result['error_at'] - result['fault_at']:.2f} s")
     wait_until(lambda: not is_running(result["status"][1]["pid"]), 10, "the frozen stage to be killed")
 
 
