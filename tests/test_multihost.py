@@ -186,3 +186,54 @@ def test_torchrun_on_both_hosts(hosts, llama_dir, tmp_path, llm_pp2):
         assert proc.returncode == 0, f"torchrun exited with {proc.returncode}:\n{logs[-1]}"
     expected = llm_pp2.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
     assert f"{prompt}{expected.outputs[0].text}\n" in logs[1]
+
+
+CLIENT = """
+import json, sys, time, httpx
+url = sys.argv[1]
+deadline = time.monotonic() + 120
+while True:
+    try:
+        if httpx.get(url + "/health", timeout=2).status_code == 200:
+            break
+    except httpx.TransportError:
+        pass
+    assert time.monotonic() < deadline, "server not healthy in time"
+    time.sleep(0.2)
+health = httpx.get(url + "/health").json()
+out = httpx.post(url + "/v1/completions", json={"prompt": sys.argv[2], "max_tokens": 8, "temperature": 0},
+                 timeout=60).json()
+print("RESULT " + json.dumps({"health": health, "text": out["choices"][0]["text"]}), flush=True)
+"""
+
+
+def test_serve_on_two_hosts(hosts, llama_dir, tmp_path, llm_pp2):
+    """`pipellm serve --nnodes 2` on host A, `pipellm stage` on host B, a client on host A."""
+    ns_a, ns_b = hosts
+    port = 29300 + os.getpid() % 90
+    prompt = "The capital of France is"
+    logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("server", "agent", "client")}
+    cli = [sys.executable, "-m", "pipellm.entrypoints.cli"]
+    multihost = ["--nnodes", "2", "--master-addr", HOST_A, "--master-port", str(port)]
+    server = _in_ns(ns_a, *cli, "serve", llama_dir, "-pp", "2", "--port", "8000", *multihost, log=logs["server"])
+    agent = _in_ns(ns_b, *cli, "stage", "--node-rank", "1", *multihost, log=logs["agent"])
+    try:
+        client = _in_ns(ns_a, sys.executable, "-c", CLIENT, "http://127.0.0.1:8000", prompt, log=logs["client"])
+        client.wait(150)
+        server.send_signal(15)
+        server.wait(60)
+        agent.wait(20)
+    finally:
+        for proc in (server, agent):
+            _stop(proc)
+    text = {}
+    for name, log in logs.items():
+        log.seek(0)
+        text[name] = log.read()
+    assert client.returncode == 0, f"client:\n{text['client']}\nserver:\n{text['server']}\nagent:\n{text['agent']}"
+    result = json.loads(next(line for line in text["client"].splitlines() if line.startswith("RESULT "))[7:])
+    expected = llm_pp2.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    assert result["text"] == expected.outputs[0].text
+    assert [s["alive"] for s in result["health"]["stages"]] == [True, True]
+    assert agent.returncode == 0 and "the driver shut down" in text["agent"]
+    assert not any(is_running(s["pid"]) for s in result["health"]["stages"])
