@@ -37,6 +37,8 @@ def test_bad_multihost_arguments_exit_with_a_message(llama_dir):
     assert out.returncode == 2 and "on the other hosts run `pipellm stage --nnodes 2 --node-rank 1" in out.stderr
     out = _run(["generate", "--model", llama_dir, "-pp", "2", "--nnodes", "3", "hi"])
     assert out.returncode == 2 and "nnodes=3: must be an integer from 1 to pipeline_parallel_size=2" in out.stderr
+    out = _run(["stage"])
+    assert out.returncode == 2 and "give --nnodes (hosts in all, >= 2) and --node-rank" in out.stderr
     out = _run(["stage", "--nnodes", "2", "--node-rank", "0"])
     assert out.returncode == 2 and "node 0 is the driver's host" in out.stderr
     out = _run(["stage", "--nnodes", "2", "--node-rank", "1", "--master-port", "1", "--connect-timeout", "1"])

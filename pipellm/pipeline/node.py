@@ -18,6 +18,9 @@ POLL_S = 0.2
 class NodeAgent:
     def __init__(self, nnodes: int, node_rank: int, master_addr: str, master_port: int, model_dir: str | None,
                  connect_timeout_s: float = 300.0):
+        if nnodes < 2:
+            raise ValueError(f"--nnodes {nnodes}: `pipellm stage` runs stages for a driver on another host; give "
+                             "--nnodes (hosts in all, >= 2) and --node-rank (this host, 1 to nnodes - 1)")
         if not 1 <= node_rank < nnodes:
             raise ValueError(f"--node-rank {node_rank}: give 1 to {nnodes - 1}; node 0 is the driver's host, "
                              "where `pipellm serve` (or generate, bench) runs with --node-rank 0")
