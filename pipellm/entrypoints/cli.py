@@ -69,15 +69,6 @@ def _engine_kwargs(args, restart_default: bool = False) -> dict:
     return kwargs
 
 
-def _stage_of_torchrun(args) -> bool:
-    """Under torchrun every process runs the same command; all but RANK 0 (the driver) become stages."""
-    if args.distributed_executor_backend != "external_launcher" or os.environ.get("RANK", "0") == "0":
-        return False
-    from pipellm.pipeline.stage import main as stage_main
-    stage_main([] if args.model is None else ["--model", args.model])
-    return True
-
-
 def _make_llm(args):
     from pipellm import LLM
     return LLM(args.model, pipeline_parallel_size=args.pipeline_parallel_size, dtype=args.dtype,
@@ -91,8 +82,6 @@ def _params(args):
 
 
 def cmd_generate(args) -> None:
-    if _stage_of_torchrun(args):
-        return
     params = _params(args)
     with _make_llm(args) as llm:
         for line in llm.describe_stages():
@@ -107,8 +96,6 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
-    if _stage_of_torchrun(args):
-        return
     params = _params(args)
     with _make_llm(args) as llm:
         for line in llm.describe_stages():
@@ -143,8 +130,6 @@ def cmd_bench(args) -> None:
     import json
 
     from pipellm.entrypoints.bench import format_result, run_bench
-    if _stage_of_torchrun(args):
-        return
     result = run_bench(args.model, args.pipeline_parallel_size, args.num_prompts, args.input_len, args.output_len,
                        args.dtype, args.threads_per_stage, args.compare_hf, args.seed, trace_dir=args.trace_dir,
                        **_engine_kwargs(args))
@@ -171,9 +156,7 @@ def cmd_serve(args) -> None:
     from pipellm.loader.default_model import DEFAULT_MODEL_NAME
     if args.model_path and args.model and args.model_path != args.model:
         raise ValueError(f"two models given ({args.model_path!r} and --model {args.model!r}); give one")
-    model = args.model = args.model_path or args.model
-    if _stage_of_torchrun(args):
-        return
+    model = args.model_path or args.model
     engine_kwargs = dict(pipeline_parallel_size=args.pipeline_parallel_size, dtype=args.dtype, seed=args.seed,
                          threads_per_stage=args.threads_per_stage, **_engine_kwargs(args, restart_default=True))
     config = ServerConfig(args.served_model_name or model or DEFAULT_MODEL_NAME, args.host, args.port, args.api_key,
@@ -233,6 +216,12 @@ def main(argv: list[str] | None = None) -> None:
     stage.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to wait for the driver")
     stage.set_defaults(func=cmd_stage)
     args = parser.parse_args(argv)
+    if getattr(args, "distributed_executor_backend", None) == "external_launcher" and \
+            os.environ.get("RANK", "0") != "0":
+        # Under torchrun every process runs the same command; all but RANK 0 (the driver) are stages.
+        from pipellm.pipeline.stage import main as stage_main
+        model = getattr(args, "model_path", None) or args.model
+        return stage_main([] if model is None else ["--model", model])
     try:
         args.func(args)
     except ValueError as e:
