@@ -32,7 +32,7 @@ WORDS = ("the quick brown fox jumps over a lazy dog while every stage of the pip
 RSS_PERIOD_S = 0.25
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -41,7 +41,7 @@ def _free_port() -> int:
 def start_server(model_dir: str | None, server_args: list[str],
                  log_path: str | None = None) -> tuple[subprocess.Popen, str]:
     """`pipellm serve -pp 2` on a free loopback port, once healthy; its output goes to log_path (else ours)."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pipellm.entrypoints.cli", "serve", "-pp", "2", "--port", str(port),
            "--log-level", "warning", *(["--model", model_dir] if model_dir else []), *server_args]
     log = open(log_path, "w") if log_path else None

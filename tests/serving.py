@@ -1,14 +1,15 @@
 """Runs `pipellm serve` as a user does, in a subprocess on a free loopback port, for the tests that need a server."""
 import os
-import socket
 import subprocess
-import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
 import openai
+
+from benchmarks.soak import start_server, stop_server
 
 KEY = "test-key"
 
@@ -24,12 +25,6 @@ class Server:
 
     def client(self, key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def is_running(pid: int) -> bool:
@@ -49,30 +44,11 @@ def wait_until(cond, timeout_s: float, what: str) -> None:
 
 @contextmanager
 def serve(model_dir: str, tmp_dir, *extra: str):
-    port = free_port()
-    log = os.path.join(tmp_dir, f"server-{port}.log")
-    cmd = [sys.executable, "-m", "pipellm.entrypoints.cli", "serve", "--model", model_dir, "-pp", "2",
-           "--port", str(port), "--log-level", "warning", *extra]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", proc, log)
+    """A healthy `pipellm serve -pp 2 --model model_dir *extra`, its output in a log file under tmp_dir."""
+    fd, log = tempfile.mkstemp(prefix="server-", suffix=".log", dir=tmp_dir)
+    os.close(fd)
+    proc, url = start_server(model_dir, list(extra), log)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{open(log).read()}"
-            assert time.monotonic() < deadline, f"server not healthy in time:\n{open(log).read()}"
-            try:
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        yield server
+        yield Server(url, proc, log)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_server(proc)

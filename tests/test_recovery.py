@@ -203,7 +203,7 @@ def test_a_lost_host_fails_the_restart_fast_instead_of_waiting(llama_dir):
     import subprocess
     import sys
 
-    from tests.serving import free_port
+    from benchmarks.soak import free_port
     port = free_port()
     agent = subprocess.Popen([sys.executable, "-m", "pipellm.entrypoints.cli", "stage", "--nnodes", "2", "--node-rank",
                               "1", "--master-port", str(port), "--connect-timeout", "60"],

@@ -13,8 +13,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.soak import free_port
 from pipellm import SamplingParams
-from tests.serving import KEY, Server, free_port, is_running, serve, wait_until
+from tests.serving import KEY, Server, is_running, serve, wait_until
 
 
 NAME, MAX_MODEL_LEN = "tiny", 128
