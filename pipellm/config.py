@@ -164,5 +164,9 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
     @property
+    def batches_in_flight(self) -> int:
+        return self.max_batches_in_flight or self.pipeline_parallel_size
+
+    @property
     def num_threads(self) -> int:
         return self.threads_per_stage or max(1, len(os.sched_getaffinity(0)) // self.pipeline_parallel_size)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pipellm.engine.engine import LLMEngine, load_tokenizer
 from pipellm.outputs import Logprob
+from pipellm.pipeline.executor import describe_exit
 from pipellm.sampling_params import SamplingParams
 
 _IDLE_WAIT_S = 0.5          # an idle engine thread sleeps on its queue this long, then checks the stages
@@ -317,9 +318,7 @@ class AsyncEngine:
         self._send(batch)
 
 def _describe_dead(stages: list[dict]) -> str:
-    def how(code):
-        return f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-    return "; ".join(f"stage {s['rank']} (pid {s['pid']}) {how(s['returncode'])}" for s in stages
+    return "; ".join(f"stage {s['rank']} (pid {s['pid']}) {describe_exit(s['returncode'])}" for s in stages
                      if s["returncode"] is not None) or "the pipeline failed"
 
 

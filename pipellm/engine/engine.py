@@ -228,7 +228,7 @@ class LLMEngine:
             return
 
     def _step(self, fill: bool) -> list[Request]:
-        num_batches = self.config.max_batches_in_flight or len(self.stages)
+        num_batches = self.config.batches_in_flight
         while fill and len(self.in_flight) < num_batches:
             # Split the work evenly over the batches in flight, in requests, and in tokens over the batch slots
             # still free, so that no stage waits behind a big batch.
@@ -332,7 +332,7 @@ class LLMEngine:
             self.store.set(comm.SHUTDOWN_KEY, "1")  # node agents on other hosts exit...
             if self.config.nnodes > 1 and self.config.distributed_executor_backend == "mp":
                 # ...and say so before this process, which holds the store, goes
-                self.store.wait([f"pipellm/bye/{k}" for k in range(1, self.config.nnodes)], timedelta(seconds=3))
+                self.store.wait([comm.bye_key(k) for k in range(1, self.config.nnodes)], timedelta(seconds=3))
         except Exception:
             pass
 

@@ -35,6 +35,10 @@ def agent_key(node_rank: int) -> str:  # a counter the node agent of a host bump
     return f"pipellm/agent/{node_rank}"
 
 
+def bye_key(node_rank: int) -> str:  # set by a node agent that saw the driver's shutdown
+    return f"pipellm/bye/{node_rank}"
+
+
 def generation_store(store: dist.Store, generation: int) -> dist.Store:
     return dist.PrefixStore(f"pipellm/{generation}/", store)
 
@@ -82,8 +86,8 @@ def max_pending_sends(world_rank: int, num_stages: int, batches_in_flight: int) 
     return per_batch * (batches_in_flight + 1)
 
 
-def make_channel(store: dist.Store, world_rank: int, world_size: int, master_addr: str,
-                 max_pending: int) -> "Channel":
+def make_channel(store: dist.Store, world_rank: int, num_stages: int, master_addr: str,
+                 batches_in_flight: int) -> "Channel":
     # A process group object of our own rather than the default group: the user's process may
     # hold several engines, or a default group of its own.
     opts = dist.ProcessGroupGloo._Options()
@@ -91,7 +95,8 @@ def make_channel(store: dist.Store, world_rank: int, world_size: int, master_add
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")  # the user's choice of interface wins
     opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname) if ifname else
                      dist.ProcessGroupGloo.create_device(hostname=local_address(master_addr))]
-    return Channel(dist.ProcessGroupGloo(store, world_rank, world_size, opts), max_pending)
+    pg = dist.ProcessGroupGloo(store, world_rank, num_stages + 1, opts)
+    return Channel(pg, max_pending_sends(world_rank, num_stages, batches_in_flight))
 
 
 # Tags keep the three kinds of traffic apart, so a receive posted early matches only its own kind.

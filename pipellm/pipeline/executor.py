@@ -30,6 +30,10 @@ class PipelineError(RuntimeError):
     """A stage died, failed or stopped answering. The message names the stage."""
 
 
+def describe_exit(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+
 def stage_env(world_rank: int, world_size: int, master_addr: str, master_port: int, local_rank: int,
               local_world_size: int) -> dict[str, str]:
     """The environment a stage process reads: the names torchrun uses."""
@@ -98,9 +102,8 @@ class PipelineExecutor:
                 env = stage_env(comm.stage_world_rank(rank), world_size, *self._store_addr, i, len(local))
                 self.procs[rank] = start_stage(env)
             self._wait_ready(start_timeout_s, store)
-            in_flight = engine_config.max_batches_in_flight or len(stages)
-            self.chan = comm.make_channel(self.store, comm.DRIVER, world_size, self._store_addr[0],
-                                          comm.max_pending_sends(comm.DRIVER, len(stages), in_flight))
+            self.chan = comm.make_channel(self.store, comm.DRIVER, len(stages), self._store_addr[0],
+                                          engine_config.batches_in_flight)
         except BaseException:
             self._kill()
             raise
@@ -146,10 +149,10 @@ class PipelineExecutor:
         # Stages load their weights in parallel; watch for readiness, a reported error, or a death.
         deadline = time.monotonic() + timeout_s
         pending = set(range(len(self.stages)))
-        agents: dict[str, tuple[int, float]] = {}  # node agent key -> (last count, when it changed)
+        agents: dict[int, tuple[int, float]] = {}  # node -> its agent's last count, when it changed
         while pending:
             for rank in pending - set(self.procs):
-                self._check_agent(base_store, comm.agent_key(self.node_of[rank]), agents)
+                self._check_agent(base_store, self.node_of[rank], agents)
             for rank in list(pending):
                 if self.store.check([comm.error_key(rank)]):
                     raise self._stage_error(rank)
@@ -164,17 +167,18 @@ class PipelineExecutor:
                 raise PipelineError(f"stages {sorted(pending)} did not finish loading within {timeout_s:.0f} s{hint}")
             self._wait_any_exit(0.05)
 
-    def _check_agent(self, store: dist.Store, key: str, seen: dict[str, tuple[int, float]]) -> None:
+    def _check_agent(self, store: dist.Store, node: int, seen: dict[int, tuple[int, float]]) -> None:
         """A node agent that has been seen and then goes silent took its host's stages with it: fail now rather
         than at the start timeout. One not seen yet may still be starting: the user starts hosts in any order."""
+        key = comm.agent_key(node)
         if not store.check([key]):
             return
         count, now = store.add(key, 0), time.monotonic()
-        last, since = seen.get(key, (None, now))
+        last, since = seen.get(node, (None, now))
         if count != last:
-            seen[key] = (count, now)
+            seen[node] = (count, now)
         elif now - since > self.heartbeat_timeout_s:
-            raise PipelineError(f"the node agent of host {key.rsplit('/', 1)[1]} (`pipellm stage`) stopped answering "
+            raise PipelineError(f"the node agent of host {node} (`pipellm stage`) stopped answering "
                                 f"for {self.heartbeat_timeout_s:.0f} s while its stages were starting; is that host up?")
 
     def _exit_code(self, rank: int) -> int | None:
@@ -214,8 +218,7 @@ class PipelineExecutor:
                 err = json.loads(self.store.get(comm.error_key(rank)))
                 problems.append(f"{self._who(rank)} failed: {err['type']}: {err['message']}")
             elif (code := self._exit_code(rank)) is not None:
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                problems.append(f"{self._who(rank)} {how}")
+                problems.append(f"{self._who(rank)} {describe_exit(code)}")
         if first is not None and len(self.stages) > 1:
             problems.append("the other stages were stopped")
         return PipelineError(f"{what}: " + ("; ".join(problems) or "no stage reported a cause"))

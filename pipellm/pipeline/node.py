@@ -63,7 +63,7 @@ class NodeAgent:
             return 1
         finally:
             self._stop(grace_s=5.0)
-        self.store.set(f"pipellm/bye/{self.node_rank}", "1")  # the driver waits for it
+        self.store.set(comm.bye_key(self.node_rank), "1")  # the driver waits for it
         print(f"node {self.node_rank}: the driver shut down; done", flush=True)
         return 0
 

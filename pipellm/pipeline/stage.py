@@ -162,9 +162,8 @@ def stage_main(world_rank: int, master_addr: str, master_port: int, local_rank: 
         threading.Thread(target=_heartbeat, args=((master_addr, master_port), generation, rank),
                          name="pipellm-heartbeat", daemon=True).start()
         store.set(comm.ready_key(rank), json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
-        in_flight = args.engine_config.max_batches_in_flight or args.num_stages
-        worker.serve(comm.make_channel(store, world_rank, args.num_stages + 1, master_addr,
-                                       comm.max_pending_sends(world_rank, args.num_stages, in_flight)))
+        worker.serve(comm.make_channel(store, world_rank, args.num_stages, master_addr,
+                                       args.engine_config.batches_in_flight))
     except BaseException as e:  # report any failure where the driver looks for it, then exit non-zero
         if store is not None:
             try:
