@@ -1,16 +1,21 @@
 """A stage that dies mid-generation: without recovery the user gets an error naming it within 5 s; with
 restart_on_failure the engine starts a new pipeline and every request ends as if nothing had happened."""
+import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
+import httpx
 import pytest
 
+from benchmarks.soak import free_port
 from pipellm import LLM, SamplingParams
 from pipellm.pipeline.executor import PipelineError
-from tests.serving import is_running
+from tests.serving import is_running, serve
 
 PROMPTS = [{"prompt_token_ids": [i % 300 + 1, 7, (3 * i) % 250 + 2] * (2 + i % 5)} for i in range(24)]
 # Greedy, and seeded random draws with penalties: both must come out the same after a restart.
@@ -115,10 +120,6 @@ STORIES = [f"Story number {i}: once upon a time" for i in range(6)]
 async def _stream_all(server, kill_after_chunks: int | None = None) -> tuple[list[str], list[dict], float | None]:
     """Streams a greedy completion per story at once; SIGKILLs stage 1 once that many chunks have arrived.
     Returns each stream's text, the error events seen, and when the kill happened."""
-    import asyncio
-
-    import httpx
-
     victim = server.stage_pids()[1]
     state = {"chunks": 0, "killed_at": None}
     errors = []
@@ -148,11 +149,6 @@ async def _stream_all(server, kill_after_chunks: int | None = None) -> tuple[lis
 
 
 def test_server_restarts_and_streams_go_on_without_gap_or_duplicate(llama_dir, tmp_path):
-    import asyncio
-
-    import httpx
-
-    from tests.serving import serve
     with serve(llama_dir, tmp_path, "--served-model-name", "tiny") as server:  # restart is on by default
         expected, errors, _ = asyncio.run(_stream_all(server))
         assert not errors and all(expected)
@@ -182,11 +178,6 @@ def test_server_restarts_and_streams_go_on_without_gap_or_duplicate(llama_dir, t
 
 
 def test_server_without_restart_ends_streams_with_an_error_naming_the_stage(llama_dir, tmp_path):
-    import asyncio
-
-    import httpx
-
-    from tests.serving import serve
     with serve(llama_dir, tmp_path, "--served-model-name", "tiny", "--no-restart-on-failure") as server:
         pids = server.stage_pids()
         start = time.monotonic()
@@ -200,10 +191,6 @@ def test_server_without_restart_ends_streams_with_an_error_naming_the_stage(llam
 
 def test_a_lost_host_fails_the_restart_fast_instead_of_waiting(llama_dir):
     """Host 1 (its `pipellm stage` agent and stage) vanishes: the restart gives up once the agent is silent."""
-    import subprocess
-    import sys
-
-    from benchmarks.soak import free_port
     port = free_port()
     agent = subprocess.Popen([sys.executable, "-m", "pipellm.entrypoints.cli", "stage", "--nnodes", "2", "--node-rank",
                               "1", "--master-port", str(port), "--connect-timeout", "60"],
