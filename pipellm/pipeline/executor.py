@@ -84,6 +84,7 @@ class PipelineExecutor:
         self.first_death: int | None = None  # rank of the stage that failed first (set by the watchdog)
         self.hung = False                     # ... by going silent: no heartbeat
         self.info: dict[int, dict] = {}       # rank -> {"pid", "host"} once loaded
+        self.watching = False                 # the watchdog thread runs
         self._closing = False
         self._store_addr = (store.host, store.port)
         self.generation = generation
@@ -108,6 +109,7 @@ class PipelineExecutor:
             self._kill()
             raise
         self._wake_r, self._wake_w = os.pipe()
+        self.watching = True
         threading.Thread(target=self._watch, name="pipellm-stage-watchdog", daemon=True).start()
 
     # ---- failure detection ----------------------------------------------------------------------------------
@@ -120,6 +122,11 @@ class PipelineExecutor:
         fds = {os.pidfd_open(p.pid): rank for rank, p in self.procs.items()}
         store = comm.generation_store(comm.make_store(*self._store_addr, is_master=False), self.generation)
         beats = {rank: (0, time.monotonic()) for rank in range(len(self.stages))}  # last count, when it changed
+        waited = False  # once, for the death behind a stage's error
+
+        def reported_error(rank: int) -> bool:
+            return store.check([comm.error_key(rank)])
+
         try:
             while not self._closing:
                 ready, _, _ = select.select(list(fds) + [self._wake_r], [], [], comm.HEARTBEAT_S)
@@ -134,7 +141,14 @@ class PipelineExecutor:
                         beats[rank] = (new, now)
                     elif now - since > self.heartbeat_timeout_s:
                         silent.append(rank)
+                if dead and all(map(reported_error, dead)) and not waited:
+                    # A stage that failed with an error of its own may only have lost a peer that died: wait one
+                    # round for that death to show (a node agent reports a remote one within 0.2 s).
+                    waited = True
+                    time.sleep(comm.HEARTBEAT_S)
+                    continue
                 if dead or silent:
+                    dead.sort(key=reported_error)  # deaths without an error of their own are the causes
                     self.first_death, self.hung = (dead or silent)[0], not dead
                     self._kill()
                     return
@@ -142,6 +156,7 @@ class PipelineExecutor:
             if not self._closing:
                 raise
         finally:
+            self.watching = False
             for fd in [*fds, self._wake_r]:
                 os.close(fd)
 
@@ -202,12 +217,12 @@ class PipelineExecutor:
     def _diagnose(self, what: str) -> PipelineError:
         """Names the stages that died or reported an error. Waits briefly so a failure can propagate."""
         deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and self.first_death is None and all(
-                self._exit_code(r) is None for r in range(len(self.stages))):
-            self._wait_any_exit(0.1)
+        while time.monotonic() < deadline and self.first_death is None and (self.watching or all(
+                self._exit_code(r) is None for r in range(len(self.stages)))):
+            self._wait_any_exit(0.1)  # the watchdog, once running, names the stage that failed first
         problems = []
         first = self.first_death
-        for rank in range(len(self.stages)):
+        for rank in sorted(range(len(self.stages)), key=lambda r: r != first):  # the cause first
             has_error = self.store.check([comm.error_key(rank)])
             if first is not None and rank != first and not has_error:
                 continue  # stopped by the watchdog, not a cause
