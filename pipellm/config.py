@@ -114,6 +114,8 @@ class EngineConfig:
     master_port: int = 0                # its port; 0 = any free port (one host only)
     distributed_executor_backend: str = "mp"  # "mp": the driver starts this host's stages; "external_launcher":
     #                                           torchrun started every process (RANK, MASTER_ADDR, MASTER_PORT)
+    token_file: str | None = None       # the run's shared secret, for stages on other hosts (or PIPELLM_TOKEN);
+    #                                     made with a new token if missing. One host needs none: a fresh one per run
 
     def __post_init__(self):
         def bad(name, why):

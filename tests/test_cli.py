@@ -42,13 +42,25 @@ def test_bad_multihost_arguments_exit_with_a_message(llama_dir):
     out = _run(["stage", "--nnodes", "2", "--node-rank", "0"])
     assert out.returncode == 2 and "node 0 is the driver's host" in out.stderr
     out = _run(["stage", "--nnodes", "2", "--node-rank", "1", "--master-port", "1", "--connect-timeout", "1"])
+    assert out.returncode == 2 and "no token: give the driver's token file with --token-file" in out.stderr
+    out = _run(["stage", "--nnodes", "2", "--node-rank", "1", "--token-file", "/nonexistent/token"])
+    assert out.returncode == 2 and "--token-file /nonexistent/token: cannot read it" in out.stderr
+    out = _run(["stage", "--nnodes", "2", "--node-rank", "1", "--master-port", "1", "--connect-timeout", "1"],
+               env=os.environ | {"PIPELLM_TOKEN": "short"})
+    assert out.returncode == 2 and "PIPELLM_TOKEN: the token has 5 characters; use at least 16" in out.stderr
+    out = _run(["stage", "--nnodes", "2", "--node-rank", "1", "--master-port", "1", "--connect-timeout", "1"],
+               env=os.environ | {"PIPELLM_TOKEN": TOKEN})
     assert out.returncode == 2 and "no driver answered at 127.0.0.1:1 within 1 s" in out.stderr
+
+
+TOKEN = "0123456789abcdef0123456789abcdef"
 
 
 def test_stage_agent_refuses_a_different_nnodes(llama_dir):
     from pipellm.pipeline import comm
-    store = comm.make_store("127.0.0.1", 0, is_master=True)
+    store = comm.SignedStore(comm.make_store("127.0.0.1", 0, is_master=True), TOKEN.encode())
     store.set(comm.NNODES_KEY, "3")
-    out = _run(["stage", "--nnodes", "2", "--node-rank", "1", "--master-port", str(store.port)])
+    out = _run(["stage", "--nnodes", "2", "--node-rank", "1", "--master-port", str(store.store.port)],
+               env=os.environ | {"PIPELLM_TOKEN": TOKEN})
     assert out.returncode == 2 and "--nnodes 2, but the driver at 127.0.0.1" in out.stderr
     assert "runs with --nnodes 3" in out.stderr

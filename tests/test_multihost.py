@@ -47,9 +47,12 @@ def hosts():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
+TOKEN = "test-token-0123456789abcdef"  # the run's shared secret, as every host is given it
+
+
 def _in_ns(ns: str, *cmd: str, log) -> subprocess.Popen:
     return subprocess.Popen(["ip", "netns", "exec", ns, *cmd], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, env=os.environ | {"PIPELLM_TOKEN": TOKEN})
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -189,9 +189,10 @@ def test_server_without_restart_ends_streams_with_an_error_naming_the_stage(llam
     assert not any(map(is_running, pids))
 
 
-def test_a_lost_host_fails_the_restart_fast_instead_of_waiting(llama_dir):
+def test_a_lost_host_fails_the_restart_fast_instead_of_waiting(llama_dir, monkeypatch):
     """Host 1 (its `pipellm stage` agent and stage) vanishes: the restart gives up once the agent is silent."""
     port = free_port()
+    monkeypatch.setenv("PIPELLM_TOKEN", "test-token-0123456789abcdef")  # the driver's and the agent's
     agent = subprocess.Popen([sys.executable, "-m", "pipellm.entrypoints.cli", "stage", "--nnodes", "2", "--node-rank",
                               "1", "--master-port", str(port), "--connect-timeout", "60"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -37,7 +37,7 @@ def _greedy(llm, prompt, **kw):
 
 
 def _metrics(server: Server) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

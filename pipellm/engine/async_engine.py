@@ -141,6 +141,8 @@ class AsyncEngine:
         self._last_report = 0.0
         self._has_stepped = True                 # since the last stage report; an idle server asks nothing
         self._num_generated = 0                  # engine thread only
+        self._num_queued = 0                     # sequences put on the command queue, not yet in the scheduler
+        self._queued_lock = threading.Lock()     # ... counted up by the event loop, down by the engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -169,6 +171,10 @@ class AsyncEngine:
             return f"restarting the pipeline after: {self.engine.restarting}"
         return self.error or _describe_dead(self.stage_status())
 
+    def num_waiting_seqs(self) -> int:
+        """Sequences not running yet: on their way to the engine thread, or waiting in its scheduler."""
+        return self._num_queued + len(self.engine.scheduler.waiting)  # len() of the deque: atomic under the GIL
+
     # ---- event loop side ------------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -182,6 +188,8 @@ class AsyncEngine:
         detoks = [IncrementalDetokenizer(self.tokenizer, params) for _ in range(params.n)]
         last_time: list[float | None] = [None] * params.n  # per completion: its latest token's time
         is_open = [True] * params.n
+        with self._queued_lock:
+            self._num_queued += params.n
         self._commands.put(AddRequest(request_id, prompt_token_ids, params, updates))
         if self.metrics:
             self.metrics.on_request(len(prompt_token_ids))
@@ -248,12 +256,16 @@ class AsyncEngine:
             if self._active.pop(cmd.request_id, None) is not None:
                 self.engine.abort_request(cmd.request_id)
             return
-        if self.error is not None:
-            return self._send([(cmd.updates, EngineDeadError(self.error))])
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
-        except ValueError as e:  # validated on the event loop already; a duplicate id would land here
-            return self._send([(cmd.updates, e)])
+            if self.error is not None:
+                return self._send([(cmd.updates, EngineDeadError(self.error))])
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+            except ValueError as e:  # validated on the event loop already; a duplicate id would land here
+                return self._send([(cmd.updates, e)])
+        finally:
+            with self._queued_lock:  # after add_request: counted in the scheduler now, never in neither
+                self._num_queued -= cmd.params.n
         self._active[cmd.request_id] = _Tracked(cmd.updates, [0] * cmd.params.n, [True] * cmd.params.n)
 
     def _publish(self, updated: list) -> None:

@@ -14,7 +14,7 @@ from pipellm.engine.sequence import Request
 from pipellm.loader.safetensors import checkpoint_files
 from pipellm.observe.trace import TraceRecorder
 from pipellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pipellm.pipeline import comm
+from pipellm.pipeline import comm, wire
 from pipellm.pipeline.executor import PipelineError, PipelineExecutor
 from pipellm.pipeline.messages import SampledBatch
 from pipellm.pipeline.partition import make_partition
@@ -82,8 +82,31 @@ class LLMEngine:
         self.failures: list[float] = []   # monotonic times of pipeline failures, for the restart limit
         self.restarts: list[dict] = []    # per restart: its cause, and how long the new pipeline took to start
         self.restarting: str | None = None  # the cause, while a restart is under way
-        self.store = self._make_store()
+        self.token = self._token()
+        self.store = comm.SignedStore(self._make_store(), self.token)
+        if config.distributed_executor_backend == "mp":
+            self.store.set(comm.NNODES_KEY, str(config.nnodes))  # node agents check it, and their token
         self.executor = self._start_pipeline()
+
+    def _token(self) -> bytes:
+        """The run's shared secret. One host: a fresh one, handed to the stages by their parent. Several hosts:
+        PIPELLM_TOKEN or token_file, which the other hosts get a copy of (a missing file is made, readable by its
+        owner only)."""
+        cfg = self.config
+        if os.environ.get(wire.TOKEN_ENV) or (cfg.token_file and os.path.exists(cfg.token_file)):
+            return wire.token_from_env_or_file(cfg.token_file)
+        if cfg.token_file is not None:
+            if cfg.distributed_executor_backend == "external_launcher":
+                wire.read_token_file(cfg.token_file)  # raises: every torchrun process needs the same file
+            token = wire.write_token_file(cfg.token_file)
+            log.warning("wrote a new token to %s: copy it to the other hosts and give it to `pipellm stage "
+                        "--token-file`", cfg.token_file)
+            return token
+        if cfg.nnodes > 1 or cfg.distributed_executor_backend == "external_launcher":
+            raise ValueError(f"stages on other hosts need the run's shared secret: give token_file (--token-file "
+                             f"FILE; made with a new token if missing, then copied to the other hosts) or set "
+                             f"{wire.TOKEN_ENV} on every host")
+        return wire.new_token().encode()
 
     def _make_store(self):
         """The rendezvous store every stage connects to. Under torchrun, its agent on the first host holds one
@@ -96,9 +119,7 @@ class LLMEngine:
                                  f"{len(self.stages)} needs {len(self.stages) + 1} (the driver, then one per stage)")
             agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             return comm.make_store(cfg.master_addr, cfg.master_port, is_master=not agent_store)
-        store = comm.make_store(cfg.master_addr, cfg.master_port, is_master=True)
-        store.set(comm.NNODES_KEY, str(cfg.nnodes))
-        return store
+        return comm.make_store(cfg.master_addr, cfg.master_port, is_master=True)
 
     def _start_pipeline(self) -> PipelineExecutor:
         return PipelineExecutor(self.model_dir, self.model_config, self.config, self.stages, self.num_blocks,

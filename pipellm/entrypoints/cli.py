@@ -25,6 +25,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads-per-stage", type=int, default=None, help="default: cores // stages")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one step at most (default 64)")
     p.add_argument("--restart-on-failure", action=argparse.BooleanOptionalAction, default=None,
                    help="when a stage fails, start a new pipeline and re-run unfinished requests "
                         "(default: on for serve on one host, off otherwise)")
@@ -39,6 +40,9 @@ def _multinode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-addr", default="127.0.0.1", help="the driver host's address, reachable from the others")
     p.add_argument("--master-port", type=int, default=None, help="the driver's rendezvous port (default 29500 when "
                                                                  "--nnodes > 1, any free port otherwise)")
+    p.add_argument("--token-file", default=None, help="the run's shared secret, for several hosts (or set "
+                                                      "PIPELLM_TOKEN); the driver makes the file if it is missing, "
+                                                      "the other hosts get a copy")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -50,9 +54,11 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_kwargs(args, restart_default: bool = False) -> dict:
     kwargs = dict(layer_partition=args.layer_partition, max_model_len=args.max_model_len,
-                  distributed_executor_backend=args.distributed_executor_backend)
+                  distributed_executor_backend=args.distributed_executor_backend, token_file=args.token_file)
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = args.max_num_seqs
     if args.distributed_executor_backend == "external_launcher":
         kwargs.update(master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                       master_port=int(os.environ.get("MASTER_PORT", 0)))
@@ -160,15 +166,19 @@ def cmd_serve(args) -> None:
     engine_kwargs = dict(pipeline_parallel_size=args.pipeline_parallel_size, dtype=args.dtype, seed=args.seed,
                          threads_per_stage=args.threads_per_stage, **_engine_kwargs(args, restart_default=True))
     config = ServerConfig(args.served_model_name or model or DEFAULT_MODEL_NAME, args.host, args.port, args.api_key,
-                          args.max_request_bytes, args.log_level, trace_dir=args.trace_dir)
+                          metrics_public=args.metrics_public, max_request_bytes=args.max_request_bytes,
+                          max_request_seqs=args.max_request_seqs, max_request_tokens=args.max_request_tokens,
+                          max_waiting_seqs=args.max_waiting_seqs, log_level=args.log_level, trace_dir=args.trace_dir)
     run_server(model, engine_kwargs, config)
 
 
 def cmd_stage(args) -> None:
     from pipellm.engine.engine import resolve_model
+    from pipellm.pipeline import wire
     from pipellm.pipeline.node import NodeAgent
     model_dir = None if args.model is None else resolve_model(args.model)
-    agent = NodeAgent(args.nnodes, args.node_rank, args.master_addr, args.master_port or 29500, model_dir,
+    token = wire.token_from_env_or_file(args.token_file)
+    agent = NodeAgent(args.nnodes, args.node_rank, args.master_addr, args.master_port or 29500, model_dir, token,
                       args.connect_timeout)
     sys.exit(agent.run())
 
@@ -204,9 +214,15 @@ def main(argv: list[str] | None = None) -> None:
     _engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /metrics")
+    serve.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    serve.add_argument("--max-request-seqs", type=int, default=256, help="prompts x n one request may ask for")
+    serve.add_argument("--max-request-tokens", type=int, default=1 << 20,
+                       help="prompt + completion tokens one request may ask for, over all its choices")
+    serve.add_argument("--max-waiting-seqs", type=int, default=1024,
+                       help="sequences waiting for the engine; beyond, requests get 503 with Retry-After")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--trace-dir", default=None, help="on shutdown, write the pipeline trace and pictures here")
     serve.set_defaults(func=cmd_serve)
@@ -221,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
         # Under torchrun every process runs the same command; all but RANK 0 (the driver) are stages.
         from pipellm.pipeline.stage import main as stage_main
         model = getattr(args, "model_path", None) or args.model
-        return stage_main([] if model is None else ["--model", model])
+        return stage_main(([] if model is None else ["--model", model]) +
+                          ([] if args.token_file is None else ["--token-file", args.token_file]))
     try:
         args.func(args)
     except ValueError as e:

@@ -1,8 +1,8 @@
 """`pipellm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncEngine.
 
 /v1/models, /v1/completions, /v1/chat/completions (with SSE streaming), /health, /version, /metrics.
-User errors come back in OpenAI's error shape with 400/401/404/413, a dead pipeline gives 503: never a 500 for user
-input.
+User errors come back in OpenAI's error shape with 400/401/404/413, a dead pipeline or a full queue gives 503: never a
+500 for user input.
 """
 import asyncio
 import hmac
@@ -36,18 +36,28 @@ class ServerConfig:
     served_model_name: str              # the name clients pass as `model`
     host: str = "127.0.0.1"             # loopback unless told otherwise
     port: int = 8000
-    api_key: str | None = None          # when set, /v1/* needs "Authorization: Bearer <key>"
+    api_key: str | None = None          # when set, /v1/* and /metrics need "Authorization: Bearer <key>"
+    metrics_public: bool = False        # /metrics without the API key
     max_request_bytes: int = 1 << 20    # larger request bodies get 413
+    max_request_seqs: int = 256         # prompts x n in one request; more get 400
+    max_request_tokens: int = 1 << 20   # prompt + completion tokens one request may ask for, over all its choices
+    max_waiting_seqs: int = 1024        # sequences waiting for the engine; while as many wait, 503 + Retry-After
     log_level: str = "info"
     graceful_shutdown_s: float = 30.0   # on SIGINT/SIGTERM, in-flight requests get this long to finish
     trace_dir: str | None = None        # on shutdown, write the pipeline trace and pictures here
 
+    def __post_init__(self):
+        for name in ("max_request_bytes", "max_request_seqs", "max_request_tokens", "max_waiting_seqs"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive integer")
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.body = status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
+        self.headers = headers
 
 
 # ---- request bodies (OpenAI's fields; unknown ones are ignored, as OpenAI clients send extras) ------------------
@@ -192,6 +202,26 @@ class OpenAIServer:
         dead = self.async_engine.dead_reason()
         if dead:
             raise APIError(503, f"the engine is dead: {dead}", type_="server_error", code="engine_dead")
+
+    def check_size_and_room(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Caps what one request may ask for (400), and turns it away while too much waits already (503)."""
+        cfg, limit = self.config, self.engine.max_model_len
+        num_seqs = len(prompts) * params.n
+        if num_seqs > cfg.max_request_seqs:
+            raise APIError(400, f"this request asks for {num_seqs} completions ({len(prompts)} prompts x n="
+                           f"{params.n}); the server takes at most {cfg.max_request_seqs} per request "
+                           "(--max-request-seqs); split it", param="n")
+        # A missing max_tokens means up to max_model_len.
+        tokens = params.n * sum(len(p) + min(params.max_tokens or limit, limit - len(p)) for p in prompts)
+        if tokens > cfg.max_request_tokens:
+            raise APIError(400, f"this request may take {tokens} tokens (prompts plus max_tokens, times n); the "
+                           f"server takes at most {cfg.max_request_tokens} per request (--max-request-tokens); "
+                           "lower max_tokens or n, or split it", param="max_tokens")
+        waiting = self.async_engine.num_waiting_seqs()
+        if waiting >= cfg.max_waiting_seqs:
+            raise APIError(503, f"the server is overloaded: {waiting} sequences wait already (at most "
+                           f"{cfg.max_waiting_seqs}, --max-waiting-seqs); retry later", type_="server_error",
+                           code="overloaded", headers={"Retry-After": "1"})
 
     def check_prompt(self, ids: list[int], params: SamplingParams, max_tokens_given: bool) -> None:
         limit = self.engine.max_model_len
@@ -395,6 +425,7 @@ class _Endpoints:
         prompts = self.completion_prompts(req.prompt)
         for ids in prompts:
             s.check_prompt(ids, params, req.max_tokens is not None)
+        s.check_size_and_room(prompts, params)
         base = self.base("cmpl", "text_completion")
         logprobs = [_CompletionLogprobs() for _ in range(len(prompts) * params.n)]
 
@@ -432,6 +463,7 @@ class _Endpoints:
         params = _sampling_params(req, max_tokens, top_k)  # None: up to max_model_len, as OpenAI's chat does
         prompts = [self.chat_prompt(req.messages)]
         s.check_prompt(prompts[0], params, max_tokens is not None)
+        s.check_size_and_room(prompts, params)
         base = self.base("chatcmpl", "chat.completion")
 
         def lps(token_ids, entries):
@@ -461,8 +493,9 @@ class _Endpoints:
 
     async def models(self, request: Request):
         self.s.check_key(request)
-        card = {"id": self.s.config.served_model_name, "object": "model", "created": self.s.created,
-                "owned_by": "pipellm", "root": self.s.engine.model_dir, "max_model_len": self.s.engine.max_model_len}
+        name = self.s.config.served_model_name  # "root" is the name too: a local path tells clients nothing useful
+        card = {"id": name, "object": "model", "created": self.s.created, "owned_by": "pipellm", "root": name,
+                "max_model_len": self.s.engine.max_model_len}
         return {"object": "list", "data": [card]}
 
     async def health(self):
@@ -474,7 +507,9 @@ class _Endpoints:
     async def version(self):
         return {"version": pipellm.__version__}
 
-    async def metrics(self):
+    async def metrics(self, request: Request):
+        if not self.s.config.metrics_public:
+            self.s.check_key(request)
         return Response(self.s.metrics.render(), media_type=CONTENT_TYPE)
 
 
@@ -503,7 +538,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body, status_code=exc.status)
+        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, exc: HTTPException):  # unknown route, wrong method

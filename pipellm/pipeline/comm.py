@@ -1,6 +1,6 @@
 """Point-to-point messaging over torch.distributed (gloo). World rank 0 is the driver; stage i is rank i + 1."""
+import logging
 import os
-import pickle
 import socket
 from collections import deque
 from datetime import timedelta
@@ -8,6 +8,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pipellm.pipeline import wire
+
+log = logging.getLogger("pipellm")
 DRIVER = 0
 HEARTBEAT_S = 0.5  # how often a stage tells the driver it is still there
 FOREVER = timedelta(days=365)
@@ -17,11 +20,72 @@ def stage_world_rank(stage: int) -> int:
     return stage + 1
 
 
+def peer_name(world_rank: int) -> str:
+    return "the driver" if world_rank == DRIVER else f"stage {world_rank - 1}"
+
+
 def make_store(host: str, port: int, is_master: bool, timeout_s: float = 60.0) -> dist.TCPStore:
     """Rendezvous and side channel (plan, readiness, errors, heartbeats). port=0 on the master picks a free port.
     A client retries connecting for timeout_s, so a stage may start before the driver listens."""
+    listen_fd = None
+    if is_master:
+        # TCPStore listens on every interface whatever host it is given: bind the socket ourselves, on host only.
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            sock.close()
+            raise ValueError(f"cannot listen on {host}:{port} for the rendezvous ({e.strerror}); give another "
+                             "--master-port, or a --master-addr of this host") from None
+        sock.listen(512)
+        port, listen_fd = sock.getsockname()[1], sock.detach()  # the store owns the socket now
     return dist.TCPStore(host, port, is_master=is_master, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+                         wait_for_workers=False, master_listen_fd=listen_fd)
+
+
+class SignedStore:
+    """The rendezvous store, with every value signed by the run's token (HMAC over key and value), so that a
+    process that reaches the store's port without the token cannot plant a plan, a stage's arguments or a report.
+    No counters (add): a tag cannot be kept on a value the store increments, and the store drops the connection
+    of a client whose add meets a value that is not a number, which anyone could plant."""
+
+    def __init__(self, store: dist.Store, key: bytes, prefix: str = ""):
+        self.store, self.key, self.prefix = store, key, prefix
+
+    def generation(self, generation: int) -> "SignedStore":
+        return SignedStore(self.store, self.key, f"pipellm/{generation}/")
+
+    @property
+    def raw(self) -> dist.Store:  # the same keys, unsigned, for gloo's own rendezvous
+        return dist.PrefixStore(self.prefix, self.store) if self.prefix else self.store
+
+    def set(self, key: str, value: bytes | str) -> None:
+        full = self.prefix + key
+        self.store.set(full, wire.seal(self.key, full.encode(), value.encode() if isinstance(value, str) else value))
+
+    def get(self, key: str) -> bytes:
+        """The value (waiting for it as the store does), or WireError if it is not signed with this run's token."""
+        full = self.prefix + key
+        return bytes(wire.unseal(self.key, full.encode(), self.store.get(full), f"the store's key {full}"))
+
+    def get_if_set(self, key: str) -> bytes | None:
+        return self.get(key) if self.check(key) else None
+
+    def trusted(self, key: str) -> bytes | None:
+        """get_if_set(), but a forged value is logged and ignored: for reports that only add detail."""
+        try:
+            return self.get_if_set(key)
+        except wire.WireError as e:
+            log.warning("ignored: %s", e)
+            return None
+
+    def check(self, key: str) -> bool:
+        return self.store.check([self.prefix + key])
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        self.store.wait([self.prefix + k for k in keys], timeout)
 
 
 # Keys of the rendezvous store. Each pipeline (a first start or a restart after a failure) is a new generation whose
@@ -31,7 +95,7 @@ NNODES_KEY = "pipellm/nnodes"
 SHUTDOWN_KEY = "pipellm/shutdown"      # the driver is done: node agents exit
 
 
-def agent_key(node_rank: int) -> str:  # a counter the node agent of a host bumps while it runs
+def agent_key(node_rank: int) -> str:  # a count the node agent of a host raises while it runs
     return f"pipellm/agent/{node_rank}"
 
 
@@ -39,11 +103,7 @@ def bye_key(node_rank: int) -> str:  # set by a node agent that saw the driver's
     return f"pipellm/bye/{node_rank}"
 
 
-def generation_store(store: dist.Store, generation: int) -> dist.Store:
-    return dist.PrefixStore(f"pipellm/{generation}/", store)
-
-
-def args_key(rank: int) -> str:      # pickled StageArgs of stage `rank`
+def args_key(rank: int) -> str:      # StageArgs of stage `rank`, wire-encoded
     return f"args/{rank}"
 
 
@@ -59,7 +119,7 @@ def exit_key(rank: int) -> str:      # return code of a stage that ended, writte
     return f"exit/{rank}"
 
 
-def heartbeat_key(rank: int) -> str:  # a counter the stage bumps every HEARTBEAT_S
+def heartbeat_key(rank: int) -> str:  # a count the stage raises every HEARTBEAT_S
     return f"heartbeat/{rank}"
 
 
@@ -86,7 +146,7 @@ def max_pending_sends(world_rank: int, num_stages: int, batches_in_flight: int) 
     return per_batch * (batches_in_flight + 1)
 
 
-def make_channel(store: dist.Store, world_rank: int, num_stages: int, master_addr: str,
+def make_channel(store: SignedStore, world_rank: int, num_stages: int, master_addr: str,
                  batches_in_flight: int) -> "Channel":
     # A process group object of our own rather than the default group: the user's process may
     # hold several engines, or a default group of its own.
@@ -95,8 +155,9 @@ def make_channel(store: dist.Store, world_rank: int, num_stages: int, master_add
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")  # the user's choice of interface wins
     opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname) if ifname else
                      dist.ProcessGroupGloo.create_device(hostname=local_address(master_addr))]
-    pg = dist.ProcessGroupGloo(store, world_rank, num_stages + 1, opts)
-    return Channel(pg, max_pending_sends(world_rank, num_stages, batches_in_flight))
+    pg = dist.ProcessGroupGloo(store.raw, world_rank, num_stages + 1, opts)
+    return Channel(pg, world_rank, max_pending_sends(world_rank, num_stages, batches_in_flight), store.key,
+                   store.prefix)
 
 
 # Tags keep the three kinds of traffic apart, so a receive posted early matches only its own kind.
@@ -106,15 +167,19 @@ SEND_TIMEOUT = timedelta(seconds=60)  # for a send that should be done already: 
 
 
 class Channel:
-    """Sends tensors and picklable messages to one peer at a time; sends are async, receives block.
+    """Sends tensors and messages (pipellm.pipeline.wire) to one peer at a time; sends are async, receives block.
 
     Messages go in fixed-size mailbox tensors whose receive is posted ahead of time. A gloo receive
     posted after the data was sent costs a round trip to the sender, and the sender's I/O thread may
     be waiting behind its own compute for a core: several ms on the critical path of every step.
+    Each message is signed for its generation, its sender and receiver, and its place in their sequence, so
+    one can neither be forged nor replayed.
     """
 
-    def __init__(self, pg: dist.ProcessGroup, max_pending: int):
-        self.pg = pg
+    def __init__(self, pg: dist.ProcessGroup, rank: int, max_pending: int, key: bytes, context: str):
+        self.pg, self.rank, self.key, self.context = pg, rank, key, context
+        self._sent: dict[int, int] = {}      # dst -> messages sent to it
+        self._received: dict[int, int] = {}  # src -> messages received from it
         # (work, tensor kept alive until sent). A gloo send reports completion only once waited on, so sends are
         # waited on, oldest first, once more than max_pending are out: by then they are received, and the wait is
         # instant (see max_pending_sends). Without it, every message sent would be kept.
@@ -134,8 +199,13 @@ class Channel:
         self.pg.recv([tensor], src, tag).wait(timeout)
         return tensor
 
+    def _frame_context(self, src: int, dst: int, seq: int) -> bytes:
+        return f"{self.context}{src}>{dst}#{seq}".encode()
+
     def send_obj(self, obj, dst: int) -> None:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        seq = self._sent.get(dst, 0)
+        self._sent[dst] = seq + 1
+        data = wire.seal(self.key, self._frame_context(self.rank, dst, seq), wire.encode(obj))
         mailbox = torch.zeros(MAILBOX_BYTES, dtype=torch.uint8)
         head = len(data).to_bytes(8, "little") + data[:MAILBOX_BYTES - 8]
         mailbox[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
@@ -150,18 +220,27 @@ class Channel:
             mailbox = torch.empty(MAILBOX_BYTES, dtype=torch.uint8)
             self._posted[src] = (self.pg.recv([mailbox], src, TAG_MESSAGE), mailbox)
 
-    def recv_obj(self, src: int, timeout: timedelta = FOREVER):
+    def recv_obj(self, src: int, expected: tuple[type, ...], timeout: timedelta = FOREVER):
+        """The next message from src, which must be one of the expected kinds; WireError naming src otherwise."""
         self.post_recv(src)
         work, mailbox = self._posted.pop(src)
         work.wait(timeout)
         self.post_recv(src)
-        raw = mailbox.numpy().tobytes()
+        raw = memoryview(mailbox.numpy())
         size = int.from_bytes(raw[:8], "little")
-        data = raw[8:8 + size]
+        if size > wire.MAX_PAYLOAD_BYTES + wire.TAG_BYTES:  # checked before anything that size is allocated
+            raise wire.WireError(f"{peer_name(src)} announced a message of {size} bytes, over the limit")
+        data = bytes(raw[8:8 + size])
         if size > MAILBOX_BYTES - 8:
             data += self.recv_tensor((size - (MAILBOX_BYTES - 8),), torch.uint8, src, timeout,
                                      TAG_OVERFLOW).numpy().tobytes()
-        return pickle.loads(data)
+        seq = self._received.get(src, 0)
+        self._received[src] = seq + 1
+        try:
+            return wire.decode(wire.unseal(self.key, self._frame_context(src, self.rank, seq), data,
+                                           peer_name(src)), expected)
+        except wire.WireError as e:
+            raise wire.WireError(f"from {peer_name(src)}: {e}") from None
 
     def flush(self, timeout: timedelta = FOREVER) -> None:
         for work, _ in self._pending:

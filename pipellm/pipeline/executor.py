@@ -5,7 +5,6 @@ pipellm.pipeline.node) or by torchrun; all of them find their work in the driver
 """
 import json
 import os
-import pickle
 import queue
 import select
 import subprocess
@@ -16,10 +15,9 @@ from concurrent.futures import Future
 from dataclasses import replace
 from datetime import timedelta
 
-import torch.distributed as dist
 
 from pipellm.config import EngineConfig, ModelConfig
-from pipellm.pipeline import comm
+from pipellm.pipeline import comm, wire
 from pipellm.pipeline.messages import Inspect, SampledBatch, Shutdown, StageArgs, StageBatch, StageReport
 from pipellm.pipeline.partition import StageLayers, node_of_stage
 
@@ -35,10 +33,12 @@ def describe_exit(code: int) -> str:
 
 
 def stage_env(world_rank: int, world_size: int, master_addr: str, master_port: int, local_rank: int,
-              local_world_size: int) -> dict[str, str]:
-    """The environment a stage process reads: the names torchrun uses."""
+              local_world_size: int, token: bytes) -> dict[str, str]:
+    """The environment a stage process reads: the names torchrun uses, and the run's token (the environment of a
+    process is readable by its owner only)."""
     return {**os.environ, "RANK": str(world_rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(master_port), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size)}
+            "MASTER_PORT": str(master_port), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size),
+            wire.TOKEN_ENV: token.decode()}
 
 
 _spawn_requests: queue.Queue = queue.Queue()
@@ -75,7 +75,7 @@ def start_stage(env: dict[str, str], model_dir: str | None = None) -> subprocess
 
 class PipelineExecutor:
     def __init__(self, model_dir: str, model_config: ModelConfig, engine_config: EngineConfig,
-                 stages: list[StageLayers], num_blocks: int, store: dist.TCPStore, generation: int = 0,
+                 stages: list[StageLayers], num_blocks: int, store: comm.SignedStore, generation: int = 0,
                  start_timeout_s: float = 300.0):
         self.stages = stages
         self.step_timeout = timedelta(seconds=engine_config.step_timeout_s)
@@ -86,9 +86,11 @@ class PipelineExecutor:
         self.info: dict[int, dict] = {}       # rank -> {"pid", "host"} once loaded
         self.watching = False                 # the watchdog thread runs
         self._closing = False
-        self._store_addr = (store.host, store.port)
+        self._store_addr = (store.store.host, store.store.port)
+        self.key = store.key
         self.generation = generation
-        self.store = comm.generation_store(store, generation)
+        self.store = store.generation(generation)
+        self.vocab_size = model_config.vocab_size
         world_size = len(stages) + 1
         self.node_of = [node_of_stage(s.rank, len(stages), engine_config.nnodes) for s in stages]
         local = [s.rank for s in stages
@@ -97,10 +99,10 @@ class PipelineExecutor:
         try:
             for stage in stages:
                 args = StageArgs(stage, len(stages), model_dir, model_config, engine_config, num_blocks)
-                self.store.set(comm.args_key(stage.rank), pickle.dumps(args))
+                self.store.set(comm.args_key(stage.rank), wire.encode(args))
             store.set(comm.GENERATION_KEY, str(generation))  # the plan is complete: stages may start
             for i, rank in enumerate(local):
-                env = stage_env(comm.stage_world_rank(rank), world_size, *self._store_addr, i, len(local))
+                env = stage_env(comm.stage_world_rank(rank), world_size, *self._store_addr, i, len(local), self.key)
                 self.procs[rank] = start_stage(env)
             self._wait_ready(start_timeout_s, store)
             self.chan = comm.make_channel(self.store, comm.DRIVER, len(stages), self._store_addr[0],
@@ -120,12 +122,13 @@ class PipelineExecutor:
         that died before it was posted may otherwise never return). Local stages are watched through their
         process handles; stages elsewhere through the exit codes their node agents write, and heartbeats."""
         fds = {os.pidfd_open(p.pid): rank for rank, p in self.procs.items()}
-        store = comm.generation_store(comm.make_store(*self._store_addr, is_master=False), self.generation)
-        beats = {rank: (0, time.monotonic()) for rank in range(len(self.stages))}  # last count, when it changed
+        store = comm.SignedStore(comm.make_store(*self._store_addr, is_master=False), self.key).generation(
+            self.generation)
+        beats = {rank: (None, time.monotonic()) for rank in range(len(self.stages))}  # last count, when it changed
         waited = False  # once, for the death behind a stage's error
 
         def reported_error(rank: int) -> bool:
-            return store.check([comm.error_key(rank)])
+            return store.trusted(comm.error_key(rank)) is not None
 
         try:
             while not self._closing:
@@ -133,10 +136,11 @@ class PipelineExecutor:
                 if self._closing:
                     return
                 dead = [fds[fd] for fd in ready if fd in fds]
-                dead += [r for r in range(len(self.stages)) if r not in self.procs and store.check([comm.exit_key(r)])]
+                dead += [r for r in range(len(self.stages))
+                         if r not in self.procs and store.trusted(comm.exit_key(r)) is not None]
                 now, silent = time.monotonic(), []
                 for rank, (count, since) in beats.items():
-                    new = store.add(comm.heartbeat_key(rank), 0)
+                    new = store.trusted(comm.heartbeat_key(rank))
                     if new != count:
                         beats[rank] = (new, now)
                     elif now - since > self.heartbeat_timeout_s:
@@ -160,19 +164,20 @@ class PipelineExecutor:
             for fd in [*fds, self._wake_r]:
                 os.close(fd)
 
-    def _wait_ready(self, timeout_s: float, base_store: dist.Store) -> None:
+    def _wait_ready(self, timeout_s: float, base_store: comm.SignedStore) -> None:
         # Stages load their weights in parallel; watch for readiness, a reported error, or a death.
         deadline = time.monotonic() + timeout_s
         pending = set(range(len(self.stages)))
-        agents: dict[int, tuple[int, float]] = {}  # node -> its agent's last count, when it changed
+        agents: dict[int, tuple[bytes, float]] = {}  # node -> its agent's last count, when it changed
         while pending:
             for rank in pending - set(self.procs):
                 self._check_agent(base_store, self.node_of[rank], agents)
             for rank in list(pending):
-                if self.store.check([comm.error_key(rank)]):
+                if self.store.trusted(comm.error_key(rank)) is not None:
                     raise self._stage_error(rank)
-                if self.store.check([comm.ready_key(rank)]):
-                    self.info[rank] = json.loads(self.store.get(comm.ready_key(rank)))
+                ready = self.store.trusted(comm.ready_key(rank))  # a forged one is ignored: the stage's own
+                if ready is not None:                              # report overwrites it
+                    self.info[rank] = json.loads(ready)
                     pending.discard(rank)
                 elif self._exit_code(rank) is not None:
                     raise self._diagnose(f"stage {rank} exited while loading")
@@ -182,13 +187,12 @@ class PipelineExecutor:
                 raise PipelineError(f"stages {sorted(pending)} did not finish loading within {timeout_s:.0f} s{hint}")
             self._wait_any_exit(0.05)
 
-    def _check_agent(self, store: dist.Store, node: int, seen: dict[int, tuple[int, float]]) -> None:
+    def _check_agent(self, store: comm.SignedStore, node: int, seen: dict[int, tuple[bytes, float]]) -> None:
         """A node agent that has been seen and then goes silent took its host's stages with it: fail now rather
         than at the start timeout. One not seen yet may still be starting: the user starts hosts in any order."""
-        key = comm.agent_key(node)
-        if not store.check([key]):
+        count, now = store.trusted(comm.agent_key(node)), time.monotonic()
+        if count is None:
             return
-        count, now = store.add(key, 0), time.monotonic()
         last, since = seen.get(node, (None, now))
         if count != last:
             seen[node] = (count, now)
@@ -199,10 +203,11 @@ class PipelineExecutor:
     def _exit_code(self, rank: int) -> int | None:
         if rank in self.procs:
             return self.procs[rank].poll()
-        return int(self.store.get(comm.exit_key(rank))) if self.store.check([comm.exit_key(rank)]) else None
+        code = self.store.trusted(comm.exit_key(rank))
+        return None if code is None else int(code)
 
     def _stage_error(self, rank: int) -> Exception:
-        err = json.loads(self.store.get(comm.error_key(rank)))
+        err = json.loads(self.store.trusted(comm.error_key(rank)))
         msg = f"stage {rank}: {err['type']}: {err['message']}"
         # Bad input reported by a stage (a missing tensor, a bad file) stays a ValueError for the user.
         return ValueError(msg) if err["type"] in ("ValueError", "FileNotFoundError") else PipelineError(
@@ -223,14 +228,15 @@ class PipelineExecutor:
         problems = []
         first = self.first_death
         for rank in sorted(range(len(self.stages)), key=lambda r: r != first):  # the cause first
-            has_error = self.store.check([comm.error_key(rank)])
+            error = self.store.trusted(comm.error_key(rank))
+            has_error = error is not None
             if first is not None and rank != first and not has_error:
                 continue  # stopped by the watchdog, not a cause
             if rank == first and self.hung:
                 problems.append(f"{self._who(rank)} stopped answering: no heartbeat for "
                                 f"{self.heartbeat_timeout_s:.0f} s")
             elif has_error:
-                err = json.loads(self.store.get(comm.error_key(rank)))
+                err = json.loads(error)
                 problems.append(f"{self._who(rank)} failed: {err['type']}: {err['message']}")
             elif (code := self._exit_code(rank)) is not None:
                 problems.append(f"{self._who(rank)} {describe_exit(code)}")
@@ -247,6 +253,10 @@ class PipelineExecutor:
             raise self.failed
         try:
             return fn(*args)
+        except wire.WireError as e:  # a stage sent what no stage of this run would: stop trusting the pipeline
+            self.failed = PipelineError(f"{what}: refused a message {e}")
+            self._kill()
+            raise self.failed from None
         except RuntimeError as e:
             if "Timed out" in str(e):
                 self.failed = self._diagnose(f"{what}: no answer within {self.step_timeout.total_seconds():.0f} s")
@@ -274,13 +284,21 @@ class PipelineExecutor:
 
     def receive(self) -> SampledBatch:
         """The sampled tokens of the oldest batch in flight."""
-        return self._guard("waiting for the pipeline", self.chan.recv_obj, self.last_rank, self.step_timeout)
+        result = self._guard("waiting for the pipeline", self.chan.recv_obj, self.last_rank, (SampledBatch,),
+                             self.step_timeout)
+        if any(not 0 <= t.token_id < self.vocab_size for t in result.tokens):
+            self.failed = PipelineError(f"waiting for the pipeline: {comm.peer_name(self.last_rank)} sent token "
+                                        f"ids outside the vocabulary of {self.vocab_size}")
+            self._kill()
+            raise self.failed
+        return result
 
     def inspect(self) -> list[StageReport]:
         def ask():
             for stage in self.stages:
                 self.chan.send_obj(Inspect(), comm.stage_world_rank(stage.rank))
-            return [self.chan.recv_obj(comm.stage_world_rank(s.rank), self.step_timeout) for s in self.stages]
+            return [self.chan.recv_obj(comm.stage_world_rank(s.rank), (StageReport,), self.step_timeout)
+                    for s in self.stages]
         return self._guard("inspecting the stages", ask)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------

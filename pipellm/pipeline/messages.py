@@ -5,6 +5,7 @@ import numpy as np
 
 from pipellm.config import EngineConfig, ModelConfig
 from pipellm.pipeline.partition import StageLayers
+from pipellm.sampler import SampledToken
 from pipellm.sampling_params import SamplingParams
 
 
@@ -48,12 +49,41 @@ class StageBatch:
     def num_tokens(self) -> int:
         return len(self.positions)
 
+    def check(self, num_blocks: int, block_size: int, vocab_size: int, is_first: bool, is_last: bool) -> None:
+        """ValueError unless the arrays agree with each other and index only this stage's caches and vocabulary."""
+        def need(ok, what):
+            if not ok:
+                raise ValueError(f"StageBatch {self.batch_id}: {what}")
+
+        T, B = len(self.positions), len(self.query_lens)
+        for name in ("positions", "slot_mapping", "query_lens", "seq_lens", "logits_indices"):
+            a = getattr(self, name)
+            need(a.ndim == 1 and a.dtype.kind == "i", f"{name} must be a 1-D integer array")
+        need(self.block_tables.ndim == 2 and self.block_tables.dtype.kind == "i" and len(self.block_tables) == B,
+             "block_tables must be [sequences, blocks] integers")
+        need(len(self.slot_mapping) == T and len(self.seq_lens) == B, "arrays of different lengths")
+        need(T > 0 and int(self.query_lens.sum()) == T and (self.query_lens >= 1).all(), "query_lens do not sum to "
+             "the token count")
+        need((self.seq_lens >= self.query_lens).all() and
+             (self.seq_lens <= self.block_tables.shape[1] * block_size).all(), "seq_lens out of range")
+        need((self.positions >= 0).all() and (self.positions < self.seq_lens.max()).all(), "positions out of range")
+        need((self.slot_mapping >= 0).all() and (self.slot_mapping < num_blocks * block_size).all() and
+             (self.block_tables >= 0).all() and (self.block_tables < num_blocks).all(),
+             f"KV slots or blocks outside this stage's {num_blocks} blocks")
+        if is_first:
+            need(self.input_ids is not None and self.input_ids.shape == (T,) and self.input_ids.dtype.kind == "i"
+                 and (self.input_ids >= 0).all() and (self.input_ids < vocab_size).all(),
+                 f"input_ids must be [tokens] ids below {vocab_size}")
+        if is_last:
+            need(len(self.sample_req_ids) == len(self.logits_indices) and
+                 ((self.logits_indices >= 0) & (self.logits_indices < T)).all(), "logits_indices out of range")
+
 
 @dataclass
 class SampledBatch:
     """Last stage -> driver: one sampled token per entry of StageBatch.sample_req_ids."""
     batch_id: int
-    tokens: list  # list[SampledToken]
+    tokens: list[SampledToken]
 
 
 @dataclass

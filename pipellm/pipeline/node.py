@@ -3,13 +3,14 @@
 It connects to the driver's rendezvous store, starts this host's stages for every pipeline the driver publishes (the
 first one and each restart), writes their exit codes where the driver's watchdog looks, and ends with the driver.
 """
-import pickle
+import itertools
 import subprocess
 import time
 from datetime import timedelta
 
-from pipellm.pipeline import comm
+from pipellm.pipeline import comm, wire
 from pipellm.pipeline.executor import stage_env, start_stage
+from pipellm.pipeline.messages import StageArgs
 from pipellm.pipeline.partition import node_of_stage
 
 POLL_S = 0.2
@@ -17,24 +18,33 @@ POLL_S = 0.2
 
 class NodeAgent:
     def __init__(self, nnodes: int, node_rank: int, master_addr: str, master_port: int, model_dir: str | None,
-                 connect_timeout_s: float = 300.0):
+                 token: bytes | None, connect_timeout_s: float = 300.0):
         if nnodes < 2:
             raise ValueError(f"--nnodes {nnodes}: `pipellm stage` runs stages for a driver on another host; give "
                              "--nnodes (hosts in all, >= 2) and --node-rank (this host, 1 to nnodes - 1)")
         if not 1 <= node_rank < nnodes:
             raise ValueError(f"--node-rank {node_rank}: give 1 to {nnodes - 1}; node 0 is the driver's host, "
                              "where `pipellm serve` (or generate, bench) runs with --node-rank 0")
-        self.nnodes, self.node_rank, self.model_dir = nnodes, node_rank, model_dir
+        if token is None:
+            raise ValueError(f"no token: give the driver's token file with --token-file FILE, or set "
+                             f"{wire.TOKEN_ENV} to the driver's token")
+        self.nnodes, self.node_rank, self.model_dir, self.token = nnodes, node_rank, model_dir, token
         self.addr = (master_addr, master_port)
         print(f"node {node_rank}: connecting to the driver at {master_addr}:{master_port}", flush=True)
         try:
-            self.store = comm.make_store(master_addr, master_port, is_master=False, timeout_s=connect_timeout_s)
+            self.store = comm.SignedStore(comm.make_store(master_addr, master_port, is_master=False,
+                                                          timeout_s=connect_timeout_s), token)
             self.store.wait([comm.NNODES_KEY], timedelta(seconds=connect_timeout_s))
         except RuntimeError as e:  # DistNetworkError, DistStoreError
             raise ValueError(f"no driver answered at {master_addr}:{master_port} within {connect_timeout_s:.0f} s "
                              f"({e}); start `pipellm serve --nnodes {nnodes} --node-rank 0 ...` there, or check "
                              "--master-addr, --master-port and the firewall") from None
-        driver_nnodes = int(self.store.get(comm.NNODES_KEY))
+        try:
+            driver_nnodes = int(self.store.get(comm.NNODES_KEY))
+        except wire.WireError:
+            raise ValueError(f"refused by the driver at {master_addr}:{master_port}: this host's token is not the "
+                             f"driver's; give `pipellm stage` the driver's token file (--token-file) or "
+                             f"{wire.TOKEN_ENV}") from None
         if driver_nnodes != nnodes:
             raise ValueError(f"--nnodes {nnodes}, but the driver at {master_addr}:{master_port} runs with "
                              f"--nnodes {driver_nnodes}; give both the same")
@@ -45,18 +55,24 @@ class NodeAgent:
         """Serves pipeline after pipeline until the driver shuts down (0) or goes away (1)."""
         generation, gstore = None, None
         try:
-            while not self.store.check([comm.SHUTDOWN_KEY]):
-                self.store.add(comm.agent_key(self.node_rank), 1)
-                if self.store.check([comm.GENERATION_KEY]) and int(self.store.get(comm.GENERATION_KEY)) != generation:
+            for beat in itertools.count(1):
+                if self.store.trusted(comm.SHUTDOWN_KEY) is not None:
+                    break
+                self.store.set(comm.agent_key(self.node_rank), str(beat))
+                newest = self.store.trusted(comm.GENERATION_KEY)
+                if newest is not None and int(newest) != generation:
                     self._stop()  # a new pipeline replaces the failed one
-                    generation = int(self.store.get(comm.GENERATION_KEY))
-                    gstore = comm.generation_store(self.store, generation)
+                    generation = int(newest)
+                    gstore = self.store.generation(generation)
                     self._start(gstore, generation)
                 if gstore is not None:
                     self._report_exits(gstore)
-                    if gstore.check([comm.ABORT_KEY]):
+                    if gstore.trusted(comm.ABORT_KEY) is not None:
                         self._stop()
                 time.sleep(POLL_S)
+        except wire.WireError as e:  # a signed generation whose plan is not: nothing of it can be trusted to run
+            print(f"node {self.node_rank}: refused the driver's plan: {e}; stopping", flush=True)
+            return 1
         except RuntimeError as e:  # the store's errors (DistNetworkError, DistStoreError) are RuntimeErrors
             print(f"node {self.node_rank}: lost the driver at {self.addr[0]}:{self.addr[1]} ({e}); stopping",
                   flush=True)
@@ -68,10 +84,10 @@ class NodeAgent:
         return 0
 
     def _start(self, gstore, generation: int) -> None:
-        num_stages = pickle.loads(gstore.get(comm.args_key(0))).num_stages
+        num_stages = wire.decode(gstore.get(comm.args_key(0)), (StageArgs,)).num_stages
         ranks = [r for r in range(num_stages) if node_of_stage(r, num_stages, self.nnodes) == self.node_rank]
         for i, rank in enumerate(ranks):
-            env = stage_env(comm.stage_world_rank(rank), num_stages + 1, *self.addr, i, len(ranks))
+            env = stage_env(comm.stage_world_rank(rank), num_stages + 1, *self.addr, i, len(ranks), self.token)
             self.procs[rank] = start_stage(env, self.model_dir)
         self.reported = set()
         print(f"node {self.node_rank}: pipeline {generation}: started stages {ranks} "

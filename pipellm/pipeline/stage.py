@@ -1,9 +1,9 @@
 """The stage process: holds a contiguous range of layers, their weights and KV caches, and runs batches."""
 import argparse
 import ctypes
+import itertools
 import json
 import os
-import pickle
 import signal
 import socket
 import sys
@@ -17,7 +17,7 @@ import torch
 from pipellm.loader.safetensors import load_stage_weights
 from pipellm.models.layers import AttentionMetadata, transpose_linears
 from pipellm.models.registry import build_stage_model
-from pipellm.pipeline import comm
+from pipellm.pipeline import comm, wire
 from pipellm.pipeline.messages import Inspect, SampledBatch, Shutdown, StageArgs, StageBatch, StageReport
 from pipellm.sampler import Sampler
 
@@ -26,13 +26,13 @@ MAX_EVENTS = 200_000  # trace events a stage keeps between two reports
 START_TIMEOUT_S = 300.0  # how long a stage waits for the driver to publish its work
 
 
-def _heartbeat(store_addr: tuple[str, int], generation: int, rank: int) -> None:
-    """Bumps a counter in the store twice a second. It stops when the process stops (SIGSTOP, a hang in native code
-    that holds the GIL, death), which is how the driver tells a hung stage from a slow one. A counter, not a
+def _heartbeat(store_addr: tuple[str, int], token: bytes, generation: int, rank: int) -> None:
+    """Raises a count in the store twice a second. It stops when the process stops (SIGSTOP, a hang in native code
+    that holds the GIL, death), which is how the driver tells a hung stage from a slow one. A count, not a
     timestamp: the driver times its changes on its own clock, so clocks of other hosts do not matter."""
-    store = comm.generation_store(comm.make_store(*store_addr, is_master=False), generation)
-    while True:
-        store.add(comm.heartbeat_key(rank), 1)
+    store = comm.SignedStore(comm.make_store(*store_addr, is_master=False), token).generation(generation)
+    for beat in itertools.count(1):
+        store.set(comm.heartbeat_key(rank), str(beat))
         time.sleep(comm.HEARTBEAT_S)
 
 
@@ -62,7 +62,7 @@ class StageWorker:
         self.chan = chan
         while True:
             waiting_since = time.perf_counter()
-            msg = chan.recv_obj(comm.DRIVER)
+            msg = chan.recv_obj(comm.DRIVER, (StageBatch, Inspect, Shutdown))
             if isinstance(msg, Shutdown):
                 return  # without waiting on pending sends: results of batches in flight have no reader now
             if isinstance(msg, Inspect):
@@ -79,6 +79,7 @@ class StageWorker:
     @torch.inference_mode()
     def step(self, batch: StageBatch) -> None:
         cfg, ecfg = self.args.model_config, self.args.engine_config
+        batch.check(self.args.num_blocks, ecfg.block_size, cfg.vocab_size, self.stage.is_first, self.stage.is_last)
         t = torch.from_numpy
         positions = t(batch.positions)
         meta = AttentionMetadata.build(positions, t(batch.query_lens), t(batch.seq_lens), t(batch.block_tables),
@@ -141,25 +142,26 @@ def stage_cores(local_rank: int, local_world_size: int, threads: int) -> list[in
 
 
 def stage_main(world_rank: int, master_addr: str, master_port: int, local_rank: int = 0, local_world_size: int = 1,
-               model_dir: str | None = None) -> None:
+               model_dir: str | None = None, token: bytes = b"") -> None:
     """Entry point of a stage process: world rank r >= 1 runs stage r - 1 of the newest generation's plan."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; it shuts us down
     rank = world_rank - 1
     store = None
     try:
-        base = comm.make_store(master_addr, master_port, is_master=False, timeout_s=START_TIMEOUT_S)
+        base = comm.SignedStore(comm.make_store(master_addr, master_port, is_master=False,
+                                                timeout_s=START_TIMEOUT_S), token)
         generation = int(base.get(comm.GENERATION_KEY))  # waits until the driver has published its plan
-        store = comm.generation_store(base, generation)
-        args: StageArgs = pickle.loads(store.get(comm.args_key(rank)))
+        store = base.generation(generation)
+        args = wire.decode(store.get(comm.args_key(rank)), (StageArgs,))
         if model_dir is not None:
             args.model_dir = model_dir  # this host's own copy of the checkpoint
         threads = args.engine_config.threads_per_stage or max(1, len(os.sched_getaffinity(0)) // local_world_size)
         os.sched_setaffinity(0, stage_cores(local_rank, local_world_size, threads))
         torch.set_num_threads(threads)
         worker = StageWorker(args)
-        store.add(comm.heartbeat_key(rank), 1)
-        threading.Thread(target=_heartbeat, args=((master_addr, master_port), generation, rank),
+        store.set(comm.heartbeat_key(rank), "0")
+        threading.Thread(target=_heartbeat, args=((master_addr, master_port), token, generation, rank),
                          name="pipellm-heartbeat", daemon=True).start()
         store.set(comm.ready_key(rank), json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         worker.serve(comm.make_channel(store, world_rank, args.num_stages, master_addr,
@@ -191,7 +193,14 @@ def main(argv: list[str] | None = None) -> None:
     LOCAL_WORLD_SIZE (which cores of this host to take), and its layers from the store."""
     parser = argparse.ArgumentParser(prog="python -m pipellm.pipeline.stage")
     parser.add_argument("--model", default=None, help="this host's copy of the model (default: the driver's path)")
+    parser.add_argument("--token-file", default=None, help=f"the driver's token (or set {wire.TOKEN_ENV})")
     args = parser.parse_args(argv)
+    try:
+        token = wire.token_from_env_or_file(args.token_file)
+    except ValueError as e:
+        sys.exit(f"pipellm stage: {e}")
+    if token is None:
+        sys.exit(f"pipellm stage: no token; give the driver's with --token-file or {wire.TOKEN_ENV}")
     rank = _env_int("RANK")
     if rank < 1:
         sys.exit("pipellm stage: RANK 0 is the driver (pipellm serve / generate); stages have RANK 1 and up")
@@ -200,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         from pipellm.engine.engine import resolve_model
         model_dir = resolve_model(args.model)
     stage_main(rank, os.environ.get("MASTER_ADDR", "127.0.0.1"), _env_int("MASTER_PORT"),
-               int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), model_dir)
+               int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), model_dir, token)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,177 @@
+"""The wire format: every message survives the trip unchanged, and nothing but a signed, well-formed message of an
+expected kind gets through. Random and hostile bytes only ever raise WireError, and never run code."""
+import os
+import pickle
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipellm.config import EngineConfig, ModelConfig
+from pipellm.pipeline import wire
+from pipellm.pipeline.messages import (Inspect, NewRequest, SampledBatch, Shutdown, StageArgs, StageBatch,
+                                       StageReport)
+from pipellm.pipeline.partition import make_partition
+from pipellm.sampler import SampledToken
+from pipellm.sampling_params import SamplingParams
+
+KEY = b"k" * 32
+CTX = b"pipellm/0/1>2#5"
+
+
+def _batch(num_seqs: int = 3) -> StageBatch:
+    q = np.array([4] + [1] * (num_seqs - 1), dtype=np.int64)
+    seq_lens = q + np.arange(num_seqs, dtype=np.int64) * 5
+    tables = np.arange(num_seqs * 4, dtype=np.int32).reshape(num_seqs, 4)[:, ::-1].copy()  # not in order
+    T = int(q.sum())
+    return StageBatch(9, np.arange(T, dtype=np.int64) % 50, np.arange(T, dtype=np.int64), np.arange(T, dtype=np.int64),
+                      q, seq_lens, tables, np.cumsum(q) - 1, [f"req-{i}" for i in range(num_seqs)],
+                      [NewRequest("req-0", SamplingParams(temperature=0.7, top_k=5, stop=["\n"], seed=3), [1, 2, 3],
+                                  17, [4, 5])], ["old"])
+
+
+MESSAGES = [
+    _batch(),
+    SampledBatch(9, [SampledToken(3, -0.25, 1, [(3, -0.25), (7, float("-inf"))]), SampledToken(4)]),
+    StageArgs(make_partition(5, 2, [3, 2])[1], 2, "/models/x",
+              ModelConfig("LlamaForCausalLM", 384, 64, 5, 4, 2, 16, 160, 256, 1e-5, 5e5, eos_token_ids=(0, 2)),
+              EngineConfig("/models/x", pipeline_parallel_size=2, layer_partition=[3, 2], nnodes=2,
+                           master_port=29500), 123),
+    StageReport(1, "stage 1: layers 3-4", 42, ["a.weight"], ["model.layers.3.x"], "/m", 2, (10, 16, 2, 16), 1, [1],
+                7, 0, 0, 1.5, [("forward", 3, 0.5, 0.75, 12, 2)], 0.25),
+    Inspect(),
+    Shutdown(),
+]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if hasattr(a, "__dataclass_fields__"):
+        return type(a) is type(b) and all(_same(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b and type(a) is type(b)
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_comes_back_equal(msg):
+    frame = wire.seal(KEY, CTX, wire.encode(msg))
+    back = wire.decode(wire.unseal(KEY, CTX, frame, "stage 1"))
+    assert _same(msg, back)
+    if isinstance(back, StageBatch):
+        back.check(num_blocks=12, block_size=16, vocab_size=50, is_first=True, is_last=True)
+        back.block_tables[0, 0] = 1  # arrays arrive writable (they become tensors)
+
+
+def test_only_the_expected_kinds_are_accepted():
+    with pytest.raises(wire.WireError, match="unexpected message kind 'Shutdown'; expected one of SampledBatch"):
+        wire.decode(wire.encode(Shutdown()), (SampledBatch,))
+
+
+def test_a_frame_needs_the_token_the_context_and_every_byte():
+    frame = wire.seal(KEY, CTX, wire.encode(_batch()))
+    for key, ctx, data in [(b"x" * 32, CTX, frame),              # another run's token
+                           (KEY, b"pipellm/0/1>2#6", frame),      # replayed as the next message
+                           (KEY, b"pipellm/1/1>2#5", frame),      # ... or in the next pipeline
+                           (KEY, CTX, frame[:-1] + bytes([frame[-1] ^ 1])),
+                           (KEY, CTX, frame[:40]), (KEY, CTX, b"")]:
+        with pytest.raises(wire.WireError, match="from stage 1"):
+            wire.unseal(key, ctx, data, "stage 1")
+
+
+class _Payload:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def test_a_signed_pickle_is_refused_and_runs_nothing(tmp_path):
+    canary = tmp_path / "canary"
+    data = pickle.dumps(_Payload(canary))
+    for payload in (data, struct.pack("<I", len(data)) + data):
+        with pytest.raises(wire.WireError):
+            wire.decode(wire.unseal(KEY, CTX, wire.seal(KEY, CTX, payload), "x"))
+    assert not canary.exists()
+
+
+def _header(kind, value, arrays=()) -> bytes:
+    import json
+    header = json.dumps({"kind": kind, "value": value, "arrays": list(arrays)}).encode()
+    return struct.pack("<I", len(header)) + header
+
+
+@pytest.mark.parametrize("payload, why", [
+    (_header("os.system", []), "unexpected message kind"),
+    (_header("SampledBatch", [1, [[3, None, None, None], "x"]]), "SampledBatch"),
+    (_header("SampledBatch", [1, [[True, None, None, None]]]), "expected an integer"),
+    (_header("SampledBatch", {"batch_id": 1, "tokens": []}), "expected a list of its 2 fields"),
+    (_header("StageBatch", [0] * 11, [["|O", [1]]]), "bad array description"),
+    (_header("StageBatch", [0] * 11, [["<i8", [2 ** 40, 2 ** 40]]]), "runs past the end"),
+    (_header("StageBatch", [0] * 11, [["<i8", [1]]]) + b"\0" * 9, "bytes left over"),
+    (_header("StageBatch", [None, 5] + [0] * 9, [["<i8", [1]]]) + b"\0" * 8, "batch_id"),
+    (struct.pack("<I", 10 ** 6) + b"{}", "past the end"),
+    (struct.pack("<I", 3) + b"[[[", "undecodable"),
+    (struct.pack("<I", 20000) + b"[" * 20000, "undecodable"),  # deep nesting: RecursionError inside json
+])
+def test_malformed_payloads_say_what_is_wrong(payload, why):
+    with pytest.raises(wire.WireError, match=why):
+        wire.decode(payload)
+
+
+def test_class_checks_run_on_arrival():
+    params = wire.encode(SampledBatch(1, []))  # then a NewRequest whose SamplingParams are out of range
+    batch = _batch()
+    batch.new_requests[0].params.top_p = 5.0   # set after the constructor's check, as a hostile sender would
+    with pytest.raises(wire.WireError, match="top_p"):
+        wire.decode(wire.encode(batch))
+    assert wire.decode(params).tokens == []
+
+
+def test_stage_batch_check_refuses_out_of_range_indices():
+    batch = wire.decode(wire.encode(_batch()))
+    batch.check(12, 16, 50, True, True)
+    for field, value, why in [("slot_mapping", 12 * 16, "KV slots"), ("block_tables", -1, "KV slots"),
+                              ("input_ids", 50, "input_ids"), ("logits_indices", 99, "logits_indices")]:
+        bad = wire.decode(wire.encode(_batch()))
+        getattr(bad, field).flat[0] = value
+        with pytest.raises(ValueError, match=why):
+            bad.check(12, 16, 50, True, True)
+
+
+FRAMES = [wire.seal(KEY, CTX, wire.encode(m)) for m in MESSAGES]
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.binary(max_size=4096))
+def test_random_frames_only_raise_wire_error(data):
+    with pytest.raises(wire.WireError):
+        wire.unseal(KEY, CTX, data, "x")
+
+
+@settings(max_examples=600, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(frame=st.sampled_from(FRAMES), cut=st.integers(0, 10 ** 6), flips=st.lists(st.tuples(st.integers(0, 10 ** 6),
+       st.integers(1, 255)), max_size=4), extra=st.binary(max_size=64))
+def test_truncated_damaged_and_padded_payloads_only_raise_wire_error(frame, cut, flips, extra):
+    """Signed with the right key, so the decoder itself meets the damage (as from a peer that has the token)."""
+    payload = bytearray(frame[:-wire.TAG_BYTES])
+    payload = payload[:cut % (len(payload) + 1)]
+    for at, bits in flips:
+        if payload:
+            payload[at % len(payload)] ^= bits
+    payload += extra
+    try:
+        msg = wire.decode(wire.unseal(KEY, CTX, wire.seal(KEY, CTX, bytes(payload)), "x"))
+    except wire.WireError:
+        return
+    assert type(msg).__name__ in wire.KINDS  # a damage that still decodes gives a well-typed message
+
+
+def test_tokens():
+    assert len(wire.new_token()) == 64 and wire.new_token() != wire.new_token()
+    with pytest.raises(ValueError, match="at least 16"):
+        wire.check_token("short", "PIPELLM_TOKEN")
