@@ -45,6 +45,9 @@ def make_store(host: str, port: int, is_master: bool, timeout_s: float = 60.0) -
                          wait_for_workers=False, master_listen_fd=listen_fd)
 
 
+_warned: set[str] = set()
+
+
 class SignedStore:
     """The rendezvous store, with every value signed by the run's token (HMAC over key and value), so that a
     process that reaches the store's port without the token cannot plant a plan, a stage's arguments or a report.
@@ -78,7 +81,9 @@ class SignedStore:
         try:
             return self.get_if_set(key)
         except wire.WireError as e:
-            log.warning("ignored: %s", e)
+            if key not in _warned:  # once per key: a poisoned key is read every poll
+                _warned.add(key)
+                log.warning("ignored: %s", e)
             return None
 
     def check(self, key: str) -> bool:
@@ -91,6 +96,7 @@ class SignedStore:
 # Keys of the rendezvous store. Each pipeline (a first start or a restart after a failure) is a new generation whose
 # keys, process group included, live under a prefix of their own, so a restarted pipeline never reads stale ones.
 GENERATION_KEY = "pipellm/generation"  # the newest generation; stages and node agents start on it
+GENERATION_ENV = "PIPELLM_GENERATION"  # ... handed to the stages pipellm starts; torchrun's read the key
 NNODES_KEY = "pipellm/nnodes"
 SHUTDOWN_KEY = "pipellm/shutdown"      # the driver is done: node agents exit
 

@@ -33,12 +33,12 @@ def describe_exit(code: int) -> str:
 
 
 def stage_env(world_rank: int, world_size: int, master_addr: str, master_port: int, local_rank: int,
-              local_world_size: int, token: bytes) -> dict[str, str]:
-    """The environment a stage process reads: the names torchrun uses, and the run's token (the environment of a
-    process is readable by its owner only)."""
+              local_world_size: int, token: bytes, generation: int) -> dict[str, str]:
+    """The environment a stage process reads: the names torchrun uses, the run's token (the environment of a
+    process is readable by its owner only) and the pipeline it belongs to."""
     return {**os.environ, "RANK": str(world_rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(master_port), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size),
-            wire.TOKEN_ENV: token.decode()}
+            wire.TOKEN_ENV: token.decode(), comm.GENERATION_ENV: str(generation)}
 
 
 _spawn_requests: queue.Queue = queue.Queue()
@@ -102,7 +102,8 @@ class PipelineExecutor:
                 self.store.set(comm.args_key(stage.rank), wire.encode(args))
             store.set(comm.GENERATION_KEY, str(generation))  # the plan is complete: stages may start
             for i, rank in enumerate(local):
-                env = stage_env(comm.stage_world_rank(rank), world_size, *self._store_addr, i, len(local), self.key)
+                env = stage_env(comm.stage_world_rank(rank), world_size, *self._store_addr, i, len(local), self.key,
+                                generation)
                 self.procs[rank] = start_stage(env)
             self._wait_ready(start_timeout_s, store)
             self.chan = comm.make_channel(self.store, comm.DRIVER, len(stages), self._store_addr[0],

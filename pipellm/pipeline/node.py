@@ -87,7 +87,8 @@ class NodeAgent:
         num_stages = wire.decode(gstore.get(comm.args_key(0)), (StageArgs,)).num_stages
         ranks = [r for r in range(num_stages) if node_of_stage(r, num_stages, self.nnodes) == self.node_rank]
         for i, rank in enumerate(ranks):
-            env = stage_env(comm.stage_world_rank(rank), num_stages + 1, *self.addr, i, len(ranks), self.token)
+            env = stage_env(comm.stage_world_rank(rank), num_stages + 1, *self.addr, i, len(ranks), self.token,
+                            generation)
             self.procs[rank] = start_stage(env, self.model_dir)
         self.reported = set()
         print(f"node {self.node_rank}: pipeline {generation}: started stages {ranks} "

@@ -141,6 +141,18 @@ def stage_cores(local_rank: int, local_world_size: int, threads: int) -> list[in
     return [cores[(local_rank * threads + i) % len(cores)] for i in range(threads)]
 
 
+def _generation(store: comm.SignedStore) -> int:
+    """The pipeline this stage belongs to: from its parent, or (under torchrun) the newest the driver signed."""
+    if os.environ.get(comm.GENERATION_ENV, "").isdigit():
+        return int(os.environ[comm.GENERATION_ENV])
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while (newest := store.trusted(comm.GENERATION_KEY)) is None:  # not published yet, or forged: wait
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no pipeline signed with this run's token was published within {START_TIMEOUT_S} s")
+        time.sleep(0.05)
+    return int(newest)
+
+
 def stage_main(world_rank: int, master_addr: str, master_port: int, local_rank: int = 0, local_world_size: int = 1,
                model_dir: str | None = None, token: bytes = b"") -> None:
     """Entry point of a stage process: world rank r >= 1 runs stage r - 1 of the newest generation's plan."""
@@ -151,7 +163,7 @@ def stage_main(world_rank: int, master_addr: str, master_port: int, local_rank: 
     try:
         base = comm.SignedStore(comm.make_store(master_addr, master_port, is_master=False,
                                                 timeout_s=START_TIMEOUT_S), token)
-        generation = int(base.get(comm.GENERATION_KEY))  # waits until the driver has published its plan
+        generation = _generation(base)
         store = base.generation(generation)
         args = wire.decode(store.get(comm.args_key(rank)), (StageArgs,))
         if model_dir is not None:

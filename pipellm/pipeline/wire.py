@@ -98,10 +98,8 @@ def seal(key: bytes, context: bytes, payload: bytes) -> bytes:
 def unseal(key: bytes, context: bytes, frame, sender: str) -> memoryview:
     """The payload of a frame whose tag is right; WireError naming the sender otherwise."""
     frame = memoryview(frame)
-    if len(frame) < TAG_BYTES:
-        raise WireError(f"a frame from {sender} is {len(frame)} bytes, shorter than its tag")
     payload, tag = frame[:-TAG_BYTES], frame[-TAG_BYTES:]
-    if not hmac.compare_digest(_tag(key, context, payload), tag):
+    if len(frame) < TAG_BYTES or not hmac.compare_digest(_tag(key, context, payload), tag):
         raise WireError(f"a frame from {sender} is not signed with this run's token (a peer with another token, "
                         "or someone else, sent it, or it was replayed or damaged)")
     return payload
