@@ -89,7 +89,7 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    model: str                          # HF folder or GGUF path (resolved)
+    model: str | None                   # HF folder or GGUF path; None = the default model
     pipeline_parallel_size: int = 1     # number of stage processes
     layer_partition: list[int] | str | None = None  # layers per stage; None = even; "auto" = profiled balance
     dtype: str = "float32"              # weights and activations

@@ -1,5 +1,6 @@
 """Offline throughput: `pipellm bench`, or run_bench() from Python."""
 import json
+import pickle
 import random
 import statistics
 import subprocess
@@ -8,6 +9,7 @@ import time
 
 from pipellm.llm import LLM
 from pipellm.observe.trace import collect, write_trace_dir
+from pipellm.pipeline import wire
 from pipellm.sampling_params import SamplingParams
 
 
@@ -40,9 +42,11 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
         if trace_dir is not None:
             collect(engine)  # drop the warm-up's events
         before = engine.inspect()
+        busiest = _capture_busiest_decode_step(engine.executor)
         start = time.monotonic()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=use_tqdm)
         elapsed = time.monotonic() - start
+        del engine.executor.submit, engine.executor.receive  # the capture's wrappers
         trace_data = collect(engine) if trace_dir is not None else None  # before inspect(), which drains events
         after = engine.inspect()
         stages = [s.describe() for s in engine.stages]
@@ -73,6 +77,8 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
         "bubble_pct": 100 * (1 - statistics.mean(busy)),
         "bytes_sent_per_token": [b / t if t else 0.0 for b, t in zip(bytes_sent, tokens_sent)],
     }
+    if busiest["parts"]:
+        result["messages_per_decode_step"] = time_codecs(busiest["parts"] + [busiest["sampled"]])
     if trace_summary is not None:
         result["trace"] = dict(dir=trace_dir, bubble_pct=trace_summary["bubble_pct"], balance=trace_summary["balance"])
     if compare_hf:
@@ -80,6 +86,52 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
         result["hf"] = run_hf(model, prompts, output_len, dtype, threads)
         result["ratio_vs_hf"] = result["generated_tok_s"] / result["hf"]["generated_tok_s"]
     return result
+
+
+def _capture_busiest_decode_step(executor) -> dict:
+    """Keeps the messages of the decode step with the most sequences (each stage's batch, and the tokens back)."""
+    busiest = {"parts": [], "sampled": None, "num_seqs": 0}
+    submit, receive = executor.submit, executor.receive
+
+    def capturing_submit(batch):
+        if (batch.query_lens == 1).all() and len(batch.query_lens) > busiest["num_seqs"]:
+            busiest.update(parts=executor.parts(batch), num_seqs=len(batch.query_lens), batch_id=batch.batch_id)
+        submit(batch)
+
+    def capturing_receive():
+        result = receive()
+        if result.batch_id == busiest.get("batch_id"):
+            busiest["sampled"] = result
+        return result
+
+    executor.submit, executor.receive = capturing_submit, capturing_receive
+    return busiest
+
+
+def time_codecs(messages: list, rounds: int = 7, reps: int = 200) -> dict:
+    """Encode + decode of one step's messages, in the wire format (signed and checked) and with pickle, as before:
+    the best of `rounds` alternating rounds, in microseconds per step."""
+    key, context = wire.new_token().encode(), b"bench"
+
+    def by_wire():
+        for m in messages:
+            wire.decode(wire.unseal(key, context, wire.seal(key, context, wire.encode(m)), "bench"), (type(m),))
+
+    def by_pickle():
+        for m in messages:
+            pickle.loads(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL))
+
+    best = {"wire": float("inf"), "pickle": float("inf")}
+    for _ in range(rounds):
+        for name, fn in (("wire", by_wire), ("pickle", by_pickle)):
+            start = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / reps * 1e6)
+    num_seqs = len(messages[0].query_lens)
+    return {"num_seqs": num_seqs, "wire_us": best["wire"], "pickle_us": best["pickle"],
+            "wire_bytes": sum(len(wire.encode(m)) + wire.TAG_BYTES for m in messages),
+            "pickle_bytes": sum(len(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in messages)}
 
 
 def run_hf(model: str | None, prompts: list[list[int]], output_len: int, dtype: str, threads: int) -> dict:
@@ -133,6 +185,10 @@ def format_result(r: dict) -> str:
         f"bubble             {r['bubble_pct']:.1f}%",
         "bytes sent / token " + ", ".join(f"{b:.0f}" for b in r["bytes_sent_per_token"][:-1]),
     ]
+    if "messages_per_decode_step" in r:
+        m = r["messages_per_decode_step"]
+        lines.append(f"messages / step    {m['wire_us']:.0f} us signed wire format vs {m['pickle_us']:.0f} us pickle "
+                     f"(encode + decode, decode step of {m['num_seqs']} sequences)")
     if "hf" in r:
         lines.append(f"HF generate        {r['hf']['generated_tok_s']:.1f} generated tok/s "
                      f"({r['hf']['threads']} threads); pipellm / HF = {r['ratio_vs_hf']:.2f}x")

@@ -272,14 +272,20 @@ class PipelineExecutor:
     def last_rank(self) -> int:
         return comm.stage_world_rank(len(self.stages) - 1)
 
+    def parts(self, batch: StageBatch) -> list[StageBatch]:
+        """The batch as each stage gets it: only what that stage reads."""
+        out = []
+        for stage in self.stages:
+            part = replace(batch, input_ids=batch.input_ids if stage.is_first else None)
+            if not stage.is_last:
+                part = replace(part, sample_req_ids=[], new_requests=[], finished_req_ids=[])
+            out.append(part)
+        return out
+
     def submit(self, batch: StageBatch) -> None:
         """Sends a batch to every stage without waiting for it to run."""
         def send():
-            for stage in self.stages:
-                # Each stage gets only what it reads.
-                part = replace(batch, input_ids=batch.input_ids if stage.is_first else None)
-                if not stage.is_last:
-                    part = replace(part, sample_req_ids=[], new_requests=[], finished_req_ids=[])
+            for stage, part in zip(self.stages, self.parts(batch)):
                 self.chan.send_obj(part, comm.stage_world_rank(stage.rank))
         self._guard("sending a batch", send)
 
