@@ -236,17 +236,17 @@ class Channel:
         size = int.from_bytes(raw[:8], "little")
         if size > wire.MAX_PAYLOAD_BYTES + wire.TAG_BYTES:  # checked before anything that size is allocated
             raise wire.WireError(f"{peer_name(src)} announced a message of {size} bytes, over the limit")
-        data = bytes(raw[8:8 + size])
+        data = bytearray(raw[8:8 + size])
         if size > MAILBOX_BYTES - 8:
             data += self.recv_tensor((size - (MAILBOX_BYTES - 8),), torch.uint8, src, timeout,
                                      TAG_OVERFLOW).numpy().tobytes()
         seq = self._received.get(src, 0)
         self._received[src] = seq + 1
+        payload = wire.unseal(self.key, self._frame_context(src, self.rank, seq), data, peer_name(src))
         try:
-            return wire.decode(wire.unseal(self.key, self._frame_context(src, self.rank, seq), data,
-                                           peer_name(src)), expected)
+            return wire.decode(payload, expected)
         except wire.WireError as e:
-            raise wire.WireError(f"from {peer_name(src)}: {e}") from None
+            raise wire.WireError(f"a message from {peer_name(src)} is malformed: {e}") from None
 
     def flush(self, timeout: timedelta = FOREVER) -> None:
         for work, _ in self._pending:

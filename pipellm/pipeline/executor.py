@@ -15,7 +15,6 @@ from concurrent.futures import Future
 from dataclasses import replace
 from datetime import timedelta
 
-
 from pipellm.config import EngineConfig, ModelConfig
 from pipellm.pipeline import comm, wire
 from pipellm.pipeline.messages import Inspect, SampledBatch, Shutdown, StageArgs, StageBatch, StageReport
@@ -255,7 +254,7 @@ class PipelineExecutor:
         try:
             return fn(*args)
         except wire.WireError as e:  # a stage sent what no stage of this run would: stop trusting the pipeline
-            self.failed = PipelineError(f"{what}: refused a message {e}")
+            self.failed = PipelineError(f"{what}: {e}")
             self._kill()
             raise self.failed from None
         except RuntimeError as e:
@@ -291,14 +290,14 @@ class PipelineExecutor:
 
     def receive(self) -> SampledBatch:
         """The sampled tokens of the oldest batch in flight."""
-        result = self._guard("waiting for the pipeline", self.chan.recv_obj, self.last_rank, (SampledBatch,),
-                             self.step_timeout)
-        if any(not 0 <= t.token_id < self.vocab_size for t in result.tokens):
-            self.failed = PipelineError(f"waiting for the pipeline: {comm.peer_name(self.last_rank)} sent token "
-                                        f"ids outside the vocabulary of {self.vocab_size}")
-            self._kill()
-            raise self.failed
-        return result
+        def recv():
+            result = self.chan.recv_obj(self.last_rank, (SampledBatch,), self.step_timeout)
+            try:
+                result.check(self.vocab_size)
+            except ValueError as e:
+                raise wire.WireError(f"a message from {comm.peer_name(self.last_rank)} is malformed: {e}") from None
+            return result
+        return self._guard("waiting for the pipeline", recv)
 
     def inspect(self) -> list[StageReport]:
         def ask():

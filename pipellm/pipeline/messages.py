@@ -85,6 +85,10 @@ class SampledBatch:
     batch_id: int
     tokens: list[SampledToken]
 
+    def check(self, vocab_size: int) -> None:
+        if any(not 0 <= t.token_id < vocab_size for t in self.tokens):
+            raise ValueError(f"SampledBatch {self.batch_id}: token ids outside the vocabulary of {vocab_size}")
+
 
 @dataclass
 class Inspect:

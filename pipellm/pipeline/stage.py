@@ -153,8 +153,8 @@ def _generation(store: comm.SignedStore) -> int:
     return int(newest)
 
 
-def stage_main(world_rank: int, master_addr: str, master_port: int, local_rank: int = 0, local_world_size: int = 1,
-               model_dir: str | None = None, token: bytes = b"") -> None:
+def stage_main(world_rank: int, master_addr: str, master_port: int, token: bytes, local_rank: int = 0,
+               local_world_size: int = 1, model_dir: str | None = None) -> None:
     """Entry point of a stage process: world rank r >= 1 runs stage r - 1 of the newest generation's plan."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; it shuts us down
@@ -220,8 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.model is not None:
         from pipellm.engine.engine import resolve_model
         model_dir = resolve_model(args.model)
-    stage_main(rank, os.environ.get("MASTER_ADDR", "127.0.0.1"), _env_int("MASTER_PORT"),
-               int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), model_dir, token)
+    stage_main(rank, os.environ.get("MASTER_ADDR", "127.0.0.1"), _env_int("MASTER_PORT"), token,
+               int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), model_dir)
 
 
 if __name__ == "__main__":

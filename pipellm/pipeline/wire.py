@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import json
 import math
+import operator
 import os
 import secrets
 import struct
@@ -108,6 +109,7 @@ def unseal(key: bytes, context: bytes, frame, sender: str) -> memoryview:
 # ---- encoding -------------------------------------------------------------------------------------------------
 
 _PLAIN = {str, int, float, bool, type(None)}
+_GETTERS: dict[type, operator.attrgetter] = {}
 _JSON = json.JSONEncoder(separators=(",", ":"))  # made once: json.dumps with options makes one per call
 
 
@@ -120,8 +122,13 @@ def _to_json(value, arrays: list):
     if kind is np.ndarray:
         arrays.append(np.ascontiguousarray(value))
         return len(arrays) - 1
-    if dataclasses.is_dataclass(value):  # positional: a list of the fields in their order
-        values = [getattr(value, f) for f in _field_names(kind)]
+    getter = _GETTERS.get(kind)
+    if getter is None and dataclasses.is_dataclass(value):
+        names = _field_names(kind)
+        getter = _GETTERS[kind] = operator.attrgetter(*names) if len(names) > 1 else (
+            lambda v: tuple(getattr(v, n) for n in names))
+    if getter is not None:  # positional: the list of its fields in order
+        values = getter(value)
         return values if all(type(v) in _PLAIN for v in values) else [_to_json(v, arrays) for v in values]
     if isinstance(value, np.generic):
         return value.item()
@@ -288,8 +295,9 @@ def _decode(payload: memoryview, expected: tuple[type, ...]):
         nbytes = dtype.itemsize * math.prod(spec[1])
         if nbytes > len(payload) - offset:
             _fail(f"array of {nbytes} bytes runs past the end of the message")
-        # A copy: the arrays become tensors, which want writable memory.
-        arrays.append(np.frombuffer(payload[offset:offset + nbytes], dtype=dtype).copy().reshape(spec[1]))
+        array = np.frombuffer(payload[offset:offset + nbytes], dtype=dtype).reshape(spec[1])
+        # The arrays become tensors, which want writable memory: a received bytearray is used in place.
+        arrays.append(array if array.flags.writeable else array.copy())
         offset += nbytes
     if offset != len(payload):
         _fail(f"{len(payload) - offset} bytes left over after the arrays")
