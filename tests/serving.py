@@ -42,6 +42,33 @@ def wait_until(cond, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket the process listens on, read from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    addr, port = cols[1].split(":")
+                    raw = bytes.fromhex(addr)
+                    # /proc prints each 32-bit word in host (little-endian) order
+                    words = [raw[i:i + 4][::-1] for i in range(0, len(raw), 4)]
+                    ip = b"".join(words)
+                    text = ".".join(map(str, ip)) if len(ip) == 4 else (
+                        ".".join(map(str, ip[12:])) if ip[:12] == b"\0" * 10 + b"\xff\xff" else ip.hex())
+                    out.append((text, int(port, 16)))
+    return out
+
+
 @contextmanager
 def serve(model_dir: str, tmp_dir, *extra: str):
     """A healthy `pipellm serve -pp 2 --model model_dir *extra`, its output in a log file under tmp_dir."""

@@ -70,6 +70,8 @@ llm = LLM(cfg["model"], pipeline_parallel_size=2, nnodes=2, master_addr=cfg["add
 params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
 out = {"local": sorted(llm.engine.executor.procs), "status": llm.engine.executor.stage_status(),
        "reports": [[r.model_dir, r.checkpoint_tensors] for r in llm.engine.inspect()]}
+from tests.serving import listening  # every socket the driver and both stages listen on (stage 1: host B's view)
+out["listening"] = [a for pid in [os.getpid()] + [s["pid"] for s in out["status"]] for a, _ in listening(pid)]
 if cfg["fault"]:  # signal stage 1, on the other host, once generation is under way
     def fault():
         while max([len(r.output_token_ids) for r in list(llm.engine.requests.values())] or [0]) < 4:
@@ -137,6 +139,8 @@ def test_two_hosts_give_the_single_host_tokens(hosts, llama_dir, tmp_path, singl
     assert not set(tensors0) & set(tensors1)
     assert any("embed_tokens" in t for t in tensors0) and any("lm_head" in t or "norm" in t for t in tensors1)
     assert not is_running(stage1_pid)
+    # The store and gloo listen on each host's own address on the link, never on every interface.
+    assert set(result["listening"]) == {HOST_A, HOST_B}, result["listening"]
 
 
 def test_stage_killed_on_the_other_host_is_restarted_there(hosts, llama_dir, tmp_path, single_host_tokens):

@@ -17,7 +17,7 @@ from benchmarks.soak import free_port
 from pipellm import LLM, SamplingParams
 from pipellm.pipeline import comm, wire
 from pipellm.pipeline.executor import PipelineError
-from tests.serving import is_running, serve, wait_until
+from tests.serving import is_running, listening, serve, wait_until
 
 PROMPTS = [{"prompt_token_ids": [i % 300 + 1, 7, (3 * i) % 250 + 2] * (2 + i % 5)} for i in range(8)]
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0)
@@ -111,37 +111,10 @@ def test_an_attack_that_never_stops_ends_the_pipeline_with_a_clear_error(llama_d
     assert not canary.exists()
 
 
-def _listening(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket the process listens on, read from /proc."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    out = []
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
-                    addr, port = cols[1].split(":")
-                    raw = bytes.fromhex(addr)
-                    # /proc prints each 32-bit word in host (little-endian) order
-                    words = [raw[i:i + 4][::-1] for i in range(0, len(raw), 4)]
-                    ip = b"".join(words)
-                    text = ".".join(map(str, ip)) if len(ip) == 4 else (
-                        ".".join(map(str, ip[12:])) if ip[:12] == b"\0" * 10 + b"\xff\xff" else ip.hex())
-                    out.append((text, int(port, 16)))
-    return out
-
-
 def test_a_one_host_run_listens_on_loopback_only(llama_dir, tmp_path):
     with serve(llama_dir, tmp_path, "--api-key", "k") as server:
         stage_pids = server.stage_pids()
-        sockets = {pid: _listening(pid) for pid in [server.proc.pid, *stage_pids]}
+        sockets = {pid: listening(pid) for pid in [server.proc.pid, *stage_pids]}
     server_ports = {port for _, port in sockets[server.proc.pid]}
     assert int(server.url.rsplit(":", 1)[1]) in server_ports and len(server_ports) >= 2  # HTTP and the store
     for pid in stage_pids:
