@@ -51,7 +51,7 @@ def test_last_token_logits_match_hf(checkpoints):
     """The raw last-token logits, not only their log-softmax: read from the stage model directly."""
     from pipellm.config import ModelConfig
     from pipellm.loader.safetensors import load_stage_weights
-    from pipellm.models.layers import AttentionMetadata
+    from pipellm.models.attention import AttentionMetadata
     from pipellm.models.registry import build_stage_model
     from pipellm.pipeline.partition import make_partition
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipellm.config import ModelConfig
-from pipellm.models.layers import AttentionMetadata, paged_attention
+from pipellm.models.attention import AttentionMetadata, paged_attention
 from pipellm.pipeline.partition import StageLayers
 
 LAYER_NAME = re.compile(r"^h\.(\d+)\.(.+)$")

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipellm.config import ModelConfig
-from pipellm.models.layers import AttentionMetadata, RMSNorm, RotaryEmbedding, paged_attention
+from pipellm.models.attention import AttentionMetadata, paged_attention
+from pipellm.models.layers import RMSNorm, RotaryEmbedding
 from pipellm.pipeline.partition import StageLayers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

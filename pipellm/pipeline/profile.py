@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pipellm.config import EngineConfig, ModelConfig
-from pipellm.models.layers import AttentionMetadata, transpose_linears
+from pipellm.models.attention import AttentionMetadata
+from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.pipeline.partition import StageLayers, even_partition
 

@@ -15,7 +15,8 @@ from collections import deque
 import torch
 
 from pipellm.loader.safetensors import load_stage_weights
-from pipellm.models.layers import AttentionMetadata, transpose_linears
+from pipellm.models.attention import AttentionMetadata
+from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.pipeline import comm, wire
 from pipellm.pipeline.messages import Inspect, SampledBatch, Shutdown, StageArgs, StageBatch, StageReport

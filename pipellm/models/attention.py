@@ -1,0 +1,100 @@
+"""Paged attention by kind of work: the decodes of a step (one new token per sequence) go through one batched call,
+each prefill chunk through a call of its own, so no query row is padding and no mask is bigger than one sequence's
+own [new tokens, context]. (One padded [sequences, longest chunk] call made a 512-token chunk beside 15 decodes cost
+14x the two apart: benchmarks/attention_step.py.)"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DecodeGroup:
+    """The sequences with one new token: Bd of them, keys gathered to the longest context, K = N * block_size."""
+    token_idx: torch.Tensor | None  # [Bd] their rows in the step; None when every row is a decode, in order
+    block_ids: torch.Tensor         # [Bd * N] their blocks (padding: block 0)
+    mask: torch.Tensor | None       # [Bd, 1, 1, K] True for keys in the context (and window); None: all keys
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence with several new tokens: rows start:end of the step, its own blocks and causal mask."""
+    start: int
+    end: int
+    block_ids: torch.Tensor         # [N] its blocks
+    mask: torch.Tensor              # [1, 1, q, K] True where a new token may attend
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step view of the batch for attention, built once per step and shared by every layer of a stage."""
+    slot_mapping: torch.Tensor      # [T] flat cache slot each new token's K/V is written to
+    decode: DecodeGroup | None
+    prefills: list[PrefillChunk]
+
+    @classmethod
+    def build(cls, positions: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor,
+              block_tables: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
+              sliding_window: int | None = None) -> "AttentionMetadata":
+        # Vector ops for the decodes; a short loop over the prefill chunks (a step holds few).
+        starts = torch.cumsum(query_lens, 0) - query_lens
+        is_decode = query_lens == 1
+        decode = None
+        if bool(is_decode.any()):
+            rows = torch.nonzero(is_decode).flatten()
+            lens = seq_lens[rows]
+            num_blocks = -(-int(lens.max()) // block_size)
+            key_pos = torch.arange(num_blocks * block_size)
+            # The query is the last position of its sequence: keys up to it, and within the window.
+            mask = key_pos[None, :] < lens[:, None]                                      # [Bd, K]
+            if sliding_window is not None:
+                mask &= key_pos[None, :] >= lens[:, None] - sliding_window
+            all_decode = len(rows) == len(query_lens)
+            decode = DecodeGroup(None if all_decode else starts[rows],
+                                 block_tables[rows, :num_blocks].reshape(-1).long(),
+                                 None if bool(mask.all()) else mask[:, None, None, :])
+        prefills = []
+        for i in torch.nonzero(~is_decode).flatten().tolist():
+            q_len, seq_len, start = int(query_lens[i]), int(seq_lens[i]), int(starts[i])
+            num_blocks = -(-seq_len // block_size)
+            key_pos = torch.arange(num_blocks * block_size)
+            q_pos = torch.arange(seq_len - q_len, seq_len)                               # after its cached prefix
+            mask = key_pos[None, :] <= q_pos[:, None]                                    # [q, K]
+            if sliding_window is not None:
+                mask &= key_pos[None, :] > q_pos[:, None] - sliding_window
+            prefills.append(PrefillChunk(start, start + q_len, block_tables[i, :num_blocks].long(),
+                                         mask[None, None]))
+        return cls(slot_mapping, decode, prefills)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KV, D]; caches [num_blocks, block_size, KV, D]. Returns [T, H, D]."""
+    num_heads, num_kv, head_dim = q.shape[1], k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = k  # [num_blocks * block_size, KV, D]
+    v_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = v
+    gqa = num_kv != num_heads
+
+    def gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+        # [S * N, block_size, KV, D] -> [S, N * block_size, KV, D] -> [S, KV, K, D]
+        return cache.index_select(0, block_ids).view(num_seqs, -1, num_kv, head_dim).transpose(1, 2)
+
+    out = None if meta.decode is not None and meta.decode.token_idx is None else torch.empty_like(q)
+    if meta.decode is not None:
+        d = meta.decode
+        rows = q if d.token_idx is None else q[d.token_idx]
+        num_seqs = len(rows)
+        queries = rows.view(num_seqs, 1, num_heads, head_dim).transpose(1, 2)          # [Bd, H, 1, D]
+        o = F.scaled_dot_product_attention(queries, gather(k_cache, d.block_ids, num_seqs),
+                                           gather(v_cache, d.block_ids, num_seqs), attn_mask=d.mask, scale=scale,
+                                           enable_gqa=gqa)                              # [Bd, H, 1, D]
+        o = o.view(num_seqs, num_heads, head_dim)
+        if out is None:
+            return o
+        out[d.token_idx] = o
+    for p in meta.prefills:
+        queries = q[p.start:p.end].transpose(0, 1)[None]                                # [1, H, q, D]
+        o = F.scaled_dot_product_attention(queries, gather(k_cache, p.block_ids, 1), gather(v_cache, p.block_ids, 1),
+                                           attn_mask=p.mask, scale=scale, enable_gqa=gqa)  # [1, H, q, D]
+        out[p.start:p.end] = o[0].transpose(0, 1)
+    return out
