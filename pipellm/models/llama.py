@@ -7,7 +7,7 @@ from torch import nn
 
 from pipellm.config import ModelConfig
 from pipellm.models.attention import AttentionMetadata, paged_attention
-from pipellm.models.layers import RMSNorm, RotaryEmbedding
+from pipellm.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from pipellm.pipeline.partition import StageLayers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -24,12 +24,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, positions, rotary, meta: AttentionMetadata, cache: KVCache):
+    def forward(self, x, rope, meta: AttentionMetadata, cache: KVCache):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)        # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)     # [T, KV, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         out = paged_attention(q, k, v, cache[0], cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))     # [T, H * D] -> [T, hidden]
 
@@ -54,8 +54,8 @@ class LlamaLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, positions, rotary, meta, cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, cache)
+    def forward(self, x, rope, meta, cache):
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -78,8 +78,9 @@ class LlamaStage(nn.Module):
         """x: token ids [T] on the first stage, else hidden states [T, hidden]. Returns hidden [T, hidden]."""
         if self.stage.is_first:
             x = self.embed_tokens(x)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, meta, cache)
+            x = layer(x, rope, meta, cache)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,7 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
         layer = model.h[0] if cfg.is_gpt2 else model.layers[0]
         embed = (lambda: model.wte(ids) + model.wpe(positions)) if cfg.is_gpt2 else (lambda: model.embed_tokens(ids))
         run_layer = (lambda: layer(hidden, meta, caches[0])) if cfg.is_gpt2 else \
-            (lambda: layer(hidden, positions, model.rotary, meta, caches[0]))
+            (lambda: layer(hidden, model.rotary.tables(positions, hidden.dtype), meta, caches[0]))
         decode_s = _best_of(run_layer, repeats)
         # A prefill chunk of one sequence, as big as a step's token budget.
         chunk = min(ecfg.max_num_batched_tokens, CONTEXT * 4, cfg.max_position_embeddings)
@@ -89,7 +89,7 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
                                         torch.arange(blocks, dtype=torch.int32)[None], pos, bs, cfg.sliding_window)
         x = torch.randn(chunk, cfg.hidden_size, dtype=ecfg.torch_dtype)
         prefill = (lambda: layer(x, pmeta, cache)) if cfg.is_gpt2 else \
-            (lambda: layer(x, pos, model.rotary, pmeta, cache))
+            (lambda: layer(x, model.rotary.tables(pos, x.dtype), pmeta, cache))
         return dict(layer_decode_s=decode_s, layer_prefill_s=_best_of(prefill, max(1, repeats // 2)), chunk=chunk,
                     embed_s=_best_of(embed, repeats), num_tokens=num_tokens,
                     head_s=_best_of(lambda: model.compute_logits(hidden).argmax(-1), repeats))

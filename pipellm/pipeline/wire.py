@@ -6,10 +6,9 @@ A payload is a JSON header plus raw array buffers:
 
 A dataclass goes as the list of its fields in order. They are decoded by the message dataclasses' own type
 annotations (nested dataclasses, lists, tuples, arrays by index into "arrays"), and the dataclass is built with its
-constructor, so its own checks run too. Only the
-classes in KINDS are ever built. A frame is the payload plus an HMAC-SHA256 tag over a context (who sends to whom,
-which message in order) and the payload, keyed by the run's shared token: a peer without the token can neither forge
-nor replay a message.
+constructor, so its own checks run too. Only the classes in KINDS are ever built. A frame is the payload plus an
+HMAC-SHA256 tag over a context (who sends to whom, which message in order) and the payload, keyed by the run's shared
+token: a peer without the token can neither forge nor replay a message.
 """
 import dataclasses
 import hashlib
@@ -71,7 +70,11 @@ def read_token_file(path: str) -> bytes:
 def write_token_file(path: str) -> bytes:
     """A new token in a file only its owner can read (the other hosts need a copy)."""
     token = new_token()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        raise ValueError(f"--token-file {path}: cannot create it ({e.strerror}); give a path in a folder you can "
+                         "write to") from None
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token.encode()
