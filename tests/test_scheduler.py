@@ -1,4 +1,6 @@
 """BlockManager and Scheduler on tiny configs: exact block ids, chunked prefill, preemption, no leaks."""
+import pytest
+
 from pipellm import LLM, SamplingParams
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.scheduler import Scheduler
@@ -100,6 +102,23 @@ def test_finished_and_aborted_requests_free_every_block(llama_dir):
         llm.generate([{"prompt_token_ids": [i + 1] * 30} for i in range(8)], SamplingParams(max_tokens=5),
                      use_tqdm=False)
         assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_request_ids_are_unique_and_every_completion_is_found_by_its_request_id(llm_pp2):
+    engine = llm_pp2.engine
+    engine.add_request("a", [1, 2, 3], SamplingParams(n=2, max_tokens=3, ignore_eos=True))
+    engine.add_request("a-0x", [1, 2, 3], SamplingParams(max_tokens=3))
+    for taken, n in [("a", 1), ("a", 2), ("a-0", 1), ("a-1", 1), ("a-0x", 2)]:
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request(taken, [4], SamplingParams(n=n))
+    engine.abort_request("a-0x")
+    assert sorted(engine.requests) == ["a-0", "a-1"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = engine.pop_output("a", None)
+    assert [len(c.token_ids) for c in out.outputs] == [3, 3] and out.finished
+    assert not engine.requests and not engine.groups
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
 
 
 def test_memory_pressure_preempts_without_changing_greedy_output(llama_dir):

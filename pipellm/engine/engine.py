@@ -76,6 +76,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[str]] = {}  # a user's request id -> its completions' ids, to find them by id
         self.in_flight: deque[ScheduledBatch] = deque()
         self._request_counter = itertools.count()
         self.tracer = TraceRecorder() if config.trace else None
@@ -175,22 +176,23 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queues one prompt (params.n completions). Call validate() first."""
-        if request_id in self.requests or f"{request_id}-0" in self.requests:
+        rids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        if request_id in self.groups or any(rid in self.requests for rid in rids):
             raise ValueError(f"request id {request_id!r} is already in use")
         counter = next(self._request_counter)
         base_seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + counter
         max_tokens = self.max_model_len - len(prompt_token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
-        for i in range(params.n):
-            rid = request_id if params.n == 1 else f"{request_id}-{i}"
+        self.groups[request_id] = rids
+        for i, rid in enumerate(rids):
             req = Request(rid, list(prompt_token_ids), params, (base_seed + i * _SEED_STRIDE) % 2 ** 63,
                           max_tokens, index=i, parent_id=request_id if params.n > 1 else None)
             self.requests[rid] = req
             self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> None:
-        for rid in [r for r, req in self.requests.items() if request_id in (r, req.parent_id)]:
+        for rid in self.groups.pop(request_id, []):
             req = self.requests.pop(rid)
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
@@ -327,9 +329,7 @@ class LLMEngine:
 
     def pop_output(self, request_id: str, prompt: str | None) -> RequestOutput:
         """The finished request's output; forgets the request."""
-        reqs = [r for rid, r in self.requests.items() if request_id in (rid, r.parent_id)]
-        for r in reqs:
-            del self.requests[r.request_id]
+        reqs = [self.requests.pop(rid) for rid in self.groups.pop(request_id)]
         return RequestOutput(request_id, prompt, reqs[0].prompt_token_ids, [self.completion(r) for r in reqs],
                              finished=all(r.is_finished for r in reqs),
                              metrics=RequestMetrics(reqs[0].arrival_time, list(reqs[0].token_times)))

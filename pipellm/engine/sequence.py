@@ -55,7 +55,8 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        prompt_len = len(self.prompt_token_ids)
-        if end <= prompt_len:
-            return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        """Tokens start..end-1 of prompt + output, without joining the two lists: a decode step asks for one."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - n)]
