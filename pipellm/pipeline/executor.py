@@ -112,7 +112,8 @@ class PipelineExecutor:
             raise
         self._wake_r, self._wake_w = os.pipe()
         self.watching = True
-        threading.Thread(target=self._watch, name="pipellm-stage-watchdog", daemon=True).start()
+        self._watchdog = threading.Thread(target=self._watch, name="pipellm-stage-watchdog", daemon=True)
+        self._watchdog.start()
 
     # ---- failure detection ----------------------------------------------------------------------------------
 
@@ -332,6 +333,10 @@ class PipelineExecutor:
                 pass  # it stopped already
             os.close(self._wake_w)
             self._wake_w = -1
+            if self._watchdog is not threading.current_thread():
+                # Joined, not left running: a store call still under way while the interpreter exits aborts it
+                # ("terminate called without an active exception").
+                self._watchdog.join(timeout_s)
         if self.is_alive() and hasattr(self, "chan"):
             try:
                 for stage in self.stages:
