@@ -73,13 +73,10 @@ class SignedStore:
         full = self.prefix + key
         return bytes(wire.unseal(self.key, full.encode(), self.store.get(full), f"the store's key {full}"))
 
-    def get_if_set(self, key: str) -> bytes | None:
-        return self.get(key) if self.check(key) else None
-
     def trusted(self, key: str) -> bytes | None:
-        """get_if_set(), but a forged value is logged and ignored: for reports that only add detail."""
+        """The value if set and signed; a forged one is logged and ignored (None), as an absent one."""
         try:
-            return self.get_if_set(key)
+            return self.get(key) if self.check(key) else None
         except wire.WireError as e:
             if key not in _warned:  # once per key: a poisoned key is read every poll
                 _warned.add(key)

@@ -174,8 +174,8 @@ class PipelineExecutor:
             for rank in pending - set(self.procs):
                 self._check_agent(base_store, self.node_of[rank], agents)
             for rank in list(pending):
-                if self.store.trusted(comm.error_key(rank)) is not None:
-                    raise self._stage_error(rank)
+                if (error := self.store.trusted(comm.error_key(rank))) is not None:
+                    raise self._stage_error(rank, error)
                 ready = self.store.trusted(comm.ready_key(rank))  # a forged one is ignored: the stage's own
                 if ready is not None:                              # report overwrites it
                     self.info[rank] = json.loads(ready)
@@ -207,8 +207,8 @@ class PipelineExecutor:
         code = self.store.trusted(comm.exit_key(rank))
         return None if code is None else int(code)
 
-    def _stage_error(self, rank: int) -> Exception:
-        err = json.loads(self.store.trusted(comm.error_key(rank)))
+    def _stage_error(self, rank: int, report: bytes) -> Exception:
+        err = json.loads(report)
         msg = f"stage {rank}: {err['type']}: {err['message']}"
         # Bad input reported by a stage (a missing tensor, a bad file) stays a ValueError for the user.
         return ValueError(msg) if err["type"] in ("ValueError", "FileNotFoundError") else PipelineError(
