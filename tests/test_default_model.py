@@ -32,8 +32,10 @@ def test_matches_hf_golden(greedy_ids, case):
 
 def test_default_model_says_paris(smollm2_dir):
     with LLM(pipeline_parallel_size=2) as llm:  # model=None: the default model
-        assert [s for s in llm.describe_stages()] == ["stage 0: embed + layers 0-14",
-                                                      "stage 1: layers 15-29 + norm + lm_head"]
+        lines = llm.describe_stages()
+        assert lines[0].startswith("stage 0: embed + layers 0-14, ") and " MB weights (Q4_1, Q8_0, F32)" in lines[0]
+        assert lines[1].startswith("stage 1: layers 15-29 + norm + lm_head, ")
+        check_weights_stay_compact(llm, smollm2_dir)
         out = llm.generate("The capital of France is", SamplingParams(max_tokens=16, temperature=0.0),
                            use_tqdm=False)[0]
         assert out.prompt_token_ids == GOLDEN[0]["prompt_token_ids"]
@@ -42,3 +44,24 @@ def test_default_model_says_paris(smollm2_dir):
                         SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0]
         assert "Paris" in chat.outputs[0].text
         assert chat.outputs[0].finish_reason == "stop"  # stopped at <|im_end|>
+
+
+def check_weights_stay_compact(llm, folder):
+    # Each stage holds its share of the file, in the file's formats: the linear weights are not widened to fp32
+    # (that would be ~5x), and the tied embedding / LM head, on two stages, is held once by each.
+    table = json.load(open(os.path.join(folder, "gguf_tensors.json")))
+    for report, stage in zip(llm.engine.inspect(), llm.engine.stages):
+        own = [t for t in table if _owns(stage, t["hf_name"])]
+        file_bytes = sum(t["nbytes"] for t in own)
+        held = dict(report.weight_bytes)
+        assert sum(held.values()) <= 1.15 * file_bytes, (held, file_bytes)
+        assert held["F32"] == sum(t["nbytes"] for t in own if t["type"] == 0)  # norms only
+        assert held["Q8_0"] == 49152 * 576 // 32 * 34  # the embedding (stage 0) or the tied LM head (stage 1)
+
+
+def _owns(stage, name: str) -> bool:
+    if name == "model.embed_tokens.weight":
+        return True  # stage 0 embeds, stage 1's LM head is tied to it
+    if name == "model.norm.weight":
+        return stage.is_last
+    return stage.start <= int(name.split(".")[2]) < stage.end

@@ -141,6 +141,32 @@ def test_tiny_tensors_match_transformers_loader(tiny):
     assert all(torch.equal(v, ours[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_tiny_compact_greedy_matches_hf(tiny, pp, tmp_path, monkeypatch):
+    # Straight from the .gguf (every linear weight compact, in five formats) against HF transformers on the
+    # same weights dequantized to fp32.
+    from pipellm import LLM, SamplingParams
+
+    arch, path, folder, _ = tiny
+    monkeypatch.setenv("PIPELLM_CACHE_DIR", str(tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompts = [[5, 80, 100, 7], [260, 3, 3, 40, 41, 42, 43, 44, 45]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), pipeline_parallel_size=pp, kv_cache_gib=0.01) as llm:
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        reports = llm.engine.inspect()
+    for prompt, o in zip(prompts, out):
+        with torch.no_grad():
+            hf = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+        assert o.outputs[0].token_ids == hf.tolist()
+    held = {fmt for r in reports for fmt, _ in r.weight_bytes}
+    assert {"Q4_0", "Q4_1", "Q8_0", "F16", "BF16"} <= held
+    # fp32 only where the file has fp32: norms, biases, and layer 0's q and k
+    f32 = sum(n for r in reports for fmt, n in r.weight_bytes if fmt == "F32")
+    table = json.loads(open(os.path.join(gguf_loader.cached_gguf_folder(str(path)), "gguf_tensors.json")).read())
+    assert f32 == sum(t["nbytes"] for t in table if t["type"] == int(Q.F32))
+
+
 def test_tiny_config_matches_transformers(tiny):
     arch, path, folder, _ = tiny
     cfg = json.loads((folder / "config.json").read_text())
@@ -188,12 +214,19 @@ def test_cache_converts_once(tmp_path, monkeypatch):
     write_tiny_gguf(path)
     calls = []
     real_convert = gguf_loader.convert_gguf
-    monkeypatch.setattr(gguf_loader, "convert_gguf", lambda *a: (calls.append(a), real_convert(*a)))
+    monkeypatch.setattr(gguf_loader, "convert_gguf", lambda *a, **kw: (calls.append(a), real_convert(*a, **kw)))
     folder = cached_gguf_folder(str(path), cache_dir=str(tmp_path / "cache"))
     assert folder.startswith(str(tmp_path / "cache")) and len(calls) == 1
-    assert os.path.isfile(os.path.join(folder, "model.safetensors"))
+    # metadata only: the stages read their weights from the GGUF file itself, kept compact
+    assert not os.path.exists(os.path.join(folder, "model.safetensors"))
+    assert gguf_loader.gguf_source(folder) == str(path)
+    moved = tmp_path / "moved.gguf"
+    os.rename(path, moved)
+    with pytest.raises(FileNotFoundError, match="no longer exists; pass the .gguf file again"):
+        gguf_loader.gguf_source(folder)
+    os.rename(moved, path)
 
-    def fail(*a):
+    def fail(*a, **kw):
         raise AssertionError("converted twice")
 
     monkeypatch.setattr(gguf_loader, "convert_gguf", fail)
@@ -282,6 +315,14 @@ def smollm2(smollm2_dir):
     return smollm2_dir
 
 
+@pytest.fixture(scope="module")
+def smollm2_fp32(tmp_path_factory):
+    """The default model dequantized to fp32 safetensors, for HF transformers."""
+    folder = tmp_path_factory.mktemp("smollm2_fp32") / "hf"
+    convert_gguf(default_model_path(), str(folder))
+    return str(folder)
+
+
 def test_default_model_path():
     path = default_model_path()
     assert os.path.basename(path) == "SmolLM2-135M-Instruct.Q4_1.gguf" and os.path.getsize(path) > 90e6
@@ -305,7 +346,10 @@ def test_smollm2_config(smollm2):
     engine_cfg = ModelConfig.from_pretrained(smollm2)  # the engine reads the folder as intended
     assert (engine_cfg.num_layers, engine_cfg.num_kv_heads, engine_cfg.rope_theta, engine_cfg.norm_eps,
             engine_cfg.tie_word_embeddings, engine_cfg.eos_token_ids) == (30, 3, 100000.0, 1e-5, True, (2,))
-    assert "lm_head.weight" not in load_file(os.path.join(smollm2, "model.safetensors"))
+
+
+def test_smollm2_fp32_folder_is_tied(smollm2_fp32):
+    assert "lm_head.weight" not in load_file(os.path.join(smollm2_fp32, "model.safetensors"))
 
 
 def test_smollm2_tokenizer(smollm2):
@@ -322,11 +366,11 @@ def test_smollm2_tokenizer(smollm2):
     assert json.loads(open(os.path.join(smollm2, "generation_config.json")).read())["eos_token_id"] == 2
 
 
-def test_smollm2_matches_golden_greedy(smollm2):
+def test_smollm2_matches_golden_greedy(smollm2_fp32):
     # HF transformers' fp32 greedy run on the same dequantized weights (shared/golden/smollm2_greedy_golden.json).
     # The logits catch what the text would not: without the Q/K unpermute it still says " Paris".
-    tok = AutoTokenizer.from_pretrained(smollm2)
-    model = AutoModelForCausalLM.from_pretrained(smollm2)
+    tok = AutoTokenizer.from_pretrained(smollm2_fp32)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_fp32)
     ids = torch.tensor([[504, 3575, 282, 4649, 314]])
     with torch.no_grad():
         logits = model(ids).logits[0, -1]

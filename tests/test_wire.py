@@ -43,7 +43,7 @@ MESSAGES = [
               ModelConfig("LlamaForCausalLM", 49152, 576, 30, 9, 3, 64, 1536, 8192, 1e-5, 1e5, True),
               EngineConfig(None, layer_partition="auto", dtype="bfloat16", num_kv_blocks=64), 64),  # default model
     StageReport(1, "stage 1: layers 3-4", 42, ["a.weight"], ["model.layers.3.x"], "/m", 2, (10, 16, 2, 16), 1, [1],
-                7, 0, 0, 1.5, [("forward", 3, 0.5, 0.75, 12, 2)], 0.25),
+                7, 0, 0, 1.5, [("forward", 3, 0.5, 0.75, 12, 2)], 0.25, [("Q4_1", 1000), ("F32", 8)], 64, 4096),
     Inspect(),
     Shutdown(),
 ]

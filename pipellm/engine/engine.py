@@ -7,10 +7,12 @@ import time
 from collections import deque
 from datetime import timedelta
 
+from pipellm import kernels
 from pipellm.config import EngineConfig, ModelConfig
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.scheduler import ScheduledBatch, Scheduler
 from pipellm.engine.sequence import Request
+from pipellm.loader.gguf import gguf_source
 from pipellm.loader.safetensors import checkpoint_files
 from pipellm.observe.trace import TraceRecorder
 from pipellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -55,7 +57,10 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
-        checkpoint_files(self.model_dir)  # fail here, before any process starts, if the weights are missing
+        if gguf_source(self.model_dir) is None:
+            checkpoint_files(self.model_dir)  # fail here, before any process starts, if the weights are missing
+        else:
+            kernels.load()  # build the compact-weight kernels once, here, rather than in every stage
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:

@@ -1,5 +1,8 @@
-"""Convert a llama.cpp GGUF file into an HF-style model folder (config, float32 safetensors, tokenizer)."""
+"""llama.cpp GGUF files: their metadata as an HF-style folder (config, tokenizer), and each stage's own tensors
+read straight from the file into compact weights (quant/), never widened to fp32 on disk or in memory."""
 import hashlib
+import itertools
+import json
 import logging
 import os
 import re
@@ -7,6 +10,8 @@ import shutil
 import tempfile
 
 import numpy as np
+import torch
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +28,9 @@ _BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_CACHE_FORMAT = 1  # part of the cache key: bump it when the converted output changes
+_CACHE_FORMAT = 2  # part of the cache key: bump it when the converted output changes
+SOURCE_FILE = "gguf.json"  # in a cached folder: which GGUF file holds the weights
+TABLE_FILE = "gguf_tensors.json"  # and where each tensor lies in it
 _MISSING = object()
 
 
@@ -134,36 +141,53 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def _tensors(reader, path: str, cfg: dict, permuted: bool, qkv_bias: bool) -> dict:
-    from gguf.quants import dequantize
-
+def _check_tensors(reader, path: str, cfg: dict, qkv_bias: bool) -> dict:
+    """Every tensor the architecture needs is there with its shape (from the header; no data is read).
+    Returns HF name -> shape."""
     expected = _expected_shapes(cfg, qkv_bias)
-    out = {}
+    seen = set()
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name not in expected:
             raise ValueError(f"{path}: unexpected tensor {t.name} for this architecture")
-        try:
-            w = dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise ValueError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, "
-                             "which gguf cannot dequantize") from None
-        # t.shape lists dims innermost first ([in, out]); HF wants [out, in]
-        w = np.ascontiguousarray(w.reshape(tuple(int(d) for d in reversed(t.shape))), dtype=np.float32)
-        if w.shape != expected[name]:
-            raise ValueError(f"{path}: tensor {t.name} has shape {list(w.shape)}, expected {list(expected[name])}")
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first ([in, out])
+        if shape != expected[name]:
+            raise ValueError(f"{path}: tensor {t.name} has shape {list(shape)}, expected {list(expected[name])}")
+        seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} tensors missing, e.g. {missing[0]}")
+    return expected
+
+
+def _dequantize(t, path: str) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    try:
+        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    except NotImplementedError:
+        raise ValueError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, "
+                         "which gguf cannot dequantize") from None
+
+
+def _tensors(reader, path: str, cfg: dict, permuted: bool, qkv_bias: bool) -> dict:
+    expected = _check_tensors(reader, path, cfg, qkv_bias)
+    out = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        w = np.ascontiguousarray(_dequantize(t, path).reshape(expected[name]))
         if permuted and t.name.endswith("attn_q.weight"):
             w = unpermute_qk(w, cfg["num_attention_heads"])
         elif permuted and t.name.endswith("attn_k.weight"):
             w = unpermute_qk(w, cfg["num_key_value_heads"])
         out[name] = w
-    missing = sorted(set(expected) - set(out))
-    if missing:
-        raise ValueError(f"{path}: {len(missing)} tensors missing, e.g. {missing[0]}")
     return out
 
 
-def convert_gguf(gguf_path: str, out_dir: str) -> None:
+def convert_gguf(gguf_path: str, out_dir: str, weights: bool = True) -> None:
+    """An HF folder from the GGUF file: config, tokenizer and, with weights, the tensors dequantized to fp32
+    safetensors (for transformers, and to compare the compact path with). Without weights the folder names the
+    GGUF file, and each stage reads its tensors from it."""
     from safetensors.numpy import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -174,15 +198,23 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     reader = _open(path)
     arch, cfg = _hf_config(reader, path)
     _, model_type, permuted = ARCHITECTURES[arch]
-    tensors = _tensors(reader, path, cfg, permuted, qkv_bias=model_type == "qwen2")
+    if weights:
+        tensors = _tensors(reader, path, cfg, permuted, qkv_bias=model_type == "qwen2")
+    else:
+        table = _tensor_table(reader, cfg, permuted, _check_tensors(reader, path, cfg, model_type == "qwen2"))
 
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     # build next to out_dir and rename at the end, so a crash never leaves a half-written folder
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
     try:
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        del tensors
+        if weights:
+            save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+            del tensors
+        else:
+            with open(os.path.join(tmp, TABLE_FILE), "w") as f:
+                json.dump(table, f)
+            _write_source(tmp, path)
         AutoConfig.for_model(model_type, **cfg).save_pretrained(tmp)
         GenerationConfig(bos_token_id=cfg["bos_token_id"], eos_token_id=cfg["eos_token_id"]).save_pretrained(tmp)
         try:
@@ -213,11 +245,119 @@ def cached_gguf_folder(gguf_path: str, cache_dir: str | None = None) -> str:
     cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
     folder = os.path.join(cache_dir, "gguf", f"{_sha256(gguf_path)}-v{_CACHE_FORMAT}")
     if os.path.isdir(folder):  # folders appear only by atomic rename, so one that exists is complete
+        _write_source(folder, os.path.abspath(gguf_path))  # the same content may have moved
         return folder
-    logger.info("converting %s to %s (once; later starts reuse it)", gguf_path, folder)
+    logger.info("reading the metadata of %s into %s (once; later starts reuse it)", gguf_path, folder)
     try:
-        convert_gguf(gguf_path, folder)
+        convert_gguf(gguf_path, folder, weights=False)
     except OSError:  # another process may have finished the same conversion first
         if not os.path.isfile(os.path.join(folder, "config.json")):
             raise
     return folder
+
+
+def _write_source(folder: str, gguf_path: str) -> None:
+    tmp = os.path.join(folder, f".{SOURCE_FILE}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump({"file": gguf_path}, f)
+    os.replace(tmp, os.path.join(folder, SOURCE_FILE))
+
+
+def gguf_source(folder: str) -> str | None:
+    """The GGUF file whose tensors a cached folder stands for, or None for an ordinary safetensors folder."""
+    pointer = os.path.join(folder, SOURCE_FILE)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        path = json.load(f)["file"]
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{folder} reads its weights from {path}, which no longer exists; "
+                                "pass the .gguf file again")
+    return path
+
+
+def _tensor_table(reader, cfg: dict, permuted: bool, expected: dict) -> list[dict]:
+    """Where each tensor lies in the file, so that stages find theirs without parsing the metadata again (the
+    reader spends seconds on a large vocabulary)."""
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]} if permuted else {}
+    table = []
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        table.append({"name": t.name, "hf_name": name, "type": int(t.tensor_type), "shape": list(expected[name]),
+                      "offset": int(t.data_offset), "nbytes": int(t.n_bytes),
+                      "unpermute_heads": heads.get(t.name.split(".")[-2])})
+    return table
+
+
+def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -> list[str]:
+    """Fills a stage model built on the meta device with the tensors it owns, read from the folder's GGUF file:
+    linear and embedding weights stay compact (CompactLinear / CompactEmbedding), the rest (norms, biases) become
+    dtype. Other stages' tensors are never read. Returns the names read."""
+    from gguf import GGMLQuantizationType
+
+    from pipellm.quant.gguf_blocks import repack
+    from pipellm.quant.linear import F32, CompactEmbedding, CompactLinear
+
+    path = gguf_source(folder)
+    with open(os.path.join(folder, TABLE_FILE)) as f:
+        table = json.load(f)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    pieces: dict[str, list] = {}  # parameter -> [(first row, QuantWeight or tensor)]
+    read = []
+    for t in table:
+        targets = model.map_weight(t["hf_name"])
+        if not targets:
+            continue
+        raw, qtype, shape = data[t["offset"]:t["offset"] + t["nbytes"]], GGMLQuantizationType(t["type"]), t["shape"]
+        if len(raw) != t["nbytes"]:
+            raise ValueError(f"{path}: tensor {t['name']} runs past the end of the file (truncated?)")
+        if len(shape) == 1:
+            from gguf.quants import dequantize
+            value = torch.tensor(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape), dtype=dtype)
+        else:
+            value = repack(raw, qtype, *shape, name=f"{path}: {t['name']}")
+            if t["unpermute_heads"]:  # llama.cpp's rotary row order, undone by moving whole rows
+                order = unpermute_qk(np.arange(shape[0])[:, None], t["unpermute_heads"])[:, 0]
+                value = value.take_rows(torch.from_numpy(order))
+        read.append(t["hf_name"])
+        for param, row in targets:
+            pieces.setdefault(param, []).append((row, value))
+
+    def parts_of(param: str, rows: int) -> list:
+        got = sorted(pieces.pop(param, []), key=lambda p: p[0])
+        if [r for r, _ in got] != list(itertools.accumulate([0] + [_rows(v) for _, v in got[:-1]])) or \
+                sum(_rows(v) for _, v in got) != rows:
+            raise ValueError(f"{path}: tensors for {param} are missing")
+        return [v for _, v in got]
+
+    for mod_name, module in list(model.named_modules()):
+        prefix = mod_name + "." if mod_name else ""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            rows = module.weight.shape[0]
+            parts = parts_of(prefix + "weight", rows)
+            bias = parts_of(prefix + "bias", rows) if getattr(module, "bias", None) is not None else None
+            bias = torch.cat(bias).float() if bias else None
+            if all(p.kind == F32 for p in parts):  # fp32 in the file: an ordinary layer in dtype
+                module.weight = nn.Parameter(torch.cat([p.codes for p in parts]).to(dtype), requires_grad=False)
+                if bias is not None:
+                    module.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+                continue
+            if isinstance(module, nn.Embedding):
+                replacement = CompactEmbedding(parts[0], dtype)
+            else:
+                replacement = CompactLinear(parts, bias)
+            parent = model.get_submodule(mod_name.rpartition(".")[0])
+            setattr(parent, mod_name.rpartition(".")[2], replacement)
+    for name, param in list(model.named_parameters()):
+        if param.is_meta:
+            module_name, _, attr = name.rpartition(".")
+            value = torch.cat(parts_of(name, param.shape[0]))
+            setattr(model.get_submodule(module_name), attr, nn.Parameter(value, requires_grad=False))
+    left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"{path}: no tensors for {', '.join(left[:5])}")
+    return read
+
+
+def _rows(value) -> int:
+    return value.shape[0] if isinstance(value, torch.Tensor) else value.num_rows

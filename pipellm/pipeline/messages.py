@@ -118,3 +118,13 @@ class StageReport:
     busy_s: float                    # seconds spent computing (model, logits, sampling), not waiting
     events: list[tuple] | None = None  # trace events since the last report, when tracing
     clock_offset_s: float = 0.0      # wall clock minus this process's perf_counter, to align events
+    weight_bytes: list[tuple[str, int]] = field(default_factory=list)  # (format, bytes) of the weights held
+    kv_cache_bytes: int = 0
+    rss_bytes: int = 0               # resident memory of the whole process
+
+    def describe_memory(self) -> str:
+        """e.g. "61 MB weights (Q4_1, F32), 64 MB KV cache, 350 MB resident"."""
+        mb = (lambda n: f"{n / 1e6:.0f} MB")
+        formats = ", ".join(f for f, _ in self.weight_bytes)
+        return (f"{mb(sum(n for _, n in self.weight_bytes))} weights ({formats}), {mb(self.kv_cache_bytes)} KV cache, "
+                f"{mb(self.rss_bytes)} resident")

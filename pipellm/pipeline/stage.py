@@ -14,10 +14,12 @@ from collections import deque
 
 import torch
 
+from pipellm.loader.gguf import gguf_source, load_gguf_stage_weights
 from pipellm.loader.safetensors import load_stage_weights
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
+from pipellm.quant.linear import weight_bytes
 from pipellm.pipeline import comm, wire
 from pipellm.pipeline.messages import Inspect, SampledBatch, Shutdown, StageArgs, StageBatch, StageReport
 from pipellm.sampler import Sampler
@@ -41,8 +43,13 @@ class StageWorker:
     def __init__(self, args: StageArgs):
         self.args, self.stage = args, args.stage
         cfg, ecfg = args.model_config, args.engine_config
-        self.model = build_stage_model(cfg, self.stage)
-        self.checkpoint_tensors = load_stage_weights(self.model, args.model_dir, ecfg.torch_dtype)
+        if gguf_source(args.model_dir):  # built without memory, then filled with compact weights from the file
+            with torch.device("meta"):
+                self.model = build_stage_model(cfg, self.stage)
+            self.checkpoint_tensors = load_gguf_stage_weights(self.model, args.model_dir, ecfg.torch_dtype)
+        else:
+            self.model = build_stage_model(cfg, self.stage)
+            self.checkpoint_tensors = load_stage_weights(self.model, args.model_dir, ecfg.torch_dtype)
         transpose_linears(self.model)
         self.model.eval()
         shape = (args.num_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -125,7 +132,13 @@ class StageWorker:
             kv_cache_shape=tuple(self.kv_caches[0][0].shape), num_threads=torch.get_num_threads(),
             cpu_affinity=sorted(os.sched_getaffinity(0)), steps=self.steps,
             activation_bytes_sent=self.bytes_sent, activation_tokens_sent=self.tokens_sent, busy_s=self.busy_s,
-            events=events, clock_offset_s=time.time() - time.perf_counter())
+            weight_bytes=weight_bytes(self.model), kv_cache_bytes=sum(k.nbytes + v.nbytes for k, v in self.kv_caches),
+            rss_bytes=_resident_bytes(), events=events, clock_offset_s=time.time() - time.perf_counter())
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _die_with_parent() -> None:

@@ -1,0 +1,149 @@
+// torch ops over qgemm.cpp: picks the best instruction set this CPU has at run time and splits rows over
+// torch's own thread pool (at::parallel_for), so set_num_threads governs these kernels as it does matmul.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "qgemm.h"
+
+namespace {
+
+struct Isa {
+  const char* name;
+  decltype(&generic::gemm) gemm;
+  decltype(&generic::dequant) dequant;
+};
+
+bool has(const char* isa) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (!std::strcmp(isa, "avx512"))
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (!std::strcmp(isa, "avx2"))
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+  return !std::strcmp(isa, "generic");
+}
+
+const Isa kIsas[] = {{"avx512", avx512::gemm, avx512::dequant},
+                     {"avx2", avx2::gemm, avx2::dequant},
+                     {"generic", generic::gemm, generic::dequant}};
+
+const Isa& pick(const std::string& isa) {
+  std::string want = isa;
+  if (want.empty()) {
+    const char* env = std::getenv("PIPELLM_ISA");  // to compare paths in tests and benchmarks
+    want = env ? env : "";
+  }
+  for (const Isa& i : kIsas) {
+    if (want.empty() ? has(i.name) : want == i.name) {
+      TORCH_CHECK(has(i.name), "this CPU lacks the ", i.name, " instructions");
+      return i;
+    }
+  }
+  TORCH_CHECK(false, "unknown instruction set '", want, "' (avx512, avx2 or generic)");
+}
+
+pipellm::QWeight describe(const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
+                          const c10::optional<at::Tensor>& min, int64_t kind, int64_t group) {
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.device().is_cpu(), "qs must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(kind >= pipellm::F16 && kind <= pipellm::Q8, "unknown weight kind ", kind);
+  pipellm::QWeight w{};
+  w.qs = static_cast<const uint8_t*>(qs.data_ptr());
+  w.qs_stride = qs.size(1) * qs.element_size();
+  w.kind = int(kind);
+  w.group = int(group);
+  if (kind == pipellm::F16 || kind == pipellm::BF16) {
+    TORCH_CHECK(qs.element_size() == 2, "F16/BF16 weights must have 2-byte elements");
+    w.K = qs.size(1);
+    w.group = 32;
+  } else {
+    TORCH_CHECK(qs.element_size() == 1, "Q4/Q8 codes must be 1-byte elements");
+    w.K = kind == pipellm::Q4 ? qs.size(1) * 2 : qs.size(1);
+    TORCH_CHECK(group == 32 || (group == 16 && kind == pipellm::Q8), "unsupported group size ", group);
+    TORCH_CHECK(scale.has_value(), "Q4/Q8 weights need scales");
+    const at::Tensor& s = *scale;
+    TORCH_CHECK(s.is_contiguous() && s.dim() == 2 && s.size(0) == qs.size(0) && s.size(1) == w.K / group,
+                "scales must be [N, K / group] and contiguous");
+    TORCH_CHECK(s.scalar_type() == at::kHalf || s.scalar_type() == at::kFloat, "scales must be fp16 or fp32");
+    w.scale = s.data_ptr();
+    w.s_stride = s.size(1);
+    w.scale_f32 = s.scalar_type() == at::kFloat;
+    if (min.has_value()) {
+      TORCH_CHECK(min->sizes() == s.sizes() && min->scalar_type() == s.scalar_type() && min->is_contiguous(),
+                  "mins must match the scales");
+      w.min = min->data_ptr();
+    }
+    TORCH_CHECK(!(w.scale_f32 && kind == pipellm::Q4 && !w.min), "fp32-scaled Q4 weights need mins");
+  }
+  TORCH_CHECK(w.K % 32 == 0, "K must be a multiple of 32, got ", w.K);
+  return w;
+}
+
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
+                   const c10::optional<at::Tensor>& min, int64_t kind, int64_t group, int64_t fused_max_rows,
+                   const std::string& isa) {
+  const pipellm::QWeight w = describe(qs, scale, min, kind, group);
+  const Isa& impl = pick(isa);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.K, "x must be fp32 [M, ", w.K, "]");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), N = qs.size(0), K = w.K;
+  at::Tensor y = at::empty({M, N}, xc.options());
+  if (M == 0 || N == 0) return y;
+  if (M <= fused_max_rows) {
+    // few rows (decoding): expand each weight block once, in registers, for all rows
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      impl.gemm(w, xc.data_ptr<float>(), M, K, y.data_ptr<float>(), N, n0, n1);
+    });
+    return y;
+  }
+  // many rows (prefill): expand a slice of weight rows at a time (~2 MB of fp32) and let torch's matmul use it
+  const int64_t chunk = std::max<int64_t>(64, ((int64_t(1) << 19) / K) / 16 * 16);
+  at::Tensor buf = at::empty({std::min(chunk, N), K}, xc.options());
+  at::Tensor rows = at::arange(N, at::kLong);
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t r = std::min(chunk, N - n0);
+    const int64_t* idx = rows.data_ptr<int64_t>() + n0;
+    float* out = buf.data_ptr<float>();
+    at::parallel_for(0, r, 8, [&](int64_t a, int64_t b) { impl.dequant(w, idx + a, b - a, out + a * K); });
+    y.narrow(1, n0, r).copy_(at::mm(xc, buf.narrow(0, 0, r).t()));
+  }
+  return y;
+}
+
+at::Tensor dequant_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
+                        const c10::optional<at::Tensor>& min, int64_t kind, int64_t group, const at::Tensor& rows,
+                        const std::string& isa) {
+  const pipellm::QWeight w = describe(qs, scale, min, kind, group);
+  const Isa& impl = pick(isa);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be a 1-D int64 tensor");
+  const at::Tensor r = rows.contiguous();
+  const int64_t R = r.size(0), N = qs.size(0);
+  if (R > 0) {
+    const auto [lo, hi] = at::aminmax(r);
+    TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < N, "row index out of range [0, ", N, ")");
+  }
+  at::Tensor out = at::empty({R, w.K}, at::kFloat);
+  const int64_t* idx = r.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, R, 4, [&](int64_t a, int64_t b) { impl.dequant(w, idx + a, b - a, o + a * w.K); });
+  return out;
+}
+
+std::string best_isa() { return pick("").name; }
+
+}  // namespace
+
+TORCH_LIBRARY(pipellm, m) {
+  m.def("qlinear(Tensor x, Tensor qs, Tensor? scale, Tensor? min, int kind, int group, int fused_max_rows, "
+        "str isa) -> Tensor", &qlinear);
+  m.def("dequant_rows(Tensor qs, Tensor? scale, Tensor? min, int kind, int group, Tensor rows, str isa) -> Tensor",
+        &dequant_rows);
+  m.def("best_isa() -> str", &best_isa);
+}

@@ -1,0 +1,242 @@
+// Matmul and row lookup on compact weights, for one instruction set. build.py compiles this file once per ISA
+// (generic, AVX2, AVX-512) into its own namespace, and ops.cpp picks one at run time.
+//
+// Weights are [N, K] rows (an output feature a row), K a multiple of 32, in one of these layouts:
+//   F16 / BF16   uint16 [N, K]
+//   Q4           uint8 [N, K/2]: per 32 weights 16 bytes, low nibble = weight j, high nibble = weight j + 16
+//   Q8           int8 [N, K]
+// Q4 and Q8 carry a scale per group (16 or 32 weights; fp16 or fp32) and optionally a min: w = q * scale + min.
+// Each 32-weight block is expanded to fp32 in registers and fused with the activation rows, so no fp32 copy of
+// a weight matrix exists; one expansion serves up to MR activation rows.
+#include <cstdint>
+#include <cstring>
+
+#include "qgemm.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PIPELLM_AVX2 1
+#endif
+
+namespace PIPELLM_ISA {
+
+using pipellm::QWeight;
+
+static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  _Float16 f;
+  std::memcpy(&f, &h, 2);
+  return (float)f;
+#endif
+}
+
+template <bool F32>
+static inline float scale_at(const void* p, int64_t i) {
+  if constexpr (F32) return static_cast<const float*>(p)[i];
+  else return half_to_float(static_cast<const uint16_t*>(p)[i]);
+}
+
+// Weights b*32 .. b*32+31 of row n, as fp32.
+template <int KIND, int GROUP, bool SF32, bool MIN>
+static inline void expand(const QWeight& w, int64_t n, int64_t b, float* __restrict out) {
+  const uint8_t* row = w.qs + n * w.qs_stride;
+  if constexpr (KIND == pipellm::F16) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(row) + b * 32;
+    for (int j = 0; j < 32; j++) out[j] = half_to_float(p[j]);
+    return;
+  } else if constexpr (KIND == pipellm::BF16) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(row) + b * 32;
+    for (int j = 0; j < 32; j++) {
+      uint32_t bits = uint32_t(p[j]) << 16;
+      std::memcpy(out + j, &bits, 4);
+    }
+    return;
+  } else {
+    if constexpr (KIND == pipellm::Q4) {
+      const uint8_t* p = row + b * 16;
+      for (int j = 0; j < 16; j++) {
+        out[j] = float(p[j] & 15);
+        out[j + 16] = float(p[j] >> 4);
+      }
+    } else {
+      const int8_t* p = reinterpret_cast<const int8_t*>(row) + b * 32;
+      for (int j = 0; j < 32; j++) out[j] = float(p[j]);
+    }
+    constexpr int G = 32 / GROUP;  // groups in this block
+    const int64_t g0 = n * w.s_stride + b * G;
+    for (int g = 0; g < G; g++) {
+      const float s = scale_at<SF32>(w.scale, g0 + g);
+      const float m = MIN ? scale_at<SF32>(w.min, g0 + g) : 0.0f;
+      float* o = out + g * GROUP;
+      for (int j = 0; j < GROUP; j++) o[j] = MIN ? o[j] * s + m : o[j] * s;
+    }
+  }
+}
+
+constexpr int MR = 8;  // activation rows per weight expansion: 8 accumulators + 4 weights fit in 16 registers
+
+#ifdef PIPELLM_AVX2
+struct Block {
+  __m256 v[4];  // weights 0-7, 8-15, 16-23, 24-31
+};
+
+static inline __m256 u8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+static inline __m256 i8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
+
+template <int KIND, int GROUP, bool SF32, bool MIN>
+static inline Block expand_vec(const QWeight& w, int64_t n, int64_t b) {
+  const uint8_t* row = w.qs + n * w.qs_stride;
+  Block out;
+  if constexpr (KIND == pipellm::F16 || KIND == pipellm::BF16) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(row + b * 64);
+    for (int c = 0; c < 4; c++) {
+      const __m128i h = _mm_loadu_si128(p + c);
+      out.v[c] = KIND == pipellm::F16 ? _mm256_cvtph_ps(h)
+                                      : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return out;
+  } else {
+    if constexpr (KIND == pipellm::Q4) {
+      const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+      const __m128i mask = _mm_set1_epi8(15);
+      const __m128i lo = _mm_and_si128(p, mask), hi = _mm_and_si128(_mm_srli_epi16(p, 4), mask);
+      out.v[0] = u8_to_ps(lo);
+      out.v[1] = u8_to_ps(_mm_srli_si128(lo, 8));
+      out.v[2] = u8_to_ps(hi);
+      out.v[3] = u8_to_ps(_mm_srli_si128(hi, 8));
+    } else {
+      const uint8_t* p = row + b * 32;
+      for (int c = 0; c < 4; c++) out.v[c] = i8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * c)));
+    }
+    constexpr int G = 32 / GROUP;
+    const int64_t g0 = n * w.s_stride + b * G;
+    for (int g = 0; g < G; g++) {
+      const __m256 s = _mm256_set1_ps(scale_at<SF32>(w.scale, g0 + g));
+      const __m256 m = _mm256_set1_ps(MIN ? scale_at<SF32>(w.min, g0 + g) : 0.0f);
+      for (int c = g * 4 / G; c < (g + 1) * 4 / G; c++)
+        out.v[c] = MIN ? _mm256_fmadd_ps(out.v[c], s, m) : _mm256_mul_ps(out.v[c], s);
+    }
+    return out;
+  }
+}
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int KIND, int GROUP, bool SF32, bool MIN, int R>
+static inline void gemm_tile(const QWeight& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t n) {
+  __m256 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+  const int64_t nb = w.K / 32;
+  for (int64_t b = 0; b < nb; b++) {
+    const Block wb = expand_vec<KIND, GROUP, SF32, MIN>(w, n, b);
+    for (int r = 0; r < R; r++) {
+      const float* xr = x + r * ldx + b * 32;
+      for (int c = 0; c < 4; c++) acc[r] = _mm256_fmadd_ps(wb.v[c], _mm256_loadu_ps(xr + 8 * c), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) y[r * ldy + n] = hsum(acc[r]);
+}
+
+template <int KIND, int GROUP, bool SF32, bool MIN>
+static void gemm_t(const QWeight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, int64_t n0,
+                   int64_t n1) {
+  for (int64_t n = n0; n < n1; n++) {
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR) gemm_tile<KIND, GROUP, SF32, MIN, MR>(w, x + m * ldx, ldx, y + m * ldy, ldy, n);
+    const float* xm = x + m * ldx;
+    float* ym = y + m * ldy;
+    switch (M - m) {
+      case 7: gemm_tile<KIND, GROUP, SF32, MIN, 7>(w, xm, ldx, ym, ldy, n); break;
+      case 6: gemm_tile<KIND, GROUP, SF32, MIN, 6>(w, xm, ldx, ym, ldy, n); break;
+      case 5: gemm_tile<KIND, GROUP, SF32, MIN, 5>(w, xm, ldx, ym, ldy, n); break;
+      case 4: gemm_tile<KIND, GROUP, SF32, MIN, 4>(w, xm, ldx, ym, ldy, n); break;
+      case 3: gemm_tile<KIND, GROUP, SF32, MIN, 3>(w, xm, ldx, ym, ldy, n); break;
+      case 2: gemm_tile<KIND, GROUP, SF32, MIN, 2>(w, xm, ldx, ym, ldy, n); break;
+      case 1: gemm_tile<KIND, GROUP, SF32, MIN, 1>(w, xm, ldx, ym, ldy, n); break;
+    }
+  }
+}
+
+template <int KIND, int GROUP, bool SF32, bool MIN>
+static void dequant_t(const QWeight& w, const int64_t* rows, int64_t R, float* out) {
+  const int64_t nb = w.K / 32;
+  for (int64_t i = 0; i < R; i++)
+    for (int64_t b = 0; b < nb; b++) {
+      const Block wb = expand_vec<KIND, GROUP, SF32, MIN>(w, rows[i], b);
+      for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + i * w.K + b * 32 + 8 * c, wb.v[c]);
+    }
+}
+#else
+
+template <int KIND, int GROUP, bool SF32, bool MIN>
+static void gemm_t(const QWeight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, int64_t n0,
+                   int64_t n1) {
+  const int64_t nb = w.K / 32;
+  alignas(64) float wb[32];
+  for (int64_t n = n0; n < n1; n++) {
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      const int mr = M - m0 < MR ? int(M - m0) : MR;
+      alignas(64) float acc[MR][8] = {};
+      for (int64_t b = 0; b < nb; b++) {
+        expand<KIND, GROUP, SF32, MIN>(w, n, b, wb);
+        for (int r = 0; r < mr; r++) {
+          const float* xr = x + (m0 + r) * ldx + b * 32;
+          // 8 partial sums a row: one vector register each with AVX2
+          for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 8; l++) acc[r][l] += wb[c * 8 + l] * xr[c * 8 + l];
+        }
+      }
+      for (int r = 0; r < mr; r++) {
+        float s = 0;
+        for (int l = 0; l < 8; l++) s += acc[r][l];
+        y[(m0 + r) * ldy + n] = s;
+      }
+    }
+  }
+}
+
+template <int KIND, int GROUP, bool SF32, bool MIN>
+static void dequant_t(const QWeight& w, const int64_t* rows, int64_t R, float* out) {
+  const int64_t nb = w.K / 32;
+  for (int64_t i = 0; i < R; i++)
+    for (int64_t b = 0; b < nb; b++) expand<KIND, GROUP, SF32, MIN>(w, rows[i], b, out + i * w.K + b * 32);
+}
+
+#endif  // PIPELLM_AVX2
+
+// The layouts that GGUF's types and our own quantization produce; anything else is refused by ops.cpp first.
+#define PIPELLM_DISPATCH(FN, ...)                                                      \
+  switch (w.kind) {                                                                    \
+    case pipellm::F16: return FN<pipellm::F16, 32, false, false>(__VA_ARGS__);         \
+    case pipellm::BF16: return FN<pipellm::BF16, 32, false, false>(__VA_ARGS__);       \
+    case pipellm::Q4:                                                                  \
+      if (w.scale_f32) return FN<pipellm::Q4, 32, true, true>(__VA_ARGS__);            \
+      if (w.min) return FN<pipellm::Q4, 32, false, true>(__VA_ARGS__);                 \
+      return FN<pipellm::Q4, 32, false, false>(__VA_ARGS__);                           \
+    default:                                                                           \
+      if (w.group == 16) {                                                             \
+        if (w.scale_f32) return FN<pipellm::Q8, 16, true, false>(__VA_ARGS__);         \
+        return FN<pipellm::Q8, 16, false, false>(__VA_ARGS__);                         \
+      }                                                                                \
+      if (w.scale_f32 && w.min) return FN<pipellm::Q8, 32, true, true>(__VA_ARGS__);   \
+      if (w.scale_f32) return FN<pipellm::Q8, 32, true, false>(__VA_ARGS__);           \
+      if (w.min) return FN<pipellm::Q8, 32, false, true>(__VA_ARGS__);                 \
+      return FN<pipellm::Q8, 32, false, false>(__VA_ARGS__);                           \
+  }
+
+void gemm(const QWeight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  PIPELLM_DISPATCH(gemm_t, w, x, M, ldx, y, ldy, n0, n1)
+}
+
+void dequant(const QWeight& w, const int64_t* rows, int64_t R, float* out) {
+  PIPELLM_DISPATCH(dequant_t, w, rows, R, out)
+}
+
+}  // namespace PIPELLM_ISA

@@ -1,0 +1,30 @@
+#pragma once
+#include <cstdint>
+
+namespace pipellm {
+
+enum Kind { F16 = 0, BF16 = 1, Q4 = 2, Q8 = 3 };
+
+struct QWeight {
+  const uint8_t* qs;   // row n starts at qs + n * qs_stride
+  int64_t qs_stride;   // bytes
+  const void* scale;   // [N, K / group], fp16 or fp32; null for F16/BF16
+  const void* min;     // same shape, or null
+  int64_t s_stride;    // scales a row
+  int64_t K;
+  int kind, group;
+  bool scale_f32;
+};
+
+}  // namespace pipellm
+
+#define PIPELLM_DECLARE_ISA(NS)                                                                            \
+  namespace NS {                                                                                           \
+  void gemm(const pipellm::QWeight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,     \
+            int64_t n0, int64_t n1);                                                                       \
+  void dequant(const pipellm::QWeight& w, const int64_t* rows, int64_t R, float* out);                    \
+  }
+
+PIPELLM_DECLARE_ISA(generic)
+PIPELLM_DECLARE_ISA(avx2)
+PIPELLM_DECLARE_ISA(avx512)

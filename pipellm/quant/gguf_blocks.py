@@ -1,0 +1,105 @@
+"""GGUF's block formats repacked, without loss, into the layouts of quant/linear.py.
+
+Each GGUF row of K weights is a run of blocks (32 weights, or 256 in the K-quants). Scales that the file keeps as
+fp16 stay fp16; the K-quants' two-level scales (an fp16 per 256 times a 6- or 8-bit integer per 16 or 32) become
+one fp32 scale per group: the product is exact in fp32, so w = q * scale + min expands to the same floats as the
+`gguf` package's dequantize.
+"""
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from pipellm.quant.linear import BF16, F16, F32, Q4, Q8, QuantWeight
+
+SUPPORTED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+_BLOCK_BYTES = {T.Q4_0: 18, T.Q4_1: 20, T.Q5_0: 22, T.Q5_1: 24, T.Q8_0: 34, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(a, copy=True, order="C"))  # owned memory: not a view of the file's map
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> [...] float16."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _nibbles(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return b & np.uint8(15), b >> np.uint8(4)
+
+
+def _pack_q4(q: np.ndarray) -> np.ndarray:
+    """codes 0..15 [N, G, 32] -> our Q4 bytes [N, G * 16]: weight j in the low nibble, j + 16 in the high."""
+    return (q[..., :16] | (q[..., 16:] << np.uint8(4))).reshape(q.shape[0], -1)
+
+
+def _five_bits(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1 codes [N, G, 32] from qs [N, G, 16] and the high bits qh [N, G, 4] (bit j for weight j)."""
+    lo, hi = _nibbles(qs)
+    low = np.concatenate((lo, hi), axis=-1)                                   # [N, G, 32]
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")                      # [N, G, 32]
+    return low | (bits << np.uint8(4))
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins [N, S, 12] -> ([N, S, 8], [N, S, 8])."""
+    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate((d & 63, (md & 15) | ((d >> 2) & 48)), axis=-1)
+    mn = np.concatenate((m & 63, (md >> 4) | ((m >> 2) & 48)), axis=-1)
+    return sc, mn
+
+
+def repack(raw: np.ndarray, qtype: T, num_rows: int, num_cols: int, name: str = "") -> QuantWeight:
+    """raw: the tensor's bytes as GGUF stores them; returns the [num_rows, num_cols] weight in our layout."""
+    if qtype not in SUPPORTED:
+        raise ValueError(f"tensor {name} has GGUF type {qtype.name}, which pipellm cannot run; supported: "
+                         f"{', '.join(t.name for t in SUPPORTED)}")
+    raw = np.asarray(raw).reshape(num_rows, -1)
+    if qtype == T.F32:
+        return QuantWeight(F32, _t(raw.view(np.float32)), source="F32")
+    if qtype in (T.F16, T.BF16):
+        codes = _t(raw.view(np.int16)).view(torch.float16 if qtype == T.F16 else torch.bfloat16)
+        return QuantWeight(F16 if qtype == T.F16 else BF16, codes, source=qtype.name)
+    if num_cols % 32:
+        raise ValueError(f"tensor {name}: {num_cols} columns is not a multiple of 32")
+    blocks = raw.view(np.uint8).reshape(num_rows, -1, _BLOCK_BYTES[qtype])    # [N, B, block bytes]
+    n, src = num_rows, qtype.name
+    if qtype in (T.Q4_0, T.Q4_1):
+        d = _f16(blocks[..., 0:2])
+        m = _f16(blocks[..., 2:4]) if qtype == T.Q4_1 else (d * np.float16(-8)).astype(np.float16)  # w = d(q - 8)
+        qs = blocks[..., 4:] if qtype == T.Q4_1 else blocks[..., 2:]
+        return QuantWeight(Q4, _t(qs.reshape(n, -1)), _t(d), _t(m), source=src)  # already our nibble order
+    if qtype == T.Q8_0:
+        return QuantWeight(Q8, _t(blocks[..., 2:].reshape(n, -1).view(np.int8)), _t(_f16(blocks[..., 0:2])),
+                           source=src)
+    if qtype in (T.Q5_0, T.Q5_1):
+        d = _f16(blocks[..., 0:2])
+        off = 4 if qtype == T.Q5_1 else 2
+        q = _five_bits(blocks[..., off + 4:], blocks[..., off:off + 4]).astype(np.int8)
+        if qtype == T.Q5_0:
+            return QuantWeight(Q8, _t((q - np.int8(16)).reshape(n, -1)), _t(d), source=src)
+        return QuantWeight(Q8, _t(q.reshape(n, -1)), _t(d), _t(_f16(blocks[..., 2:4])), source=src)
+    if qtype in (T.Q4_K, T.Q5_K):
+        d = _f16(blocks[..., 0:2]).astype(np.float32)[..., None]
+        dmin = _f16(blocks[..., 2:4]).astype(np.float32)[..., None]
+        sc, mn = _k_scales(blocks[..., 4:16])
+        scale = (d * sc.astype(np.float32)).reshape(n, -1)                    # [N, K/32]
+        mins = (-(dmin * mn.astype(np.float32))).reshape(n, -1)
+        qs = blocks[..., -128:].reshape(n, -1, 4, 32)                         # four 32-byte runs per 256
+        lo, hi = _nibbles(qs)                                                 # sub-blocks 2i and 2i + 1
+        q = np.stack((lo, hi), axis=3).reshape(n, -1, 32)                     # [N, K/32, 32]
+        if qtype == T.Q4_K:
+            return QuantWeight(Q4, _t(_pack_q4(q)), _t(scale), _t(mins), source=src)
+        qh = blocks[..., 16:48][:, :, None, :]                                # [N, B, 1, 32]: bit i for sub-block i
+        bits = (qh >> np.arange(8, dtype=np.uint8)[:, None]) & np.uint8(1)    # [N, B, 8, 32]
+        q = q | (bits.reshape(n, -1, 32) << np.uint8(4))
+        return QuantWeight(Q8, _t(q.astype(np.int8).reshape(n, -1)), _t(scale), _t(mins), source=src)
+    # Q6_K: ql [128], qh [64], 16 int8 scales, fp16 d; groups of 16
+    ql, qh = blocks[..., 0:128], blocks[..., 128:192]
+    scales = blocks[..., 192:208].view(np.int8).astype(np.float32)
+    d = _f16(blocks[..., 208:210]).astype(np.float32)[..., None]
+    lo, hi = _nibbles(ql.reshape(n, -1, 2, 1, 64))                            # per 128 weights: 64 bytes
+    low = np.concatenate((lo, hi), axis=3).reshape(n, -1, 8, 32)              # [N, B, 8, 32]
+    high = (qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & np.uint8(3)
+    q = (low | (high.reshape(n, -1, 8, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    return QuantWeight(Q8, _t(q.reshape(n, -1)), _t((d * scales).reshape(n, -1)), group=16, source=src)

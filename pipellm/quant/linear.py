@@ -1,0 +1,141 @@
+"""Compact weights: one QuantWeight interface for every layout, and the linear and embedding modules built on it.
+
+A QuantWeight is an [N, K] matrix (one output feature a row) kept in one of the layouts of kernels/qgemm.cpp.
+`matmul` runs our C++ kernel; `dequantize` is its plain-torch twin, the reference the tests hold the kernel to and
+the path taken where the kernel cannot be built.
+"""
+import torch
+from torch import nn
+
+from pipellm import kernels
+
+F16, BF16, Q4, Q8, F32 = 0, 1, 2, 3, 4  # kernels/qgemm.h's Kind, plus F32 (plain torch matmul)
+KIND_NAMES = {F16: "F16", BF16: "BF16", Q4: "Q4", Q8: "Q8", F32: "F32"}
+FUSED_MAX_ROWS = 32  # up to this many rows the fused kernel beats expanding a slice for torch's matmul (BENCHMARKS.md)
+
+
+class QuantWeight(nn.Module):
+    """codes [N, K/2] (Q4, uint8), [N, K] (Q8 int8; F16/BF16/F32 floats); scale and min [N, K/group] or None."""
+
+    def __init__(self, kind: int, codes: torch.Tensor, scale: torch.Tensor | None = None,
+                 min: torch.Tensor | None = None, group: int = 32, source: str = ""):
+        super().__init__()
+        self.kind, self.group, self.source = kind, group, source or KIND_NAMES[kind]
+        self.num_rows = codes.shape[0]
+        self.num_cols = codes.shape[1] * (2 if kind == Q4 else 1)
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scale", None if scale is None else scale.contiguous())
+        self.register_buffer("min", None if min is None else min.contiguous())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.scale, self.min) if t is not None)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 [R, K] of the given rows (all by default), in plain torch."""
+        codes = self.codes if rows is None else self.codes[rows]
+        if self.kind in (F16, BF16, F32):
+            return codes.float()
+        n = codes.shape[0]
+        if self.kind == Q4:
+            # per 32 weights 16 bytes: low nibbles are weights 0-15, high nibbles 16-31
+            b = codes.view(n, -1, 16)                                          # [n, K/32, 16]
+            q = torch.cat((b & 15, b >> 4), dim=-1).float()                    # [n, K/32, 32]
+        else:
+            q = codes.float()
+        q = q.reshape(n, -1, self.group)                                       # [n, K/group, group]
+        scale = (self.scale if rows is None else self.scale[rows]).float()[..., None]
+        w = q * scale
+        if self.min is not None:
+            w = w + (self.min if rows is None else self.min[rows]).float()[..., None]
+        return w.reshape(n, self.num_cols)
+
+    def _kernel_args(self):
+        return self.codes, self.scale, self.min, self.kind, self.group
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] fp32 -> x @ W^T, [M, N] fp32."""
+        ops = kernels.load() if self.kind != F32 else None
+        if ops is None:
+            return x @ self.dequantize().t()
+        return ops.qlinear(x, *self._kernel_args(), FUSED_MAX_ROWS, "")
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows for ids [T] (an embedding lookup that expands only those rows)."""
+        ops = kernels.load() if self.kind != F32 else None
+        if ops is None:
+            return self.dequantize(ids)
+        return ops.dequant_rows(*self._kernel_args(), ids, "")
+
+    def same_layout(self, other: "QuantWeight") -> bool:
+        return (self.kind, self.group, self.num_cols, self.codes.dtype) == (
+            other.kind, other.group, other.num_cols, other.codes.dtype) and all(
+            (a is None) == (b is None) and (a is None or a.dtype == b.dtype)
+            for a, b in ((self.scale, other.scale), (self.min, other.min)))
+
+    def take_rows(self, index: torch.Tensor) -> "QuantWeight":
+        pick = (lambda t: None if t is None else t[index])
+        return QuantWeight(self.kind, self.codes[index], pick(self.scale), pick(self.min), self.group, self.source)
+
+    @staticmethod
+    def stack(parts: list["QuantWeight"]) -> "QuantWeight":
+        """Rows of parts of one layout, one after another (q, k and v into one qkv matrix)."""
+        first = parts[0]
+        cat = (lambda name: None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts]))
+        source = "+".join(dict.fromkeys(p.source for p in parts))
+        return QuantWeight(first.kind, cat("codes"), cat("scale"), cat("min"), first.group, source)
+
+
+class CompactLinear(nn.Module):
+    """y = x @ W^T + b, W in row blocks (each block one QuantWeight): q, k and v may arrive in different layouts."""
+
+    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None = None):
+        super().__init__()
+        merged: list[QuantWeight] = []
+        for p in parts:
+            if merged and merged[-1].same_layout(p):
+                merged[-1] = QuantWeight.stack([merged[-1], p])
+            else:
+                merged.append(p)
+        self.parts = nn.ModuleList(merged)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.in_features = merged[0].num_cols
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float()                           # [T, K]
+        ys = [p.matmul(x2) for p in self.parts]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)                   # [T, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+class CompactEmbedding(nn.Module):
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype):
+        super().__init__()
+        self.weight, self.dtype = weight, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.rows(ids.reshape(-1)).to(self.dtype).reshape(*ids.shape, -1)
+
+
+_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def weight_bytes(model: nn.Module) -> list[tuple[str, int]]:
+    """(format, bytes) of the weights a model holds, largest first; a tensor shared by two modules (tied
+    embeddings) counts once."""
+    seen, totals = set(), {}
+
+    def add(fmt: str, t: torch.Tensor | None) -> None:
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            totals[fmt] = totals.get(fmt, 0) + t.nbytes
+
+    for m in model.modules():
+        if isinstance(m, QuantWeight):
+            for t in (m.codes, m.scale, m.min):
+                add(m.source, t)
+    for p in model.parameters():
+        add(_DTYPE_NAMES.get(p.dtype, str(p.dtype)), p)
+    return sorted(totals.items(), key=lambda kv: -kv[1])

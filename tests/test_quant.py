@@ -1,0 +1,107 @@
+"""Compact weights: GGUF blocks repacked and multiplied by our kernels, against the `gguf` package's own
+dequantization followed by an fp32 matmul."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+from pipellm import kernels
+from pipellm.quant.gguf_blocks import _BLOCK_BYTES, SUPPORTED, repack
+from pipellm.quant.linear import F32, FUSED_MAX_ROWS, CompactLinear, QuantWeight
+
+ops = kernels.load()
+ISAS = [isa for isa in ("generic", "avx2", "avx512")
+        if isa == "generic" or (isa == "avx2" and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+        or (isa == "avx512" and torch.backends.cpu.get_cpu_capability() == "AVX512")]
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)  # gguf cannot quantize these: their blocks are random bytes, valid scales
+TYPES = [t for t in SUPPORTED if t != T.F32]
+
+
+def gguf_tensor(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if qtype not in K_QUANTS:
+        return quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    size = _BLOCK_BYTES[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    for at in ([208] if qtype == T.Q6_K else [0, 2]):  # the fp16 super-block scales: finite, small
+        d = (rng.random((rows, cols // 256, 1)) * 0.01 + 1e-4).astype(np.float16)
+        blocks[..., at:at + 2] = d.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def test_kernels_build_here():
+    assert ops is not None, "the C++ kernels did not build; see the warning above"
+    assert ops.best_isa() in ISAS
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_repack_expands_to_gguf_dequantize_exactly(qtype):
+    rows, cols = 19, 512  # ragged rows
+    raw = gguf_tensor(qtype, rows, cols)
+    ref = torch.from_numpy(dequantize(raw, qtype).reshape(rows, cols))
+    w = repack(raw, qtype, rows, cols, name="t")
+    assert torch.equal(w.dequantize(), ref)  # the plain-torch twin
+    for isa in ISAS:  # the kernel's own row expansion (the embedding lookup), in any order
+        ids = torch.tensor([18, 0, 7, 7])
+        assert torch.equal(ops.dequant_rows(*w._kernel_args(), ids, isa), ref[ids]), isa
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, FUSED_MAX_ROWS, FUSED_MAX_ROWS + 5, 100])
+def test_matmul_matches_fp32_matmul_of_dequantized(qtype, num_rows):
+    n, k = 37, 768
+    raw = gguf_tensor(qtype, n, k, seed=num_rows)
+    w = repack(raw, qtype, n, k)
+    ref_w = torch.from_numpy(dequantize(raw, qtype).reshape(n, k)).double()
+    x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(1))
+    ref = x.double() @ ref_w.t()
+    tol = 1e-5 * (x.double().abs() @ ref_w.abs().t()).max().item()  # fp32 rounding of a k-term sum
+    for isa in ISAS:
+        for fused in (0, 1 << 30):  # both the fused kernel and expand-then-torch.mm
+            y = ops.qlinear(x, *w._kernel_args(), fused, isa)
+            assert y.shape == (num_rows, n) and y.dtype == torch.float32
+            assert (y.double() - ref).abs().max().item() <= tol, (isa, fused)
+
+
+def test_unsupported_type_names_tensor_and_type():
+    raw = np.zeros((4, 84), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"tensor blk\.3\.ffn_up\.weight has GGUF type Q2_K.*supported: F32"):
+        repack(raw, T.Q2_K, 4, 256, name="blk.3.ffn_up.weight")
+
+
+def test_kernel_refuses_bad_input():
+    w = repack(gguf_tensor(T.Q8_0, 4, 64), T.Q8_0, 4, 64)
+    with pytest.raises(RuntimeError, match=r"x must be fp32 \[M, 64\]"):
+        ops.qlinear(torch.randn(2, 32), *w._kernel_args(), 8, "")
+    with pytest.raises(RuntimeError, match="row index out of range"):
+        ops.dequant_rows(*w._kernel_args(), torch.tensor([4]), "")
+    with pytest.raises(RuntimeError, match="unknown instruction set"):
+        ops.qlinear(torch.randn(2, 64), *w._kernel_args(), 8, "sse9")
+
+
+def test_compact_linear_mixed_layouts_and_bias():
+    # q, k and v of one layer in three formats, as Q4_K_M files mix them, plus a bias
+    parts_raw = [(T.Q4_K, 8), (T.Q6_K, 4), (T.F32, 4)]
+    parts, refs = [], []
+    for i, (qtype, rows) in enumerate(parts_raw):
+        if qtype == T.F32:
+            dense = np.random.default_rng(i).standard_normal((rows, 256)).astype(np.float32)
+            parts.append(QuantWeight(F32, torch.from_numpy(dense)))
+            refs.append(torch.from_numpy(dense))
+        else:
+            raw = gguf_tensor(qtype, rows, 256, seed=i)
+            parts.append(repack(raw, qtype, rows, 256))
+            refs.append(torch.from_numpy(dequantize(raw, qtype).reshape(rows, 256)))
+    bias = torch.randn(16)
+    layer = CompactLinear(parts, bias)
+    x = torch.randn(2, 3, 256)
+    expected = x @ torch.cat(refs).t() + bias
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_same_layouts_merge_into_one_matmul():
+    a, b = (repack(gguf_tensor(T.Q4_1, 8, 64, seed=s), T.Q4_1, 8, 64) for s in (1, 2))
+    c = repack(gguf_tensor(T.Q8_0, 8, 64), T.Q8_0, 8, 64)
+    assert len(CompactLinear([a, b]).parts) == 1 and len(CompactLinear([a, c, b]).parts) == 3
