@@ -34,9 +34,9 @@ def main():
               "--new-tokens", str(args.new_tokens)]
     results, memory = {}, {}
     rates = {k: [] for k in ("decode_compact_pp1", "decode_compact_pp2", "decode_fp32_pp1", "decode_hf_fp32")}
-    with LLM(gguf_file, pipeline_parallel_size=1, kv_cache_gib=0.0625) as c1, \
-            LLM(gguf_file, pipeline_parallel_size=2, kv_cache_gib=0.0625) as c2, \
-            LLM(fp32_dir, pipeline_parallel_size=1, kv_cache_gib=0.0625) as f1:
+    with LLM(gguf_file, pipeline_parallel_size=1, kv_cache_gib=0.0625, max_model_len=1024) as c1, \
+            LLM(gguf_file, pipeline_parallel_size=2, kv_cache_gib=0.0625, max_model_len=1024) as c2, \
+            LLM(fp32_dir, pipeline_parallel_size=1, kv_cache_gib=0.0625, max_model_len=1024) as f1:
         engines = {"decode_compact_pp1": c1, "decode_compact_pp2": c2, "decode_fp32_pp1": f1}
         for name, llm in engines.items():
             memory[name.removeprefix("decode_")] = [dict(weights=r.weight_bytes, rss=r.rss_bytes, kv=r.kv_cache_bytes)
