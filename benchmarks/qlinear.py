@@ -1,0 +1,44 @@
+"""Our compact-weight matmul (ops.qlinear) against torch's fp32 matmul of the same weights, in one run.
+
+    python benchmarks/qlinear.py
+Shapes of the default model (qkv+gate/up, down, LM head); 1 to 256 activation rows; the torch threads this
+process has (2 here). 'fused' expands weight blocks in registers for all rows; 'chunked' expands ~2 MB of rows
+to fp32 and calls torch's matmul (the path above FUSED_MAX_ROWS).
+"""
+import time
+
+import torch
+
+from pipellm.kernels import load
+from pipellm.quant.linear import Q4, Q8
+
+
+def bench(f, n: int = 50) -> float:
+    f()
+    t = time.perf_counter()
+    for _ in range(n):
+        f()
+    return (time.perf_counter() - t) / n * 1e3
+
+
+def main():
+    ops = load()
+    print(f"kernel path: {ops.best_isa()}, {torch.get_num_threads()} threads; times in ms")
+    torch.manual_seed(0)
+    for n, k in [(3072, 576), (576, 1536), (49152, 576)]:
+        q4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+        q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        scale, mins = (torch.rand(n, k // 32) * 0.01).half(), (torch.randn(n, k // 32) * 0.01).half()
+        wt = ops.dequant_rows(q4, scale, mins, Q4, 32, torch.arange(n), "").t().contiguous()  # [K, N], as fp32 layers
+        for m in (1, 4, 16, 64, 256):
+            x = torch.randn(m, k)
+            fp32 = bench(lambda: x @ wt)
+            fused = bench(lambda: ops.qlinear(x, q4, scale, mins, Q4, 32, 1 << 30, ""))
+            chunked = bench(lambda: ops.qlinear(x, q4, scale, mins, Q4, 32, 0, ""))
+            fused8 = bench(lambda: ops.qlinear(x, q8, scale, None, Q8, 32, 1 << 30, ""))
+            print(f"{n:6d} x {k:4d}, {m:3d} rows: fp32 {fp32:7.3f}  Q4 fused {fused:7.3f}  Q4 chunked {chunked:7.3f}  "
+                  f"Q8 fused {fused8:7.3f}")
+
+
+if __name__ == "__main__":
+    main()
