@@ -81,6 +81,7 @@ pipellm::QWeight describe(const at::Tensor& qs, const c10::optional<at::Tensor>&
       w.min = min->data_ptr();
     }
     TORCH_CHECK(!(w.scale_f32 && kind == pipellm::Q4 && !w.min), "fp32-scaled Q4 weights need mins");
+    TORCH_CHECK(!(w.group == 16 && w.min), "groups of 16 take no mins");
   }
   TORCH_CHECK(w.K % 32 == 0, "K must be a multiple of 32, got ", w.K);
   return w;
