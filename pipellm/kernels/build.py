@@ -61,7 +61,7 @@ def build(quiet: bool = False) -> str:
             jobs.append((obj, [cxx, *COMMON, *flags, f"-DPIPELLM_ISA={isa}", "-c", os.path.join(HERE, "qgemm.cpp"),
                                "-o", obj]))
         obj = os.path.join(tmp, "ops.o")
-        jobs.append((obj, [cxx, *COMMON, *cflags, "-c", os.path.join(HERE, "ops.cpp"), "-o", obj]))
+        jobs.append((obj, [cxx, *COMMON, *cflags, "-ffp-contract=off", "-c", os.path.join(HERE, "ops.cpp"), "-o", obj]))
         procs = [(cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)) for _, cmd in jobs]
         for cmd, p in procs:
             output, _ = p.communicate(timeout=600)

@@ -131,17 +131,25 @@ static inline float hsum(__m256 v) {
 
 template <int KIND, int GROUP, bool SF32, bool MIN, int R>
 static inline void gemm_tile(const QWeight& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t n) {
-  __m256 acc[R];
-  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+  // A chain of FMAs into one register waits ~4 cycles a link: with few rows, each row keeps several partial sums
+  // so that independent FMAs fill the pipeline (3x faster for one row).
+  constexpr int A = R == 1 ? 4 : (R == 2 ? 2 : 1);
+  __m256 acc[R][A];
+  for (int r = 0; r < R; r++)
+    for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
   const int64_t nb = w.K / 32;
   for (int64_t b = 0; b < nb; b++) {
     const Block wb = expand_vec<KIND, GROUP, SF32, MIN>(w, n, b);
     for (int r = 0; r < R; r++) {
       const float* xr = x + r * ldx + b * 32;
-      for (int c = 0; c < 4; c++) acc[r] = _mm256_fmadd_ps(wb.v[c], _mm256_loadu_ps(xr + 8 * c), acc[r]);
+      for (int c = 0; c < 4; c++)
+        acc[r][c % A] = _mm256_fmadd_ps(wb.v[c], _mm256_loadu_ps(xr + 8 * c), acc[r][c % A]);
     }
   }
-  for (int r = 0; r < R; r++) y[r * ldy + n] = hsum(acc[r]);
+  for (int r = 0; r < R; r++) {
+    for (int a = 1; a < A; a++) acc[r][0] = _mm256_add_ps(acc[r][0], acc[r][a]);
+    y[r * ldy + n] = hsum(acc[r][0]);
+  }
 }
 
 template <int KIND, int GROUP, bool SF32, bool MIN>

@@ -1,0 +1,38 @@
+"""The fused RMSNorm and rotary kernels against HF transformers' own Llama modules."""
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from pipellm import kernels
+from pipellm.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+
+def test_kernels_are_used():
+    assert kernels.load() is not None
+
+
+def test_rms_norm_matches_hf():
+    torch.manual_seed(0)
+    ours, theirs = RMSNorm(576, 1e-5), LlamaRMSNorm(576, eps=1e-5)
+    w = torch.randn(576)
+    ours.weight.data.copy_(w)
+    theirs.weight.data.copy_(w)
+    for rows in (1, 7):
+        x = torch.randn(rows, 576) * 3
+        with torch.inference_mode():
+            torch.testing.assert_close(ours(x), theirs(x), rtol=2e-6, atol=1e-6)
+            torch.testing.assert_close(ours(x[:, None]), theirs(x[:, None]), rtol=2e-6, atol=1e-6)  # not 2-D: twin
+
+
+def test_rotary_matches_hf():
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(64, 256, 10000.0)
+    positions = torch.tensor([0, 5, 17, 255])
+    cos, sin = rope.tables(positions, torch.float32)                                    # [T, 1, D]
+    qkv = torch.randn(4, 9 * 64 + 2 * 3 * 64)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)  # strided views, as in the model
+    q, k = q.view(4, 9, 64), k.view(4, 3, 64)
+    # HF: [batch, heads, T, D] with cos/sin [batch, T, D]
+    hq, hk = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[:, 0][None], sin[:, 0][None])
+    with torch.inference_mode():
+        rq, rk = apply_rotary(q.clone(), k.clone(), cos, sin)
+    assert torch.equal(rq, hq[0].transpose(0, 1)) and torch.equal(rk, hk[0].transpose(0, 1))
