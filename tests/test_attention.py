@@ -5,9 +5,20 @@ import math
 import pytest
 import torch
 
+from pipellm import kernels
 from pipellm.models.attention import AttentionMetadata, paged_attention
 
 BLOCK = 4
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def decode_path(request, monkeypatch):
+    """Decode rows through our C++ kernel (K/V read in place), and through the plain-torch twin."""
+    if request.param == "torch":
+        monkeypatch.setattr("pipellm.models.attention.kernels", type("NoKernels", (), {"load": staticmethod(
+            lambda: None)}))
+    else:
+        assert kernels.load() is not None
 
 
 def _dense(q, keys, values, q_pos, window):

@@ -19,6 +19,7 @@ struct Isa {
   const char* name;
   decltype(&generic::gemm) gemm;
   decltype(&generic::dequant) dequant;
+  decltype(&generic::decode_attention) decode_attention;
 };
 
 bool has(const char* isa) {
@@ -33,9 +34,9 @@ bool has(const char* isa) {
   return !std::strcmp(isa, "generic");
 }
 
-const Isa kIsas[] = {{"avx512", avx512::gemm, avx512::dequant},
-                     {"avx2", avx2::gemm, avx2::dequant},
-                     {"generic", generic::gemm, generic::dequant}};
+const Isa kIsas[] = {{"avx512", avx512::gemm, avx512::dequant, avx512::decode_attention},
+                     {"avx2", avx2::gemm, avx2::dequant, avx2::decode_attention},
+                     {"generic", generic::gemm, generic::dequant, generic::decode_attention}};
 
 const Isa& pick(const std::string& isa) {
   std::string want = isa;
@@ -182,6 +183,35 @@ void rotary_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, co
   }
 }
 
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t window,
+                                  double scale, const std::string& isa) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous fp32 [B, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat, "caches must be contiguous fp32 [blocks, block_size, KV, D]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KV == 0, "head sizes disagree");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.scalar_type() == at::kLong &&
+              block_tables.is_contiguous(), "block_tables must be contiguous int64 [B, width]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == B && seq_lens.scalar_type() == at::kLong &&
+              seq_lens.is_contiguous(), "seq_lens must be contiguous int64 [B]");
+  const int64_t bs = k_cache.size(1);
+  if (B > 0) {  // every block a sequence reads must be in the cache
+    TORCH_CHECK(seq_lens.min().item<int64_t>() >= 1 && seq_lens.max().item<int64_t>() <= block_tables.size(1) * bs,
+                "seq_lens out of range of the block tables");
+    const auto [lo, hi] = at::aminmax(block_tables);
+    TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < k_cache.size(0), "block id out of range");
+  }
+  at::Tensor out = at::empty_like(q);
+  pipellm::DecodeArgs a{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                        block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
+                        block_tables.size(1), bs, window, H, KV, D, float(scale)};
+  const Isa& impl = pick(isa);
+  at::parallel_for(0, B * KV, 1, [&](int64_t u0, int64_t u1) { impl.decode_attention(a, u0, u1); });
+  return out;
+}
+
 std::string best_isa() { return pick("").name; }
 
 }  // namespace
@@ -192,6 +222,8 @@ TORCH_LIBRARY(pipellm, m) {
   m.def("dequant_rows(Tensor qs, Tensor? scale, Tensor? min, int kind, int group, Tensor rows, str isa) -> Tensor",
         &dequant_rows);
   m.def("best_isa() -> str", &best_isa);
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "int window, float scale, str isa) -> Tensor", &paged_decode_attention);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rotary_);
 }

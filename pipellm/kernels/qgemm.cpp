@@ -8,8 +8,11 @@
 // Q4 and Q8 carry a scale per group (16 or 32 weights; fp16 or fp32) and optionally a min: w = q * scale + min.
 // Each 32-weight block is expanded to fp32 in registers and fused with the activation rows, so no fp32 copy of
 // a weight matrix exists; one expansion serves up to MR activation rows.
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "qgemm.h"
 
@@ -20,6 +23,7 @@
 
 namespace PIPELLM_ISA {
 
+using pipellm::DecodeArgs;
 using pipellm::QWeight;
 
 static inline float half_to_float(uint16_t h) {
@@ -245,6 +249,59 @@ void gemm(const QWeight& w, const float* x, int64_t M, int64_t ldx, float* y, in
 
 void dequant(const QWeight& w, const int64_t* rows, int64_t R, float* out) {
   PIPELLM_DISPATCH(dequant_t, w, rows, R, out)
+}
+
+// Attention of one new token per sequence, reading K/V where they lie in the paged caches (no gathered copy).
+// A unit is (sequence, KV head): its query heads share each K/V row read. Blockwise online softmax in fp32.
+void decode_attention(const DecodeArgs& a, int64_t u0, int64_t u1) {
+  const int64_t G = a.H / a.KV, D = a.D;
+  std::vector<float> acc(G * D), s(G * a.block_size), m(G), l(G);
+  for (int64_t u = u0; u < u1; u++) {
+    const int64_t b = u / a.KV, g = u % a.KV, len = a.seq_lens[b];
+    const int64_t start = a.window > 0 && len > a.window ? len - a.window : 0;
+    const float* q = a.q + (b * a.H + g * G) * D;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(m.begin(), m.end(), -INFINITY);
+    std::fill(l.begin(), l.end(), 0.0f);
+    for (int64_t blk = start / a.block_size; blk * a.block_size < len; blk++) {
+      const int64_t p0 = std::max(start, blk * a.block_size), p1 = std::min(len, (blk + 1) * a.block_size);
+      const int64_t base = a.block_tables[b * a.table_width + blk] * a.block_size;
+      for (int64_t p = p0; p < p1; p++) {
+        const float* k = a.k_cache + ((base + p % a.block_size) * a.KV + g) * D;
+        for (int64_t j = 0; j < G; j++) {
+          const float* qj = q + j * D;
+          float part[8] = {};
+          int64_t i = 0;
+          for (; i + 8 <= D; i += 8)
+            for (int c = 0; c < 8; c++) part[c] += qj[i + c] * k[i + c];
+          float dot = 0;
+          for (; i < D; i++) dot += qj[i] * k[i];
+          for (int c = 0; c < 8; c++) dot += part[c];
+          s[j * a.block_size + (p - p0)] = dot * a.scale;
+        }
+      }
+      for (int64_t j = 0; j < G; j++) {
+        const float* sj = s.data() + j * a.block_size;
+        float mx = m[j];
+        for (int64_t p = 0; p < p1 - p0; p++) mx = std::max(mx, sj[p]);
+        const float corr = std::exp(m[j] - mx);  // 0 on the first block (m = -inf)
+        float* accj = acc.data() + j * D;
+        for (int64_t i = 0; i < D; i++) accj[i] *= corr;
+        l[j] *= corr;
+        m[j] = mx;
+        for (int64_t p = p0; p < p1; p++) {
+          const float e = std::exp(sj[p - p0] - mx);
+          const float* v = a.v_cache + ((base + p % a.block_size) * a.KV + g) * D;
+          l[j] += e;
+          for (int64_t i = 0; i < D; i++) accj[i] += e * v[i];
+        }
+      }
+    }
+    for (int64_t j = 0; j < G; j++) {
+      float* o = a.out + (b * a.H + g * G + j) * D;
+      for (int64_t i = 0; i < D; i++) o[i] = acc[j * D + i] / l[j];
+    }
+  }
 }
 
 }  // namespace PIPELLM_ISA

@@ -16,6 +16,18 @@ struct QWeight {
   bool scale_f32;
 };
 
+struct DecodeArgs {
+  const float* q;              // [B, H, D]
+  const float* k_cache;        // [num_blocks, block_size, KV, D]
+  const float* v_cache;
+  const int64_t* block_tables; // [B, table_width]
+  const int64_t* seq_lens;     // [B]: keys 0 .. len-1 (the new token's included)
+  float* out;                  // [B, H, D]
+  int64_t table_width, block_size, window;  // window <= 0: the whole context
+  int64_t H, KV, D;
+  float scale;
+};
+
 }  // namespace pipellm
 
 #define PIPELLM_DECLARE_ISA(NS)                                                                            \
@@ -23,6 +35,7 @@ struct QWeight {
   void gemm(const pipellm::QWeight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,     \
             int64_t n0, int64_t n1);                                                                       \
   void dequant(const pipellm::QWeight& w, const int64_t* rows, int64_t R, float* out);                    \
+  void decode_attention(const pipellm::DecodeArgs& a, int64_t u0, int64_t u1);                            \
   }
 
 PIPELLM_DECLARE_ISA(generic)

@@ -7,13 +7,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pipellm import kernels
+
 
 @dataclass
 class DecodeGroup:
-    """The sequences with one new token: Bd of them, keys gathered to the longest context, K = N * block_size."""
+    """The sequences with one new token: Bd of them, N = blocks of the longest context, K = N * block_size."""
     token_idx: torch.Tensor | None  # [Bd] their rows in the step; None when every row is a decode, in order
-    block_ids: torch.Tensor         # [Bd * N] their blocks (padding: block 0)
-    mask: torch.Tensor | None       # [Bd, 1, 1, K] True for keys in the context (and window); None: all keys
+    block_tables: torch.Tensor      # [Bd, N] int64, their blocks (padding: block 0)
+    seq_lens: torch.Tensor          # [Bd] int64, keys in each context, the new token's included
+    window: int                     # sliding window, 0 for none
+    mask: torch.Tensor | None       # [Bd, 1, 1, K] for the plain-torch path: keys in the context (and window)
+
+    @property
+    def block_ids(self) -> torch.Tensor:
+        return self.block_tables.reshape(-1)                                            # [Bd * N]
 
 
 @dataclass
@@ -50,8 +58,8 @@ class AttentionMetadata:
             if sliding_window is not None:
                 mask &= key_pos[None, :] >= lens[:, None] - sliding_window
             all_decode = len(rows) == len(query_lens)
-            decode = DecodeGroup(None if all_decode else starts[rows],
-                                 block_tables[rows, :num_blocks].reshape(-1).long(),
+            decode = DecodeGroup(None if all_decode else starts[rows], block_tables[rows, :num_blocks].long(),
+                                 lens.long().contiguous(), sliding_window or 0,
                                  None if bool(mask.all()) else mask[:, None, None, :])
         prefills = []
         for i in torch.nonzero(~is_decode).flatten().tolist():
@@ -84,11 +92,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         d = meta.decode
         rows = q if d.token_idx is None else q[d.token_idx]
         num_seqs = len(rows)
-        queries = rows.view(num_seqs, 1, num_heads, head_dim).transpose(1, 2)          # [Bd, H, 1, D]
-        o = F.scaled_dot_product_attention(queries, gather(k_cache, d.block_ids, num_seqs),
-                                           gather(v_cache, d.block_ids, num_seqs), attn_mask=d.mask, scale=scale,
-                                           enable_gqa=gqa)                              # [Bd, H, 1, D]
-        o = o.view(num_seqs, num_heads, head_dim)
+        ops = kernels.load() if q.dtype == torch.float32 == k_cache.dtype else None
+        if ops is not None:  # reads K/V in place through the block tables: no gathered copy
+            o = ops.paged_decode_attention(rows.contiguous(), k_cache, v_cache, d.block_tables, d.seq_lens, d.window,
+                                           scale, "")                                  # [Bd, H, D]
+        else:
+            queries = rows.view(num_seqs, 1, num_heads, head_dim).transpose(1, 2)      # [Bd, H, 1, D]
+            o = F.scaled_dot_product_attention(queries, gather(k_cache, d.block_ids, num_seqs),
+                                               gather(v_cache, d.block_ids, num_seqs), attn_mask=d.mask,
+                                               scale=scale, enable_gqa=gqa)            # [Bd, H, 1, D]
+            o = o.view(num_seqs, num_heads, head_dim)
         if out is None:
             return o
         out[d.token_idx] = o
