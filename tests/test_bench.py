@@ -1,7 +1,10 @@
 """`pipellm bench`: the figures it prints and saves are there and consistent."""
 import json
+import os
 import subprocess
 import sys
+
+from safetensors import safe_open
 
 from pipellm.entrypoints.bench import run_bench
 
@@ -19,6 +22,12 @@ def test_run_bench_reports_consistent_figures(llama_dir):
     assert 0 <= r["bubble_pct"] <= 100
     assert r["bytes_sent_per_token"][0] == 64 * 4  # hidden 64, fp32, no residual
     assert r["hf"]["generated_tok_s"] > 0 and r["ratio_vs_hf"] == r["generated_tok_s"] / r["hf"]["generated_tok_s"]
+    # every tensor of the (untied, fp32) checkpoint is held by exactly one stage, at its size in the file
+    with safe_open(os.path.join(llama_dir, "model.safetensors"), "pt") as f:
+        file_bytes = sum(f.get_tensor(n).nbytes for n in f.keys())
+    memory = r["stage_memory"]
+    assert len(memory) == 2 and sum(m["weights"]["F32"] for m in memory) == file_bytes
+    assert all(m["kv_cache"] > 0 and m["resident"] > m["weights"]["F32"] + m["kv_cache"] for m in memory)
 
 
 def test_cli_bench_saves_json(tmp_path, llama_dir):

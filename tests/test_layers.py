@@ -1,4 +1,4 @@
-"""The fused RMSNorm and rotary kernels against HF transformers' own Llama modules."""
+"""The fused RMSNorm and rotary kernels against HF transformers' own Llama modules; the warning for bf16 without bf16."""
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
@@ -36,3 +36,16 @@ def test_rotary_matches_hf():
     with torch.inference_mode():
         rq, rk = apply_rotary(q.clone(), k.clone(), cos, sin)
     assert torch.equal(rq, hq[0].transpose(0, 1)) and torch.equal(rk, hk[0].transpose(0, 1))
+
+
+def test_bf16_on_a_cpu_without_it_warns(monkeypatch, caplog):
+    from pipellm.engine import engine
+
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    engine.warn_if_slow_dtype("bfloat16")
+    assert "30-70x slower than float32; use dtype='float32'" in caplog.text
+    caplog.clear()
+    engine.warn_if_slow_dtype("float32")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    engine.warn_if_slow_dtype("bfloat16")
+    assert caplog.text == ""

@@ -302,6 +302,7 @@ def test_metrics_parse_and_move(server):
     m = _metrics(server)
     assert m["pipellm:stage_busy_seconds_total[1]"] > 0
     assert m["pipellm:stage_activation_bytes_sent_total[0->1][0]"] > 0
+    assert m["pipellm:stage_weight_bytes[F32][0]"] > 0 and m["pipellm:stage_memory_bytes[kv_cache][1]"] > 0
 
 
 def test_sigterm_ends_in_flight_request_and_leaves_no_stage(server):

@@ -52,9 +52,16 @@ def load_tokenizer(folder: str):
     return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
 
 
+def warn_if_slow_dtype(dtype: str) -> None:
+    if dtype == "bfloat16" and kernels.cpu_flags() and not kernels.has_bf16_matmul():
+        log.warning("dtype='bfloat16' on a CPU without bf16 instructions (no avx512_bf16 or amx_bf16): torch's bf16 "
+                    "matmul runs a scalar loop here, 30-70x slower than float32; use dtype='float32'")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        warn_if_slow_dtype(config.dtype)
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         if gguf_source(self.model_dir) is None:

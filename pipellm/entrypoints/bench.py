@@ -76,6 +76,8 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
         # Time the stages sat idle while requests were still unfinished (all of the run, offline).
         "bubble_pct": 100 * (1 - statistics.mean(busy)),
         "bytes_sent_per_token": [b / t if t else 0.0 for b, t in zip(bytes_sent, tokens_sent)],
+        "stage_memory": [dict(weights=dict(r.weight_bytes), kv_cache=r.kv_cache_bytes, resident=r.rss_bytes)
+                         for r in after],
     }
     if busiest["parts"]:
         result["messages_per_decode_step"] = time_codecs(busiest["parts"] + [busiest["sampled"]])
@@ -185,6 +187,9 @@ def format_result(r: dict) -> str:
         "stage busy         " + ", ".join(f"{b:.0f}%" for b in r["stage_busy_pct"]),
         f"bubble             {r['bubble_pct']:.1f}%",
         "bytes sent / token " + ", ".join(f"{b:.0f}" for b in r["bytes_sent_per_token"][:-1]),
+        "memory per stage   " + "; ".join(
+            f"{sum(m['weights'].values()) / 1e6:.0f} MB weights ({', '.join(m['weights'])}) + "
+            f"{m['kv_cache'] / 1e6:.0f} MB KV, {m['resident'] / 1e6:.0f} MB resident" for m in r["stage_memory"]),
     ]
     if "messages_per_decode_step" in r:
         m = r["messages_per_decode_step"]

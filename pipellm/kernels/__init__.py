@@ -19,3 +19,21 @@ def load():
                     type(e).__name__, str(e).splitlines()[0])
         return None
     return torch.ops.pipellm
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux /proc/cpuinfo); empty where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_bf16_matmul() -> bool:
+    """Whether torch's bf16 matmul has instructions to run on here (else it crawls, at ~1 GFLOP/s)."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})

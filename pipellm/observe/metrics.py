@@ -99,3 +99,14 @@ class _EngineCollector:
                 sent.add_metric(m + [str(rep.rank), f"{rep.rank}->{rep.rank + 1}"], rep.activation_bytes_sent)
         yield busy
         yield sent
+        weights = GaugeMetricFamily("pipellm:stage_weight_bytes", "Bytes of weights each stage holds, by format "
+                                    "(Q4_1, F32, ...).", labels=["model_name", "stage", "format"])
+        memory = GaugeMetricFamily("pipellm:stage_memory_bytes", "Each stage's KV cache and resident memory "
+                                   "(refreshed every few seconds).", labels=["model_name", "stage", "kind"])
+        for rep in reports:
+            for fmt, n in rep.weight_bytes:
+                weights.add_metric(m + [str(rep.rank), fmt], n)
+            memory.add_metric(m + [str(rep.rank), "kv_cache"], rep.kv_cache_bytes)
+            memory.add_metric(m + [str(rep.rank), "resident"], rep.rss_bytes)
+        yield weights
+        yield memory
