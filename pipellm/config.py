@@ -116,6 +116,7 @@ class EngineConfig:
     #                                           torchrun started every process (RANK, MASTER_ADDR, MASTER_PORT)
     token_file: str | None = None       # the run's shared secret, for stages on other hosts (or PIPELLM_TOKEN);
     #                                     made with a new token if missing. One host needs none: a fresh one per run
+    quantization: str | None = None     # "int8" | "int4": an HF checkpoint's linear weights, quantized on load
 
     def __post_init__(self):
         def bad(name, why):
@@ -127,6 +128,8 @@ class EngineConfig:
             bad("layer_partition", 'must be a list of layer counts per stage, "auto" or None')
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {', '.join(DTYPES)}")
+        if self.quantization not in (None, "int8", "int4"):
+            bad("quantization", 'must be "int8", "int4" or None')
         if not isinstance(self.block_size, int) or self.block_size < 1:
             bad("block_size", "must be a positive integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

@@ -107,3 +107,31 @@ def test_same_layouts_merge_into_one_matmul():
     a, b = (repack(gguf_tensor(T.Q4_1, 8, 64, seed=s), T.Q4_1, 8, 64) for s in (1, 2))
     c = repack(gguf_tensor(T.Q8_0, 8, 64), T.Q8_0, 8, 64)
     assert len(CompactLinear([a, b]).parts) == 1 and len(CompactLinear([a, c, b]).parts) == 3
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_round_to_nearest_levels_within_half_a_step(method):
+    from pipellm.quant.rtn import quantize
+
+    w = torch.randn(24, 320, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 3, 320)
+    q = quantize(w, method)
+    assert q.source == method and q.nbytes < w.nbytes / (3 if method == "int8" else 6)
+    err = (q.dequantize() - w).abs().reshape(24, 10, 32).amax(-1)                 # [N, K/32]
+    step = q.scale.float()
+    # half a step, plus the fp16 rounding of the scale (and min) stretched over up to 127 levels
+    assert (err <= 0.5 * step + 127 * step * 2 ** -11 + 1e-6).all()
+    for isa in ISAS:  # and the kernel multiplies by exactly these levels
+        x = torch.randn(3, 320)
+        torch.testing.assert_close(ops.qlinear(x, *q._kernel_args(), 8, isa), x @ q.dequantize().t(),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_quantization_refusals(smollm2_dir):  # smollm2_dir: the converted default model, in a private cache
+    from pipellm import LLM
+    from pipellm.config import EngineConfig
+    from pipellm.loader.default_model import default_model_path
+
+    with pytest.raises(ValueError, match=r"quantization='fp8': must be \"int8\", \"int4\" or None"):
+        EngineConfig(None, quantization="fp8")
+    with pytest.raises(ValueError, match="a GGUF file's weights are quantized already"):
+        LLM(default_model_path(), quantization="int8")

@@ -66,6 +66,9 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         if gguf_source(self.model_dir) is None:
             checkpoint_files(self.model_dir)  # fail here, before any process starts, if the weights are missing
+        elif config.quantization:
+            raise ValueError(f"quantization={config.quantization!r}: a GGUF file's weights are quantized already "
+                             "and stay in their own formats; leave quantization unset")
         else:
             kernels.load()  # build the compact-weight kernels once, here, rather than in every stage
         mc = self.model_config

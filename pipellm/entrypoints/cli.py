@@ -21,6 +21,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-partition", "--partition", type=_partition, default=None,
                    help="layers per stage, e.g. 10,12,8, or auto (profiled on this machine)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+                   help="quantize an HF checkpoint's linear weights on load (GGUF files stay in their own formats)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads-per-stage", type=int, default=None, help="default: cores // stages")
     p.add_argument("--seed", type=int, default=0)
@@ -54,7 +56,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_kwargs(args, restart_default: bool = False) -> dict:
     kwargs = dict(layer_partition=args.layer_partition, max_model_len=args.max_model_len,
-                  distributed_executor_backend=args.distributed_executor_backend, token_file=args.token_file)
+                  distributed_executor_backend=args.distributed_executor_backend, token_file=args.token_file,
+                  quantization=args.quantization)
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.max_num_seqs is not None:

@@ -20,6 +20,7 @@ from pipellm.models.attention import AttentionMetadata
 from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.quant.linear import weight_bytes
+from pipellm.quant.rtn import quantize_linears
 from pipellm.pipeline import comm, wire
 from pipellm.pipeline.messages import Inspect, SampledBatch, Shutdown, StageArgs, StageBatch, StageReport
 from pipellm.sampler import Sampler
@@ -50,6 +51,8 @@ class StageWorker:
         else:
             self.model = build_stage_model(cfg, self.stage)
             self.checkpoint_tensors = load_stage_weights(self.model, args.model_dir, ecfg.torch_dtype)
+            if ecfg.quantization:
+                quantize_linears(self.model, ecfg.quantization)
         transpose_linears(self.model)
         self.model.eval()
         shape = (args.num_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim)

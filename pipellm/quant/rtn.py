@@ -1,0 +1,43 @@
+"""`quantization="int8" | "int4"` for HF checkpoints: each linear weight rounded to the nearest level, per group of
+32 inputs, into the layouts the GGUF path uses (int8: Q8_0's, symmetric; int4: Q4_1's, scale and min)."""
+import logging
+
+import torch
+from torch import nn
+
+from pipellm.quant.linear import Q4, Q8, CompactLinear, QuantWeight
+
+METHODS = ("int8", "int4")
+GROUP = 32
+log = logging.getLogger("pipellm")
+
+
+def quantize(weight: torch.Tensor, method: str) -> QuantWeight:
+    """weight [N, K] (K a multiple of 32) -> its compact form; every level is within half a step of the weight."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)                          # [N, K/32, 32]
+    if method == "int8":
+        scale = (w.abs().amax(-1) / 127).half()                                        # [N, K/32]
+        s = scale.float()[..., None]
+        q = torch.where(s > 0, w / s, torch.zeros_like(w)).round().clamp(-127, 127).to(torch.int8)
+        return QuantWeight(Q8, q.reshape(n, k), scale, source="int8")
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale, mins = ((hi - lo) / 15).half(), lo.half()
+    s, m = scale.float()[..., None], mins.float()[..., None]
+    q = torch.where(s > 0, (w - m) / s, torch.zeros_like(w)).round().clamp(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)                  # our Q4 layout: weight j low nibble, j + 16 high
+    return QuantWeight(Q4, packed.reshape(n, k // 2), scale, mins, source="int4")
+
+
+def quantize_linears(model: nn.Module, method: str) -> None:
+    """Replaces every nn.Linear below model by its quantized CompactLinear (layers whose inputs are not a multiple
+    of 32 stay as they are, with a note in the log)."""
+    for name, child in model.named_children():
+        if isinstance(child, nn.Linear):
+            if child.in_features % GROUP:
+                log.info("%s stays unquantized: %d inputs is not a multiple of %d", name, child.in_features, GROUP)
+                continue
+            bias = None if child.bias is None else child.bias.detach().float()
+            setattr(model, name, CompactLinear([quantize(child.weight, method)], bias))
+        else:
+            quantize_linears(child, method)
