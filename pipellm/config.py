@@ -92,7 +92,8 @@ class EngineConfig:
     model: str | None                   # HF folder or GGUF path; None = the default model
     pipeline_parallel_size: int = 1     # number of stage processes
     layer_partition: list[int] | str | None = None  # layers per stage; None = even; "auto" = profiled balance
-    dtype: str = "float32"              # weights and activations
+    dtype: str = "auto"                 # activations (and uncompressed weights); "auto": float32 unless bf16 measures
+    #                                     faster on this CPU (pipeline.profile.auto_dtype)
     block_size: int = 16                # tokens per KV cache block
     max_model_len: int | None = None    # prompt + output tokens; None = the model's limit
     max_num_seqs: int = 64              # requests in one step at most
@@ -126,8 +127,8 @@ class EngineConfig:
             bad("pipeline_parallel_size", "must be an integer >= 1")
         if isinstance(self.layer_partition, str) and self.layer_partition != "auto":
             bad("layer_partition", 'must be a list of layer counts per stage, "auto" or None')
-        if self.dtype not in DTYPES:
-            bad("dtype", f"must be one of {', '.join(DTYPES)}")
+        if self.dtype not in DTYPES and self.dtype != "auto":
+            bad("dtype", f"must be one of auto, {', '.join(DTYPES)}")
         if self.quantization not in (None, "int8", "int4"):
             bad("quantization", 'must be "int8", "int4" or None')
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -166,6 +167,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        assert self.dtype != "auto", "the engine resolves dtype='auto' before anything uses it"
         return DTYPES[self.dtype]
 
     @property

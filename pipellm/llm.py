@@ -14,7 +14,7 @@ PromptType = str | dict
 
 class LLM:
     def __init__(self, model: str | None = None, pipeline_parallel_size: int = 1,
-                 layer_partition: list[int] | str | None = None, dtype: str = "float32", block_size: int = 16,
+                 layer_partition: list[int] | str | None = None, dtype: str = "auto", block_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 64, seed: int = 0,
                  threads_per_stage: int | None = None, trace_dir: str | None = None, **engine_kwargs):
         config = EngineConfig(model, pipeline_parallel_size, layer_partition, dtype, block_size, max_model_len,

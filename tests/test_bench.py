@@ -11,7 +11,7 @@ from pipellm.entrypoints.bench import run_bench
 
 def test_run_bench_reports_consistent_figures(llama_dir):
     r = run_bench(llama_dir, pipeline_parallel_size=2, num_prompts=6, input_len=(8, 24), output_len=5,
-                  use_tqdm=False, compare_hf=True)
+                  dtype="float32", use_tqdm=False, compare_hf=True)
     assert r["generated_tokens"] == 6 * 5
     assert 6 * 8 <= r["prompt_tokens"] <= 6 * 24
     assert r["generated_tok_s"] > 0 and r["total_tok_s"] > r["generated_tok_s"]

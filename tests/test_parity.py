@@ -33,7 +33,7 @@ def hf_reference(checkpoints):
 @pytest.mark.parametrize("pp,partition", LAYOUTS, ids=[f"pp{p}-{part or 'even'}" for p, part in LAYOUTS])
 def test_greedy_matches_hf(checkpoints, hf_reference, arch, pp, partition):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
-    with LLM(checkpoints[arch][0], pipeline_parallel_size=pp, layer_partition=partition) as llm:
+    with LLM(checkpoints[arch][0], pipeline_parallel_size=pp, layer_partition=partition, dtype="float32") as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for out, (ref_ids, ref_logprobs) in zip(outputs, hf_reference[arch]):
         completion = out.outputs[0]

@@ -56,3 +56,29 @@ def test_auto_partition_keeps_greedy_output(llama_dir, tmp_path, monkeypatch):
         assert auto.engine.partition_note.startswith("auto partition")
         assert [o.outputs[0].token_ids for o in auto.generate(prompts, params, use_tqdm=False)] == expected
     assert list((tmp_path / "profile").glob("*.json"))  # profiled once, kept for the next start
+
+
+def test_auto_dtype(monkeypatch, tmp_path):
+    from pipellm import kernels
+    from pipellm.pipeline import profile
+
+    monkeypatch.setenv("PIPELLM_CACHE_DIR", str(tmp_path))
+    assert profile.auto_dtype(1, compact=True)[0] == "float32"  # our kernels take fp32 activations
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert profile.auto_dtype(1, compact=False) == ("float32", "this CPU has no bf16 instructions")
+    # a CPU with bf16 instructions: measured once, then read back from the cache
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    calls = []
+    monkeypatch.setattr(profile, "_bf16_speedup", lambda n: calls.append(n) or {"ratio": 1.6})
+    assert profile.auto_dtype(2, compact=False)[0] == "bfloat16"
+    assert profile.auto_dtype(2, compact=False)[0] == "bfloat16" and calls == [2]
+    monkeypatch.setattr(profile, "_bf16_speedup", lambda n: {"ratio": 0.7})
+    assert profile.auto_dtype(1, compact=False)[0] == "float32"
+
+
+def test_engine_resolves_auto_dtype(llm_pp2):
+    from pipellm import kernels
+
+    # the stages got a concrete dtype: float32 on a CPU without bf16 instructions
+    dtype = llm_pp2.engine.config.dtype
+    assert dtype in ("float32", "bfloat16") and (dtype == "float32" or kernels.has_bf16_matmul())

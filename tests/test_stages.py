@@ -47,7 +47,7 @@ def test_each_stage_holds_only_its_layers(llama_dir):
 def test_only_hidden_states_cross_a_boundary(llama_dir):
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9] * 20, [3, 4]]
     new_tokens = 6
-    with LLM(llama_dir, pipeline_parallel_size=3) as llm:
+    with LLM(llama_dir, pipeline_parallel_size=3, dtype="float32") as llm:
         llm.generate([{"prompt_token_ids": p} for p in prompts],
                      SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
         reports = llm.engine.inspect()

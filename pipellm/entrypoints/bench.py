@@ -27,7 +27,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_prompts: int = 32,
-              input_len: tuple[int, int] = (64, 192), output_len: int = 64, dtype: str = "float32",
+              input_len: tuple[int, int] = (64, 192), output_len: int = 64, dtype: str = "auto",
               threads_per_stage: int | None = None, compare_hf: bool = False, seed: int = 0,
               use_tqdm: bool = True, trace_dir: str | None = None, **engine_kwargs) -> dict:
     if engine_kwargs.get("layer_partition") == "auto":  # balance for this workload's prompt/output mix
@@ -35,6 +35,7 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
     with LLM(model, pipeline_parallel_size=pipeline_parallel_size, dtype=dtype, threads_per_stage=threads_per_stage,
              seed=seed, trace=trace_dir is not None, **engine_kwargs) as llm:
         engine = llm.engine
+        dtype = engine.config.dtype  # "auto" resolved
         prompts = make_prompts(num_prompts, input_len, engine.model_config.vocab_size, seed)
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p[:16]} for p in prompts[:2]], SamplingParams(max_tokens=4),

@@ -20,7 +20,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, help="number of pipeline stages")
     p.add_argument("--layer-partition", "--partition", type=_partition, default=None,
                    help="layers per stage, e.g. 10,12,8, or auto (profiled on this machine)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): float32 unless bf16 measures faster on this CPU")
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
                    help="quantize an HF checkpoint's linear weights on load (GGUF files stay in their own formats)")
     p.add_argument("--max-model-len", type=int, default=None)
