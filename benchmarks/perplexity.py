@@ -1,0 +1,85 @@
+"""Perplexity of the default model on tests/data/perplexity.txt (an original ~1,900-token story written for this
+project and dedicated to the public domain, CC0), through each weight path, in this process (PP=1, one prefill).
+
+    python benchmarks/perplexity.py [--json out.json]
+Paths: compact (the GGUF's own formats through our kernels), fp32 (the same weights dequantized, plain torch),
+and fp32 re-quantized on load with quantization="int8" / "int4".
+"""
+import argparse
+import json
+import math
+import os
+import tempfile
+import time
+
+import torch
+
+from pipellm.config import ModelConfig
+from pipellm.engine.engine import load_tokenizer
+from pipellm.loader.default_model import default_model_path
+from pipellm.loader.gguf import cached_gguf_folder, convert_gguf, load_gguf_stage_weights
+from pipellm.loader.safetensors import load_stage_weights
+from pipellm.models.attention import AttentionMetadata
+from pipellm.models.layers import transpose_linears
+from pipellm.models.registry import build_stage_model
+from pipellm.pipeline.partition import StageLayers
+from pipellm.quant.rtn import quantize_linears
+
+TEXT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "perplexity.txt")
+BLOCK = 16
+
+
+def build(folder: str, cfg: ModelConfig, path: str):
+    whole = StageLayers(0, 0, cfg.num_layers, True, True)
+    if path == "compact":
+        with torch.device("meta"):
+            model = build_stage_model(cfg, whole)
+        load_gguf_stage_weights(model, folder, torch.float32)
+    else:
+        model = build_stage_model(cfg, whole)
+        load_stage_weights(model, folder, torch.float32)
+        if path != "fp32":
+            quantize_linears(model, path)
+    transpose_linears(model)
+    return model.eval()
+
+
+@torch.inference_mode()
+def perplexity(model, cfg: ModelConfig, ids: list[int]) -> float:
+    n = len(ids)
+    blocks = -(-n // BLOCK)
+    caches = [(torch.zeros(blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim),
+               torch.zeros(blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
+    positions = torch.arange(n)
+    meta = AttentionMetadata.build(positions, torch.tensor([n]), torch.tensor([n]), torch.arange(blocks)[None],
+                                   positions, BLOCK)
+    hidden = model(torch.tensor(ids), positions, meta, caches)
+    logprobs = torch.log_softmax(model.compute_logits(hidden[:-1]).double(), dim=-1)  # [n - 1, vocab]
+    nll = -logprobs[torch.arange(n - 1), torch.tensor(ids[1:])].mean().item()
+    return math.exp(nll)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    compact_dir = cached_gguf_folder(default_model_path())
+    fp32_dir = os.path.join(tempfile.mkdtemp(), "fp32")
+    convert_gguf(default_model_path(), fp32_dir)
+    cfg = ModelConfig.from_pretrained(compact_dir)
+    ids = load_tokenizer(compact_dir)(open(TEXT).read()).input_ids
+    results = {}
+    for path in ("compact", "fp32", "int8", "int4"):
+        start = time.perf_counter()
+        model = build(compact_dir if path == "compact" else fp32_dir, cfg, path)
+        results[path] = perplexity(model, cfg, ids)
+        print(f"{path:8s} perplexity {results[path]:.4f}  ({results[path] / results['compact']:.4f}x compact; "
+              f"{time.perf_counter() - start:.1f} s)", flush=True)
+        del model
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(tokens=len(ids), perplexity=results), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
