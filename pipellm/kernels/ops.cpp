@@ -54,7 +54,8 @@ const Isa& pick(const std::string& isa) {
 }
 
 pipellm::QWeight describe(const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
-                          const c10::optional<at::Tensor>& min, int64_t kind, int64_t group) {
+                          const c10::optional<at::Tensor>& min, int64_t kind, int64_t group,
+                          const c10::optional<at::Tensor>& super_scale, const c10::optional<at::Tensor>& super_min) {
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.device().is_cpu(), "qs must be a contiguous 2-D CPU tensor");
   TORCH_CHECK(kind >= pipellm::F16 && kind <= pipellm::Q8, "unknown weight kind ", kind);
   pipellm::QWeight w{};
@@ -74,16 +75,28 @@ pipellm::QWeight describe(const at::Tensor& qs, const c10::optional<at::Tensor>&
     const at::Tensor& s = *scale;
     TORCH_CHECK(s.is_contiguous() && s.dim() == 2 && s.size(0) == qs.size(0) && s.size(1) == w.K / group,
                 "scales must be [N, K / group] and contiguous");
-    TORCH_CHECK(s.scalar_type() == at::kHalf || s.scalar_type() == at::kFloat, "scales must be fp16 or fp32");
     w.scale = s.data_ptr();
     w.s_stride = s.size(1);
-    w.scale_f32 = s.scalar_type() == at::kFloat;
+    if (super_scale.has_value()) {  // two-level: uint8 multiples of an fp16 per 256 weights, scales and mins both
+      TORCH_CHECK(s.scalar_type() == at::kByte && min.has_value() && super_min.has_value() && group == 32 &&
+                  w.K % 256 == 0, "two-level scales: uint8 scales and mins, fp16 super-scales, K a multiple of 256");
+      for (const at::Tensor* t : {&*super_scale, &*super_min})
+        TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == qs.size(0) && t->size(1) == w.K / 256, "super-scales must be fp16 [N, K / 256]");
+      w.super_scale = super_scale->data_ptr();
+      w.super_min = super_min->data_ptr();
+      w.scale_kind = pipellm::SCALE_TWO_LEVEL;
+    } else {
+      TORCH_CHECK(s.scalar_type() == at::kHalf || s.scalar_type() == at::kFloat, "scales must be fp16 or fp32");
+      w.scale_kind = s.scalar_type() == at::kFloat ? pipellm::SCALE_F32 : pipellm::SCALE_F16;
+    }
     if (min.has_value()) {
       TORCH_CHECK(min->sizes() == s.sizes() && min->scalar_type() == s.scalar_type() && min->is_contiguous(),
                   "mins must match the scales");
       w.min = min->data_ptr();
     }
-    TORCH_CHECK(!(w.scale_f32 && kind == pipellm::Q4 && !w.min), "fp32-scaled Q4 weights need mins");
+    TORCH_CHECK(!(w.scale_kind == pipellm::SCALE_F32 && kind == pipellm::Q4 && !w.min),
+                "fp32-scaled Q4 weights need mins");
     TORCH_CHECK(!(w.group == 16 && w.min), "groups of 16 take no mins");
   }
   TORCH_CHECK(w.K % 32 == 0, "K must be a multiple of 32, got ", w.K);
@@ -91,9 +104,10 @@ pipellm::QWeight describe(const at::Tensor& qs, const c10::optional<at::Tensor>&
 }
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
-                   const c10::optional<at::Tensor>& min, int64_t kind, int64_t group, int64_t fused_max_rows,
-                   const std::string& isa) {
-  const pipellm::QWeight w = describe(qs, scale, min, kind, group);
+                   const c10::optional<at::Tensor>& min, int64_t kind, int64_t group,
+                   const c10::optional<at::Tensor>& super_scale, const c10::optional<at::Tensor>& super_min,
+                   int64_t fused_max_rows, const std::string& isa) {
+  const pipellm::QWeight w = describe(qs, scale, min, kind, group, super_scale, super_min);
   const Isa& impl = pick(isa);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.K, "x must be fp32 [M, ", w.K, "]");
   const at::Tensor xc = x.contiguous();
@@ -122,9 +136,10 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const c10::optiona
 }
 
 at::Tensor dequant_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
-                        const c10::optional<at::Tensor>& min, int64_t kind, int64_t group, const at::Tensor& rows,
-                        const std::string& isa) {
-  const pipellm::QWeight w = describe(qs, scale, min, kind, group);
+                        const c10::optional<at::Tensor>& min, int64_t kind, int64_t group,
+                        const c10::optional<at::Tensor>& super_scale, const c10::optional<at::Tensor>& super_min,
+                        const at::Tensor& rows, const std::string& isa) {
+  const pipellm::QWeight w = describe(qs, scale, min, kind, group, super_scale, super_min);
   const Isa& impl = pick(isa);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be a 1-D int64 tensor");
   const at::Tensor r = rows.contiguous();
@@ -217,10 +232,10 @@ std::string best_isa() { return pick("").name; }
 }  // namespace
 
 TORCH_LIBRARY(pipellm, m) {
-  m.def("qlinear(Tensor x, Tensor qs, Tensor? scale, Tensor? min, int kind, int group, int fused_max_rows, "
-        "str isa) -> Tensor", &qlinear);
-  m.def("dequant_rows(Tensor qs, Tensor? scale, Tensor? min, int kind, int group, Tensor rows, str isa) -> Tensor",
-        &dequant_rows);
+  m.def("qlinear(Tensor x, Tensor qs, Tensor? scale, Tensor? min, int kind, int group, Tensor? super_scale, "
+        "Tensor? super_min, int fused_max_rows, str isa) -> Tensor", &qlinear);
+  m.def("dequant_rows(Tensor qs, Tensor? scale, Tensor? min, int kind, int group, Tensor? super_scale, "
+        "Tensor? super_min, Tensor rows, str isa) -> Tensor", &dequant_rows);
   m.def("best_isa() -> str", &best_isa);
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "int window, float scale, str isa) -> Tensor", &paged_decode_attention);

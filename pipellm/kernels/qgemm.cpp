@@ -36,14 +36,28 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-template <bool F32>
-static inline float scale_at(const void* p, int64_t i) {
-  if constexpr (F32) return static_cast<const float*>(p)[i];
-  else return half_to_float(static_cast<const uint16_t*>(p)[i]);
+// Group i's scale and min (i = row * s_stride + group). Two-level: an 8-bit multiple of an fp16 per 256 weights,
+// multiplied in fp32 (exact: 11 x 8 bits), so w = q * scale + min expands to the same floats as a one-level fp32.
+template <int SK>
+static inline float scale_at(const QWeight& w, int64_t i) {
+  if constexpr (SK == pipellm::SCALE_F32) return static_cast<const float*>(w.scale)[i];
+  else if constexpr (SK == pipellm::SCALE_F16) return half_to_float(static_cast<const uint16_t*>(w.scale)[i]);
+  else
+    return half_to_float(static_cast<const uint16_t*>(w.super_scale)[i / 8]) *
+           float(static_cast<const uint8_t*>(w.scale)[i]);
+}
+
+template <int SK>
+static inline float min_at(const QWeight& w, int64_t i) {
+  if constexpr (SK == pipellm::SCALE_F32) return static_cast<const float*>(w.min)[i];
+  else if constexpr (SK == pipellm::SCALE_F16) return half_to_float(static_cast<const uint16_t*>(w.min)[i]);
+  else
+    return -(half_to_float(static_cast<const uint16_t*>(w.super_min)[i / 8]) *
+             float(static_cast<const uint8_t*>(w.min)[i]));
 }
 
 // Weights b*32 .. b*32+31 of row n, as fp32.
-template <int KIND, int GROUP, bool SF32, bool MIN>
+template <int KIND, int GROUP, int SK, bool MIN>
 static inline void expand(const QWeight& w, int64_t n, int64_t b, float* __restrict out) {
   const uint8_t* row = w.qs + n * w.qs_stride;
   if constexpr (KIND == pipellm::F16) {
@@ -71,8 +85,8 @@ static inline void expand(const QWeight& w, int64_t n, int64_t b, float* __restr
     constexpr int G = 32 / GROUP;  // groups in this block
     const int64_t g0 = n * w.s_stride + b * G;
     for (int g = 0; g < G; g++) {
-      const float s = scale_at<SF32>(w.scale, g0 + g);
-      const float m = MIN ? scale_at<SF32>(w.min, g0 + g) : 0.0f;
+      const float s = scale_at<SK>(w, g0 + g);
+      const float m = MIN ? min_at<SK>(w, g0 + g) : 0.0f;
       float* o = out + g * GROUP;
       for (int j = 0; j < GROUP; j++) o[j] = MIN ? o[j] * s + m : o[j] * s;
     }
@@ -89,7 +103,7 @@ struct Block {
 static inline __m256 u8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 static inline __m256 i8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
 
-template <int KIND, int GROUP, bool SF32, bool MIN>
+template <int KIND, int GROUP, int SK, bool MIN>
 static inline Block expand_vec(const QWeight& w, int64_t n, int64_t b) {
   const uint8_t* row = w.qs + n * w.qs_stride;
   Block out;
@@ -117,8 +131,8 @@ static inline Block expand_vec(const QWeight& w, int64_t n, int64_t b) {
     constexpr int G = 32 / GROUP;
     const int64_t g0 = n * w.s_stride + b * G;
     for (int g = 0; g < G; g++) {
-      const __m256 s = _mm256_set1_ps(scale_at<SF32>(w.scale, g0 + g));
-      const __m256 m = _mm256_set1_ps(MIN ? scale_at<SF32>(w.min, g0 + g) : 0.0f);
+      const __m256 s = _mm256_set1_ps(scale_at<SK>(w, g0 + g));
+      const __m256 m = _mm256_set1_ps(MIN ? min_at<SK>(w, g0 + g) : 0.0f);
       for (int c = g * 4 / G; c < (g + 1) * 4 / G; c++)
         out.v[c] = MIN ? _mm256_fmadd_ps(out.v[c], s, m) : _mm256_mul_ps(out.v[c], s);
     }
@@ -133,7 +147,7 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int KIND, int GROUP, bool SF32, bool MIN, int R>
+template <int KIND, int GROUP, int SK, bool MIN, int R>
 static inline void gemm_tile(const QWeight& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t n) {
   // A chain of FMAs into one register waits ~4 cycles a link: with few rows, each row keeps several partial sums
   // so that independent FMAs fill the pipeline (3x faster for one row).
@@ -143,7 +157,7 @@ static inline void gemm_tile(const QWeight& w, const float* x, int64_t ldx, floa
     for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
   const int64_t nb = w.K / 32;
   for (int64_t b = 0; b < nb; b++) {
-    const Block wb = expand_vec<KIND, GROUP, SF32, MIN>(w, n, b);
+    const Block wb = expand_vec<KIND, GROUP, SK, MIN>(w, n, b);
     for (int r = 0; r < R; r++) {
       const float* xr = x + r * ldx + b * 32;
       for (int c = 0; c < 4; c++)
@@ -156,38 +170,38 @@ static inline void gemm_tile(const QWeight& w, const float* x, int64_t ldx, floa
   }
 }
 
-template <int KIND, int GROUP, bool SF32, bool MIN>
+template <int KIND, int GROUP, int SK, bool MIN>
 static void gemm_t(const QWeight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, int64_t n0,
                    int64_t n1) {
   for (int64_t n = n0; n < n1; n++) {
     int64_t m = 0;
-    for (; m + MR <= M; m += MR) gemm_tile<KIND, GROUP, SF32, MIN, MR>(w, x + m * ldx, ldx, y + m * ldy, ldy, n);
+    for (; m + MR <= M; m += MR) gemm_tile<KIND, GROUP, SK, MIN, MR>(w, x + m * ldx, ldx, y + m * ldy, ldy, n);
     const float* xm = x + m * ldx;
     float* ym = y + m * ldy;
     switch (M - m) {
-      case 7: gemm_tile<KIND, GROUP, SF32, MIN, 7>(w, xm, ldx, ym, ldy, n); break;
-      case 6: gemm_tile<KIND, GROUP, SF32, MIN, 6>(w, xm, ldx, ym, ldy, n); break;
-      case 5: gemm_tile<KIND, GROUP, SF32, MIN, 5>(w, xm, ldx, ym, ldy, n); break;
-      case 4: gemm_tile<KIND, GROUP, SF32, MIN, 4>(w, xm, ldx, ym, ldy, n); break;
-      case 3: gemm_tile<KIND, GROUP, SF32, MIN, 3>(w, xm, ldx, ym, ldy, n); break;
-      case 2: gemm_tile<KIND, GROUP, SF32, MIN, 2>(w, xm, ldx, ym, ldy, n); break;
-      case 1: gemm_tile<KIND, GROUP, SF32, MIN, 1>(w, xm, ldx, ym, ldy, n); break;
+      case 7: gemm_tile<KIND, GROUP, SK, MIN, 7>(w, xm, ldx, ym, ldy, n); break;
+      case 6: gemm_tile<KIND, GROUP, SK, MIN, 6>(w, xm, ldx, ym, ldy, n); break;
+      case 5: gemm_tile<KIND, GROUP, SK, MIN, 5>(w, xm, ldx, ym, ldy, n); break;
+      case 4: gemm_tile<KIND, GROUP, SK, MIN, 4>(w, xm, ldx, ym, ldy, n); break;
+      case 3: gemm_tile<KIND, GROUP, SK, MIN, 3>(w, xm, ldx, ym, ldy, n); break;
+      case 2: gemm_tile<KIND, GROUP, SK, MIN, 2>(w, xm, ldx, ym, ldy, n); break;
+      case 1: gemm_tile<KIND, GROUP, SK, MIN, 1>(w, xm, ldx, ym, ldy, n); break;
     }
   }
 }
 
-template <int KIND, int GROUP, bool SF32, bool MIN>
+template <int KIND, int GROUP, int SK, bool MIN>
 static void dequant_t(const QWeight& w, const int64_t* rows, int64_t R, float* out) {
   const int64_t nb = w.K / 32;
   for (int64_t i = 0; i < R; i++)
     for (int64_t b = 0; b < nb; b++) {
-      const Block wb = expand_vec<KIND, GROUP, SF32, MIN>(w, rows[i], b);
+      const Block wb = expand_vec<KIND, GROUP, SK, MIN>(w, rows[i], b);
       for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + i * w.K + b * 32 + 8 * c, wb.v[c]);
     }
 }
 #else
 
-template <int KIND, int GROUP, bool SF32, bool MIN>
+template <int KIND, int GROUP, int SK, bool MIN>
 static void gemm_t(const QWeight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, int64_t n0,
                    int64_t n1) {
   const int64_t nb = w.K / 32;
@@ -197,7 +211,7 @@ static void gemm_t(const QWeight& w, const float* x, int64_t M, int64_t ldx, flo
       const int mr = M - m0 < MR ? int(M - m0) : MR;
       alignas(64) float acc[MR][8] = {};
       for (int64_t b = 0; b < nb; b++) {
-        expand<KIND, GROUP, SF32, MIN>(w, n, b, wb);
+        expand<KIND, GROUP, SK, MIN>(w, n, b, wb);
         for (int r = 0; r < mr; r++) {
           const float* xr = x + (m0 + r) * ldx + b * 32;
           // 8 partial sums a row: one vector register each with AVX2
@@ -214,14 +228,16 @@ static void gemm_t(const QWeight& w, const float* x, int64_t M, int64_t ldx, flo
   }
 }
 
-template <int KIND, int GROUP, bool SF32, bool MIN>
+template <int KIND, int GROUP, int SK, bool MIN>
 static void dequant_t(const QWeight& w, const int64_t* rows, int64_t R, float* out) {
   const int64_t nb = w.K / 32;
   for (int64_t i = 0; i < R; i++)
-    for (int64_t b = 0; b < nb; b++) expand<KIND, GROUP, SF32, MIN>(w, rows[i], b, out + i * w.K + b * 32);
+    for (int64_t b = 0; b < nb; b++) expand<KIND, GROUP, SK, MIN>(w, rows[i], b, out + i * w.K + b * 32);
 }
 
 #endif  // PIPELLM_AVX2
+
+constexpr int F16S = pipellm::SCALE_F16, F32S = pipellm::SCALE_F32, TWO = pipellm::SCALE_TWO_LEVEL;
 
 // The layouts that GGUF's types and our own quantization produce; anything else is refused by ops.cpp first.
 #define PIPELLM_DISPATCH(FN, ...)                                                      \
@@ -229,18 +245,20 @@ static void dequant_t(const QWeight& w, const int64_t* rows, int64_t R, float* o
     case pipellm::F16: return FN<pipellm::F16, 32, false, false>(__VA_ARGS__);         \
     case pipellm::BF16: return FN<pipellm::BF16, 32, false, false>(__VA_ARGS__);       \
     case pipellm::Q4:                                                                  \
-      if (w.scale_f32) return FN<pipellm::Q4, 32, true, true>(__VA_ARGS__);            \
-      if (w.min) return FN<pipellm::Q4, 32, false, true>(__VA_ARGS__);                 \
-      return FN<pipellm::Q4, 32, false, false>(__VA_ARGS__);                           \
+      if (w.scale_kind == TWO) return FN<pipellm::Q4, 32, TWO, true>(__VA_ARGS__);     \
+      if (w.scale_kind == F32S) return FN<pipellm::Q4, 32, F32S, true>(__VA_ARGS__);   \
+      if (w.min) return FN<pipellm::Q4, 32, F16S, true>(__VA_ARGS__);                  \
+      return FN<pipellm::Q4, 32, F16S, false>(__VA_ARGS__);                            \
     default:                                                                           \
       if (w.group == 16) {                                                             \
-        if (w.scale_f32) return FN<pipellm::Q8, 16, true, false>(__VA_ARGS__);         \
-        return FN<pipellm::Q8, 16, false, false>(__VA_ARGS__);                         \
+        if (w.scale_kind == F32S) return FN<pipellm::Q8, 16, F32S, false>(__VA_ARGS__); \
+        return FN<pipellm::Q8, 16, F16S, false>(__VA_ARGS__);                          \
       }                                                                                \
-      if (w.scale_f32 && w.min) return FN<pipellm::Q8, 32, true, true>(__VA_ARGS__);   \
-      if (w.scale_f32) return FN<pipellm::Q8, 32, true, false>(__VA_ARGS__);           \
-      if (w.min) return FN<pipellm::Q8, 32, false, true>(__VA_ARGS__);                 \
-      return FN<pipellm::Q8, 32, false, false>(__VA_ARGS__);                           \
+      if (w.scale_kind == TWO) return FN<pipellm::Q8, 32, TWO, true>(__VA_ARGS__);     \
+      if (w.scale_kind == F32S && w.min) return FN<pipellm::Q8, 32, F32S, true>(__VA_ARGS__); \
+      if (w.scale_kind == F32S) return FN<pipellm::Q8, 32, F32S, false>(__VA_ARGS__);  \
+      if (w.min) return FN<pipellm::Q8, 32, F16S, true>(__VA_ARGS__);                  \
+      return FN<pipellm::Q8, 32, F16S, false>(__VA_ARGS__);                            \
   }
 
 void gemm(const QWeight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, int64_t n0, int64_t n1) {

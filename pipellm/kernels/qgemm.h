@@ -8,13 +8,17 @@ enum Kind { F16 = 0, BF16 = 1, Q4 = 2, Q8 = 3 };
 struct QWeight {
   const uint8_t* qs;   // row n starts at qs + n * qs_stride
   int64_t qs_stride;   // bytes
-  const void* scale;   // [N, K / group], fp16 or fp32; null for F16/BF16
-  const void* min;     // same shape, or null
+  const void* scale;   // [N, K / group]: fp16, fp32, or (two-level) uint8 multiples of super_scale; null for F16/BF16
+  const void* min;     // same shape and type, or null (two-level: w = q * scale - min)
+  const void* super_scale;  // two-level only: fp16 [N, K / 256], the K-quants' d and dmin
+  const void* super_min;
   int64_t s_stride;    // scales a row
   int64_t K;
   int kind, group;
-  bool scale_f32;
+  int scale_kind;      // ScaleKind
 };
+
+enum ScaleKind { SCALE_F16 = 0, SCALE_F32 = 1, SCALE_TWO_LEVEL = 2 };
 
 struct DecodeArgs {
   const float* q;              // [B, H, D]

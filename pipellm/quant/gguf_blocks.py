@@ -1,9 +1,9 @@
 """GGUF's block formats repacked, without loss, into the layouts of quant/linear.py.
 
 Each GGUF row of K weights is a run of blocks (32 weights, or 256 in the K-quants). Scales that the file keeps as
-fp16 stay fp16; the K-quants' two-level scales (an fp16 per 256 times a 6- or 8-bit integer per 16 or 32) become
-one fp32 scale per group: the product is exact in fp32, so w = q * scale + min expands to the same floats as the
-`gguf` package's dequantize.
+fp16 stay fp16; Q4_K's and Q5_K's two-level scales (an fp16 per 256 times a 6-bit integer per 32) stay two-level, and Q6_K's
+(an fp16 per 256 times an int8 per 16) become an fp32 per 16. The kernels multiply the two levels in fp32, which is
+exact, so every weight expands to the same float as in the `gguf` package's dequantize.
 """
 import numpy as np
 import torch
@@ -80,20 +80,19 @@ def repack(raw: np.ndarray, qtype: T, num_rows: int, num_cols: int, name: str = 
             return QuantWeight(Q8, _t((q - np.int8(16)).reshape(n, -1)), _t(d), source=src)
         return QuantWeight(Q8, _t(q.reshape(n, -1)), _t(d), _t(_f16(blocks[..., 2:4])), source=src)
     if qtype in (T.Q4_K, T.Q5_K):
-        d = _f16(blocks[..., 0:2]).astype(np.float32)[..., None]
-        dmin = _f16(blocks[..., 2:4]).astype(np.float32)[..., None]
-        sc, mn = _k_scales(blocks[..., 4:16])
-        scale = (d * sc.astype(np.float32)).reshape(n, -1)                    # [N, K/32]
-        mins = (-(dmin * mn.astype(np.float32))).reshape(n, -1)
+        # two-level scales kept as the file has them: fp16 d and dmin per 256, 6-bit multiples per 32
+        d, dmin = _t(_f16(blocks[..., 0:2])), _t(_f16(blocks[..., 2:4]))       # [N, K/256]
+        sc, mn = (_t(a.reshape(n, -1)) for a in _k_scales(blocks[..., 4:16]))  # [N, K/32] uint8
         qs = blocks[..., -128:].reshape(n, -1, 4, 32)                         # four 32-byte runs per 256
         lo, hi = _nibbles(qs)                                                 # sub-blocks 2i and 2i + 1
         q = np.stack((lo, hi), axis=3).reshape(n, -1, 32)                     # [N, K/32, 32]
         if qtype == T.Q4_K:
-            return QuantWeight(Q4, _t(_pack_q4(q)), _t(scale), _t(mins), source=src)
+            return QuantWeight(Q4, _t(_pack_q4(q)), sc, mn, source=src, super_scale=d, super_min=dmin)
         qh = blocks[..., 16:48][:, :, None, :]                                # [N, B, 1, 32]: bit i for sub-block i
         bits = (qh >> np.arange(8, dtype=np.uint8)[:, None]) & np.uint8(1)    # [N, B, 8, 32]
         q = q | (bits.reshape(n, -1, 32) << np.uint8(4))
-        return QuantWeight(Q8, _t(q.astype(np.int8).reshape(n, -1)), _t(scale), _t(mins), source=src)
+        return QuantWeight(Q8, _t(q.astype(np.int8).reshape(n, -1)), sc, mn, source=src, super_scale=d,
+                           super_min=dmin)
     # Q6_K: ql [128], qh [64], 16 int8 scales, fp16 d; groups of 16
     ql, qh = blocks[..., 0:128], blocks[..., 128:192]
     scales = blocks[..., 192:208].view(np.int8).astype(np.float32)

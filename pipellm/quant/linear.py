@@ -15,21 +15,27 @@ FUSED_MAX_ROWS = 32  # up to this many rows the fused kernel beats expanding a s
 
 
 class QuantWeight(nn.Module):
-    """codes [N, K/2] (Q4, uint8), [N, K] (Q8 int8; F16/BF16/F32 floats); scale and min [N, K/group] or None."""
+    """codes [N, K/2] (Q4, uint8), [N, K] (Q8 int8; F16/BF16/F32 floats); scale and min [N, K/group] or None:
+    w = q * scale + min. Two-level (the K-quants): scale and min are uint8 multiples of fp16 super_scale and
+    super_min [N, K/256], and w = q * (super_scale * scale) - super_min * min."""
 
     def __init__(self, kind: int, codes: torch.Tensor, scale: torch.Tensor | None = None,
-                 min: torch.Tensor | None = None, group: int = 32, source: str = ""):
+                 min: torch.Tensor | None = None, group: int = 32, source: str = "",
+                 super_scale: torch.Tensor | None = None, super_min: torch.Tensor | None = None):
         super().__init__()
         self.kind, self.group, self.source = kind, group, source or KIND_NAMES[kind]
         self.num_rows = codes.shape[0]
         self.num_cols = codes.shape[1] * (2 if kind == Q4 else 1)
-        self.register_buffer("codes", codes.contiguous())
-        self.register_buffer("scale", None if scale is None else scale.contiguous())
-        self.register_buffer("min", None if min is None else min.contiguous())
+        for name, t in (("codes", codes), ("scale", scale), ("min", min), ("super_scale", super_scale),
+                        ("super_min", super_min)):
+            self.register_buffer(name, None if t is None else t.contiguous())
+
+    def _tensors(self) -> tuple:
+        return self.codes, self.scale, self.min, self.super_scale, self.super_min
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.codes, self.scale, self.min) if t is not None)
+        return sum(t.nbytes for t in self._tensors() if t is not None)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 [R, K] of the given rows (all by default), in plain torch."""
@@ -44,14 +50,18 @@ class QuantWeight(nn.Module):
         else:
             q = codes.float()
         q = q.reshape(n, -1, self.group)                                       # [n, K/group, group]
-        scale = (self.scale if rows is None else self.scale[rows]).float()[..., None]
-        w = q * scale
-        if self.min is not None:
-            w = w + (self.min if rows is None else self.min[rows]).float()[..., None]
+        pick = (lambda t: (t if rows is None else t[rows]).float())
+        scale, mins = pick(self.scale), None if self.min is None else pick(self.min)
+        if self.super_scale is not None:  # [n, K/256] -> one per group of 32: [n, K/32]
+            scale = pick(self.super_scale).repeat_interleave(8, dim=-1) * scale
+            mins = -(pick(self.super_min).repeat_interleave(8, dim=-1) * mins)
+        w = q * scale[..., None]
+        if mins is not None:
+            w = w + mins[..., None]
         return w.reshape(n, self.num_cols)
 
     def _kernel_args(self):
-        return self.codes, self.scale, self.min, self.kind, self.group
+        return self.codes, self.scale, self.min, self.kind, self.group, self.super_scale, self.super_min
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 -> x @ W^T, [M, N] fp32."""
@@ -68,22 +78,21 @@ class QuantWeight(nn.Module):
         return ops.dequant_rows(*self._kernel_args(), ids, "")
 
     def same_layout(self, other: "QuantWeight") -> bool:
-        return (self.kind, self.group, self.num_cols, self.codes.dtype) == (
-            other.kind, other.group, other.num_cols, other.codes.dtype) and all(
+        return (self.kind, self.group, self.num_cols) == (other.kind, other.group, other.num_cols) and all(
             (a is None) == (b is None) and (a is None or a.dtype == b.dtype)
-            for a, b in ((self.scale, other.scale), (self.min, other.min)))
+            for a, b in zip(self._tensors(), other._tensors()))
 
     def take_rows(self, index: torch.Tensor) -> "QuantWeight":
-        pick = (lambda t: None if t is None else t[index])
-        return QuantWeight(self.kind, self.codes[index], pick(self.scale), pick(self.min), self.group, self.source)
+        codes, scale, mins, sup, sup_min = (None if t is None else t[index] for t in self._tensors())
+        return QuantWeight(self.kind, codes, scale, mins, self.group, self.source, sup, sup_min)
 
     @staticmethod
     def stack(parts: list["QuantWeight"]) -> "QuantWeight":
         """Rows of parts of one layout, one after another (q, k and v into one qkv matrix)."""
-        first = parts[0]
-        cat = (lambda name: None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts]))
+        columns = zip(*(p._tensors() for p in parts))
+        codes, scale, mins, sup, sup_min = (None if ts[0] is None else torch.cat(ts) for ts in columns)
         source = "+".join(dict.fromkeys(p.source for p in parts))
-        return QuantWeight(first.kind, cat("codes"), cat("scale"), cat("min"), first.group, source)
+        return QuantWeight(parts[0].kind, codes, scale, mins, parts[0].group, source, sup, sup_min)
 
 
 class CompactLinear(nn.Module):
@@ -156,7 +165,7 @@ def weight_bytes(model: nn.Module) -> list[tuple[str, int]]:
 
     for m in model.modules():
         if isinstance(m, QuantWeight):
-            for t in (m.codes, m.scale, m.min):
+            for t in m._tensors():
                 add(m.source, t)
     for p in model.parameters():
         add(_DTYPE_NAMES.get(p.dtype, str(p.dtype)), p)
