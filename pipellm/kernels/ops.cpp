@@ -144,12 +144,9 @@ at::Tensor dequant_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& s
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be a 1-D int64 tensor");
   const at::Tensor r = rows.contiguous();
   const int64_t R = r.size(0), N = qs.size(0);
-  if (R > 0) {
-    const auto [lo, hi] = at::aminmax(r);
-    TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < N, "row index out of range [0, ", N, ")");
-  }
-  at::Tensor out = at::empty({R, w.K}, at::kFloat);
   const int64_t* idx = r.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; i++) TORCH_CHECK(idx[i] >= 0 && idx[i] < N, "row index out of range [0, ", N, ")");
+  at::Tensor out = at::empty({R, w.K}, at::kFloat);
   float* o = out.data_ptr<float>();
   at::parallel_for(0, R, 4, [&](int64_t a, int64_t b) { impl.dequant(w, idx + a, b - a, o + a * w.K); });
   return out;
@@ -211,17 +208,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               block_tables.is_contiguous(), "block_tables must be contiguous int64 [B, width]");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == B && seq_lens.scalar_type() == at::kLong &&
               seq_lens.is_contiguous(), "seq_lens must be contiguous int64 [B]");
-  const int64_t bs = k_cache.size(1);
-  if (B > 0) {  // every block a sequence reads must be in the cache
-    TORCH_CHECK(seq_lens.min().item<int64_t>() >= 1 && seq_lens.max().item<int64_t>() <= block_tables.size(1) * bs,
-                "seq_lens out of range of the block tables");
-    const auto [lo, hi] = at::aminmax(block_tables);
-    TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < k_cache.size(0), "block id out of range");
+  const int64_t bs = k_cache.size(1), width = block_tables.size(1);
+  // every block a sequence reads must be in the cache (plain loops: a few torch reductions cost more than the rest)
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; b++) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * bs, "seq_lens out of range of the block tables");
+    for (int64_t i = 0; i < width; i++)
+      TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < k_cache.size(0), "block id out of range");
   }
   at::Tensor out = at::empty_like(q);
   pipellm::DecodeArgs a{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                         block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
-                        block_tables.size(1), bs, window, H, KV, D, float(scale)};
+                        width, bs, window, H, KV, D, float(scale)};
   const Isa& impl = pick(isa);
   at::parallel_for(0, B * KV, 1, [&](int64_t u0, int64_t u1) { impl.decode_attention(a, u0, u1); });
   return out;
