@@ -169,7 +169,7 @@ def test_a_node_agent_with_the_wrong_token_is_refused_and_the_right_one_joins(ll
 def test_request_caps_queue_limit_and_what_the_server_shows(llama_dir, tmp_path):
     key = "sekrit"
     auth = {"Authorization": f"Bearer {key}"}
-    args = ["--api-key", key, "--served-model-name", "tiny", "--max-model-len", "128", "--max-num-seqs", "1",
+    args = ["--api-key", key, "--served-model-name", "tiny", "--max-model-len", "256", "--max-num-seqs", "1",
             "--max-waiting-seqs", "2", "--max-request-seqs", "4", "--max-request-tokens", "300"]
     with serve(llama_dir, tmp_path, *args) as server:
         url = server.url
@@ -187,22 +187,34 @@ def test_request_caps_queue_limit_and_what_the_server_shows(llama_dir, tmp_path)
         assert httpx.get(f"{url}/metrics", headers=auth).status_code == 200
 
         async def crowd():
-            """One request runs at a time (max_num_seqs 1): once two wait, the next one is turned away."""
+            """One request runs at a time (max_num_seqs 1): once two wait, the next one is turned away. Each
+            request is sent once the one before it is counted, so none of the first three meets a full queue;
+            each runs 240 tokens, so the queue is still full when the fourth comes."""
             async with httpx.AsyncClient(headers=auth, timeout=120) as client:
-                body = {"model": "tiny", "prompt": "Hello", "max_tokens": 120, "ignore_eos": True}
-                busy = [asyncio.create_task(client.post(f"{url}/v1/completions", json=body)) for _ in range(5)]
-                deadline = time.monotonic() + 30
-                while float(re.search(r"num_requests_waiting\{.*\} (\S+)",
-                                      (await client.get(f"{url}/metrics")).text).group(1)) < 2:
-                    assert time.monotonic() < deadline and not all(t.done() for t in busy), "nothing waited"
-                    await asyncio.sleep(0.005)
-                resp = await client.post(f"{url}/v1/completions", json=body | {"max_tokens": 1})
-                return resp, await asyncio.gather(*busy)
+                async def gauge(name: str) -> float:
+                    text = (await client.get(f"{url}/metrics")).text
+                    return float(re.search(name + r"\{.*\} (\S+)", text).group(1))
 
-        refused, served = asyncio.run(crowd())
+                async def until(name: str, value: float):
+                    deadline = time.monotonic() + 30
+                    while await gauge(name) < value:
+                        assert time.monotonic() < deadline, f"{name} never reached {value}"
+                        await asyncio.sleep(0.005)
+
+                body = {"model": "tiny", "prompt": "Hello", "max_tokens": 240, "ignore_eos": True}
+                busy = [asyncio.create_task(client.post(f"{url}/v1/completions", json=body))]
+                await until("num_requests_running", 1)
+                for waiting in (1, 2):
+                    busy.append(asyncio.create_task(client.post(f"{url}/v1/completions", json=body)))
+                    await until("num_requests_waiting", waiting)
+                resp = await client.post(f"{url}/v1/completions", json=body | {"max_tokens": 1})
+                for task in busy:  # no need to wait for their tokens
+                    task.cancel()
+                return resp
+
+        refused = asyncio.run(crowd())
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "overloaded"
-        assert [r.status_code for r in served] == [200] * 5
         assert post({"prompt": "Hello", "max_tokens": 2}).status_code == 200  # room again
     with serve(llama_dir, tmp_path, "--api-key", key, "--metrics-public") as public:
         assert httpx.get(f"{public.url}/metrics").status_code == 200
