@@ -62,16 +62,17 @@ def warn_if_slow_dtype(dtype: str) -> None:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.model_dir = resolve_model(config.model)
+        gguf_file = gguf_source(self.model_dir)
         if config.dtype == "auto":
             from pipellm.pipeline.profile import auto_dtype
-            compact = gguf_source(self.model_dir) is not None or config.quantization is not None
+            compact = gguf_file is not None or config.quantization is not None
             dtype, why = auto_dtype(config.num_threads, compact)
             log.info("dtype auto: %s (%s)", dtype, why)
             config = dataclasses.replace(config, dtype=dtype)
         warn_if_slow_dtype(config.dtype)
         self.config = config
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
-        if gguf_source(self.model_dir) is None:
+        if gguf_file is None:
             checkpoint_files(self.model_dir)  # fail here, before any process starts, if the weights are missing
         elif config.quantization:
             raise ValueError(f"quantization={config.quantization!r}: a GGUF file's weights are quantized already "

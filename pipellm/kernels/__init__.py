@@ -22,16 +22,21 @@ def load():
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (Linux /proc/cpuinfo); empty where unknown."""
+def cpuinfo(field: str) -> str:
+    """A field of the first CPU in Linux's /proc/cpuinfo ("flags", "model name"); empty where unknown."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags; empty where unknown."""
+    return frozenset(cpuinfo("flags").split())
 
 
 def has_bf16_matmul() -> bool:

@@ -68,8 +68,8 @@ def auto_dtype(num_threads: int, compact: bool) -> tuple[str, str]:
         return "float32", "compact weights: the kernels take fp32 activations"
     if not kernels.has_bf16_matmul():
         return "float32", "this CPU has no bf16 instructions"
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-    ratio = _cached(["dtype-v1", torch.__version__, cpu, num_threads], lambda: _bf16_speedup(num_threads))["ratio"]
+    key = ["dtype-v1", torch.__version__, kernels.cpuinfo("model name"), num_threads]
+    ratio = _cached(key, lambda: _bf16_speedup(num_threads))["ratio"]
     return ("bfloat16" if ratio > 1.1 else "float32"), f"bf16 matmul measured at {ratio:.2f}x the speed of fp32"
 
 
