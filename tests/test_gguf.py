@@ -1,6 +1,7 @@
 import hashlib
 import json
 import os
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -285,9 +286,9 @@ def test_bad_files(tmp_path):
 
 
 def test_unsupported_content(tmp_path):
-    scaled = tmp_path / "yarn.gguf"
-    write_tiny_gguf(scaled, rope_scaling=gguf.RopeScalingType.YARN)
-    with pytest.raises(ValueError, match="yarn.gguf: rope scaling 'yarn'"):
+    scaled = tmp_path / "ntk.gguf"
+    write_tiny_gguf(scaled, rope_scaling=SimpleNamespace(value="ntk"))  # a type llama.cpp does not write either
+    with pytest.raises(ValueError, match="ntk.gguf: rope scaling 'ntk' is not supported"):
         convert_gguf(str(scaled), str(tmp_path / "o1"))
 
     f64 = tmp_path / "f64.gguf"
@@ -344,7 +345,7 @@ def test_smollm2_config(smollm2):
     assert cfg["tie_word_embeddings"] is True and cfg["eos_token_id"] == 2
     assert cfg["rms_norm_eps"] == 1e-5 and cfg.get("rope_parameters", cfg)["rope_theta"] == 100000.0
     engine_cfg = ModelConfig.from_pretrained(smollm2)  # the engine reads the folder as intended
-    assert (engine_cfg.num_layers, engine_cfg.num_kv_heads, engine_cfg.rope_theta, engine_cfg.norm_eps,
+    assert (engine_cfg.num_layers, engine_cfg.num_kv_heads, engine_cfg.rope.theta, engine_cfg.norm_eps,
             engine_cfg.tie_word_embeddings, engine_cfg.eos_token_ids) == (30, 3, 100000.0, 1e-5, True, (2,))
 
 

@@ -3,7 +3,9 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from pipellm import kernels
-from pipellm.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from pipellm.config import RopeConfig
+from pipellm.models.layers import RMSNorm
+from pipellm.models.rotary import RotaryEmbedding, apply_rotary
 
 
 def test_kernels_are_used():
@@ -25,7 +27,7 @@ def test_rms_norm_matches_hf():
 
 def test_rotary_matches_hf():
     torch.manual_seed(0)
-    rope = RotaryEmbedding(64, 256, 10000.0)
+    rope = RotaryEmbedding(RopeConfig(), 64, 256)
     positions = torch.tensor([0, 5, 17, 255])
     cos, sin = rope.tables(positions, torch.float32)                                    # [T, 1, D]
     qkv = torch.randn(4, 9 * 64 + 2 * 3 * 64)

@@ -65,8 +65,8 @@ def test_last_token_logits_match_hf(checkpoints):
         n, block = len(prompt), 16
         positions = torch.arange(n)
         tables = torch.arange(-(-n // block))[None].int()
-        meta = AttentionMetadata.build(positions, torch.tensor([n]), torch.tensor([n]), tables, positions, block,
-                                       cfg.sliding_window)
+        meta = AttentionMetadata.for_layers([cfg.is_sliding(i) for i in range(cfg.num_layers)], cfg.sliding_window,
+                                            positions, torch.tensor([n]), torch.tensor([n]), tables, positions, block)
         for stage in make_partition(cfg.num_layers, 2, [2, 3]):
             model = build_stage_model(cfg, stage)
             load_stage_weights(model, folder, torch.float32)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipellm.config import EngineConfig, ModelConfig
+from pipellm.config import EngineConfig, ModelConfig, RopeConfig
 from pipellm.pipeline import wire
 from pipellm.pipeline.messages import (Inspect, NewRequest, SampledBatch, Shutdown, StageArgs, StageBatch,
                                        StageReport)
@@ -36,11 +36,11 @@ MESSAGES = [
     _batch(),
     SampledBatch(9, [SampledToken(3, -0.25, 1, [(3, -0.25), (7, float("-inf"))]), SampledToken(4)]),
     StageArgs(make_partition(5, 2, [3, 2])[1], 2, "/models/x",
-              ModelConfig("LlamaForCausalLM", 384, 64, 5, 4, 2, 16, 160, 256, 1e-5, 5e5, eos_token_ids=(0, 2)),
+              ModelConfig("LlamaForCausalLM", 384, 64, 5, 4, 2, 16, 160, 256, 1e-5, RopeConfig("llama3", 5e5, factor=8.0, original_max_position_embeddings=64), eos_token_ids=(0, 2), layer_types=("full_attention",) * 5),
               EngineConfig("/models/x", pipeline_parallel_size=2, layer_partition=[3, 2], nnodes=2,
                            master_port=29500), 123),
     StageArgs(make_partition(30, 1)[0], 1, "/cache/smollm2",
-              ModelConfig("LlamaForCausalLM", 49152, 576, 30, 9, 3, 64, 1536, 8192, 1e-5, 1e5, True),
+              ModelConfig("LlamaForCausalLM", 49152, 576, 30, 9, 3, 64, 1536, 8192, 1e-5, RopeConfig(theta=1e5), True),
               EngineConfig(None, layer_partition="auto", dtype="bfloat16", num_kv_blocks=64), 64),  # default model
     StageReport(1, "stage 1: layers 3-4", 42, ["a.weight"], ["model.layers.3.x"], "/m", 2, (10, 16, 2, 16), 1, [1],
                 7, 0, 0, 1.5, [("forward", 3, 0.5, 0.75, 12, 2)], 0.25, [("Q4_1", 1000), ("F32", 8)], 64, 4096),

@@ -30,13 +30,16 @@ log = logging.getLogger("pipellm")
 
 def resolve_model(model: str | None) -> str:
     """A model folder with config.json and safetensors, converting a GGUF file (cached) when given one."""
-    from pipellm.loader.default_model import default_model_path
+    from pipellm.loader.default_model import MODEL_NAMES, default_model_path, named_model_path
     from pipellm.loader.gguf import cached_gguf_folder
 
-    path = default_model_path() if model is None else os.path.expanduser(model)
+    if model in MODEL_NAMES and not os.path.exists(model):
+        path = named_model_path(model)
+    else:
+        path = default_model_path() if model is None else os.path.expanduser(model)
     if not os.path.exists(path):
         raise ValueError(f"model {path!r} does not exist; pass a folder with config.json and *.safetensors, "
-                         "a .gguf file, or None for the default model")
+                         f"a .gguf file, one of the names {', '.join(MODEL_NAMES)}, or None for the default model")
     if os.path.isfile(path):
         if path.endswith(".gguf"):
             return cached_gguf_folder(path)
@@ -80,10 +83,10 @@ class LLMEngine:
         else:
             kernels.load()  # build the compact-weight kernels once, here, rather than in every stage
         mc = self.model_config
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={mc.max_position_embeddings}")
+        self.max_model_len = config.max_model_len or mc.max_context
+        if self.max_model_len > mc.max_context:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context of {mc.max_context} "
+                             f"(max_position_embeddings={mc.max_position_embeddings}, rope {mc.rope.rope_type})")
         self.partition_note = None
         partition = config.layer_partition
         if partition == "auto":
@@ -96,8 +99,9 @@ class LLMEngine:
         self.num_blocks = self._num_kv_blocks()
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = self._eos_token_ids()
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, self.prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" else None)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # a user's request id -> its completions' ids, to find them by id
         self.in_flight: deque[ScheduledBatch] = deque()
@@ -111,6 +115,11 @@ class LLMEngine:
         if config.distributed_executor_backend == "mp":
             self.store.set(comm.NNODES_KEY, str(config.nnodes))  # node agents check it, and their token
         self.executor = self._start_pipeline()
+
+    @property
+    def prefix_caching(self) -> bool:
+        # dynamic and longrope rotary turn a key by the length of its whole sequence: a prefix's K/V is not shareable
+        return self.config.enable_prefix_caching and self.model_config.rope.rope_type not in ("dynamic", "longrope")
 
     def _token(self) -> bytes:
         """The run's shared secret. One host: a fresh one, handed to the stages by their parent. Several hosts:
@@ -161,7 +170,13 @@ class LLMEngine:
             num_blocks = min(int(budget // (bytes_per_block_layer * s.num_layers)) for s in self.stages)
             # More blocks than max_num_seqs full-length sequences can use is wasted memory.
             num_blocks, source = min(num_blocks, needed * cfg.max_num_seqs), f"kv_cache_gib={cfg.kv_cache_gib}"
-        if num_blocks < needed:
+        if num_blocks < needed and cfg.max_model_len is None and num_blocks > 0:
+            # the model's whole context does not fit: serve what does, as llama.cpp's smaller default context does
+            log.warning("%s holds %d tokens, less than the model's context of %d: max_model_len lowered to %d "
+                        "(give more KV cache to serve longer sequences)", source, num_blocks * cfg.block_size,
+                        self.max_model_len, num_blocks * cfg.block_size)
+            self.max_model_len = num_blocks * cfg.block_size
+        elif num_blocks < needed:
             raise ValueError(f"{source} holds {num_blocks * cfg.block_size} tokens, fewer than one sequence of "
                              f"max_model_len={self.max_model_len}; give more KV cache or lower max_model_len")
         return num_blocks
@@ -250,7 +265,7 @@ class LLMEngine:
         self.executor.shutdown()
         self.in_flight.clear()
         # The new stages' KV caches are empty: forget every block, cached prefixes included.
-        self.block_manager = BlockManager(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.num_blocks, self.config.block_size, self.prefix_caching)
         self.scheduler.requeue_all(self.block_manager)
         while True:
             now = time.monotonic()

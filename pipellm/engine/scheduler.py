@@ -23,8 +23,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 recompute_past: int | None = None):
         self.block_manager = block_manager
+        # longrope: a sequence that grows past this length recomputes its cache with the long factors (as HF's Phi-3)
+        self.recompute_past = recompute_past
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -85,6 +88,9 @@ class Scheduler:
                 break
             if req.in_flight or req not in self.running:
                 continue
+            if self.recompute_past is not None and req.rope_len <= self.recompute_past < req.num_tokens:
+                self._preempt(req)
+                continue
             n = min(req.num_pending_tokens, budget)
             while not self.block_manager.can_allocate(req, n):
                 victims = [r for r in self.running if not r.in_flight and r is not req
@@ -133,16 +139,18 @@ class Scheduler:
         slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = starts + counts
         sampled = [r for r, end in zip(reqs, seq_lens) if end == r.num_tokens]
-        logits_indices = (np.cumsum(counts) - 1)[seq_lens == np.array([r.num_tokens for r in reqs])]
         new = [NewRequest(r.request_id, r.params, r.prompt_token_ids, r.seed, list(r.output_token_ids))
                for r in sampled if not r.is_known_to_sampler]
+        rope_lens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
+        logits_indices = (np.cumsum(counts) - 1)[seq_lens == rope_lens]
         for r, n in chosen:
             r.num_computed_tokens += n
             r.in_flight = True
+            r.rope_len = r.num_tokens
         for r in sampled:
             r.is_known_to_sampler = True
         batch = StageBatch(self.num_batches, ids, positions, slots, counts, seq_lens, tables, logits_indices,
-                           [r.request_id for r in sampled], new, self.finished_ids)
+                           [r.request_id for r in sampled], new, self.finished_ids, rope_lens)
         self.finished_ids = []
         self.num_batches += 1
         return ScheduledBatch(batch.batch_id, reqs, counts.tolist(), sampled, batch)

@@ -5,7 +5,6 @@ import itertools
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 
@@ -13,22 +12,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from pipellm.loader.gguf_names import GEMMA, ROPE_TENSORS, expected_shapes, hf_config, hf_name
+
 logger = logging.getLogger(__name__)
 
-# GGUF general.architecture -> (HF class, model_type, whether llama.cpp permuted the Q/K rows).
-# llama.cpp writes Mistral models as "llama"; "mistral" is accepted in case a file says so.
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "mistral": ("MistralForCausalLM", "mistral", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-}
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
-_BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_CACHE_FORMAT = 2  # part of the cache key: bump it when the converted output changes
+_CACHE_FORMAT = 3  # part of the cache key: bump it when the converted output changes
 SOURCE_FILE = "gguf.json"  # in a cached folder: which GGUF file holds the weights
 TABLE_FILE = "gguf_tensors.json"  # and where each tensor lies in it
 _MISSING = object()
@@ -62,102 +50,38 @@ def _meta(reader, path: str, key: str, default=_MISSING):
     return field.contents()
 
 
-def _f32(x: float) -> float:
-    # GGUF stores float32; take its shortest repr so 1e-5 stays 1e-5 rather than 9.999999747e-06
-    return float(str(np.float32(x)))
+def _hf_config(reader, path: str) -> tuple[str, tuple, dict]:
+    def meta(key, default=KeyError):
+        return _meta(reader, path, key, _MISSING if default is KeyError else default)
+
+    tensors = {t.name: ([int(d) for d in reversed(t.shape)],  # GGUF lists dims innermost first
+                        _dequantize(t, path).tolist() if t.name in ROPE_TENSORS else None) for t in reader.tensors}
+    return hf_config(meta, tensors, path)
 
 
-def _hf_config(reader, path: str) -> tuple[str, dict]:
-    """(GGUF architecture, HF config fields)."""
-    arch = _meta(reader, path, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
-    hf_class, model_type, _ = ARCHITECTURES[arch]
-
-    def m(key, default=_MISSING):
-        return _meta(reader, path, f"{arch}.{key}", default)
-
-    scaling = m("rope.scaling.type", "none")
-    if scaling != "none" or m("rope.scale_linear", 1.0) != 1.0:
-        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (only plain RoPE)")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ValueError(f"{path}: Llama 3 rope scaling (tensor rope_freqs.weight) is not supported")
-
-    hidden, heads = m("embedding_length"), m("attention.head_count")
-    head_dim = m("attention.key_length", hidden // heads)
-    if m("rope.dimension_count", head_dim) != head_dim:
-        raise ValueError(f"{path}: partial rotary (rope.dimension_count={m('rope.dimension_count')}, "
-                         f"head_dim={head_dim}) is not supported")
-    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if embed is None:
-        raise ValueError(f"{path}: tensor token_embd.weight is missing")
-    cfg = {
-        "architectures": [hf_class],
-        "vocab_size": int(embed.shape[-1]),  # GGUF dims are innermost first: [hidden, vocab]
-        "hidden_size": hidden,
-        "intermediate_size": m("feed_forward_length"),
-        "num_hidden_layers": m("block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": m("attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "rms_norm_eps": _f32(m("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(m("rope.freq_base", 10000.0)),
-        "max_position_embeddings": m("context_length"),
-        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
-        "bos_token_id": _meta(reader, path, "tokenizer.ggml.bos_token_id", None),
-        "eos_token_id": _meta(reader, path, "tokenizer.ggml.eos_token_id", None),
-        "torch_dtype": "float32",
-    }
-    if model_type == "mistral":  # llama.cpp attends to the whole context unless the file says otherwise
-        cfg["sliding_window"] = m("attention.sliding_window", None)
-    return arch, cfg
-
-
-def _expected_shapes(cfg: dict, qkv_bias: bool) -> dict:
-    h, v, ff = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not cfg["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (v, h)
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
-                       p + "mlp.down_proj.weight": (h, ff), p + "input_layernorm.weight": (h,),
-                       p + "post_attention_layernorm.weight": (h,)})
-        if qkv_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
-    return shapes
-
-
-def _hf_name(name: str) -> str | None:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    match = _BLOCK_RE.fullmatch(name)
-    if match and match[2] in _BLOCK_NAMES:
-        return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
-    return None
-
-
-def _check_tensors(reader, path: str, cfg: dict, qkv_bias: bool) -> dict:
-    """Every tensor the architecture needs is there with its shape (from the header; no data is read).
-    Returns HF name -> shape."""
-    expected = _expected_shapes(cfg, qkv_bias)
+def _entries(reader, path: str, arch: str, cfg: dict):
+    """(tensor, HF name, shape, expert or None) for every weight, experts one by one; checks that every tensor the
+    architecture needs is there with its shape (from the header; no data is read)."""
+    expected = expected_shapes(cfg)
     seen = set()
     for t in reader.tensors:
-        name = _hf_name(t.name)
-        if name not in expected:
-            raise ValueError(f"{path}: unexpected tensor {t.name} for this architecture")
+        if t.name in ROPE_TENSORS:
+            continue
+        name = hf_name(t.name, arch)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first ([in, out])
-        if shape != expected[name]:
-            raise ValueError(f"{path}: tensor {t.name} has shape {list(shape)}, expected {list(expected[name])}")
-        seen.add(name)
+        experts = [None] if name is None or "{e}" not in name else range(shape[0])
+        for e in experts:
+            full = name if e is None else name.format(e=e)
+            if full not in expected:
+                raise ValueError(f"{path}: unexpected tensor {t.name} for this architecture")
+            want = expected[full] if e is None else (len(experts), *expected[full])
+            if shape != want:
+                raise ValueError(f"{path}: tensor {t.name} has shape {list(shape)}, expected {list(want)}")
+            seen.add(full)
+            yield t, full, expected[full], e
     missing = sorted(set(expected) - seen)
     if missing:
         raise ValueError(f"{path}: {len(missing)} tensors missing, e.g. {missing[0]}")
-    return expected
 
 
 def _dequantize(t, path: str) -> np.ndarray:
@@ -170,18 +94,23 @@ def _dequantize(t, path: str) -> np.ndarray:
                          "which gguf cannot dequantize") from None
 
 
-def _tensors(reader, path: str, cfg: dict, permuted: bool, qkv_bias: bool) -> dict:
-    expected = _check_tensors(reader, path, cfg, qkv_bias)
-    out = {}
-    for t in reader.tensors:
-        name = _hf_name(t.name)
-        w = np.ascontiguousarray(_dequantize(t, path).reshape(expected[name]))
-        if permuted and t.name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, cfg["num_attention_heads"])
-        elif permuted and t.name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, cfg["num_key_value_heads"])
-        out[name] = w
+def _tensors(reader, path: str, arch: str, cfg: dict, permuted: bool) -> dict:
+    out, values = {}, {}
+    heads = _unpermute_heads(cfg, permuted)
+    for t, name, shape, expert in list(_entries(reader, path, arch, cfg)):
+        if t.name not in values:
+            values = {t.name: _dequantize(t, path)}  # one tensor (all its experts) at a time
+        w = values[t.name].reshape(-1, *shape)[expert or 0]
+        if heads.get(t.name.split(".")[-2]):
+            w = unpermute_qk(w, heads[t.name.split(".")[-2]])
+        if arch in GEMMA and t.name.endswith("norm.weight"):
+            w = w - np.float32(1)  # stored as 1 + w
+        out[name] = np.ascontiguousarray(w)
     return out
+
+
+def _unpermute_heads(cfg: dict, permuted: bool) -> dict:
+    return {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]} if permuted else {}
 
 
 def convert_gguf(gguf_path: str, out_dir: str, weights: bool = True) -> None:
@@ -196,12 +125,11 @@ def convert_gguf(gguf_path: str, out_dir: str, weights: bool = True) -> None:
     if os.path.exists(out_dir):
         raise FileExistsError(f"{out_dir} already exists")
     reader = _open(path)
-    arch, cfg = _hf_config(reader, path)
-    _, model_type, permuted = ARCHITECTURES[arch]
+    arch, (_, model_type, permuted), cfg = _hf_config(reader, path)
     if weights:
-        tensors = _tensors(reader, path, cfg, permuted, qkv_bias=model_type == "qwen2")
+        tensors = _tensors(reader, path, arch, cfg, permuted)
     else:
-        table = _tensor_table(reader, cfg, permuted, _check_tensors(reader, path, cfg, model_type == "qwen2"))
+        table = _tensor_table(reader, path, arch, cfg, permuted)
 
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
@@ -276,16 +204,17 @@ def gguf_source(folder: str) -> str | None:
     return path
 
 
-def _tensor_table(reader, cfg: dict, permuted: bool, expected: dict) -> list[dict]:
+def _tensor_table(reader, path: str, arch: str, cfg: dict, permuted: bool) -> list[dict]:
     """Where each tensor lies in the file, so that stages find theirs without parsing the metadata again (the
-    reader spends seconds on a large vocabulary)."""
-    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]} if permuted else {}
+    reader spends seconds on a large vocabulary). A stacked expert tensor gives one entry per expert."""
+    heads = _unpermute_heads(cfg, permuted)
     table = []
-    for t in reader.tensors:
-        name = _hf_name(t.name)
-        table.append({"name": t.name, "hf_name": name, "type": int(t.tensor_type), "shape": list(expected[name]),
-                      "offset": int(t.data_offset), "nbytes": int(t.n_bytes),
-                      "unpermute_heads": heads.get(t.name.split(".")[-2])})
+    for t, name, shape, expert in _entries(reader, path, arch, cfg):
+        size = int(t.n_bytes) if expert is None else int(t.n_bytes) // int(t.shape[-1])
+        table.append({"name": t.name, "hf_name": name, "type": int(t.tensor_type), "shape": list(shape),
+                      "offset": int(t.data_offset) + (expert or 0) * size, "nbytes": size,
+                      "unpermute_heads": heads.get(t.name.split(".")[-2]),
+                      "minus_one": arch in GEMMA and t.name.endswith("norm.weight")})
     return table
 
 
@@ -313,7 +242,10 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
             raise ValueError(f"{path}: tensor {t['name']} runs past the end of the file (truncated?)")
         if len(shape) == 1:
             from gguf.quants import dequantize
-            value = torch.tensor(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape), dtype=dtype)
+            value = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape)
+            if t.get("minus_one"):  # Gemma's norms are stored as 1 + w
+                value = value - np.float32(1)
+            value = torch.tensor(value, dtype=dtype)
         else:
             value = repack(raw, qtype, *shape, name=f"{path}: {t['name']}")
             if t["unpermute_heads"]:  # llama.cpp's rotary row order, undone by moving whole rows

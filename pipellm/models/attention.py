@@ -39,6 +39,15 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor      # [T] flat cache slot each new token's K/V is written to
     decode: DecodeGroup | None
     prefills: list[PrefillChunk]
+    query_lens: torch.Tensor        # [S] new tokens per sequence
+    seq_lens: torch.Tensor          # [S] each sequence's length after this step
+    local: "AttentionMetadata | None" = None  # the sliding-window layers' view, when a model mixes both kinds
+    rope_lens: torch.Tensor | None = None  # [S] each sequence's known length (prompt + output); None: seq_lens
+
+    @property
+    def token_rope_lens(self) -> torch.Tensor:
+        """[T] the known length of each token's sequence (dynamic and longrope rotary scale by it)."""
+        return torch.repeat_interleave(self.seq_lens if self.rope_lens is None else self.rope_lens, self.query_lens)
 
     @classmethod
     def build(cls, positions: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor,
@@ -72,16 +81,27 @@ class AttentionMetadata:
                 mask &= key_pos[None, :] > q_pos[:, None] - sliding_window
             prefills.append(PrefillChunk(start, start + q_len, block_tables[i, :num_blocks].long(),
                                          mask[None, None]))
-        return cls(slot_mapping, decode, prefills)
+        return cls(slot_mapping, decode, prefills, query_lens, seq_lens)
+
+    @classmethod
+    def for_layers(cls, is_sliding: list[bool], sliding_window: int | None, *args) -> "AttentionMetadata":
+        """The metadata of full-attention layers, with that of the sliding ones in .local (itself when all slide).
+        args: as build's, up to block_size."""
+        full = cls.build(*args) if not all(is_sliding) or not is_sliding else None
+        local = cls.build(*args, sliding_window) if any(is_sliding) else None
+        meta = full or local
+        meta.local = local
+        return meta
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KV, D]; caches [num_blocks, block_size, KV, D]. Returns [T, H, D]."""
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    softcap: float | None = None) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KV, D]; caches [num_blocks, block_size, KV, D]. Returns [T, H, D].
+    softcap: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
     num_heads, num_kv, head_dim = q.shape[1], k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = k  # [num_blocks * block_size, KV, D]
     v_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = v
-    gqa = num_kv != num_heads
 
     def gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
         # [S * N, block_size, KV, D] -> [S, N * block_size, KV, D] -> [S, KV, K, D]
@@ -92,22 +112,37 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         d = meta.decode
         rows = q if d.token_idx is None else q[d.token_idx]
         num_seqs = len(rows)
-        ops = kernels.load() if q.dtype == torch.float32 == k_cache.dtype else None
+        ops = kernels.load() if q.dtype == torch.float32 == k_cache.dtype and softcap is None else None
         if ops is not None:  # reads K/V in place through the block tables: no gathered copy
             o = ops.paged_decode_attention(rows.contiguous(), k_cache, v_cache, d.block_tables, d.seq_lens, d.window,
                                            scale, "")                                  # [Bd, H, D]
         else:
             queries = rows.view(num_seqs, 1, num_heads, head_dim).transpose(1, 2)      # [Bd, H, 1, D]
-            o = F.scaled_dot_product_attention(queries, gather(k_cache, d.block_ids, num_seqs),
-                                               gather(v_cache, d.block_ids, num_seqs), attn_mask=d.mask,
-                                               scale=scale, enable_gqa=gqa)            # [Bd, H, 1, D]
+            o = _attend(queries, gather(k_cache, d.block_ids, num_seqs), gather(v_cache, d.block_ids, num_seqs),
+                        d.mask, scale, softcap)                                        # [Bd, H, 1, D]
             o = o.view(num_seqs, num_heads, head_dim)
         if out is None:
             return o
         out[d.token_idx] = o
     for p in meta.prefills:
         queries = q[p.start:p.end].transpose(0, 1)[None]                                # [1, H, q, D]
-        o = F.scaled_dot_product_attention(queries, gather(k_cache, p.block_ids, 1), gather(v_cache, p.block_ids, 1),
-                                           attn_mask=p.mask, scale=scale, enable_gqa=gqa)  # [1, H, q, D]
+        o = _attend(queries, gather(k_cache, p.block_ids, 1), gather(v_cache, p.block_ids, 1), p.mask, scale,
+                    softcap)                                                           # [1, H, q, D]
         out[p.start:p.end] = o[0].transpose(0, 1)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """q [B, H, q, D], k/v [B, KV, K, D], mask [B, 1, q, K] or None. Returns [B, H, q, D]."""
+    gqa = k.shape[1] != q.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    # SDPA has no soft-capping: the scores by hand, in HF Gemma 2's order
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)                       # [B, H, K, D]
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap          # [B, H, q, K]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v

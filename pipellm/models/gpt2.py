@@ -64,7 +64,13 @@ class GPT2Stage(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         if self.stage.is_first:
-            x = self.wte(x) + self.wpe(positions)
+            x = self.embed(x, positions)
+        return self.run_layers(x, positions, meta, kv_caches)
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.wte(ids) + self.wpe(positions)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches):
         for block, cache in zip(self.h, kv_caches):
             x = block(x, meta, cache)
         return x

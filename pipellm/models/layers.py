@@ -1,4 +1,7 @@
+from functools import partial
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pipellm import kernels
@@ -21,33 +24,35 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scaled by 1 + w (the weight is stored as an offset from 1), and in fp32 before the cast."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__(size, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = kernels.load() if x.dtype == torch.float32 == self.weight.dtype and x.dim() == 2 else None
+        if ops is not None:
+            return ops.rms_norm(x, 1.0 + self.weight, self.eps)
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (tanh GELU), gate and up in one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu"):
         super().__init__()
-        # on the CPU even when the stage is built on the meta device: these tables are computed, not loaded
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
-        freqs = torch.arange(max_positions, device="cpu").float()[:, None] * inv_freq[None, :]  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                                       # [P, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = F.silu if act == "silu" else partial(F.gelu, approximate="tanh")
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin at each token's position, [T, 1, D]: looked up once per step, for every layer."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [T, H, D], k [T, KV, D] rotated by their positions (HF's rotate_half layout); may rotate them in place."""
-    ops = kernels.load() if q.dtype == torch.float32 == cos.dtype else None
-    if ops is not None:
-        ops.rotary_(q, k, cos, sin)
-        return q, k
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class TransposedLinear(nn.Module):

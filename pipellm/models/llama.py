@@ -1,86 +1,106 @@
-"""Llama, Mistral and Qwen2: RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP."""
+"""Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, and with moe.py Mixtral and Qwen3-MoE: RMSNorm, rotary positions,
+grouped-query attention, SwiGLU MLP. Gemma (gemma.py) changes the norms and the order around them."""
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipellm.config import ModelConfig
 from pipellm.models.attention import AttentionMetadata, paged_attention
-from pipellm.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from pipellm.models.layers import GatedMLP, RMSNorm
+from pipellm.models.moe import SparseMoE
+from pipellm.models.rotary import RotaryEmbedding, apply_rotary
 from pipellm.pipeline.partition import StageLayers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, rotated dims]
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# an expert's MLP: Mixtral's block_sparse_moe.experts.E.w1/w3/w2, Qwen3-MoE's mlp.experts.E.gate/up/down_proj
+EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(\w+)$")
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int, norm=RMSNorm):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # q, k and v in one matmul: one weight read and one kernel call instead of three.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.scale = cfg.head_dim ** -0.5
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = norm(cfg.head_dim, cfg.norm_eps), norm(cfg.head_dim, cfg.norm_eps)
+        self.is_sliding = cfg.is_sliding(layer)
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.softcap = cfg.attn_logit_softcapping
 
-    def forward(self, x, rope, meta: AttentionMetadata, cache: KVCache):
+    def forward(self, x, ropes: tuple[Rope, Rope], meta: AttentionMetadata, cache: KVCache):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)        # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)     # [T, KV, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
-        out = paged_attention(q, k, v, cache[0], cache[1], meta, self.scale)
+        if hasattr(self, "q_norm"):  # over each head's D values: [T * heads, D]
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, *ropes[self.is_sliding])
+        out = paged_attention(q, k, v, cache[0], cache[1], meta.local if self.is_sliding else meta, self.scale,
+                              self.softcap)
         return self.o_proj(out.reshape(-1, self.q_size))     # [T, H * D] -> [T, hidden]
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # fused, as qkv
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    if cfg.is_moe(layer):
+        return SparseMoE(cfg)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = make_mlp(cfg, layer)
 
-    def forward(self, x, rope, meta, cache):
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, cache)
+    def forward(self, x, ropes, meta, cache):
+        x = x + self.self_attn(self.input_layernorm(x), ropes, meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaStage(nn.Module):
     """The slice of a Llama-family model that one pipeline stage holds."""
 
+    layer_class, norm_class = LlamaLayer, RMSNorm
+
     def __init__(self, cfg: ModelConfig, stage: StageLayers):
         super().__init__()
         self.cfg, self.stage = cfg, stage
         if stage.is_first:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaLayer(cfg) for _ in range(stage.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(stage.start, stage.end))
         if stage.is_last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+            self.norm = self.norm_class(cfg.hidden_size, cfg.norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        self.rotary_local = None if cfg.rope_local is None else \
+            RotaryEmbedding(cfg.rope_local, cfg.head_dim, cfg.max_position_embeddings)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         """x: token ids [T] on the first stage, else hidden states [T, hidden]. Returns hidden [T, hidden]."""
         if self.stage.is_first:
-            x = self.embed_tokens(x)
-        rope = self.rotary.tables(positions, x.dtype)
+            x = self.embed(x, positions)
+        return self.run_layers(x, positions, meta, kv_caches)
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                   kv_caches: list[KVCache]) -> torch.Tensor:
+        seq_ends = meta.token_rope_lens if self.rotary.scaled_from is not None else None
+        rope = self.rotary.tables(positions, x.dtype, seq_ends)  # once per step, for every layer
+        ropes = (rope, rope if self.rotary_local is None else self.rotary_local.tables(positions, x.dtype))
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, meta, cache)
+            x = layer(x, ropes, meta, cache)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -104,6 +124,13 @@ class LlamaStage(nn.Module):
         fused = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", q),
                  "self_attn.v_proj": ("self_attn.qkv_proj", q + kv), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
                  "mlp.up_proj": ("mlp.gate_up_proj", inter)}
+        if rest == "block_sparse_moe.gate.weight":
+            return [(prefix + "mlp.gate.weight", 0)]
+        if m := EXPERT.match(rest):
+            expert, proj, kind = m[1], m[2], m[3]
+            target = "down_proj" if proj in ("w2", "down_proj") else "gate_up_proj"
+            row = cfg.moe_intermediate_size if proj in ("w3", "up_proj") else 0
+            return [(f"{prefix}mlp.experts.{expert}.{target}.{kind}", row)]
         module, _, kind = rest.rpartition(".")
         if module in fused:
             target, row = fused[module]

@@ -44,6 +44,8 @@ class StageBatch:
     sample_req_ids: list[str] = field(default_factory=list)    # [S] (last stage)
     new_requests: list[NewRequest] = field(default_factory=list)  # first step of a request (last stage)
     finished_req_ids: list[str] = field(default_factory=list)     # sampling state to drop (last stage)
+    rope_lens: np.ndarray | None = None  # [B] each sequence's known length (prompt + output): what dynamic and
+    #                                      longrope rotary scale by, as HF does for the sequence it runs
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +64,8 @@ class StageBatch:
         need(self.block_tables.ndim == 2 and self.block_tables.dtype.kind == "i" and len(self.block_tables) == B,
              "block_tables must be [sequences, blocks] integers")
         need(len(self.slot_mapping) == T and len(self.seq_lens) == B, "arrays of different lengths")
+        need(self.rope_lens is None or (self.rope_lens.shape == (B,) and self.rope_lens.dtype.kind == "i"
+                                        and (self.rope_lens >= self.seq_lens).all()), "rope_lens out of range")
         need(T > 0 and int(self.query_lens.sum()) == T and (self.query_lens >= 1).all(), "query_lens do not sum to "
              "the token count")
         need((self.seq_lens >= self.query_lens).all() and

@@ -107,14 +107,14 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
         tables = torch.arange(num_tokens * blocks_per_seq, dtype=torch.int32).view(num_tokens, blocks_per_seq)
         positions = torch.full((num_tokens,), CONTEXT - 1)
         slots = tables[:, -1].long() * bs + (CONTEXT - 1) % bs
-        meta = AttentionMetadata.build(positions, torch.ones(num_tokens, dtype=torch.long),
-                                       torch.full((num_tokens,), CONTEXT), tables, slots, bs, cfg.sliding_window)
+        is_sliding = [cfg.is_sliding(0)]
+        meta = AttentionMetadata.for_layers(is_sliding, cfg.sliding_window, positions,
+                                            torch.ones(num_tokens, dtype=torch.long),
+                                            torch.full((num_tokens,), CONTEXT), tables, slots, bs)
         ids = torch.randint(0, cfg.vocab_size, (num_tokens,))
         hidden = torch.randn(num_tokens, cfg.hidden_size, dtype=ecfg.torch_dtype)
-        layer = model.h[0] if cfg.is_gpt2 else model.layers[0]
-        embed = (lambda: model.wte(ids) + model.wpe(positions)) if cfg.is_gpt2 else (lambda: model.embed_tokens(ids))
-        run_layer = (lambda: layer(hidden, meta, caches[0])) if cfg.is_gpt2 else \
-            (lambda: layer(hidden, model.rotary.tables(positions, hidden.dtype), meta, caches[0]))
+        embed = lambda: model.embed(ids, positions)  # noqa: E731
+        run_layer = lambda: model.run_layers(hidden, positions, meta, caches)  # noqa: E731
         decode_s = _best_of(run_layer, repeats)
         # A prefill chunk of one sequence, as big as a step's token budget.
         chunk = min(ecfg.max_num_batched_tokens, CONTEXT * 4, cfg.max_position_embeddings)
@@ -122,11 +122,11 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
         shape = (blocks, bs, cfg.num_kv_heads, cfg.head_dim)
         cache = (torch.zeros(shape, dtype=ecfg.torch_dtype), torch.zeros(shape, dtype=ecfg.torch_dtype))
         pos = torch.arange(chunk)
-        pmeta = AttentionMetadata.build(pos, torch.tensor([chunk]), torch.tensor([chunk]),
-                                        torch.arange(blocks, dtype=torch.int32)[None], pos, bs, cfg.sliding_window)
+        pmeta = AttentionMetadata.for_layers(is_sliding, cfg.sliding_window, pos, torch.tensor([chunk]),
+                                             torch.tensor([chunk]), torch.arange(blocks, dtype=torch.int32)[None],
+                                             pos, bs)
         x = torch.randn(chunk, cfg.hidden_size, dtype=ecfg.torch_dtype)
-        prefill = (lambda: layer(x, pmeta, cache)) if cfg.is_gpt2 else \
-            (lambda: layer(x, model.rotary.tables(pos, x.dtype), pmeta, cache))
+        prefill = lambda: model.run_layers(x, pos, pmeta, [cache])  # noqa: E731
         return dict(layer_decode_s=decode_s, layer_prefill_s=_best_of(prefill, max(1, repeats // 2)), chunk=chunk,
                     embed_s=_best_of(embed, repeats), num_tokens=num_tokens,
                     head_s=_best_of(lambda: model.compute_logits(hidden).argmax(-1), repeats))

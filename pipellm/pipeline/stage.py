@@ -44,6 +44,7 @@ class StageWorker:
     def __init__(self, args: StageArgs):
         self.args, self.stage = args, args.stage
         cfg, ecfg = args.model_config, args.engine_config
+        self.is_sliding = [cfg.is_sliding(i) for i in range(self.stage.start, self.stage.end)]
         if gguf_source(args.model_dir):  # built without memory, then filled with compact weights from the file
             with torch.device("meta"):
                 self.model = build_stage_model(cfg, self.stage)
@@ -93,8 +94,11 @@ class StageWorker:
         batch.check(self.args.num_blocks, ecfg.block_size, cfg.vocab_size, self.stage.is_first, self.stage.is_last)
         t = torch.from_numpy
         positions = t(batch.positions)
-        meta = AttentionMetadata.build(positions, t(batch.query_lens), t(batch.seq_lens), t(batch.block_tables),
-                                       t(batch.slot_mapping), ecfg.block_size, cfg.sliding_window)
+        meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, t(batch.query_lens),
+                                            t(batch.seq_lens), t(batch.block_tables), t(batch.slot_mapping),
+                                            ecfg.block_size)
+        if batch.rope_lens is not None:
+            meta.rope_lens = t(batch.rope_lens)
         if self.stage.is_first:
             x = t(batch.input_ids)
         else:

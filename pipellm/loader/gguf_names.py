@@ -1,0 +1,188 @@
+"""What llama.cpp's GGUF layout means per model family: its metadata as an HF config, its tensor names as HF names,
+and the shapes each family needs. (How llama.cpp's converter writes them: convert_hf_to_gguf.py.)"""
+import re
+
+import numpy as np
+
+from pipellm.config import ModelConfig
+
+# GGUF general.architecture -> (HF class, model_type, whether llama.cpp permuted the Q/K rows for its rotary).
+# llama.cpp writes Mistral and Mixtral as "llama" (Mixtral with experts); "mistral" is accepted in case a file says so.
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "mistral": ("MistralForCausalLM", "mistral", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
+    "phi3": ("Phi3ForCausalLM", "phi3", False),
+}
+MIXTRAL = ("MixtralForCausalLM", "mixtral", True)  # "llama" with expert tensors
+GEMMA = ("gemma2", "gemma3")  # store every norm weight as w + 1
+
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate"}
+_FAMILY_NAMES = {
+    "gemma": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # kept fused, as HF's Phi-3
+}
+EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # read into config
+
+
+def hf_name(name: str, arch: str) -> str | None:
+    """HF name of a GGUF tensor; for stacked experts, with {e} where the expert's number goes."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = BLOCK_RE.fullmatch(name)
+    if not match:
+        return None
+    kind = match[2]
+    if kind in EXPERT_NAMES:
+        return f"model.layers.{match[1]}.mlp.experts.{{e}}.{EXPERT_NAMES[kind]}.{match[3]}"
+    names = _FAMILY_NAMES.get("gemma" if arch in GEMMA else arch, {})
+    module = names.get(kind) or _BLOCK_NAMES.get(kind)
+    return None if module is None else f"model.layers.{match[1]}.{module}.{match[3]}"
+
+
+def expected_shapes(cfg: dict) -> dict:
+    """HF name -> shape of every tensor the model needs (experts one by one)."""
+    mc = ModelConfig.from_hf_dict(cfg)
+    h, v, d = mc.hidden_size, mc.vocab_size, mc.head_dim
+    q, kv = mc.num_heads * d, mc.num_kv_heads * d
+    is_gemma, is_phi3 = mc.architecture.startswith("Gemma"), mc.architecture == "Phi3ForCausalLM"
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not mc.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for i in range(mc.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.o_proj.weight": (h, q)})
+        if is_phi3:
+            shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+        else:
+            shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                           p + "self_attn.v_proj.weight": (kv, h)})
+        if mc.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if mc.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if is_gemma:
+            shapes.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
+        if mc.is_moe(i):
+            ff = mc.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (mc.num_experts, h)
+            for e in range(mc.num_experts):
+                shapes.update({f"{p}mlp.experts.{e}.gate_proj.weight": (ff, h),
+                               f"{p}mlp.experts.{e}.up_proj.weight": (ff, h),
+                               f"{p}mlp.experts.{e}.down_proj.weight": (h, ff)})
+            continue
+        ff = mc.intermediate_size
+        if is_phi3:
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * ff, h)
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h)})
+        shapes[p + "mlp.down_proj.weight"] = (h, ff)
+    return shapes
+
+
+def _f32(x: float) -> float:
+    # GGUF stores float32; take its shortest repr so 1e-5 stays 1e-5 rather than 9.999999747e-06
+    return float(str(np.float32(x)))
+
+
+def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
+    """(GGUF architecture, its ARCHITECTURES entry, HF config fields). meta(key, default) reads the metadata;
+    tensors: name -> (shape, float values or None) of the tensors the config needs."""
+    arch = meta("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+
+    def m(key, default=KeyError):
+        return meta(f"{arch}.{key}", default)
+
+    experts = m("expert_count", 0)
+    entry = MIXTRAL if arch == "llama" and experts else ARCHITECTURES[arch]
+    hidden, heads = m("embedding_length"), m("attention.head_count")
+    head_dim = m("attention.key_length", hidden // heads)
+    layers = m("block_count")
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path}: tensor token_embd.weight is missing")
+    cfg = {
+        "architectures": [entry[0]],
+        "vocab_size": int(tensors["token_embd.weight"][0][0]),
+        "hidden_size": hidden,
+        "intermediate_size": m("feed_forward_length", 0),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": m("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": _f32(m("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": m("context_length"),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta("tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": meta("tokenizer.ggml.eos_token_id", None),
+        "torch_dtype": "float32",
+    }
+    rope = _rope(m, arch, tensors, head_dim, path)
+    rotated = m("rope.dimension_count", head_dim)
+    if rotated != head_dim:
+        if arch != "phi3":
+            raise ValueError(f"{path}: partial rotary (rope.dimension_count={rotated}, head_dim={head_dim}) is "
+                             "supported for phi3 only")
+        rope["partial_rotary_factor"] = rotated / head_dim
+    window = m("attention.sliding_window", None)
+    if arch == "mistral" or (arch == "llama" and not experts):  # llama.cpp attends to the whole context otherwise
+        cfg["sliding_window"] = window
+    if experts:
+        cfg.update(num_local_experts=experts, num_experts_per_tok=m("expert_used_count"))
+        if arch == "qwen3moe":  # llama.cpp always renormalises the chosen experts' weights
+            cfg.update(moe_intermediate_size=m("expert_feed_forward_length"), norm_topk_prob=True)
+        else:
+            cfg["intermediate_size"] = cfg["intermediate_size"] or int(tensors[
+                "blk.0.ffn_gate_exps.weight"][0][1])
+    if arch in GEMMA:
+        # not in the file; llama.cpp's rule: hidden / heads for the 27B models, head_dim otherwise
+        big = layers == (46 if arch == "gemma2" else 62)
+        cfg.update(sliding_window=window, query_pre_attn_scalar=hidden // heads if big else head_dim,
+                   hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=m("final_logit_softcapping", None))
+        if arch == "gemma2":
+            cfg["attn_logit_softcapping"] = m("attn_logit_softcapping", None)
+        else:  # global layers take the file's base and scaling, local ones their own base (llama.cpp: 10000)
+            local = {"rope_type": "default", "rope_theta": _f32(m("rope.freq_base_swa", 10000.0))}
+            rope = {"full_attention": rope, "sliding_attention": local}
+    if arch == "phi3":
+        cfg["sliding_window"] = window or None
+        if "rope_factors_long.weight" in tensors:  # HF's Phi-3 takes it from here over rope_parameters (default 4096)
+            cfg["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+    cfg["rope_parameters"] = rope
+    return arch, entry, cfg
+
+
+def _rope(m, arch: str, tensors: dict, head_dim: int, path: str) -> dict:
+    rope = {"rope_type": "default", "rope_theta": _f32(m("rope.freq_base", 10000.0))}
+    scaling = m("rope.scaling.type", "none")
+    factor = m("rope.scaling.factor", m("rope.scale_linear", 1.0))
+    if scaling == "linear" or (scaling == "none" and factor != 1.0):
+        rope.update(rope_type="linear", factor=_f32(factor))
+    elif scaling == "yarn":
+        rope.update(rope_type="yarn", factor=_f32(factor),
+                    original_max_position_embeddings=m("rope.scaling.original_context_length"))
+    elif scaling not in ("none", "longrope"):
+        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (none, linear, yarn, longrope, and "
+                         "llama3 by rope_freqs)")
+    if "rope_factors_long.weight" in tensors:  # Phi-3 longrope: the factors are tensors
+        rope.update(rope_type="longrope", long_factor=tensors["rope_factors_long.weight"][1],
+                    short_factor=tensors["rope_factors_short.weight"][1],
+                    original_max_position_embeddings=m("rope.scaling.original_context_length"))
+    if "rope_freqs.weight" in tensors:  # Llama 3: each frequency's divisor, as llama.cpp computed it
+        rope["freq_factors"] = tensors["rope_freqs.weight"][1]
+    return rope

@@ -1,0 +1,38 @@
+"""Gemma 2 and Gemma 3 (text): the Llama block with norms after attention and MLP too, 1 + w RMSNorms, a scaled
+embedding, GeGLU, and for Gemma 2 soft-capped attention scores and logits. Gemma 3 adds q/k norms and gives its
+sliding (local) and full (global) layers rotary positions of their own."""
+import torch
+from torch import nn
+
+from pipellm.config import ModelConfig
+from pipellm.models.layers import GatedMLP, GemmaRMSNorm
+from pipellm.models.llama import LlamaAttention, LlamaStage
+
+
+class GemmaLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        size, eps = cfg.hidden_size, cfg.norm_eps
+        self.input_layernorm = GemmaRMSNorm(size, eps)
+        self.self_attn = LlamaAttention(cfg, layer, norm=GemmaRMSNorm)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.mlp = GatedMLP(size, cfg.intermediate_size, cfg.hidden_act)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+
+    def forward(self, x, ropes, meta, cache):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ropes, meta, cache))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class GemmaStage(LlamaStage):
+    layer_class, norm_class = GemmaLayer, GemmaRMSNorm
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        return x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)  # rounded to the model's dtype, as HF
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,0 +1,38 @@
+"""Mixture of experts (Mixtral, Qwen3-MoE): a router picks top-k experts per token; each expert is a SwiGLU MLP.
+The stage that holds a layer holds all its experts."""
+import torch
+from torch import nn
+
+from pipellm.config import ModelConfig
+from pipellm.models.layers import GatedMLP
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        # Mixtral multiplies by the fp32 router weights, Qwen3-MoE by weights cast to the model's dtype (as HF)
+        self.weights_in_fp32 = cfg.architecture == "MixtralForCausalLM"
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
+                                     for _ in range(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)                 # [T, E]
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)                          # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.weights_in_fp32:
+            weights = weights.to(x.dtype)
+        # Tokens batched per expert: the (token, slot) pairs sorted by expert, one matmul per expert hit.
+        order = chosen.flatten().argsort(stable=True)                                    # [T * k]
+        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
+        tokens, weights = order // self.top_k, weights.flatten()[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                rows = tokens[start:start + count]
+                out.index_add_(0, rows, (expert(x[rows]) * weights[start:start + count, None]).to(x.dtype))
+                start += count
+        return out

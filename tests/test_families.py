@@ -1,0 +1,135 @@
+"""Every model family and rotary variant, split over stages, equals HF transformers token for token (fp32)."""
+import pytest
+import torch
+
+from pipellm import LLM, SamplingParams
+from pipellm.config import ModelConfig
+from tests.conftest import VOCAB, NUM_LAYERS, save_tokenizer
+from tests.test_parity import NEW_TOKENS, PROMPTS
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=NUM_LAYERS,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
+              eos_token_id=0, bos_token_id=0, pad_token_id=0)
+SHORT = 32  # the trained context of the scaled rotary variants: PROMPTS[2] (40 tokens) goes past it
+
+
+def family_config(name: str):
+    import transformers as tf
+
+    if name == "llama3":
+        return tf.LlamaConfig(**COMMON, rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=64))
+    if name == "llama-linear":
+        return tf.LlamaConfig(**COMMON, rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))
+    if name == "llama-dynamic":  # HF rescales as the sequence grows past max_position_embeddings
+        return tf.LlamaConfig(**COMMON | dict(max_position_embeddings=SHORT),
+                              rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
+    if name == "qwen2-yarn":
+        return tf.Qwen2Config(**COMMON | dict(max_position_embeddings=SHORT * 4), rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=SHORT))
+    if name == "phi3-longrope":  # partial rotary: half of each head turns; long factors once past SHORT
+        rotated_half = 16 * 1 // 2 // 2
+        return tf.Phi3Config(**COMMON, original_max_position_embeddings=SHORT, partial_rotary_factor=0.5,
+                             rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                                  original_max_position_embeddings=SHORT,
+                                                  short_factor=[1.0 + 0.1 * i for i in range(rotated_half)],
+                                                  long_factor=[2.0 + 0.5 * i for i in range(rotated_half)]))
+    if name == "qwen3":  # head_dim 32, not hidden / heads = 16; q/k norms
+        return tf.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False)
+    if name == "gemma2":
+        return tf.Gemma2Config(**COMMON, head_dim=16, sliding_window=24, query_pre_attn_scalar=24,
+                               attn_logit_softcapping=20.0, final_logit_softcapping=10.0)
+    if name == "gemma3":  # local layers: base 10000, window 24; global: base 1e6 scaled linearly
+        return tf.Gemma3TextConfig(**COMMON, head_dim=32, sliding_window=24, query_pre_attn_scalar=32,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                "sliding_attention", "full_attention"],
+                                   rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                                    "full_attention": dict(rope_type="linear", rope_theta=1e6,
+                                                                           factor=2.0)})
+    if name == "mixtral":
+        return tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+    if name == "qwen3moe":  # layer 1 dense; router weights not renormalised
+        return tf.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                 mlp_only_layers=[1], norm_topk_prob=False)
+    raise ValueError(name)
+
+
+FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longrope", "qwen3", "gemma2", "gemma3",
+            "mixtral", "qwen3moe"]
+# (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
+LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """name -> (folder, HF greedy reference per prompt); each family built on first use."""
+    from transformers import AutoModelForCausalLM
+
+    built = {}
+
+    def get(name):
+        if name not in built:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(family_config(name), attn_implementation="eager").eval()
+            folder = str(tmp_path_factory.mktemp(name))
+            model.save_pretrained(folder)
+            save_tokenizer(folder)
+            ref = []
+            for prompt in PROMPTS:
+                with torch.no_grad():
+                    out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                         output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                                         eos_token_id=None)
+                ref.append((out.sequences[0, len(prompt):].tolist(),
+                            torch.log_softmax(torch.cat(out.logits).float(), dim=-1)))
+            built[name] = (folder, ref)
+        return built[name]
+    return get
+
+
+@pytest.mark.parametrize("pp,partition,budget", LAYOUTS, ids=[f"pp{p}-{part or 'even'}" for p, part, _ in LAYOUTS])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_matches_hf(family, name, pp, partition, budget):
+    folder, reference = family(name)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
+    with LLM(folder, pipeline_parallel_size=pp, layer_partition=partition, dtype="float32",
+             max_num_batched_tokens=budget) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for out, (ref_ids, ref_logprobs) in zip(outputs, reference):
+        completion = out.outputs[0]
+        assert completion.token_ids == ref_ids
+        for step, entry in enumerate(completion.logprobs):
+            for token_id, lp in entry.items():
+                assert abs(lp.logprob - ref_logprobs[step, token_id].item()) < 1e-4, (step, token_id)
+
+
+def test_gemma3_older_config_keys():
+    """A Gemma 3 config.json of the first releases (sliding_window_pattern, rope_local_base_freq, rope_scaling) reads
+    as transformers reads it."""
+    from transformers import Gemma3TextConfig
+
+    old = dict(architectures=["Gemma3ForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+               num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=16,
+               sliding_window_pattern=3, rope_theta=1e6, rope_local_base_freq=10000.0,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, query_pre_attn_scalar=32)
+    theirs = Gemma3TextConfig(**{k: v for k, v in old.items() if k != "architectures"})
+    ours = ModelConfig.from_hf_dict(old)
+    assert [ours.is_sliding(i) for i in range(8)] == [t == "sliding_attention" for t in theirs.layer_types]
+    full, local = theirs.rope_parameters["full_attention"], theirs.rope_parameters["sliding_attention"]
+    assert (ours.rope.rope_type, ours.rope.theta, ours.rope.factor) == (full["rope_type"], full["rope_theta"],
+                                                                       full["factor"])
+    assert (ours.rope_local.rope_type, ours.rope_local.theta) == (local["rope_type"], local["rope_theta"])
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}}, "rope type 'mrope' is not supported"),
+    ({"architectures": ["FalconForCausalLM"]}, "supported: LlamaForCausalLM"),
+    ({"hidden_act": "relu"}, "activation 'relu' is not supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "needs a factor"),
+])
+def test_unsupported_config_names_it(change, needle):
+    d = dict(architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+             num_hidden_layers=2, num_attention_heads=4) | change
+    with pytest.raises(ValueError, match=needle):
+        ModelConfig.from_hf_dict(d)
