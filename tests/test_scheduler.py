@@ -38,6 +38,25 @@ def test_block_ids_are_handed_out_and_returned():
     assert bm.usage == 5 / 6
 
 
+def test_sliding_window_layers_cycle_through_a_ring_of_blocks():
+    # rings of 3 blocks: the window layers of a growing sequence reuse their oldest block in place
+    bm = BlockManager(num_blocks=12, block_size=4, enable_caching=False, num_window_blocks=5, window_ring=3)
+    a = _req("a", 6, max_tokens=16)
+    bm.allocate(a, 6)
+    assert a.block_ids == [0, 1] and a.window_block_ids == [0, 1]
+    a.num_computed_tokens = 6
+    bm.allocate(a, 10)                                   # 16 tokens: 4 blocks for full layers, the ring stays at 3
+    assert a.block_ids == [0, 1, 2, 3] and a.window_block_ids == [0, 1, 2]
+    b, c = _req("b", 5), _req("c", 9)
+    assert bm.can_allocate(b, 5) and not bm.can_allocate(c, 9)  # c's ring needs 3 window blocks, 2 are left
+    bm.allocate(b, 5)
+    assert b.window_block_ids == [3, 4]
+    bm.free(a)
+    assert a.window_block_ids == [] and bm.can_allocate(c, 9)
+    bm.allocate(c, 9)
+    assert c.block_ids == [6, 7, 8] and c.window_block_ids == [0, 1, 2]
+
+
 def test_chunked_prefill_and_mixed_steps():
     sched = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=8)
     long, short = _req("long", 20), _req("short", 3)

@@ -1,6 +1,9 @@
 """Hands out KV cache block ids, and keeps computed full blocks for later prompts that start the same way.
 
 Every stage indexes its own layers' caches with the same ids, so a block cached here is cached on every stage.
+Sliding-window layers need only the last window of keys: with window_ring, they have blocks of their own, and each
+sequence cycles through a ring of at most window_ring of them (logical block j in ring slot j % window_ring), so the
+blocks that fell out of the window are reused in place.
 A full block is named by a chained hash of its tokens and the previous block's hash: one hash stands for the whole
 prefix up to the end of that block, so equal tokens after a different prefix never match.
 """
@@ -18,8 +21,12 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_window_blocks: int = 0,
+                 window_ring: int = 0):
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
+        assert not (window_ring and enable_caching), "a ring holds no prefix to share"
+        self.window_ring = window_ring                           # blocks a sequence's window layers use at most
+        self.window_free: deque[int] = deque(range(num_window_blocks))
         self.ref_counts = [0] * num_blocks                       # requests holding each block
         self.block_hashes: list[bytes | None] = [None] * num_blocks  # set once the block is full and computed
         self.cached: dict[bytes, int] = {}                       # hash -> the one block indexed under it
@@ -64,10 +71,17 @@ class BlockManager:
         total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
         return max(0, -(-total // self.block_size) - len(req.block_ids) - len(cached))
 
+    def _window_blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        if not self.window_ring:
+            return 0
+        total = req.num_computed_tokens + num_new_tokens
+        return max(0, min(-(-total // self.block_size), self.window_ring) - len(req.window_block_ids))
+
     def can_allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
         # Taking a cached block that nobody holds takes it out of the free count too.
         num_revived = sum(self.ref_counts[b] == 0 for b in cached)
-        return self.num_blocks_needed(req, num_new_tokens, cached) + num_revived <= self.num_free_blocks
+        return self.num_blocks_needed(req, num_new_tokens, cached) + num_revived <= self.num_free_blocks and \
+            self._window_blocks_needed(req, num_new_tokens) <= len(self.window_free)
 
     def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> None:
         """Gives req enough blocks for num_new_tokens more tokens. A request's first allocate() is its admission:
@@ -80,6 +94,8 @@ class BlockManager:
         else:
             self._admit(req, cached)
         req.block_ids.extend(self._take_free() for _ in range(self.num_blocks_needed(req, num_new_tokens)))
+        req.window_block_ids.extend(self.window_free.popleft()
+                                    for _ in range(self._window_blocks_needed(req, num_new_tokens)))
         # The blocks this step writes into belong to req alone and are not in the cache.
         assert all(self.ref_counts[b] == 1 and self.block_hashes[b] is None
                    for b in req.block_ids[req.num_computed_tokens // self.block_size:])
@@ -102,6 +118,8 @@ class BlockManager:
                 self.block_hashes[b] = None  # unhashed, or a second copy of a cached block: nothing to keep
                 self.free_ids.append(b)
         req.block_ids = []
+        self.window_free.extend(req.window_block_ids)
+        req.window_block_ids = []
 
     # ---- internals ------------------------------------------------------------------------------------------
 

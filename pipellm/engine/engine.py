@@ -96,10 +96,10 @@ class LLMEngine:
             partition = balanced_partition(mc.num_layers, config.pipeline_parallel_size, costs)
             self.partition_note = describe_choice(mc.num_layers, config.pipeline_parallel_size, costs)
         self.stages = make_partition(mc.num_layers, config.pipeline_parallel_size, partition)
-        self.num_blocks = self._num_kv_blocks()
+        self.window_ring, self.num_blocks, self.num_window_blocks = self._num_kv_blocks()
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = self._eos_token_ids()
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, self.prefix_caching)
+        self.block_manager = self._block_manager()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" else None)
         self.requests: dict[str, Request] = {}
@@ -118,8 +118,23 @@ class LLMEngine:
 
     @property
     def prefix_caching(self) -> bool:
-        # dynamic and longrope rotary turn a key by the length of its whole sequence: a prefix's K/V is not shareable
-        return self.config.enable_prefix_caching and self.model_config.rope.rope_type not in ("dynamic", "longrope")
+        # dynamic and longrope rotary turn a key by the length of its whole sequence: a prefix's K/V is not shareable;
+        # nor is a prefix that sliding-window layers overwrote in their rings
+        return self.config.enable_prefix_caching and not self.window_ring and \
+            self.model_config.rope.rope_type not in ("dynamic", "longrope")
+
+    def _block_manager(self) -> BlockManager:
+        return BlockManager(self.num_blocks, self.config.block_size, self.prefix_caching, self.num_window_blocks,
+                            self.window_ring)
+
+    def _window_ring(self) -> int:
+        """Blocks a sequence's sliding-window layers cycle through: a window of keys plus the longest chunk a step
+        writes, and one more for a window that starts mid-block. 0 when no layer slides or it would save nothing."""
+        mc, cfg = self.model_config, self.config
+        if not any(mc.is_sliding(i) for i in range(mc.num_layers)):
+            return 0
+        ring = -(-(mc.sliding_window + cfg.max_num_batched_tokens - 1) // cfg.block_size) + 1
+        return ring if ring < -(-self.max_model_len // cfg.block_size) else 0
 
     def _token(self) -> bytes:
         """The run's shared secret. One host: a fresh one, handed to the stages by their parent. Several hosts:
@@ -156,20 +171,33 @@ class LLMEngine:
 
     def _start_pipeline(self) -> PipelineExecutor:
         return PipelineExecutor(self.model_dir, self.model_config, self.config, self.stages, self.num_blocks,
-                                self.store, generation=len(self.restarts))
+                                self.store, generation=len(self.restarts), num_window_blocks=self.num_window_blocks)
 
-    def _num_kv_blocks(self) -> int:
-        # The smallest count that fits every stage's budget, so one block table is valid on every stage.
+    def _num_kv_blocks(self) -> tuple[int, int, int]:
+        """(ring length, blocks of the full-attention layers, blocks of the sliding-window layers' rings): the
+        largest counts that fit every stage's budget, so one block table is valid on every stage. The sliding
+        layers get rings of their own only where one sequence of the whole context would not fit otherwise: a ring
+        holds a long sequence's window in a few blocks, but a short sequence fills as many blocks either way."""
         mc, cfg = self.model_config, self.config
         needed = -(-self.max_model_len // cfg.block_size)  # one full-length sequence
+        ring, ring_blocks = self._window_ring(), 0
         if cfg.num_kv_blocks is not None:
-            num_blocks, source = cfg.num_kv_blocks, f"num_kv_blocks={cfg.num_kv_blocks}"
+            num_blocks, source, ring = cfg.num_kv_blocks, f"num_kv_blocks={cfg.num_kv_blocks}", 0
         else:
-            bytes_per_block_layer = 2 * cfg.block_size * mc.num_kv_heads * mc.head_dim * cfg.torch_dtype.itemsize
-            budget = cfg.kv_cache_gib * 2 ** 30
-            num_blocks = min(int(budget // (bytes_per_block_layer * s.num_layers)) for s in self.stages)
+            block_bytes = 2 * cfg.block_size * mc.num_kv_heads * mc.head_dim * cfg.torch_dtype.itemsize
+            budget = int(cfg.kv_cache_gib * 2 ** 30) // block_bytes  # blocks of one layer
+            num_blocks, source = min(budget // s.num_layers for s in self.stages), f"kv_cache_gib={cfg.kv_cache_gib}"
+            if ring and num_blocks < needed:  # full-length sequences that fit with rings, on every stage
+                per_seq = []
+                for s in self.stages:
+                    sliding = sum(mc.is_sliding(i) for i in range(s.start, s.end))
+                    per_seq.append((s.num_layers - sliding) * needed + sliding * ring)
+                num_seqs = min(min(budget // n for n in per_seq), cfg.max_num_seqs)
+                if num_seqs:
+                    num_blocks, ring_blocks = num_seqs * needed, num_seqs * ring
+            ring = ring if ring_blocks else 0
             # More blocks than max_num_seqs full-length sequences can use is wasted memory.
-            num_blocks, source = min(num_blocks, needed * cfg.max_num_seqs), f"kv_cache_gib={cfg.kv_cache_gib}"
+            num_blocks = min(num_blocks, needed * cfg.max_num_seqs)
         if num_blocks < needed and cfg.max_model_len is None and num_blocks > 0:
             # the model's whole context does not fit: serve what does, as llama.cpp's smaller default context does
             log.warning("%s holds %d tokens, less than the model's context of %d: max_model_len lowered to %d "
@@ -179,7 +207,7 @@ class LLMEngine:
         elif num_blocks < needed:
             raise ValueError(f"{source} holds {num_blocks * cfg.block_size} tokens, fewer than one sequence of "
                              f"max_model_len={self.max_model_len}; give more KV cache or lower max_model_len")
-        return num_blocks
+        return ring, num_blocks, ring_blocks
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -265,7 +293,7 @@ class LLMEngine:
         self.executor.shutdown()
         self.in_flight.clear()
         # The new stages' KV caches are empty: forget every block, cached prefixes included.
-        self.block_manager = BlockManager(self.num_blocks, self.config.block_size, self.prefix_caching)
+        self.block_manager = self._block_manager()
         self.scheduler.requeue_all(self.block_manager)
         while True:
             now = time.monotonic()

@@ -68,6 +68,7 @@ class Scheduler:
         self.block_manager = block_manager
         for req in self.running + list(self.waiting):
             req.num_computed_tokens, req.block_ids, req.status = 0, [], RequestStatus.WAITING
+            req.window_block_ids = []
             req.in_flight = req.is_known_to_sampler = False
         self.waiting = deque(self.running + list(self.waiting))
         self.running, self.finished_ids = [], []
@@ -135,6 +136,11 @@ class Scheduler:
         tables = np.zeros((len(reqs), width), dtype=np.int32)
         for i, r in enumerate(reqs):
             tables[i, :len(r.block_ids)] = r.block_ids
+        window_tables = None
+        if self.block_manager.window_ring:
+            window_tables = np.zeros((len(reqs), self.block_manager.window_ring), dtype=np.int32)
+            for i, r in enumerate(reqs):
+                window_tables[i, :len(r.window_block_ids)] = r.window_block_ids
         rows = np.repeat(np.arange(len(reqs)), counts)
         slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = starts + counts
@@ -150,7 +156,7 @@ class Scheduler:
         for r in sampled:
             r.is_known_to_sampler = True
         batch = StageBatch(self.num_batches, ids, positions, slots, counts, seq_lens, tables, logits_indices,
-                           [r.request_id for r in sampled], new, self.finished_ids, rope_lens)
+                           [r.request_id for r in sampled], new, self.finished_ids, rope_lens, window_tables)
         self.finished_ids = []
         self.num_batches += 1
         return ScheduledBatch(batch.batch_id, reqs, counts.tolist(), sampled, batch)

@@ -29,6 +29,7 @@ class Request:
     cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0     # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
+    window_block_ids: list[int] = field(default_factory=list)  # the ring its sliding-window layers cycle through
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its first full blocks (lazy)
     status: RequestStatus = RequestStatus.WAITING
     in_flight: bool = False          # part of a batch whose token has not come back yet

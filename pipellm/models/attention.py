@@ -74,24 +74,41 @@ class AttentionMetadata:
         for i in torch.nonzero(~is_decode).flatten().tolist():
             q_len, seq_len, start = int(query_lens[i]), int(seq_lens[i]), int(starts[i])
             num_blocks = -(-seq_len // block_size)
-            key_pos = torch.arange(num_blocks * block_size)
+            # with a window, the blocks before the first query's window are skipped, not masked
+            first = max(0, seq_len - q_len - sliding_window + 1) // block_size if sliding_window else 0
+            key_pos = torch.arange(first * block_size, num_blocks * block_size)
             q_pos = torch.arange(seq_len - q_len, seq_len)                               # after its cached prefix
             mask = key_pos[None, :] <= q_pos[:, None]                                    # [q, K]
             if sliding_window is not None:
                 mask &= key_pos[None, :] > q_pos[:, None] - sliding_window
-            prefills.append(PrefillChunk(start, start + q_len, block_tables[i, :num_blocks].long(),
+            prefills.append(PrefillChunk(start, start + q_len, block_tables[i, first:num_blocks].long(),
                                          mask[None, None]))
         return cls(slot_mapping, decode, prefills, query_lens, seq_lens)
 
     @classmethod
-    def for_layers(cls, is_sliding: list[bool], sliding_window: int | None, *args) -> "AttentionMetadata":
+    def for_layers(cls, is_sliding: list[bool], sliding_window: int | None, *args,
+                   window_tables: torch.Tensor | None = None) -> "AttentionMetadata":
         """The metadata of full-attention layers, with that of the sliding ones in .local (itself when all slide).
-        args: as build's, up to block_size."""
+        args: as build's, up to block_size. window_tables [S, ring]: the sliding layers' own block rings."""
         full = cls.build(*args) if not all(is_sliding) or not is_sliding else None
-        local = cls.build(*args, sliding_window) if any(is_sliding) else None
+        local = None
+        if any(is_sliding):
+            local_args = args if window_tables is None else _ring_view(window_tables, *args)
+            local = cls.build(*local_args, sliding_window)
         meta = full or local
         meta.local = local
         return meta
+
+
+def _ring_view(rings: torch.Tensor, positions, query_lens, seq_lens, block_tables, slot_mapping, block_size):
+    """build()'s arguments for layers whose sequences cycle through rings of blocks: logical block j of a sequence
+    lives in ring slot j % ring. Blocks that alias older positions are outside the window, masked or skipped."""
+    ring = rings.shape[1]
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    tables = rings[:, torch.arange(num_blocks) % ring]                                   # [S, N]
+    rows = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)            # [T] each token's sequence
+    slots = rings[rows, (positions // block_size) % ring].long() * block_size + positions % block_size
+    return positions, query_lens, seq_lens, tables, slots, block_size
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

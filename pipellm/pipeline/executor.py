@@ -75,6 +75,7 @@ def start_stage(env: dict[str, str], model_dir: str | None = None) -> subprocess
 class PipelineExecutor:
     def __init__(self, model_dir: str, model_config: ModelConfig, engine_config: EngineConfig,
                  stages: list[StageLayers], num_blocks: int, store: comm.SignedStore, generation: int = 0,
+                 num_window_blocks: int = 0,
                  start_timeout_s: float = 300.0):
         self.stages = stages
         self.step_timeout = timedelta(seconds=engine_config.step_timeout_s)
@@ -97,7 +98,8 @@ class PipelineExecutor:
         self.procs: dict[int, subprocess.Popen] = {}  # rank -> process, for the stages started here
         try:
             for stage in stages:
-                args = StageArgs(stage, len(stages), model_dir, model_config, engine_config, num_blocks)
+                args = StageArgs(stage, len(stages), model_dir, model_config, engine_config, num_blocks,
+                                 num_window_blocks)
                 self.store.set(comm.args_key(stage.rank), wire.encode(args))
             store.set(comm.GENERATION_KEY, str(generation))  # the plan is complete: stages may start
             for i, rank in enumerate(local):

@@ -18,6 +18,7 @@ class StageArgs:
     model_config: ModelConfig
     engine_config: EngineConfig
     num_blocks: int
+    num_window_blocks: int = 0       # blocks of the sliding-window layers' own caches (0: they share num_blocks)
 
 
 @dataclass
@@ -46,12 +47,14 @@ class StageBatch:
     finished_req_ids: list[str] = field(default_factory=list)     # sampling state to drop (last stage)
     rope_lens: np.ndarray | None = None  # [B] each sequence's known length (prompt + output): what dynamic and
     #                                      longrope rotary scale by, as HF does for the sequence it runs
+    window_block_tables: np.ndarray | None = None  # [B, ring] int32: the sliding-window layers' block rings
 
     @property
     def num_tokens(self) -> int:
         return len(self.positions)
 
-    def check(self, num_blocks: int, block_size: int, vocab_size: int, is_first: bool, is_last: bool) -> None:
+    def check(self, num_blocks: int, block_size: int, vocab_size: int, is_first: bool, is_last: bool,
+              num_window_blocks: int = 0) -> None:
         """ValueError unless the arrays agree with each other and index only this stage's caches and vocabulary."""
         def need(ok, what):
             if not ok:
@@ -74,6 +77,10 @@ class StageBatch:
         need((self.slot_mapping >= 0).all() and (self.slot_mapping < num_blocks * block_size).all() and
              (self.block_tables >= 0).all() and (self.block_tables < num_blocks).all(),
              f"KV slots or blocks outside this stage's {num_blocks} blocks")
+        if self.window_block_tables is not None:
+            need(self.window_block_tables.ndim == 2 and self.window_block_tables.dtype.kind == "i" and
+                 len(self.window_block_tables) == B and (self.window_block_tables >= 0).all() and
+                 (self.window_block_tables < num_window_blocks).all(), "window_block_tables out of range")
         if is_first:
             need(self.input_ids is not None and self.input_ids.shape == (T,) and self.input_ids.dtype.kind == "i"
                  and (self.input_ids >= 0).all() and (self.input_ids < vocab_size).all(),

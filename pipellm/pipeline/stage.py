@@ -56,9 +56,13 @@ class StageWorker:
                 quantize_linears(self.model, ecfg.quantization)
         transpose_linears(self.model)
         self.model.eval()
-        shape = (args.num_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=ecfg.torch_dtype), torch.zeros(shape, dtype=ecfg.torch_dtype))
-                          for _ in range(self.stage.num_layers)]
+        def cache(num_blocks: int):
+            shape = (num_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+            return torch.zeros(shape, dtype=ecfg.torch_dtype), torch.zeros(shape, dtype=ecfg.torch_dtype)
+
+        # sliding-window layers have caches of their own when the driver gives them rings of blocks
+        self.kv_caches = [cache(args.num_window_blocks if sliding and args.num_window_blocks else args.num_blocks)
+                          for sliding in self.is_sliding]
         self.sampler = Sampler() if self.stage.is_last else None
         self.steps = self.bytes_sent = self.tokens_sent = 0
         self.busy_s = 0.0  # time computing, not waiting for input
@@ -91,12 +95,14 @@ class StageWorker:
     @torch.inference_mode()
     def step(self, batch: StageBatch) -> None:
         cfg, ecfg = self.args.model_config, self.args.engine_config
-        batch.check(self.args.num_blocks, ecfg.block_size, cfg.vocab_size, self.stage.is_first, self.stage.is_last)
+        batch.check(self.args.num_blocks, ecfg.block_size, cfg.vocab_size, self.stage.is_first, self.stage.is_last,
+                    self.args.num_window_blocks)
         t = torch.from_numpy
         positions = t(batch.positions)
         meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, t(batch.query_lens),
                                             t(batch.seq_lens), t(batch.block_tables), t(batch.slot_mapping),
-                                            ecfg.block_size)
+                                            ecfg.block_size, window_tables=None if batch.window_block_tables is None
+                                            else t(batch.window_block_tables))
         if batch.rope_lens is not None:
             meta.rope_lens = t(batch.rope_lens)
         if self.stage.is_first:
