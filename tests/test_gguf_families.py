@@ -1,0 +1,302 @@
+"""Every model family written to GGUF the way llama.cpp's converter writes it (convert_hf_to_gguf.py: its names, row
+orders, norm offsets, rotary tensors and metadata; Q8_0 linear weights), run straight from the .gguf file over two
+stages, equals HF transformers on the same weights (the file's values, dequantized) token for token."""
+import math
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from pipellm import LLM, SamplingParams
+from tests.test_families import COMMON, SHORT
+from tests.test_gguf import CHAT_TEMPLATE, MERGES, SPECIALS, TOKENS, llama_cpp_permute
+from tests.test_parity import NEW_TOKENS, PROMPTS
+
+VOCAB = len(TOKENS)  # the GGUF tokenizer's vocabulary
+BASE = COMMON | dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+GGUF_PROMPTS = [[t % VOCAB for t in p] for p in PROMPTS]
+# family -> GGUF general.architecture (llama.cpp writes Mixtral as "llama" with experts)
+ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3moe", "gemma2": "gemma2",
+        "gemma3": "gemma3", "phi3": "phi3"}
+FAMILIES = list(ARCH)
+
+# HF module -> llama.cpp tensor kind (gguf-py's tensor_mapping.py), per family where it differs
+HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "mlp.gate": "ffn_gate_inp", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+GEMMA_TO_GGUF = HF_TO_GGUF | {"pre_feedforward_layernorm": "ffn_norm",
+                              "post_attention_layernorm": "post_attention_norm",
+                              "post_feedforward_layernorm": "post_ffw_norm"}
+PHI3_TO_GGUF = HF_TO_GGUF | {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+GLOBAL_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                  "lm_head.weight": "output.weight"}
+
+
+def gguf_family_config(name: str):
+    """Tiny HF configs that llama.cpp can represent: Gemma's query scale = head_dim, its fixed sliding patterns
+    (Gemma 2: even layers local; Gemma 3: every 6th layer global, local base 10000); Qwen3-MoE renormalising top-k."""
+    import transformers as tf
+
+    if name == "llama3":
+        return tf.LlamaConfig(**BASE, rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=64))
+    if name == "mixtral":
+        return tf.MixtralConfig(**BASE, num_local_experts=4, num_experts_per_tok=2)
+    if name == "qwen3":  # head_dim 32, not hidden / heads = 16; q/k norms
+        return tf.Qwen3Config(**BASE, head_dim=32, tie_word_embeddings=False)
+    if name == "qwen3moe":
+        return tf.Qwen3MoeConfig(**BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                 norm_topk_prob=True)
+    if name == "gemma2":  # PROMPTS[2] (40 tokens) goes past the window
+        return tf.Gemma2Config(**BASE, head_dim=16, sliding_window=24, query_pre_attn_scalar=16,
+                               attn_logit_softcapping=20.0, final_logit_softcapping=10.0)
+    if name == "gemma3":  # layers 0-4 local (base 10000), layer 5 global (base 1e6, linear x2)
+        return tf.Gemma3TextConfig(**BASE | dict(num_hidden_layers=6), head_dim=32, sliding_window=24,
+                                   query_pre_attn_scalar=32, final_logit_softcapping=15.0,
+                                   rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                                    "full_attention": dict(rope_type="linear", rope_theta=1e6,
+                                                                           factor=2.0)})
+    if name == "phi3":  # partial rotary: 8 of 16 dims turn; long factors once past SHORT
+        rotated_half = 16 // 2 // 2
+        return tf.Phi3Config(**BASE, original_max_position_embeddings=SHORT, partial_rotary_factor=0.5,
+                             rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                                  original_max_position_embeddings=SHORT,
+                                                  short_factor=[1.0 + 0.1 * i for i in range(rotated_half)],
+                                                  long_factor=[2.0 + 0.5 * i for i in range(rotated_half)]))
+    raise ValueError(name)
+
+
+def _rope_parameters(cfg) -> dict:
+    params = cfg.rope_parameters
+    return params.get("full_attention", params)
+
+
+def llama3_rope_freqs(cfg) -> np.ndarray:
+    """llama.cpp's rope_freqs for Llama 3: per default frequency, the divisor HF's llama3 rotary applies."""
+    rope = _rope_parameters(cfg)
+    dim = cfg.head_dim
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(VOCAB)
+    head_dim = getattr(cfg, "head_dim", None)
+    if head_dim is not None and name != "phi3":  # written when the config names it
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if name != "gemma2":  # llama.cpp assumes Gemma 2's base, 10000
+        w.add_rope_freq_base(_rope_parameters(cfg)["rope_theta"])
+    if name in ("llama3", "mixtral"):
+        w.add_rope_dimension_count(head_dim or cfg.hidden_size // cfg.num_attention_heads)
+    if name == "mixtral":
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    if name == "qwen3moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if name == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window)
+    if name == "gemma3":
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)  # global layers only
+        w.add_rope_scaling_factor(_rope_parameters(cfg)["factor"])
+    if name == "phi3":
+        rope = _rope_parameters(cfg)
+        original = rope["original_max_position_embeddings"]
+        w.add_rope_dimension_count(int(cfg.partial_rotary_factor * cfg.hidden_size) // cfg.num_attention_heads)
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_sliding_window(cfg.sliding_window or 0)  # 0: none (Phi-4 has none either)
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+
+
+def write_tokenizer(w: gguf.GGUFWriter) -> None:
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(TOKENS)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))  # 3 = control, 1 = normal
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+def _row_order(rows: int, n_head: int) -> np.ndarray:
+    # llama.cpp's stored row r holds HF row order[r]
+    return llama_cpp_permute(np.arange(rows)[:, None], n_head)[:, 0]
+
+
+def write_family_gguf(path, name: str, model, edit=None) -> dict:
+    """Writes the HF model as llama.cpp's converter would, linear weights Q8_0 where a row splits into 32-wide
+    blocks (else F32), norms and routers F32. Returns the HF state dict of what the file holds (dequantized, the
+    converter's changes undone), for the reference. edit(writer) may add metadata."""
+    cfg, arch = model.config, ARCH[name]
+    names = {"gemma2": GEMMA_TO_GGUF, "gemma3": GEMMA_TO_GGUF, "phi3": PHI3_TO_GGUF}.get(name, HF_TO_GGUF)
+    w = gguf.GGUFWriter(str(path), arch)
+    write_metadata(w, name, cfg)
+    write_tokenizer(w)
+    if edit:
+        edit(w)
+
+    def add(gname: str, arr: np.ndarray, router: bool = False) -> np.ndarray:
+        """Writes one tensor; returns the values the file holds."""
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        qtype = Q.Q8_0 if arr.ndim >= 2 and arr.shape[-1] % 32 == 0 and not router else Q.F32
+        data = gguf.quants.quantize(arr, qtype)
+        w.add_tensor(gname, data, raw_dtype=None if qtype == Q.F32 else qtype)
+        return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32).reshape(arr.shape)
+
+    if name == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
+    if name == "phi3":
+        rope = _rope_parameters(cfg)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+    held = {}
+    for hf, tensor in model.state_dict().items():
+        arr = tensor.numpy()
+        if hf == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # the converter writes the embedding once
+        if hf in GLOBAL_TO_GGUF:
+            gname = GLOBAL_TO_GGUF[hf]
+        else:
+            _, _, layer, rest = hf.split(".", 3)
+            module, suffix = rest.rsplit(".", 1)
+            if module == "mlp.experts":  # stacked [E, ...] (HF fuses gate and up; llama.cpp keeps three)
+                prefix = f"blk.{layer}."
+                if suffix == "gate_up_proj":
+                    ff = arr.shape[1] // 2
+                    held[hf] = np.concatenate([add(prefix + "ffn_gate_exps.weight", arr[:, :ff]),
+                                               add(prefix + "ffn_up_exps.weight", arr[:, ff:])], axis=1)
+                else:
+                    assert suffix == "down_proj", hf
+                    held[hf] = add(prefix + "ffn_down_exps.weight", arr)
+                continue
+            gname = f"blk.{layer}.{names[module]}.{suffix}"
+        kind = gname.split(".")[-2]
+        if arch == "llama" and kind in ("attn_q", "attn_k"):  # rotary pairs interleaved per head
+            order = _row_order(arr.shape[0], cfg.num_attention_heads if kind == "attn_q" else
+                               cfg.num_key_value_heads)
+            stored = add(gname, arr[order])
+            held[hf] = np.empty_like(stored)
+            held[hf][order] = stored
+        elif arch.startswith("gemma") and gname.endswith("norm.weight"):  # Gemma's norms: 1 + w
+            held[hf] = add(gname, arr + np.float32(1)) - np.float32(1)
+        else:
+            held[hf] = add(gname, arr, router=kind == "ffn_gate_inp")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if cfg.tie_word_embeddings:
+        held["lm_head.weight"] = held["model.embed_tokens.weight"]
+    return {k: torch.from_numpy(v) for k, v in held.items()}
+
+
+def random_model(name: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(gguf_family_config(name), attn_implementation="eager").eval()
+    with torch.no_grad():  # norms not at their initial 1 (or Gemma's 0), so a wrong offset shows
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gguf_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PIPELLM_CACHE_DIR", str(tmp_path_factory.mktemp("gguf_cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def family_gguf(tmp_path_factory):
+    """name -> (.gguf path, HF greedy reference per prompt on the file's values); each built on first use."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            model = random_model(name)
+            path = tmp_path_factory.mktemp(name) / f"tiny-{name}.gguf"
+            held = write_family_gguf(path, name, model)
+            model.load_state_dict(held, strict=True)
+            ref = []
+            for prompt in GGUF_PROMPTS:
+                with torch.no_grad():
+                    out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                         output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                                         eos_token_id=None)
+                ref.append((out.sequences[0, len(prompt):].tolist(),
+                            torch.log_softmax(torch.cat(out.logits).float(), dim=-1)))
+            built[name] = (str(path), ref)
+        return built[name]
+    return get
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_gguf_family_matches_hf(family_gguf, name):
+    path, reference = family_gguf(name)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
+    with LLM(path, pipeline_parallel_size=2, dtype="float32") as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in GGUF_PROMPTS], params, use_tqdm=False)
+        held = {fmt for r in llm.engine.inspect() for fmt, _ in r.weight_bytes}
+    assert "Q8_0" in held  # the compact kernels ran
+    for out, (ref_ids, ref_logprobs) in zip(outputs, reference):
+        completion = out.outputs[0]
+        assert completion.token_ids == ref_ids
+        for step, entry in enumerate(completion.logprobs):
+            for token_id, lp in entry.items():
+                assert abs(lp.logprob - ref_logprobs[step, token_id].item()) < 1e-4, (step, token_id)
+
+
+def test_unsupported_architecture_names_it(tmp_path):
+    path = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(str(path), "falcon")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((VOCAB, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="falcon.gguf: GGUF architecture 'falcon' is not supported"):
+        LLM(str(path), pipeline_parallel_size=2, dtype="float32")
+
+
+def test_unsupported_rope_scaling_names_it(tmp_path):
+    path = tmp_path / "dynamic.gguf"
+    write_family_gguf(path, "mixtral", random_model("mixtral"),
+                      edit=lambda w: w.add_string(gguf.Keys.Rope.SCALING_TYPE.format(arch="llama"), "dynamic"))
+    with pytest.raises(ValueError, match="dynamic.gguf: rope scaling 'dynamic' is not supported"):
+        LLM(str(path), pipeline_parallel_size=2, dtype="float32")
