@@ -5,23 +5,13 @@ k * I), for decode-sized and prefill-sized token counts. Prints a table and writ
 """
 import argparse
 import json
-import time
 
 import torch
 
 from pipellm.config import ModelConfig
 from pipellm.models.layers import GatedMLP
 from pipellm.models.moe import SparseMoE
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+from pipellm.pipeline.profile import best_of
 
 
 def main():

@@ -66,6 +66,27 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
 
 
+def hf_greedy(model, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
+    """Per prompt: HF's greedy new ids and the log-softmax of its logits at each step."""
+    ref = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+        ref.append((out.sequences[0, len(prompt):].tolist(), torch.log_softmax(torch.cat(out.logits).float(), -1)))
+    return ref
+
+
+def assert_matches_hf(outputs, reference) -> None:
+    """Greedy ids equal, and the top-5 log-probabilities at every step within 1e-4 (fp32)."""
+    for out, (ref_ids, ref_logprobs) in zip(outputs, reference, strict=True):
+        completion = out.outputs[0]
+        assert completion.token_ids == ref_ids
+        for step, entry in enumerate(completion.logprobs):
+            for token_id, lp in entry.items():
+                assert abs(lp.logprob - ref_logprobs[step, token_id].item()) < 1e-4, (step, token_id)
+
+
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """name -> (folder, HF greedy reference per prompt); each family built on first use."""
@@ -80,15 +101,7 @@ def family(tmp_path_factory):
             folder = str(tmp_path_factory.mktemp(name))
             model.save_pretrained(folder)
             save_tokenizer(folder)
-            ref = []
-            for prompt in prompts_of(name):
-                with torch.no_grad():
-                    out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                         output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-                                         eos_token_id=None)
-                ref.append((out.sequences[0, len(prompt):].tolist(),
-                            torch.log_softmax(torch.cat(out.logits).float(), dim=-1)))
-            built[name] = (folder, ref)
+            built[name] = (folder, hf_greedy(model, prompts_of(name)))
         return built[name]
     return get
 
@@ -111,12 +124,7 @@ def test_family_matches_hf(family, name, pp, partition, budget):
         assert llm.engine.max_model_len == ModelConfig.from_pretrained(folder).max_context
     # ... a sliding layer's sequence cycling through a ring of 4 blocks (PP=2 steps 16 tokens), not 10 (150 tokens)
     assert window_ring == (4 if name.startswith("gemma") and pp == 2 else 0)
-    for out, (ref_ids, ref_logprobs) in zip(outputs, reference):
-        completion = out.outputs[0]
-        assert completion.token_ids == ref_ids
-        for step, entry in enumerate(completion.logprobs):
-            for token_id, lp in entry.items():
-                assert abs(lp.logprob - ref_logprobs[step, token_id].item()) < 1e-4, (step, token_id)
+    assert_matches_hf(outputs, reference)
 
 
 def test_gemma3_older_config_keys():

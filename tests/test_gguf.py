@@ -52,6 +52,17 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{HF_TO_GGUF[module]}.{suffix}"
 
 
+def write_tokenizer(w: gguf.GGUFWriter) -> None:
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(TOKENS)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))  # 3 = control, 1 = normal
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
 def write_tiny_gguf(path, arch="llama", rope_scaling=None, norm_dtype=np.float32):
     """Write a random 2-layer model the way llama.cpp's converter would; returns the source HF state dict."""
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
@@ -75,14 +86,7 @@ def write_tiny_gguf(path, arch="llama", rope_scaling=None, norm_dtype=np.float32
     w.add_vocab_size(len(TOKENS))
     if rope_scaling:
         w.add_rope_scaling_type(rope_scaling)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(TOKENS)
-    w.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))  # 3 = control, 1 = normal
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template(CHAT_TEMPLATE)
+    write_tokenizer(w)
     for name, arr in state.items():
         gname = gguf_name(name)
         kind = gname.split(".")[-2]

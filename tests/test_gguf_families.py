@@ -10,8 +10,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from pipellm import LLM, SamplingParams
-from tests.test_families import COMMON, SHORT
-from tests.test_gguf import CHAT_TEMPLATE, MERGES, SPECIALS, TOKENS, llama_cpp_permute
+from tests.test_families import COMMON, SHORT, assert_matches_hf, hf_greedy
+from tests.test_gguf import TOKENS, llama_cpp_permute, write_tokenizer
 from tests.test_parity import NEW_TOKENS, PROMPTS
 
 VOCAB = len(TOKENS)  # the GGUF tokenizer's vocabulary
@@ -138,17 +138,6 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
 
 
-def write_tokenizer(w: gguf.GGUFWriter) -> None:
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(TOKENS)
-    w.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))  # 3 = control, 1 = normal
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template(CHAT_TEMPLATE)
-
-
 def _row_order(rows: int, n_head: int) -> np.ndarray:
     # llama.cpp's stored row r holds HF row order[r]
     return llama_cpp_permute(np.arange(rows)[:, None], n_head)[:, 0]
@@ -252,15 +241,7 @@ def family_gguf(tmp_path_factory):
             path = tmp_path_factory.mktemp(name) / f"tiny-{name}.gguf"
             held = write_family_gguf(path, name, model)
             model.load_state_dict(held, strict=True)
-            ref = []
-            for prompt in GGUF_PROMPTS:
-                with torch.no_grad():
-                    out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                         output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-                                         eos_token_id=None)
-                ref.append((out.sequences[0, len(prompt):].tolist(),
-                            torch.log_softmax(torch.cat(out.logits).float(), dim=-1)))
-            built[name] = (str(path), ref)
+            built[name] = (str(path), hf_greedy(model, GGUF_PROMPTS))
         return built[name]
     return get
 
@@ -273,12 +254,7 @@ def test_gguf_family_matches_hf(family_gguf, name):
         outputs = llm.generate([{"prompt_token_ids": p} for p in GGUF_PROMPTS], params, use_tqdm=False)
         held = {fmt for r in llm.engine.inspect() for fmt, _ in r.weight_bytes}
     assert "Q8_0" in held  # the compact kernels ran
-    for out, (ref_ids, ref_logprobs) in zip(outputs, reference):
-        completion = out.outputs[0]
-        assert completion.token_ids == ref_ids
-        for step, entry in enumerate(completion.logprobs):
-            for token_id, lp in entry.items():
-                assert abs(lp.logprob - ref_logprobs[step, token_id].item()) < 1e-4, (step, token_id)
+    assert_matches_hf(outputs, reference)
 
 
 def test_unsupported_architecture_names_it(tmp_path):

@@ -115,7 +115,7 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
         hidden = torch.randn(num_tokens, cfg.hidden_size, dtype=ecfg.torch_dtype)
         embed = lambda: model.embed(ids, positions)  # noqa: E731
         run_layer = lambda: model.run_layers(hidden, positions, meta, caches)  # noqa: E731
-        decode_s = _best_of(run_layer, repeats)
+        decode_s = best_of(run_layer, repeats)
         # A prefill chunk of one sequence, as big as a step's token budget.
         chunk = min(ecfg.max_num_batched_tokens, CONTEXT * 4, cfg.max_position_embeddings)
         blocks = -(-chunk // bs)
@@ -127,14 +127,14 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
                                              pos, bs)
         x = torch.randn(chunk, cfg.hidden_size, dtype=ecfg.torch_dtype)
         prefill = lambda: model.run_layers(x, pos, pmeta, [cache])  # noqa: E731
-        return dict(layer_decode_s=decode_s, layer_prefill_s=_best_of(prefill, max(1, repeats // 2)), chunk=chunk,
-                    embed_s=_best_of(embed, repeats), num_tokens=num_tokens,
-                    head_s=_best_of(lambda: model.compute_logits(hidden).argmax(-1), repeats))
+        return dict(layer_decode_s=decode_s, layer_prefill_s=best_of(prefill, max(1, repeats // 2)), chunk=chunk,
+                    embed_s=best_of(embed, repeats), num_tokens=num_tokens,
+                    head_s=best_of(lambda: model.compute_logits(hidden).argmax(-1), repeats))
     finally:
         torch.set_num_threads(threads)
 
 
-def _best_of(fn, repeats: int) -> float:
+def best_of(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
