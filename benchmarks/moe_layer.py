@@ -1,5 +1,6 @@
 """An MoE layer's time against a dense MLP of the same active size (top-k experts of width I vs one MLP of width
-k * I), for decode-sized and prefill-sized token counts. Prints a table and writes moe_layer.json.
+k * I), for decode-sized and prefill-sized token counts, fp32 weights as a stage holds them. Prints a table and
+writes moe_layer.json.
 
     python benchmarks/moe_layer.py [--threads 1]
 """
@@ -9,7 +10,7 @@ import json
 import torch
 
 from pipellm.config import ModelConfig
-from pipellm.models.layers import GatedMLP
+from pipellm.models.layers import GatedMLP, transpose_linears
 from pipellm.models.moe import SparseMoE
 from pipellm.pipeline.profile import best_of
 
@@ -29,6 +30,8 @@ def main():
                       moe_intermediate_size=args.expert_width)
     moe = SparseMoE(cfg).eval()
     dense = GatedMLP(args.hidden, args.top_k * args.expert_width).eval()
+    transpose_linears(moe)  # the layout a stage runs
+    transpose_linears(dense)
     rows = []
     with torch.inference_mode():
         for tokens in (1, 4, 16, 64, 256, 512):
