@@ -66,9 +66,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.model_dir = resolve_model(config.model)
         gguf_file = gguf_source(self.model_dir)
+        compact = gguf_file is not None or config.quantization is not None
         if config.dtype == "auto":
             from pipellm.pipeline.profile import auto_dtype
-            compact = gguf_file is not None or config.quantization is not None
             dtype, why = auto_dtype(config.num_threads, compact)
             log.info("dtype auto: %s (%s)", dtype, why)
             config = dataclasses.replace(config, dtype=dtype)
@@ -92,7 +92,7 @@ class LLMEngine:
         if partition == "auto":
             from pipellm.pipeline.profile import balanced_partition, describe_choice, profile_costs
             make_partition(mc.num_layers, config.pipeline_parallel_size)  # same checks as an even split
-            costs = profile_costs(mc, config)
+            costs = profile_costs(mc, config, compact=compact)
             partition = balanced_partition(mc.num_layers, config.pipeline_parallel_size, costs)
             self.partition_note = describe_choice(mc.num_layers, config.pipeline_parallel_size, costs)
         self.stages = make_partition(mc.num_layers, config.pipeline_parallel_size, partition)

@@ -13,6 +13,7 @@ from pipellm.config import EngineConfig, ModelConfig
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
+from pipellm.quant.rtn import quantize_linears
 from pipellm.pipeline.partition import StageLayers, even_partition
 
 CONTEXT = 128  # tokens of context each profiled sequence attends over
@@ -27,22 +28,24 @@ class LayerCosts:
     num_tokens: int  # generated tokens: one decode micro-batch
 
 
-def profile_costs(model_config: ModelConfig, engine_config: EngineConfig, repeats: int = 5) -> LayerCosts:
+def profile_costs(model_config: ModelConfig, engine_config: EngineConfig, repeats: int = 5,
+                  compact: bool = False) -> LayerCosts:
     """Times a decode micro-batch and a prefill chunk (random weights of the model's shapes time the same as
-    the real ones), then weighs them by engine_config.auto_partition_prompt_ratio prompt tokens per generated
-    token: the LM head, the heaviest single op, runs on generated tokens only."""
-    raw = _profile_raw(model_config, engine_config, repeats)
+    the real ones; compact: held as 8-bit codes, as a stage holds compact weights), then weighs them by
+    engine_config.auto_partition_prompt_ratio prompt tokens per generated token: the LM head, the heaviest single
+    op, runs on generated tokens only."""
+    raw = _profile_raw(model_config, engine_config, repeats, compact)
     ratio, n = engine_config.auto_partition_prompt_ratio, raw["num_tokens"]
     prefill_per_token = raw["layer_prefill_s"] / raw["chunk"]
     return LayerCosts(raw["layer_decode_s"] + ratio * n * prefill_per_token,
                       raw["embed_s"] * (1 + ratio), raw["head_s"], n)
 
 
-def _profile_raw(model_config: ModelConfig, engine_config: EngineConfig, repeats: int) -> dict:
+def _profile_raw(model_config: ModelConfig, engine_config: EngineConfig, repeats: int, compact: bool) -> dict:
     num_tokens = max(1, min(engine_config.max_num_seqs, 32) // engine_config.pipeline_parallel_size)
-    key = ["v2", asdict(model_config), engine_config.dtype, engine_config.num_threads, num_tokens,
-           engine_config.max_num_batched_tokens]
-    return _cached(key, lambda: _measure(model_config, engine_config, num_tokens, repeats))
+    key = ["v3", asdict(model_config), engine_config.dtype, engine_config.num_threads, num_tokens,
+           engine_config.max_num_batched_tokens, compact]
+    return _cached(key, lambda: _measure(model_config, engine_config, num_tokens, repeats, compact))
 
 
 def _cached(key: list, measure) -> dict:
@@ -94,11 +97,13 @@ def _bf16_speedup(num_threads: int) -> dict:
 
 
 @torch.inference_mode()
-def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int) -> dict:
+def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int, compact: bool) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(ecfg.num_threads)  # as a stage will run
     try:
         model = build_stage_model(cfg, StageLayers(0, 0, 1, True, True)).to(ecfg.torch_dtype)
+        if compact:  # a stage multiplies by compact weights with our kernels: time those, not fp32
+            quantize_linears(model, "int8")
         transpose_linears(model)
         bs = ecfg.block_size
         blocks_per_seq = -(-CONTEXT // bs)
