@@ -146,8 +146,6 @@ class ModelConfig:
             return cls(arch, d["vocab_size"], n_embd, d["n_layer"], n_head, n_head, n_embd // n_head,
                        d.get("n_inner") or 4 * n_embd, d["n_positions"], d.get("layer_norm_epsilon", 1e-5),
                        tie_word_embeddings=d.get("tie_word_embeddings", True), eos_token_ids=eos_ids)
-        if arch in GEMMA_FAMILY and d.get("text_config"):  # a multimodal Gemma 3 folder: its text part
-            d = {**d["text_config"], "architectures": [arch], "eos_token_id": d.get("eos_token_id", eos)}
         is_gemma = arch in GEMMA_FAMILY
         act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
         if act not in ("silu", "gelu_pytorch_tanh"):

@@ -40,8 +40,8 @@ class SamplingParams:
             bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", "must be -1 (all tokens) or a positive integer")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k < 2 ** 31:
+            bad("top_k", "must be -1 (all tokens) or a positive integer below 2**31")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
         # Further out, dividing float32 logits by it overflows to inf and no token can be drawn.
