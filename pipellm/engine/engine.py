@@ -101,7 +101,8 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.block_manager = self._block_manager()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" else None)
+                                   mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" else None,
+                                   send_rope_lens=mc.rope.rope_type in ("dynamic", "longrope"))
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # a user's request id -> its completions' ids, to find them by id
         self.in_flight: deque[ScheduledBatch] = deque()

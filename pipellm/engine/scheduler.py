@@ -24,8 +24,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 recompute_past: int | None = None):
+                 recompute_past: int | None = None, send_rope_lens: bool = False):
         self.block_manager = block_manager
+        self.send_rope_lens = send_rope_lens  # dynamic and longrope rotary scale by each sequence's known length
         # longrope: a sequence that grows past this length recomputes its cache with the long factors (as HF's Phi-3)
         self.recompute_past = recompute_past
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -156,7 +157,8 @@ class Scheduler:
         for r in sampled:
             r.is_known_to_sampler = True
         batch = StageBatch(self.num_batches, ids, positions, slots, counts, seq_lens, tables, logits_indices,
-                           [r.request_id for r in sampled], new, self.finished_ids, rope_lens, window_tables)
+                           [r.request_id for r in sampled], new, self.finished_ids,
+                           rope_lens if self.send_rope_lens else None, window_tables)
         self.finished_ids = []
         self.num_batches += 1
         return ScheduledBatch(batch.batch_id, reqs, counts.tolist(), sampled, batch)
