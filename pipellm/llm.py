@@ -53,6 +53,16 @@ class LLM:
             return [s.describe() for s in self.engine.stages]
         return [f"{s.describe()}, {r.describe_memory()}" for s, r in zip(self.engine.stages, reports)]
 
+    def inspect(self, prompt: PromptType) -> dict:
+        """Runs the prompt and one generated token through the pipeline, recording every layer: what the final norm
+        and LM head make of its output at each prompt position (a logit lens), the generated token's attention over
+        each layer's cache, and the cache blocks each layer holds. The data of inspect.json (see README)."""
+        from pipellm.engine.inspect import run_probe
+        if self._dead:
+            raise RuntimeError(self._dead)
+        _, ids = self._to_token_ids(prompt)
+        return run_probe(self.engine, ids)
+
     # ---- generation -----------------------------------------------------------------------------------------
 
     def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pipellm.config import EngineConfig, ModelConfig, RopeConfig
 from pipellm.pipeline import wire
-from pipellm.pipeline.messages import (Inspect, NewRequest, SampledBatch, Shutdown, StageArgs, StageBatch,
+from pipellm.pipeline.messages import (Inspect, NewRequest, ProbeReport, SampledBatch, Shutdown, StageArgs, StageBatch,
                                        StageReport)
 from pipellm.pipeline.partition import make_partition
 from pipellm.sampler import SampledToken
@@ -44,6 +44,8 @@ MESSAGES = [
               EngineConfig(None, layer_partition="auto", dtype="bfloat16", num_kv_blocks=64), 64),  # default model
     StageReport(1, "stage 1: layers 3-4", 42, ["a.weight"], ["model.layers.3.x"], "/m", 2, (10, 16, 2, 16), 1, [1],
                 7, 0, 0, 1.5, [("forward", 3, 0.5, 0.75, 12, 2)], 0.25, [("Q4_1", 1000), ("F32", 8)], 64, 4096),
+    ProbeReport(4, 1, np.full((2, 2, 7), 1 / 7, np.float32), [[3], [3]], [[0.5] * 7, [1.0] * 7],
+                np.zeros((5, 6), np.int64), np.ones((5, 6), np.float32), np.ones((5, 1), np.float32)),
     Inspect(),
     Shutdown(),
 ]
@@ -116,7 +118,7 @@ def _header(kind, value, arrays=()) -> bytes:
     (_header("StageBatch", [0] * 11, [["|O", [1]]]), "bad array description"),
     (_header("StageBatch", [0] * 11, [["<i8", [2 ** 40, 2 ** 40]]]), "runs past the end"),
     (_header("StageBatch", [0] * 11, [["<i8", [1]]]) + b"\0" * 9, "bytes left over"),
-    (_header("StageBatch", [None, 5] + [0] * 11, [["<i8", [1]]]) + b"\0" * 8, "batch_id"),
+    (_header("StageBatch", [None, 5] + [0] * 12, [["<i8", [1]]]) + b"\0" * 8, "batch_id"),
     (struct.pack("<I", 10 ** 6) + b"{}", "past the end"),
     (struct.pack("<I", 3) + b"[[[", "undecodable"),
     (struct.pack("<I", 20000) + b"[" * 20000, "undecodable"),  # deep nesting: RecursionError inside json

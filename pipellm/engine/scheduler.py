@@ -109,7 +109,8 @@ class Scheduler:
             budget -= n
         while self.waiting and len(chosen) < max_seqs and budget > 0:
             req = self.waiting[0]
-            cached = self.block_manager.cached_prefix(req)  # its K/V is already there: compute only the rest
+            # its K/V is already there: compute only the rest
+            cached = self.block_manager.cached_prefix(req) if req.use_prefix_cache else []
             n = min(req.num_tokens - len(cached) * self.block_manager.block_size, budget)
             if not self.block_manager.can_allocate(req, n, cached):
                 break

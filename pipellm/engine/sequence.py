@@ -35,6 +35,7 @@ class Request:
     in_flight: bool = False          # part of a batch whose token has not come back yet
     is_known_to_sampler: bool = False  # the last stage holds its sampling state
     num_preemptions: int = 0
+    use_prefix_cache: bool = True    # False: compute every prompt position, even where a cached prefix holds it
     rope_len: int = 0                # num_tokens when its K/V was last computed (longrope: short or long factors)
     text: str = ""
     finish_reason: str | None = None

@@ -1,4 +1,4 @@
-"""pipellm generate | chat | bench | trace | serve | stage"""
+"""pipellm generate | chat | bench | trace | inspect | serve | stage"""
 import argparse
 import os
 import sys
@@ -161,12 +161,26 @@ def cmd_trace(args) -> None:
           f"{summary['tokens_per_s']:.1f} generated tok/s")
 
 
+def _positional_model(args) -> str | None:
+    if args.model_path and args.model and args.model_path != args.model:
+        raise ValueError(f"two models given ({args.model_path!r} and --model {args.model!r}); give one")
+    return args.model_path or args.model
+
+
+def cmd_inspect(args) -> None:
+    from pipellm.observe.inspect import save_inspect, summary
+    args.model = _positional_model(args)
+    with _make_llm(args) as llm:
+        data = llm.inspect(args.prompt)
+    paths = save_inspect(data, args.out)
+    print(summary(data))
+    print("wrote " + ", ".join(paths.values()))
+
+
 def cmd_serve(args) -> None:
     from pipellm.entrypoints.server import ServerConfig, run_server
     from pipellm.loader.default_model import DEFAULT_MODEL_NAME
-    if args.model_path and args.model and args.model_path != args.model:
-        raise ValueError(f"two models given ({args.model_path!r} and --model {args.model!r}); give one")
-    model = args.model_path or args.model
+    model = _positional_model(args)
     engine_kwargs = dict(pipeline_parallel_size=args.pipeline_parallel_size, dtype=args.dtype, seed=args.seed,
                          threads_per_stage=args.threads_per_stage, **_engine_kwargs(args, restart_default=True))
     config = ServerConfig(args.served_model_name or model or DEFAULT_MODEL_NAME, args.host, args.port, args.api_key,
@@ -213,6 +227,13 @@ def main(argv: list[str] | None = None) -> None:
     trace.add_argument("trace_json")
     trace.add_argument("--png", default=None, help="pipeline picture to write (default: beside the trace)")
     trace.set_defaults(func=cmd_trace)
+    inspect = sub.add_parser("inspect", help="what each layer predicts and attends to, stage by stage: lens.png, "
+                                             "kv.png, inspect.json")
+    inspect.add_argument("model_path", nargs="?", default=None, metavar="model", help="same as --model")
+    _engine_args(inspect)
+    inspect.add_argument("--prompt", default="The capital of France is")
+    inspect.add_argument("--out", default="inspect", help="folder to write the pictures and inspect.json to")
+    inspect.set_defaults(func=cmd_inspect)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("model_path", nargs="?", default=None, metavar="model", help="same as --model")
     _engine_args(serve)

@@ -43,6 +43,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor          # [S] each sequence's length after this step
     local: "AttentionMetadata | None" = None  # the sliding-window layers' view, when a model mixes both kinds
     rope_lens: torch.Tensor | None = None  # [S] each sequence's known length (prompt + output); None: seq_lens
+    probe: list | None = None       # when inspecting: each layer appends its decode rows' attention weights
 
     @property
     def token_rope_lens(self) -> torch.Tensor:
@@ -119,11 +120,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_heads, num_kv, head_dim = q.shape[1], k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = k  # [num_blocks * block_size, KV, D]
     v_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = v
-
-    def gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
-        # [S * N, block_size, KV, D] -> [S, N * block_size, KV, D] -> [S, KV, K, D]
-        return cache.index_select(0, block_ids).view(num_seqs, -1, num_kv, head_dim).transpose(1, 2)
-
+    if meta.probe is not None and meta.decode is not None:
+        d = meta.decode
+        meta.probe.append(decode_attention_weights(q if d.token_idx is None else q[d.token_idx], k_cache, d,
+                                                   scale, softcap))
     out = None if meta.decode is not None and meta.decode.token_idx is None else torch.empty_like(q)
     if meta.decode is not None:
         d = meta.decode
@@ -147,6 +147,30 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     softcap)                                                           # [1, H, q, D]
         out[p.start:p.end] = o[0].transpose(0, 1)
     return out
+
+
+def gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """The K or V values of num_seqs sequences' blocks: [S * N] block ids -> [S, KV, K = N * block_size, D]."""
+    num_kv, head_dim = cache.shape[2], cache.shape[3]
+    # [S * N, block_size, KV, D] -> [S, N * block_size, KV, D] -> [S, KV, K, D]
+    return cache.index_select(0, block_ids).view(num_seqs, -1, num_kv, head_dim).transpose(1, 2)
+
+
+def decode_attention_weights(q: torch.Tensor, k_cache: torch.Tensor, d: DecodeGroup, scale: float,
+                             softcap: float | None) -> torch.Tensor:
+    """q [Bd, H, D] -> [Bd, H, K] float32: each decode row's attention weights over its cached keys (positions
+    past its context, or before its window, get 0). For inspection, off the hot path."""
+    num_seqs, num_heads = q.shape[0], q.shape[1]
+    keys = gather(k_cache, d.block_ids, num_seqs).float()                              # [Bd, KV, K, D]
+    keys = keys.repeat_interleave(num_heads // keys.shape[1], dim=1)                   # [Bd, H, K, D]
+    scores = (keys @ q.float()[..., None]).squeeze(-1) * scale                         # [Bd, H, K]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    key_pos = torch.arange(scores.shape[-1])
+    visible = key_pos[None, :] < d.seq_lens[:, None]                                   # [Bd, K]
+    if d.window:
+        visible &= key_pos[None, :] >= d.seq_lens[:, None] - d.window
+    return torch.softmax(scores.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

@@ -62,6 +62,10 @@ class GPT2Stage(nn.Module):
             self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.h
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         if self.stage.is_first:
             x = self.embed(x, positions)

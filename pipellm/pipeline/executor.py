@@ -17,7 +17,8 @@ from datetime import timedelta
 
 from pipellm.config import EngineConfig, ModelConfig
 from pipellm.pipeline import comm, wire
-from pipellm.pipeline.messages import Inspect, SampledBatch, Shutdown, StageArgs, StageBatch, StageReport
+from pipellm.pipeline.messages import (Inspect, ProbeReport, SampledBatch, Shutdown, StageArgs, StageBatch,
+                                       StageReport)
 from pipellm.pipeline.partition import StageLayers, node_of_stage
 
 STAGE_ENTRY = "from pipellm.pipeline.stage import main; main()"
@@ -90,7 +91,7 @@ class PipelineExecutor:
         self.key = store.key
         self.generation = generation
         self.store = store.generation(generation)
-        self.vocab_size = model_config.vocab_size
+        self.vocab_size, self.num_layers = model_config.vocab_size, model_config.num_layers
         world_size = len(stages) + 1
         self.node_of = [node_of_stage(s.rank, len(stages), engine_config.nnodes) for s in stages]
         local = [s.rank for s in stages
@@ -301,6 +302,23 @@ class PipelineExecutor:
                 raise wire.WireError(f"a message from {comm.peer_name(self.last_rank)} is malformed: {e}") from None
             return result
         return self._guard("waiting for the pipeline", recv)
+
+    def receive_probes(self, batch: StageBatch) -> list[ProbeReport]:
+        """Every stage's report on a probe batch, after its SampledBatch."""
+        def recv():
+            reports = []
+            for stage in self.stages:
+                rank = comm.stage_world_rank(stage.rank)
+                report = self.chan.recv_obj(rank, (ProbeReport,), self.step_timeout)
+                try:
+                    assert report.batch_id == batch.batch_id and report.stage == stage.rank
+                    report.check(stage.num_layers, self.num_layers, batch.num_tokens,
+                                 len(batch.logits_indices), stage.is_last)
+                except (AssertionError, ValueError) as e:
+                    raise wire.WireError(f"a probe report from {comm.peer_name(rank)} is malformed: {e}") from None
+                reports.append(report)
+            return reports
+        return self._guard("waiting for the probe reports", recv)
 
     def inspect(self) -> list[StageReport]:
         def ask():

@@ -48,6 +48,7 @@ class StageBatch:
     rope_lens: np.ndarray | None = None  # [B] each sequence's known length (prompt + output): what dynamic and
     #                                      longrope rotary scale by, as HF does for the sequence it runs
     window_block_tables: np.ndarray | None = None  # [B, ring] int32: the sliding-window layers' block rings
+    probe: bool = False              # record what every layer does (LLM.inspect): each stage sends a ProbeReport
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +82,7 @@ class StageBatch:
             need(self.window_block_tables.ndim == 2 and self.window_block_tables.dtype.kind == "i" and
                  len(self.window_block_tables) == B and (self.window_block_tables >= 0).all() and
                  (self.window_block_tables < num_window_blocks).all(), "window_block_tables out of range")
+        need(not self.probe or B == 1, "a probe batch holds one sequence")
         if is_first:
             need(self.input_ids is not None and self.input_ids.shape == (T,) and self.input_ids.dtype.kind == "i"
                  and (self.input_ids >= 0).all() and (self.input_ids < vocab_size).all(),
@@ -99,6 +101,34 @@ class SampledBatch:
     def check(self, vocab_size: int) -> None:
         if any(not 0 <= t.token_id < vocab_size for t in self.tokens):
             raise ValueError(f"SampledBatch {self.batch_id}: token ids outside the vocabulary of {vocab_size}")
+
+
+@dataclass
+class ProbeReport:
+    """A stage -> driver after a probe batch: what its own layers (L of them) did with the batch's one sequence."""
+    batch_id: int
+    stage: int
+    attention: np.ndarray | None     # [L, KV, K] float32 when the sequence decodes: its new token's attention weights
+    #                                  over the K cached positions, per KV head (its query heads averaged)
+    kv_blocks: list[list[int]]       # [L][blocks] the cache blocks each layer read for the sequence
+    kv_key_rms: list[list[float]]    # [L][positions] root mean square of each cached key, read through those blocks
+    lens_ids: np.ndarray | None = None      # last stage, [layers of the model, T] int64: the token that norm +
+    #                                         LM head rank first from each layer's output, for every row
+    lens_probs: np.ndarray | None = None    # [layers of the model, T] float32: its probability
+    sampled_probs: np.ndarray | None = None  # [layers of the model, S] float32: each sampled token's probability
+
+    def check(self, stage_layers: int, num_layers: int, num_tokens: int, num_sampled: int, is_last: bool) -> None:
+        def need(ok, what):
+            if not ok:
+                raise ValueError(f"ProbeReport of stage {self.stage}: {what}")
+
+        need(len(self.kv_blocks) == stage_layers == len(self.kv_key_rms), "one block list per layer expected")
+        need(self.attention is None or (self.attention.ndim == 3 and len(self.attention) == stage_layers),
+             "attention must be [layers, kv heads, positions]")
+        if is_last:
+            for name, cols in (("lens_ids", num_tokens), ("lens_probs", num_tokens), ("sampled_probs", num_sampled)):
+                a = getattr(self, name)
+                need(a is not None and a.shape == (num_layers, cols), f"{name} must be [{num_layers}, {cols}]")
 
 
 @dataclass

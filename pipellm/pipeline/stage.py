@@ -21,8 +21,9 @@ from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.quant.linear import weight_bytes
 from pipellm.quant.rtn import quantize_linears
-from pipellm.pipeline import comm, wire
-from pipellm.pipeline.messages import Inspect, SampledBatch, Shutdown, StageArgs, StageBatch, StageReport
+from pipellm.pipeline import comm, probe, wire
+from pipellm.pipeline.messages import (Inspect, ProbeReport, SampledBatch, Shutdown, StageArgs, StageBatch,
+                                       StageReport)
 from pipellm.sampler import Sampler
 
 
@@ -112,6 +113,7 @@ class StageWorker:
             x = self.chan.recv_tensor((batch.num_tokens, cfg.hidden_size), ecfg.torch_dtype,
                                       self.world_rank - 1)
             self._record("wait_hidden", batch, waiting_since)
+        recorder = probe.Recorder(self.model.layers, self.is_sliding, meta) if batch.probe else None
         start = time.perf_counter()
         hidden = self.model(x, positions, meta, self.kv_caches)
         self.steps += 1
@@ -121,6 +123,8 @@ class StageWorker:
             self.chan.send_tensor(hidden, self.world_rank + 1)
             self.bytes_sent += hidden.numel() * hidden.element_size()
             self.tokens_sent += hidden.shape[0]
+            if recorder is not None:
+                self._finish_probe(batch, recorder, [])
             return
         for req_id in batch.finished_req_ids:
             self.sampler.remove_request(req_id)
@@ -133,6 +137,26 @@ class StageWorker:
         self.busy_s += time.perf_counter() - start
         self._record("forward", batch, start)
         self.chan.send_obj(SampledBatch(batch.batch_id, tokens), comm.DRIVER)
+        if recorder is not None:
+            self._finish_probe(batch, recorder, tokens)
+
+    def _finish_probe(self, batch: StageBatch, recorder: probe.Recorder, tokens: list) -> None:
+        """After a probe batch: every layer's output so far goes on to the next stage (activations, like the hidden
+        states), and the last stage reads them through its norm and LM head. Each stage reports to the driver."""
+        recorder.close()
+        cfg, dtype = self.args.model_config, self.args.engine_config.torch_dtype
+        outputs = torch.stack(recorder.outputs)                                  # [layers here, T, hidden]
+        if not self.stage.is_first:
+            earlier = self.chan.recv_tensor((self.stage.start, batch.num_tokens, cfg.hidden_size), dtype,
+                                            self.world_rank - 1)
+            outputs = torch.cat([earlier, outputs])                              # [layers so far, T, hidden]
+        fields = recorder.report_fields(self.kv_caches, cfg.num_kv_heads, int(batch.seq_lens[0]))
+        if self.stage.is_last:
+            fields |= probe.logit_lens(self.model, outputs, torch.from_numpy(batch.logits_indices),
+                                       [t.token_id for t in tokens])
+        else:
+            self.chan.send_tensor(outputs, self.world_rank + 1)
+        self.chan.send_obj(ProbeReport(batch.batch_id, self.stage.rank, **fields), comm.DRIVER)
 
     def report(self) -> StageReport:
         events = None
