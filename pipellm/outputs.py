@@ -41,3 +41,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token; None for the first

@@ -7,6 +7,7 @@ multiplied by ones and comes out unchanged.
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pipellm.sampling_params import SamplingParams
@@ -21,6 +22,39 @@ class SampledToken:
     logprob: float | None = None        # under the raw model distribution
     rank: int | None = None             # 1 = most likely raw token
     top_logprobs: list[tuple[int, float]] | None = None  # (token_id, logprob), descending
+
+
+@dataclass
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens, each under the raw model distribution at the position before it. R rows."""
+    logprobs: np.ndarray             # [R] float32, of each row's next prompt token
+    ranks: np.ndarray                # [R] int64, 1 = the most likely token
+    top_ids: np.ndarray              # [R, k] int64, the k most likely tokens, descending
+    top_logprobs: np.ndarray         # [R, k] float32
+
+
+PROMPT_LOGPROB_ROWS = 64  # rows whose log-softmax over the vocabulary exists at once (Gemma 3: 1 MB a row)
+
+
+def prompt_logprobs(compute_logits, hidden: torch.Tensor, targets: torch.Tensor, k: int) -> PromptLogprobs:
+    """hidden [R, hidden]: the rows before each target [R]; compute_logits: the model's norm + LM head."""
+    parts = []
+    for start in range(0, len(hidden), PROMPT_LOGPROB_ROWS):
+        rows = slice(start, start + PROMPT_LOGPROB_ROWS)
+        lp = compute_logits(hidden[rows]).float().log_softmax(dim=-1)                    # [rows, V]
+        tok_lp, ranks = _logprob_and_rank(lp, targets[rows])
+        vals, ids = lp.topk(min(k, lp.shape[1]), dim=-1)
+        parts.append((tok_lp, ranks, ids, vals))
+    tok_lp, ranks, ids, vals = (torch.cat(x) for x in zip(*parts))
+    return PromptLogprobs(tok_lp.numpy(), ranks.numpy(), ids.numpy(), vals.numpy())
+
+
+def _logprob_and_rank(lp: torch.Tensor, tokens: torch.Tensor, buffer: torch.Tensor | None = None):
+    """lp [R, V] log-probabilities, tokens [R] -> each token's log-probability [R] and rank [R] (ties share the
+    better rank). Counting via a float 0/1 buffer avoids a slow bool->int64 sum on CPU."""
+    tok_lp = lp.gather(1, tokens.unsqueeze(1))
+    above = torch.gt(lp, tok_lp, out=buffer if buffer is not None else torch.empty_like(lp))
+    return tok_lp.squeeze(1), (above.sum(dim=-1) + 1).long()
 
 
 class _History:
@@ -289,12 +323,8 @@ def _fill_logprobs(out: list[SampledToken], logits: torch.Tensor, token_ids: tor
                    rows: list[int], ks: list[int], scratch: _Scratch) -> None:
     idx = torch.tensor(rows, device=logits.device)
     lp = logits[idx].float().log_softmax(dim=-1)  # raw logits: no penalties, no temperature (vLLM default)
-    tok = token_ids[idx].unsqueeze(1)
-    tok_lp = lp.gather(1, tok)
-    # Ties share the better rank; counting via a float 0/1 buffer avoids a slow bool->int64 sum on CPU.
-    above = torch.gt(lp, tok_lp, out=scratch.get("mask", lp.shape, device=lp.device))
-    ranks = (above.sum(dim=-1) + 1).long().tolist()
-    tok_lp = tok_lp.squeeze(1).tolist()
+    tok_lp, ranks = _logprob_and_rank(lp, token_ids[idx], scratch.get("mask", lp.shape, device=lp.device))
+    tok_lp, ranks = tok_lp.tolist(), ranks.tolist()
     top = [[] for _ in rows]
     kmax = min(max(ks), lp.shape[1])
     if kmax:

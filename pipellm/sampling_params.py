@@ -17,6 +17,7 @@ class SamplingParams:
     presence_penalty: float = 0.0       # subtracted once from every token already generated
     frequency_penalty: float = 0.0      # subtracted per occurrence in the generated tokens
     logprobs: int | None = None         # top-k log-probabilities returned per generated token
+    prompt_logprobs: int | None = None  # top-k log-probabilities returned per prompt token (after the first)
     skip_special_tokens: bool = True    # drop special tokens from the text
 
     def __post_init__(self):
@@ -53,6 +54,9 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             bad("logprobs", "must be None or an integer >= 0")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or
+                                                 self.prompt_logprobs < 0):
+            bad("prompt_logprobs", "must be None or an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer or None")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -170,6 +170,32 @@ def test_logprobs(server, llm_pp2):
         assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)  # greedy takes the top token
 
 
+def test_echo_returns_the_prompt_with_its_logprobs(server, llm_pp2):
+    """As vLLM's server: the prompt's tokens first (the first with null log-probabilities), then the completion's."""
+    ids = llm_pp2.get_tokenizer().encode(PROMPT)
+    expected = _greedy(llm_pp2, PROMPT, max_tokens=3, logprobs=2, prompt_logprobs=2)
+    for max_tokens in (0, 3):
+        for stream in (False, True):
+            resp = server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=max_tokens,
+                                                      temperature=0, logprobs=2, echo=True, stream=stream)
+            chunks = list(resp) if stream else [resp]
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            lp = {k: sum((getattr(c.choices[0].logprobs, k) for c in chunks if c.choices and c.choices[0].logprobs),
+                         []) for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+            completion = expected.outputs[0] if max_tokens else None
+            assert text == PROMPT + (completion.text if completion else "")
+            assert len(lp["tokens"]) == len(ids) + (len(completion.token_ids) if completion else 0)
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            want = [e[t].logprob for t, e in zip(ids[1:], expected.prompt_logprobs[1:])]
+            if completion:
+                want += [e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs)]
+            assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-5)
+            assert "".join(lp["tokens"]) == text and lp["text_offset"][1] == len(lp["tokens"][0])
+    err = _error(httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 0}, headers=AUTH),
+                 400)
+    assert err["param"] == "max_tokens" and "echo" in err["message"]
+
+
 # ---- errors -----------------------------------------------------------------------------------------------------
 
 def _error(resp: httpx.Response, status: int) -> dict:

@@ -14,7 +14,7 @@ from pipellm.pipeline import wire
 from pipellm.pipeline.messages import (Inspect, NewRequest, ProbeReport, SampledBatch, Shutdown, StageArgs, StageBatch,
                                        StageReport)
 from pipellm.pipeline.partition import make_partition
-from pipellm.sampler import SampledToken
+from pipellm.sampler import PromptLogprobs, SampledToken
 from pipellm.sampling_params import SamplingParams
 
 KEY = b"k" * 32
@@ -35,6 +35,8 @@ def _batch(num_seqs: int = 3) -> StageBatch:
 MESSAGES = [
     _batch(),
     SampledBatch(9, [SampledToken(3, -0.25, 1, [(3, -0.25), (7, float("-inf"))]), SampledToken(4)]),
+    SampledBatch(10, [], PromptLogprobs(np.array([-0.5, -2.0], np.float32), np.array([1, 4]),
+                                        np.array([[3, 5], [7, 1]]), np.array([[-0.5, -1.0], [-0.1, -0.9]], np.float32))),
     StageArgs(make_partition(5, 2, [3, 2])[1], 2, "/models/x",
               ModelConfig("LlamaForCausalLM", 384, 64, 5, 4, 2, 16, 160, 256, 1e-5, RopeConfig("llama3", 5e5, factor=8.0, original_max_position_embeddings=64), eos_token_ids=(0, 2), layer_types=("full_attention",) * 5),
               EngineConfig("/models/x", pipeline_parallel_size=2, layer_partition=[3, 2], nnodes=2,
@@ -112,13 +114,13 @@ def _header(kind, value, arrays=()) -> bytes:
 
 @pytest.mark.parametrize("payload, why", [
     (_header("os.system", []), "unexpected message kind"),
-    (_header("SampledBatch", [1, [[3, None, None, None], "x"]]), "SampledBatch"),
-    (_header("SampledBatch", [1, [[True, None, None, None]]]), "expected an integer"),
-    (_header("SampledBatch", {"batch_id": 1, "tokens": []}), "expected a list of its 2 fields"),
+    (_header("SampledBatch", [1, [[3, None, None, None], "x"], None]), "SampledBatch"),
+    (_header("SampledBatch", [1, [[True, None, None, None]], None]), "expected an integer"),
+    (_header("SampledBatch", {"batch_id": 1, "tokens": []}), "expected a list of its 3 fields"),
     (_header("StageBatch", [0] * 11, [["|O", [1]]]), "bad array description"),
     (_header("StageBatch", [0] * 11, [["<i8", [2 ** 40, 2 ** 40]]]), "runs past the end"),
     (_header("StageBatch", [0] * 11, [["<i8", [1]]]) + b"\0" * 9, "bytes left over"),
-    (_header("StageBatch", [None, 5] + [0] * 12, [["<i8", [1]]]) + b"\0" * 8, "batch_id"),
+    (_header("StageBatch", [None, 5] + [0] * 15, [["<i8", [1]]]) + b"\0" * 8, "batch_id"),
     (struct.pack("<I", 10 ** 6) + b"{}", "past the end"),
     (struct.pack("<I", 3) + b"[[[", "undecodable"),
     (struct.pack("<I", 20000) + b"[" * 20000, "undecodable"),  # deep nesting: RecursionError inside json

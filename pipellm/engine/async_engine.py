@@ -54,6 +54,7 @@ class EngineDelta:
     finish_reason: str | None
     stop_reason: int | str | None
     stop_text: str | None                           # the text cut before a stop string, when one ended it
+    prompt_logprobs: list | None = None             # with the first delta, when asked for: per prompt token
 
 
 @dataclass
@@ -77,6 +78,7 @@ class StreamDelta:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # in the first delta, when asked for
 
 
 # ---- incremental detokenization -------------------------------------------------------------------------------
@@ -282,7 +284,8 @@ class AsyncEngine:
             per_request.setdefault(rid, []).append(EngineDelta(
                 req.index, req.output_token_ids[start:], req.token_times[start:],
                 req.output_logprobs[start:] if req.params.logprobs is not None else None,
-                req.finish_reason, req.stop_reason, req.text if isinstance(req.stop_reason, str) else None))
+                req.finish_reason, req.stop_reason, req.text if isinstance(req.stop_reason, str) else None,
+                req.prompt_logprobs if start == 0 else None))
         batch = []
         for rid, deltas in per_request.items():
             tracked = self._active[rid]
@@ -343,7 +346,8 @@ def _merge(out: dict[int, StreamDelta], d: EngineDelta, text: str) -> None:
     prev = out.get(d.index)
     if prev is None:
         logprobs = None if d.logprobs is None else list(d.logprobs)
-        out[d.index] = StreamDelta(d.index, text, list(d.token_ids), logprobs, d.finish_reason, d.stop_reason)
+        out[d.index] = StreamDelta(d.index, text, list(d.token_ids), logprobs, d.finish_reason, d.stop_reason,
+                                   d.prompt_logprobs)
         return
     prev.text += text
     prev.token_ids += d.token_ids

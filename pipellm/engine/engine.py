@@ -254,7 +254,11 @@ class LLMEngine:
         self.groups[request_id] = rids
         for i, rid in enumerate(rids):
             req = Request(rid, list(prompt_token_ids), params, (base_seed + i * _SEED_STRIDE) % 2 ** 63,
-                          max_tokens, index=i, parent_id=request_id if params.n > 1 else None)
+                          max_tokens, index=i, parent_id=request_id if params.n > 1 else None,
+                          # a cached prefix is not run again, so its log-probabilities would be missing
+                          use_prefix_cache=params.prompt_logprobs is None)
+            if params.prompt_logprobs is not None:
+                req.prompt_logprobs = [None] * len(prompt_token_ids)
             self.requests[rid] = req
             self.scheduler.add(req)
 
@@ -346,6 +350,8 @@ class LLMEngine:
             req.in_flight = False
             if req.is_finished:  # aborted while in flight; its blocks were kept until now
                 self.block_manager.free(req)
+        if result.prompt_logprobs is not None:
+            self._add_prompt_logprobs(batch, result.prompt_logprobs)
         updated, now = [], time.monotonic()
         for req, tok in zip(batch.sampled, result.tokens):
             if req.is_finished:
@@ -363,6 +369,18 @@ class LLMEngine:
         entry[tok.token_id] = Logprob(tok.logprob, tok.rank, self._decode_token(tok.token_id))
         req.output_logprobs.append(entry)
         req.cumulative_logprob += tok.logprob
+
+    def _add_prompt_logprobs(self, batch: ScheduledBatch, lps) -> None:
+        row = 0
+        for req, first, count in batch.prompt_spans:
+            k = req.params.prompt_logprobs
+            for pos in range(first, first + count):
+                entry = {int(tid): Logprob(float(lp), rank + 1, self._decode_token(int(tid)))
+                         for rank, (tid, lp) in enumerate(zip(lps.top_ids[row, :k], lps.top_logprobs[row, :k]))}
+                tid = req.prompt_token_ids[pos]
+                entry[tid] = Logprob(float(lps.logprobs[row]), int(lps.ranks[row]), self._decode_token(tid))
+                req.prompt_logprobs[pos] = entry
+                row += 1
 
     def _decode_token(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
@@ -399,7 +417,8 @@ class LLMEngine:
         reqs = [self.requests.pop(rid) for rid in self.groups.pop(request_id)]
         return RequestOutput(request_id, prompt, reqs[0].prompt_token_ids, [self.completion(r) for r in reqs],
                              finished=all(r.is_finished for r in reqs),
-                             metrics=RequestMetrics(reqs[0].arrival_time, list(reqs[0].token_times)))
+                             metrics=RequestMetrics(reqs[0].arrival_time, list(reqs[0].token_times)),
+                             prompt_logprobs=reqs[0].prompt_logprobs)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ A request is tracked as "tokens computed so far" against "tokens in total"; pref
 are the same thing with different counts, so one step can mix them.
 """
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,6 +20,8 @@ class ScheduledBatch:
     num_new_tokens: list[int]        # per request, tokens run this step
     sampled: list[Request]           # requests whose last known token is in this step: they get a new token
     stage_batch: StageBatch
+    prompt_spans: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, first prompt position
+    #                                  scored, count) in the order of StageBatch.prompt_rows
 
 
 class Scheduler:
@@ -151,6 +153,7 @@ class Scheduler:
                for r in sampled if not r.is_known_to_sampler]
         rope_lens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
         logits_indices = (np.cumsum(counts) - 1)[seq_lens == rope_lens]
+        spans, prompt_rows = self._prompt_rows(reqs, starts, counts)
         for r, n in chosen:
             r.num_computed_tokens += n
             r.in_flight = True
@@ -160,6 +163,24 @@ class Scheduler:
         batch = StageBatch(self.num_batches, ids, positions, slots, counts, seq_lens, tables, logits_indices,
                            [r.request_id for r in sampled], new, self.finished_ids,
                            rope_lens if self.send_rope_lens else None, window_tables)
+        if spans:
+            batch.prompt_rows, batch.prompt_targets = prompt_rows
+            batch.prompt_top_k = max(r.params.prompt_logprobs for r, _, _ in spans)
         self.finished_ids = []
         self.num_batches += 1
-        return ScheduledBatch(batch.batch_id, reqs, counts.tolist(), sampled, batch)
+        return ScheduledBatch(batch.batch_id, reqs, counts.tolist(), sampled, batch, spans)
+
+    @staticmethod
+    def _prompt_rows(reqs: list[Request], starts: np.ndarray, counts: np.ndarray):
+        """For requests that want prompt log-probabilities: the rows of this step that score a next prompt token,
+        and those tokens. A row at position p scores prompt token p + 1."""
+        spans, rows, targets = [], [], []
+        first_rows = np.cumsum(counts) - counts
+        for r, start, n, row in zip(reqs, starts.tolist(), counts.tolist(), first_rows.tolist()):
+            end = min(start + n, r.num_prompt_tokens - 1)
+            if r.params.prompt_logprobs is None or end <= start:
+                continue
+            spans.append((r, start + 1, end - start))
+            rows.append(np.arange(row, row + end - start))
+            targets.append(np.asarray(r.prompt_token_ids[start + 1:end + 1], dtype=np.int64))
+        return spans, (np.concatenate(rows), np.concatenate(targets)) if spans else None

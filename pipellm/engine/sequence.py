@@ -27,6 +27,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)  # time.monotonic() at which each output token arrived
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token, when asked for
     num_computed_tokens: int = 0     # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
     window_block_ids: list[int] = field(default_factory=list)  # the ring its sliding-window layers cycle through

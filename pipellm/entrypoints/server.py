@@ -117,7 +117,8 @@ def _parse(model: type[BaseModel], data: dict):
         raise APIError(400, f"{loc}: {err['msg']}", param=str(err["loc"][0]) if err["loc"] else None) from None
 
 
-def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     def get(name, default):
         value = getattr(req, name)
         return default if value is None else value
@@ -135,7 +136,7 @@ def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int
                               repetition_penalty=get("repetition_penalty", 1.0),
                               presence_penalty=get("presence_penalty", 0.0),
                               frequency_penalty=get("frequency_penalty", 0.0), logprobs=logprobs,
-                              skip_special_tokens=get("skip_special_tokens", True))
+                              prompt_logprobs=prompt_logprobs, skip_special_tokens=get("skip_special_tokens", True))
     except ValueError as e:  # "SamplingParams.<field>=<value>: <why>"
         field = re.match(r"SamplingParams\.(\w+)=", str(e))
         raise APIError(400, str(e), param=field and field.group(1)) from None
@@ -151,6 +152,7 @@ class _Choice:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list | None = None
 
 
 class OpenAIServer:
@@ -280,6 +282,7 @@ class OpenAIServer:
                     c.token_ids += d.token_ids
                     c.logprobs += d.logprobs or []
                     c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+                    c.prompt_logprobs = c.prompt_logprobs or d.prompt_logprobs
         except EngineDeadError as e:
             raise APIError(503, f"the engine is dead: {e}", type_="server_error", code="engine_dead") from None
         return choices
@@ -342,20 +345,21 @@ def _token_str(lp) -> str:
 
 
 class _CompletionLogprobs:
-    """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset (running over chunks)."""
+    """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset (running over chunks).
+    An entry of None (the first prompt token, echoed: nothing before it) has null log-probabilities."""
 
-    def __init__(self):
-        self.offset = 0
+    def __init__(self, decode):
+        self.offset, self.decode = 0, decode
 
-    def format(self, token_ids: list[int], entries: list[dict]) -> dict:
+    def format(self, token_ids: list[int], entries: list[dict | None]) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, entry in zip(token_ids, entries):
-            token = _token_str(entry[tid])
+            token = self.decode(tid) if entry is None else _token_str(entry[tid])
             out["tokens"].append(token)
-            out["token_logprobs"].append(entry[tid].logprob)
+            out["token_logprobs"].append(None if entry is None else entry[tid].logprob)
             # The top k, plus the sampled token when it is not among them (as OpenAI and vLLM do).
-            out["top_logprobs"].append({_token_str(lp): lp.logprob for _, lp in
-                                        sorted(entry.items(), key=lambda kv: kv[1].rank)})
+            out["top_logprobs"].append(None if entry is None else {
+                _token_str(lp): lp.logprob for _, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)})
             out["text_offset"].append(self.offset)
             self.offset += len(token)
         return out
@@ -379,14 +383,20 @@ class _Endpoints:
     def __init__(self, server: OpenAIServer):
         self.s = server
 
-    def completion_prompts(self, prompt) -> list[list[int]]:
+    def completion_prompts(self, prompt) -> tuple[list[list[int]], list[str | None]]:
+        """Each prompt's token ids, and its text when it came as text."""
         items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
         if not items:
             raise APIError(400, "prompt is empty; give a string, a list of strings, or token ids", param="prompt")
         tokenizer = self.s.async_engine.tokenizer
         if tokenizer is None and any(isinstance(p, str) for p in items):
             raise APIError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
-        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+        return ([tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items],
+                [p if isinstance(p, str) else None for p in items])
+
+    def decode_token(self, token_id: int) -> str:
+        tokenizer = self.s.async_engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode([token_id])
 
     def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
         tokenizer = self.s.async_engine.tokenizer
@@ -418,36 +428,53 @@ class _Endpoints:
         s.check_key(request)
         req = _parse(CompletionRequest, await s.read_json(request))
         s.check_model_and_engine(req.model)
-        if req.echo or req.suffix:
-            raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        echo = bool(req.echo)
         # OpenAI's default is 16 new tokens; without an explicit max_tokens the engine caps it at what fits.
-        params = _sampling_params(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-        prompts = self.completion_prompts(req.prompt)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        if max_tokens == 0 and not echo:
+            raise APIError(400, "max_tokens=0 asks for no completion: give echo=true (with logprobs, to score the "
+                           "prompt) or max_tokens >= 1", param="max_tokens")
+        # max_tokens 0: the engine still makes one token (a prefill ends in a sample), which is dropped
+        params = _sampling_params(req, max_tokens or 1, req.logprobs, req.logprobs if echo else None)
+        prompts, texts = self.completion_prompts(req.prompt)
         for ids in prompts:
             s.check_prompt(ids, params, req.max_tokens is not None)
         s.check_size_and_room(prompts, params)
         base = self.base("cmpl", "text_completion")
-        logprobs = [_CompletionLogprobs() for _ in range(len(prompts) * params.n)]
+        logprobs = [_CompletionLogprobs(self.decode_token) for _ in range(len(prompts) * params.n)]
+        echoed = [not echo] * len(logprobs)
 
-        def choice(index: int, text: str, token_ids, entries, finish_reason, stop_reason) -> dict:
+        def choice(index: int, text: str, token_ids, entries, finish_reason, stop_reason,
+                   prompt_entries=None) -> dict:
+            if max_tokens == 0:
+                text, token_ids, entries = "", [], []
+            if not echoed[index]:  # the prompt comes first, once, as vLLM's server echoes it
+                echoed[index] = True
+                prompt = index // params.n
+                text = (texts[prompt] if texts[prompt] is not None else
+                        s.async_engine.tokenizer.decode(prompts[prompt]) if s.async_engine.tokenizer else "") + text
+                token_ids, entries = prompts[prompt] + list(token_ids), (prompt_entries or []) + list(entries or [])
             lps = logprobs[index].format(token_ids, entries) if params.logprobs is not None else None
             return {"index": index, "text": text, "logprobs": lps, "finish_reason": finish_reason,
                     "stop_reason": stop_reason}
 
         if req.stream:
             def make_choice(index: int, d: StreamDelta) -> dict | None:
-                if not d.text and d.finish_reason is None and not (d.logprobs and d.token_ids):
+                if not d.text and d.finish_reason is None and not (d.logprobs and d.token_ids) and echoed[index]:
                     return None
-                return choice(index, d.text, d.token_ids, d.logprobs, d.finish_reason, d.stop_reason)
+                return choice(index, d.text, d.token_ids, d.logprobs, d.finish_reason, d.stop_reason,
+                              d.prompt_logprobs)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(s.sse(base, prompts, params, include_usage, make_choice),
                                      media_type="text/event-stream")
         choices = await s.collect_unless_gone(request, base["id"], prompts, params)
         if choices is None:
             return Response(status_code=499)  # nobody is listening
-        return base | {"choices": [choice(i, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
-                                   for i, c in enumerate(choices)],
-                       "usage": _usage(prompts, sum(len(c.token_ids) for c in choices))}
+        return base | {"choices": [choice(i, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,
+                                          c.prompt_logprobs) for i, c in enumerate(choices)],
+                       "usage": _usage(prompts, sum(len(c.token_ids) for c in choices) if max_tokens else 0)}
 
     async def chat(self, request: Request):
         s = self.s

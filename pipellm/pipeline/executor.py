@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import replace
 from datetime import timedelta
@@ -92,6 +93,7 @@ class PipelineExecutor:
         self.generation = generation
         self.store = store.generation(generation)
         self.vocab_size, self.num_layers = model_config.vocab_size, model_config.num_layers
+        self.expected: deque[tuple[int | None, int]] = deque()  # per batch in flight: prompt log-prob rows, top k
         world_size = len(stages) + 1
         self.node_of = [node_of_stage(s.rank, len(stages), engine_config.nnodes) for s in stages]
         local = [s.rank for s in stages
@@ -281,7 +283,8 @@ class PipelineExecutor:
         for stage in self.stages:
             part = replace(batch, input_ids=batch.input_ids if stage.is_first else None)
             if not stage.is_last:
-                part = replace(part, sample_req_ids=[], new_requests=[], finished_req_ids=[])
+                part = replace(part, sample_req_ids=[], new_requests=[], finished_req_ids=[], prompt_rows=None,
+                               prompt_targets=None)
             out.append(part)
         return out
 
@@ -291,13 +294,15 @@ class PipelineExecutor:
             for stage, part in zip(self.stages, self.parts(batch)):
                 self.chan.send_obj(part, comm.stage_world_rank(stage.rank))
         self._guard("sending a batch", send)
+        rows = None if batch.prompt_rows is None else len(batch.prompt_rows)
+        self.expected.append((rows, batch.prompt_top_k))  # what its SampledBatch must hold
 
     def receive(self) -> SampledBatch:
         """The sampled tokens of the oldest batch in flight."""
         def recv():
             result = self.chan.recv_obj(self.last_rank, (SampledBatch,), self.step_timeout)
             try:
-                result.check(self.vocab_size)
+                result.check(self.vocab_size, *self.expected.popleft())
             except ValueError as e:
                 raise wire.WireError(f"a message from {comm.peer_name(self.last_rank)} is malformed: {e}") from None
             return result

@@ -5,7 +5,7 @@ import numpy as np
 
 from pipellm.config import EngineConfig, ModelConfig
 from pipellm.pipeline.partition import StageLayers
-from pipellm.sampler import SampledToken
+from pipellm.sampler import PromptLogprobs, SampledToken
 from pipellm.sampling_params import SamplingParams
 
 
@@ -49,6 +49,9 @@ class StageBatch:
     #                                      longrope rotary scale by, as HF does for the sequence it runs
     window_block_tables: np.ndarray | None = None  # [B, ring] int32: the sliding-window layers' block rings
     probe: bool = False              # record what every layer does (LLM.inspect): each stage sends a ProbeReport
+    prompt_rows: np.ndarray | None = None     # [R] rows whose logits score the next prompt token (last stage)
+    prompt_targets: np.ndarray | None = None  # [R] those next prompt tokens
+    prompt_top_k: int = 0                     # most likely tokens returned beside each (the batch's largest k)
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +93,13 @@ class StageBatch:
         if is_last:
             need(len(self.sample_req_ids) == len(self.logits_indices) and
                  ((self.logits_indices >= 0) & (self.logits_indices < T)).all(), "logits_indices out of range")
+            need((self.prompt_rows is None) == (self.prompt_targets is None), "prompt_rows without prompt_targets")
+            if self.prompt_rows is not None:
+                rows, targets = self.prompt_rows, self.prompt_targets
+                need(rows.ndim == 1 and rows.dtype.kind == "i" and rows.shape == targets.shape and
+                     targets.dtype.kind == "i" and ((rows >= 0) & (rows < T)).all() and
+                     ((targets >= 0) & (targets < vocab_size)).all() and 0 <= self.prompt_top_k <= vocab_size,
+                     "prompt_rows or prompt_targets out of range")
 
 
 @dataclass
@@ -97,10 +107,17 @@ class SampledBatch:
     """Last stage -> driver: one sampled token per entry of StageBatch.sample_req_ids."""
     batch_id: int
     tokens: list[SampledToken]
+    prompt_logprobs: PromptLogprobs | None = None  # for StageBatch.prompt_rows, in their order
 
-    def check(self, vocab_size: int) -> None:
+    def check(self, vocab_size: int, num_prompt_rows: int | None = None, top_k: int = 0) -> None:
         if any(not 0 <= t.token_id < vocab_size for t in self.tokens):
             raise ValueError(f"SampledBatch {self.batch_id}: token ids outside the vocabulary of {vocab_size}")
+        p = self.prompt_logprobs
+        if (p is None) != (num_prompt_rows is None) or p is not None and not (
+                p.logprobs.shape == p.ranks.shape == (num_prompt_rows,) and
+                p.top_ids.shape == p.top_logprobs.shape == (num_prompt_rows, min(top_k, vocab_size)) and
+                ((p.top_ids >= 0) & (p.top_ids < vocab_size)).all()):
+            raise ValueError(f"SampledBatch {self.batch_id}: prompt log-probabilities do not match the batch")
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pipellm.quant.rtn import quantize_linears
 from pipellm.pipeline import comm, probe, wire
 from pipellm.pipeline.messages import (Inspect, ProbeReport, SampledBatch, Shutdown, StageArgs, StageBatch,
                                        StageReport)
-from pipellm.sampler import Sampler
+from pipellm.sampler import Sampler, prompt_logprobs
 
 
 MAX_EVENTS = 200_000  # trace events a stage keeps between two reports
@@ -130,13 +130,16 @@ class StageWorker:
             self.sampler.remove_request(req_id)
         for req in batch.new_requests:
             self.sampler.add_request(req.req_id, req.params, req.prompt_token_ids, req.seed, req.output_token_ids)
-        tokens = []
+        tokens, prompt_lps = [], None
         if len(batch.logits_indices):
             logits = self.model.compute_logits(hidden[t(batch.logits_indices)])
             tokens = self.sampler.sample(logits, batch.sample_req_ids)
+        if batch.prompt_rows is not None:
+            prompt_lps = prompt_logprobs(self.model.compute_logits, hidden[t(batch.prompt_rows)],
+                                         t(batch.prompt_targets), batch.prompt_top_k)
         self.busy_s += time.perf_counter() - start
         self._record("forward", batch, start)
-        self.chan.send_obj(SampledBatch(batch.batch_id, tokens), comm.DRIVER)
+        self.chan.send_obj(SampledBatch(batch.batch_id, tokens, prompt_lps), comm.DRIVER)
         if recorder is not None:
             self._finish_probe(batch, recorder, tokens)
 
