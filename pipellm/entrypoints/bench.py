@@ -29,7 +29,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_prompts: int = 32,
               input_len: tuple[int, int] = (64, 192), output_len: int = 64, dtype: str = "auto",
               threads_per_stage: int | None = None, compare_hf: bool = False, seed: int = 0,
-              use_tqdm: bool = True, trace_dir: str | None = None, **engine_kwargs) -> dict:
+              use_tqdm: bool = True, trace_dir: str | None = None, roofline: bool = False, **engine_kwargs) -> dict:
     if engine_kwargs.get("layer_partition") == "auto":  # balance for this workload's prompt/output mix
         engine_kwargs.setdefault("auto_partition_prompt_ratio", sum(input_len) / 2 / output_len)
     with LLM(model, pipeline_parallel_size=pipeline_parallel_size, dtype=dtype, threads_per_stage=threads_per_stage,
@@ -52,6 +52,7 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
         after = engine.inspect()
         stages = [s.describe() for s in engine.stages]
         partition_note = engine.partition_note
+        layers, model_config, dtype_bytes = engine.stages, engine.model_config, engine.config.torch_dtype.itemsize
     trace_summary = write_trace_dir(trace_data, trace_dir) if trace_data is not None else None
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(p) for p in prompts)
@@ -84,6 +85,13 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
         result["messages_per_decode_step"] = time_codecs(busiest["parts"] + [busiest["sampled"]])
     if trace_summary is not None:
         result["trace"] = dict(dir=trace_dir, bubble_pct=trace_summary["bubble_pct"], balance=trace_summary["balance"])
+    if roofline:  # measured now that the engine is gone: the same threads, on idle cores
+        from pipellm.observe import roofline as rl
+        limits = rl.measure_limits(after[0].num_threads, 256, model_config.hidden_size, model_config.intermediate_size)
+        result["roofline"] = rl.analyze(
+            limits, model_config, layers, [(len(p), len(o.outputs[0].token_ids)) for p, o in zip(prompts, outputs)],
+            [a.busy_s - b.busy_s for a, b in zip(after, before)], [a.steps - b.steps for a, b in zip(after, before)],
+            [sum(n for _, n in r.weight_bytes) for r in after], dtype_bytes)
     if compare_hf:
         threads = after[0].num_threads * pipeline_parallel_size
         result["hf"] = run_hf(model, prompts, output_len, dtype, threads)
@@ -196,6 +204,9 @@ def format_result(r: dict) -> str:
         m = r["messages_per_decode_step"]
         lines.append(f"messages / step    {m['wire_us']:.0f} us signed wire format vs {m['pickle_us']:.0f} us pickle "
                      f"(encode + decode, decode step of {m['num_seqs']} sequences)")
+    if "roofline" in r:
+        from pipellm.observe.roofline import format_roofline
+        lines += format_roofline(r["roofline"])
     if "hf" in r:
         lines.append(f"HF generate        {r['hf']['generated_tok_s']:.1f} generated tok/s "
                      f"({r['hf']['threads']} threads); pipellm / HF = {r['ratio_vs_hf']:.2f}x")
