@@ -62,6 +62,13 @@ def make_checkpoint(arch: str, folder: str, seed: int = 0, **overrides):
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
 
 
+def hf_greedy_ids(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt, one at a time (no padding)."""
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                               do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """arch -> (folder, HF model). Built once per test session."""

@@ -6,6 +6,7 @@ from pipellm.config import EngineConfig
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.scheduler import Scheduler
 from pipellm.engine.sequence import Request
+from tests.conftest import hf_greedy_ids
 
 BS = 4  # block size of the unit tests
 
@@ -203,10 +204,9 @@ def _token_ids(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_prefix_caching_keeps_greedy_output(llama_dir):
+def test_prefix_caching_keeps_greedy_output(llama_dir, checkpoints):
     prompts = _prompts()
-    with LLM(llama_dir) as single:
-        expected = _token_ids(single.generate(prompts, GREEDY, use_tqdm=False))
+    expected = hf_greedy_ids(checkpoints["llama"][1], [p["prompt_token_ids"] for p in prompts], GREEDY.max_tokens)
     with LLM(llama_dir, pipeline_parallel_size=2, enable_prefix_caching=False) as off:
         assert _token_ids(off.generate(prompts, GREEDY, use_tqdm=False)) == expected
         assert off.engine.block_manager.num_prefix_hits == 0

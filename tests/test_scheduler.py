@@ -5,6 +5,7 @@ from pipellm import LLM, SamplingParams
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.scheduler import Scheduler
 from pipellm.engine.sequence import Request
+from tests.conftest import hf_greedy_ids
 
 
 def _req(rid: str, num_prompt: int, max_tokens: int = 4) -> Request:
@@ -140,11 +141,10 @@ def test_request_ids_are_unique_and_every_completion_is_found_by_its_request_id(
     assert engine.block_manager.num_free_blocks == engine.num_blocks
 
 
-def test_memory_pressure_preempts_without_changing_greedy_output(llama_dir):
+def test_memory_pressure_preempts_without_changing_greedy_output(llama_dir, checkpoints):
     prompts = [{"prompt_token_ids": [(i * 7 + j) % 300 + 1 for j in range(10 + 3 * i)]} for i in range(10)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    with LLM(llama_dir) as ample:
-        expected = [o.outputs[0].token_ids for o in ample.generate(prompts, params, use_tqdm=False)]
+    expected = hf_greedy_ids(checkpoints["llama"][1], [p["prompt_token_ids"] for p in prompts], params.max_tokens)
     # 16 blocks of 16 tokens for 10 requests needing up to 4 blocks each.
     with LLM(llama_dir, pipeline_parallel_size=2, num_kv_blocks=16) as tight:
         got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
