@@ -296,3 +296,23 @@ class EngineConfig:
     @property
     def num_threads(self) -> int:
         return self.threads_per_stage or max(1, len(os.sched_getaffinity(0)) // self.pipeline_parallel_size)
+
+
+# generation_config.json key -> SamplingParams field: the sampling defaults a model ships with, as vLLM reads them
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(folder: str) -> dict:
+    """The sampling defaults in folder/generation_config.json, under SamplingParams' names; {} without the file."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return {name: d[key] for key, name in GENERATION_CONFIG_KEYS.items() if d.get(key) is not None}

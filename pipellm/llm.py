@@ -4,7 +4,7 @@ import weakref
 
 from tqdm import tqdm
 
-from pipellm.config import EngineConfig
+from pipellm.config import EngineConfig, generation_defaults
 from pipellm.engine.engine import LLMEngine
 from pipellm.outputs import RequestOutput
 from pipellm.sampling_params import SamplingParams
@@ -44,6 +44,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's own defaults: those in its generation_config.json, as vLLM's LLM."""
+        return SamplingParams(**generation_defaults(self.engine.model_dir))
 
     def describe_stages(self) -> list[str]:
         """One line a stage: its layers and its memory, e.g. "stage 0: embed + layers 0-14, 61 MB weights (Q4_1),
@@ -123,16 +127,19 @@ class LLM:
                 bar.update(finished)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """chat_template: a Jinja template to use instead of the tokenizer's."""
         tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:
             if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
                 raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template)
             # The template already holds any BOS token, so don't add special tokens again.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

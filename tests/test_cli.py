@@ -1,67 +1,209 @@
-"""The `pipellm` command, run as a user would."""
+"""The `pipellm` command, run as a user would: a few real runs in a process of their own, the parsing and every
+mistake in this process (the same main(), without paying for a Python start each)."""
+import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+from types import SimpleNamespace
+
+import pytest
+
+from pipellm.config import generation_defaults
+from pipellm.entrypoints.cli import _chat_template, _engine_kwargs, _sampling_params, main, parse_args
+from pipellm.llm import LLM
 
 CLI = [sys.executable, "-m", "pipellm.entrypoints.cli"]
+TOKEN = "0123456789abcdef0123456789abcdef"
 
 
 def _run(args, **kw):
     return subprocess.run(CLI + args, capture_output=True, text=True, timeout=120, **kw)
 
 
-def test_generate_prints_stages_text_and_speed(llama_dir):
-    out = _run(["generate", "--model", llama_dir, "-pp", "2", "--max-tokens", "5", "Hello world"])
+def _error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def _fails(capsys, *argv) -> str:
+    """main(argv) ends with exit status 2 and one line on stderr, which it returns."""
+    with pytest.raises(SystemExit) as exit_:
+        main(list(argv))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    return _error_line(err)
+
+
+def _model_copy(llama_dir: str, folder, config: dict | None = None, generation: dict | None = None) -> str:
+    """A copy of the tiny Llama checkpoint with config.json and generation_config.json entries changed."""
+    shutil.copytree(llama_dir, folder)
+    for name, changes in (("config.json", config), ("generation_config.json", generation)):
+        path = os.path.join(folder, name)
+        with open(path) as f:
+            d = json.load(f)
+        d.update(changes or {})
+        with open(path, "w") as f:
+            json.dump({k: v for k, v in d.items() if v is not None}, f)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def three_token_model(llama_dir, tmp_path_factory):
+    """Greedy, 3 new tokens at most, as its generation_config.json says."""
+    folder = tmp_path_factory.mktemp("gen") / "model"
+    return _model_copy(llama_dir, folder, generation={"temperature": 0.0, "max_new_tokens": 3})
+
+
+def test_generate_and_chat(three_token_model, tmp_path):
+    """The model positionally, prompts before and after options, the model's generation config, and a chat template
+    file that turns any chat into generate's prompt, so the reply is generate's completion."""
+    out = _run(["generate", three_token_model, "Hello world", "-pp", "2", "--prompt", "Once upon a time"])
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("stage 0: embed + layers 0-2, ") and "MB weights (F32)" in lines[0]
     assert lines[1].startswith("stage 1: layers 3-4 + norm + lm_head, ") and lines[1].endswith(" MB resident")
-    assert "'Hello world' ->" in out.stdout
-    assert "tokens/s" in lines[-1]
-
-
-def test_chat_reads_turns_until_eof(llama_dir):
-    out = _run(["chat", "--model", llama_dir, "--max-tokens", "4"], input="Hello\nHow are you?\n")
+    assert "'Once upon a time' ->" in out.stdout
+    assert lines[-1].startswith("6 tokens in ") and "tokens/s" in lines[-1]  # max_new_tokens 3, for 2 prompts
+    completion = out.stdout.split("'Hello world' ->\nHello world", 1)[1].split("\n\n'Once upon a time' ->")[0]
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{% endfor %}Hello world")
+    out = _run(["chat", three_token_model, "--chat-template", str(template)], input="hi\n\n")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("> ") == 3  # two turns answered, then the prompt that met EOF
+    assert out.stdout.endswith(f"> {completion}\n> ")  # one turn, then the empty line quits
 
 
-def test_bad_arguments_exit_with_a_message(llama_dir):
-    out = _run(["generate", "--model", llama_dir, "--layer-partition", "2,2", "-pp", "2", "hi"])
-    assert out.returncode == 2 and "sums to 4, but the model has 5 layers" in out.stderr
-    out = _run(["generate", "--model", os.path.join(llama_dir, "missing"), "hi"])
-    assert out.returncode == 2 and "does not exist" in out.stderr
+def test_generation_config_under_the_flags(llama_dir, tmp_path):
+    model = _model_copy(llama_dir, tmp_path / "model", generation={"temperature": 0.7, "top_k": 5,
+                                                                    "max_new_tokens": 3, "do_sample": True})
+    assert generation_defaults(model) == {"temperature": 0.7, "top_k": 5, "max_tokens": 3}
+    assert generation_defaults(str(tmp_path)) == {}
+    fake_llm = SimpleNamespace(engine=SimpleNamespace(model_dir=model))
+    assert LLM.get_default_sampling_params(fake_llm).max_tokens == 3
+
+    def params(*flags):
+        args = parse_args(["generate", model, "hi", *flags])
+        args.model_dir = model  # main() sets it from the model it checked
+        p = _sampling_params(args)
+        return p.temperature, p.top_k, p.top_p, p.max_tokens
+
+    assert params() == (0.7, 5, 1.0, 3)
+    assert params("--max-tokens", "8", "--top-p", "0.5") == (0.7, 5, 0.5, 8)
+    assert params("--generation-config", "vllm") == (0.0, -1, 1.0, 64)  # the CLI's own: greedy, 64 tokens
+    assert params("--generation-config", llama_dir) == (0.0, -1, 1.0, 64)  # a file without sampling settings
 
 
-def test_bad_multihost_arguments_exit_with_a_message(llama_dir):
-    out = _run(["generate", "--model", llama_dir, "-pp", "2", "--nnodes", "2", "--node-rank", "1", "hi"])
-    assert out.returncode == 2 and "on the other hosts run `pipellm stage --nnodes 2 --node-rank 1" in out.stderr
-    out = _run(["generate", "--model", llama_dir, "-pp", "2", "--nnodes", "3", "hi"])
-    assert out.returncode == 2 and "nnodes=3: must be an integer from 1 to pipeline_parallel_size=2" in out.stderr
-    out = _run(["stage"])
-    assert out.returncode == 2 and "give --nnodes (hosts in all, >= 2) and --node-rank" in out.stderr
-    out = _run(["stage", "--nnodes", "2", "--node-rank", "0"])
-    assert out.returncode == 2 and "node 0 is the driver's host" in out.stderr
-    out = _run(["stage", "--nnodes", "2", "--node-rank", "1", "--master-port", "1", "--connect-timeout", "1"])
-    assert out.returncode == 2 and "no token: give the driver's token file with --token-file" in out.stderr
-    out = _run(["stage", "--nnodes", "2", "--node-rank", "1", "--token-file", "/nonexistent/token"])
-    assert out.returncode == 2 and "--token-file /nonexistent/token: cannot read it" in out.stderr
-    out = _run(["stage", "--nnodes", "2", "--node-rank", "1", "--master-port", "1", "--connect-timeout", "1"],
-               env=os.environ | {"PIPELLM_TOKEN": "short"})
-    assert out.returncode == 2 and "PIPELLM_TOKEN: the token has 5 characters; use at least 16" in out.stderr
-    out = _run(["stage", "--nnodes", "2", "--node-rank", "1", "--master-port", "1", "--connect-timeout", "1"],
-               env=os.environ | {"PIPELLM_TOKEN": TOKEN})
-    assert out.returncode == 2 and "no driver answered at 127.0.0.1:1 within 1 s" in out.stderr
+def test_chat_template_is_a_file_or_the_template(tmp_path):
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    assert _chat_template(str(tmp_path / "t.jinja")) == "{{ messages[0]['content'] }}"
+    assert _chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
+    assert _chat_template(None) is None
 
 
-TOKEN = "0123456789abcdef0123456789abcdef"
+def test_engine_flags_reach_the_engine(llama_dir):
+    kwargs = _engine_kwargs(parse_args(["serve", llama_dir, "--block-size", "32", "--no-enable-prefix-caching",
+                                        "--kv-cache-memory-bytes", "512Mi", "--max-num-seqs", "4"]))
+    assert kwargs["block_size"] == 32 and kwargs["enable_prefix_caching"] is False
+    assert kwargs["kv_cache_gib"] == 0.5 and kwargs["max_num_seqs"] == 4
+    kwargs = _engine_kwargs(parse_args(["chat", "--enable-prefix-caching", "--kv-cache-gib", "2"]))
+    assert kwargs["enable_prefix_caching"] is True and kwargs["kv_cache_gib"] == 2
+    assert "block_size" not in _engine_kwargs(parse_args(["bench"]))  # unset flags leave the engine's defaults
 
 
-def test_stage_agent_refuses_a_different_nnodes(llama_dir):
+def test_model_and_prompts_on_the_command_line(llama_dir):
+    args = parse_args(["generate", "-pp", "2", "--max-tokens", "32", "The capital of France is"])  # make demo
+    assert args.model is None and args.prompts == ["The capital of France is"] and args.pipeline_parallel_size == 2
+    args = parse_args(["generate", llama_dir, "a", "-pp", "2", "b", "--prompt", "c"])
+    assert args.model == llama_dir and args.prompts == ["a", "b", "c"]
+    args = parse_args(["generate", "--model", llama_dir, llama_dir, "b"])  # with --model, every word is a prompt
+    assert args.model == llama_dir and args.prompts == [llama_dir, "b"]
+    args = parse_args(["generate", "SmolLM2-135M-Instruct", "a", "b"])  # a known name
+    assert args.model == "SmolLM2-135M-Instruct" and args.prompts == ["a", "b"]
+    args = parse_args(["generate", "no-such-model", "--prompt", "a"])  # with --prompt, the word is the model
+    assert args.model == "no-such-model" and args.prompts == ["a"]
+    assert parse_args(["chat", llama_dir]).model == llama_dir
+    assert parse_args(["serve", "--model", llama_dir]).model == llama_dir
+
+
+@pytest.fixture(scope="module")
+def broken_models(llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("broken")
+    os.mkdir(root / "empty")
+    _model_copy(llama_dir, root / "arch", config={"architectures": ["FooForCausalLM"]})
+    _model_copy(llama_dir, root / "nokey", config={"hidden_size": None})
+    shutil.copytree(llama_dir, root / "badgen")
+    (root / "badgen" / "generation_config.json").write_text("{not json")
+    return root
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "{root}/missing", "--prompt", "hi"], "{root}/missing' does not exist"),
+    (["chat", "{root}/empty"], "{root}/empty/config.json: no config.json"),
+    (["generate", "{root}/arch", "hi"], "architecture ['FooForCausalLM'] is not supported"),
+    (["generate", "{root}/nokey", "hi"], "config.json lacks a field or has one of the wrong type (KeyError: "
+                                         "'hidden_size')"),
+    (["generate", "{root}/badgen", "hi"], "generation_config.json: not valid JSON"),
+    (["generate", "{llama}", "hi", "--max-num-seqs", "0"], "--max-num-seqs 0: must be a positive integer"),
+    (["generate", "{llama}", "hi", "-pp", "0"], "--pipeline-parallel-size 0: must be an integer >= 1"),
+    (["generate", "{llama}", "hi", "--block-size", "0"], "--block-size 0: must be a positive integer"),
+    (["generate", "{llama}", "hi", "--max-num-seqs", "x"], "argument --max-num-seqs: invalid int value: 'x'"),
+    (["generate", "{llama}", "hi", "--temperature", "-1"], "--temperature -1.0: must be >= 0"),
+    (["generate", "{llama}", "hi", "--max-tokenz", "3"], "unrecognized arguments: --max-tokenz"),
+    (["generate", "{llama}"], "no prompt: give prompts after the model, or with --prompt TEXT"),
+    (["chat", "{llama}", "--model", "{root}/arch"], "two models given"),
+    (["chat", "{llama}", "--chat-template", "{root}/missing.jinja"], "--chat-template {root}/missing.jinja: "
+                                                                      "cannot read it"),
+    (["chat", "{llama}", "--generation-config", "{root}"], "--generation-config {root}: no generation_config.json"),
+    (["serve", "{llama}", "--kv-cache-gib", "1", "--kv-cache-memory-bytes", "1Gi"], "not allowed with"),
+    (["serve", "{llama}", "--port", "65536"], "give a port number from 0 to 65535"),
+    (["generate", "--model", "{llama}", "--layer-partition", "2,2", "-pp", "2", "hi"],
+     "sums to 4, but the model has 5 layers"),
+    (["generate", "--model", "{llama}", "-pp", "2", "--nnodes", "2", "--node-rank", "1", "hi"],
+     "on the other hosts run `pipellm stage --nnodes 2 --node-rank 1"),
+    (["generate", "--model", "{llama}", "-pp", "2", "--nnodes", "3", "hi"],
+     "--nnodes 3: must be an integer from 1 to pipeline_parallel_size=2"),
+])
+def test_mistakes_exit_2_with_one_line(capsys, llama_dir, broken_models, argv, message):
+    def fill(text):
+        return text.format(root=broken_models, llama=llama_dir)
+    assert fill(message) in _fails(capsys, *map(fill, argv))
+
+
+def test_serve_refuses_a_port_in_use(capsys, llama_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        line = _fails(capsys, "serve", llama_dir, "--port", str(port))
+        assert line == f"error: port {port} on 127.0.0.1 is in use; give another --port"
+
+
+def test_a_mistake_in_a_process_of_its_own(broken_models):
+    """Exit status 2 and one line, with no traceback, from a real start (nothing else writes to stderr)."""
+    out = _run(["generate", str(broken_models / "arch"), "--prompt", "hi"])
+    assert out.returncode == 2 and "architecture ['FooForCausalLM'] is not supported" in _error_line(out.stderr)
+
+
+def test_bad_stage_arguments(capsys, monkeypatch):
+    monkeypatch.delenv("PIPELLM_TOKEN", raising=False)
+    assert "give --nnodes (hosts in all, >= 2) and --node-rank" in _fails(capsys, "stage")
+    assert "node 0 is the driver's host" in _fails(capsys, "stage", "--nnodes", "2", "--node-rank", "0")
+    stage = ["stage", "--nnodes", "2", "--node-rank", "1", "--master-port", "1", "--connect-timeout", "1"]
+    assert "no token: give the driver's token file with --token-file" in _fails(capsys, *stage)
+    assert "--token-file /nonexistent/token: cannot read it" in _fails(capsys, *stage[:5], "--token-file",
+                                                                       "/nonexistent/token")
+    monkeypatch.setenv("PIPELLM_TOKEN", "short")
+    assert "PIPELLM_TOKEN: the token has 5 characters; use at least 16" in _fails(capsys, *stage)
+    monkeypatch.setenv("PIPELLM_TOKEN", TOKEN)
+    assert "no driver answered at 127.0.0.1:1 within 1 s" in _fails(capsys, *stage)
+
+
+def test_stage_agent_refuses_a_different_nnodes(capsys, monkeypatch):
     from pipellm.pipeline import comm
     store = comm.SignedStore(comm.make_store("127.0.0.1", 0, is_master=True), TOKEN.encode())
     store.set(comm.NNODES_KEY, "3")
-    out = _run(["stage", "--nnodes", "2", "--node-rank", "1", "--master-port", str(store.store.port)],
-               env=os.environ | {"PIPELLM_TOKEN": TOKEN})
-    assert out.returncode == 2 and "--nnodes 2, but the driver at 127.0.0.1" in out.stderr
-    assert "runs with --nnodes 3" in out.stderr
+    monkeypatch.setenv("PIPELLM_TOKEN", TOKEN)
+    line = _fails(capsys, "stage", "--nnodes", "2", "--node-rank", "1", "--master-port", str(store.store.port))
+    assert "--nnodes 2, but the driver at 127.0.0.1" in line and "runs with --nnodes 3" in line

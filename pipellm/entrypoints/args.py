@@ -1,0 +1,192 @@
+"""The command line's grammar: subcommands, their flags, and generate's model-or-prompt words. cli.py runs them."""
+import argparse
+import os
+import re
+
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k")
+
+
+_SIZE_SUFFIXES = {"k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12,
+                  "Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as every other mistake gets, rather than the whole usage
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
+def _partition(text: str) -> list[int] | str:
+    if text == "auto":
+        return text
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layer-partition {text!r}: give layer counts per stage, e.g. 15,15")
+
+
+def _num_bytes(text: str) -> int:
+    """vLLM's sizes: 2147483648, 2G (10**9) or 2Gi (2**30)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?", text.strip())
+    if not m or float(m[1]) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a size above 0 in bytes, e.g. 2147483648, 2Gi or 2G")
+    return int(float(m[1]) * _SIZE_SUFFIXES.get(m[2], 1))
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a port number from 0 to 65535")
+    return int(text)
+
+
+def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
+    if positional_model:
+        p.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    p.add_argument("--model", default=None, help="model folder (config.json + safetensors), .gguf file or known "
+                                                 "name; default: SmolLM2-135M-Instruct")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, help="number of pipeline stages")
+    p.add_argument("--layer-partition", "--partition", type=_partition, default=None,
+                   help="layers per stage, e.g. 10,12,8, or auto (profiled on this machine)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): float32 unless bf16 measures faster on this CPU")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
+                   help="quantize an HF checkpoint's linear weights on load (GGUF files stay in their own formats)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--threads-per-stage", type=int, default=None, help="default: cores // stages")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default 512)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one step at most (default 64)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block (default 16)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV cache of prompt prefixes seen before (default: on)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache memory per stage, GiB (default 1)")
+    kv.add_argument("--kv-cache-memory-bytes", type=_num_bytes, default=None,
+                    help="the same in bytes, as vLLM: 2147483648, 2Gi or 2G")
+    p.add_argument("--restart-on-failure", action=argparse.BooleanOptionalAction, default=None,
+                   help="when a stage fails, start a new pipeline and re-run unfinished requests "
+                        "(default: on for serve on one host, off otherwise)")
+    _multinode_args(p)
+    p.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "external_launcher"],
+                   help="external_launcher: torchrun started every process (RANK 0 is the driver, 1.. the stages)")
+
+
+def _multinode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nnodes", type=int, default=1, help="hosts the stages run on (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this host's index; 0 runs the driver")
+    p.add_argument("--master-addr", default="127.0.0.1", help="the driver host's address, reachable from the others")
+    p.add_argument("--master-port", type=int, default=None, help="the driver's rendezvous port (default 29500 when "
+                                                                 "--nnodes > 1, any free port otherwise)")
+    p.add_argument("--token-file", default=None, help="the run's shared secret, for several hosts (or set "
+                                                      "PIPELLM_TOKEN); the driver makes the file if it is missing, "
+                                                      "the other hosts get a copy")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=None, help="default: the generation config's max_new_tokens, "
+                                                                "else 64")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy; default: the generation config's, "
+                                                                   "else 0")
+    p.add_argument("--top-p", type=float, default=None, help="default: the generation config's, else 1")
+    p.add_argument("--top-k", type=int, default=None, help="default: the generation config's, else -1 (all)")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for the flags not given: auto (default) = the model folder's "
+                        "generation_config.json; vllm = none; or a folder holding a generation_config.json")
+
+
+def _length_range(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition("-")
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--input-len {text!r}: give a length (128) or a range (64-192)")
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"--input-len {text!r}: need 1 <= min <= max")
+    return lo, hi
+
+
+def _model_and_prompts(args) -> None:
+    """generate's words: the first is the model when --prompt is given or it names a model (an existing path or a known
+    name), unless --model is; the others are prompts. So `pipellm generate "The capital of France is"` runs the
+    default model on that prompt."""
+    from pipellm.loader.default_model import MODEL_NAMES
+    words = list(args.words)
+    if args.model is None and words and (args.prompt or words[0] in MODEL_NAMES
+                                         or os.path.exists(os.path.expanduser(words[0]))):
+        args.model = words.pop(0)
+    args.prompts = words + (args.prompt or [])
+    if not args.prompts:
+        raise ValueError("no prompt: give prompts after the model, or with --prompt TEXT")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pipellm", description="Pipeline-parallel LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts",
+                         usage="pipellm generate [MODEL] [PROMPT ...] [--prompt PROMPT ...] [options]")
+    gen.add_argument("words", nargs="*", metavar="MODEL | PROMPT",
+                     help="the model (a folder, .gguf file or known name), then prompts. A first word that names no "
+                          "model is a prompt for the default model; with --model, every word is a prompt")
+    gen.add_argument("--prompt", action="append", default=None, help="a prompt to complete (repeatable)")
+    _engine_args(gen, positional_model=False)
+    _sampling_args(gen)
+    chat = sub.add_parser("chat", help="chat in the terminal with the model's chat template")
+    _engine_args(chat)
+    _sampling_args(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--chat-template", default=None,
+                      help="a Jinja chat template file, or the template itself (default: the model's)")
+    bench = sub.add_parser("bench", help="offline throughput on generated requests")
+    _engine_args(bench, positional_model=False)
+    bench.add_argument("--num-prompts", type=int, default=32)
+    bench.add_argument("--input-len", type=_length_range, default=(64, 192), help="prompt length or range, e.g. 64-192")
+    bench.add_argument("--output-len", type=int, default=64)
+    bench.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate, same requests")
+    bench.add_argument("--json", default=None, help="save every figure to this file")
+    bench.add_argument("--roofline", action="store_true", help="also measure this machine's fp32 matmul rate and "
+                       "memory bandwidth, and print each stage's share of them")
+    bench.add_argument("--trace-dir", default=None, help="write trace.json, pipeline.png, kv_cache.png, summary.json")
+    trace = sub.add_parser("trace", help="re-render a saved trace.json")
+    trace.add_argument("trace_json")
+    trace.add_argument("--png", default=None, help="pipeline picture to write (default: beside the trace)")
+    inspect = sub.add_parser("inspect", help="what each layer predicts and attends to, stage by stage: lens.png, "
+                                             "kv.png, inspect.json")
+    _engine_args(inspect)
+    inspect.add_argument("--prompt", default="The capital of France is")
+    inspect.add_argument("--out", default="inspect", help="folder to write the pictures and inspect.json to")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /metrics")
+    serve.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    serve.add_argument("--max-request-seqs", type=int, default=256, help="prompts x n one request may ask for")
+    serve.add_argument("--max-request-tokens", type=int, default=1 << 20,
+                       help="prompt + completion tokens one request may ask for, over all its choices")
+    serve.add_argument("--max-waiting-seqs", type=int, default=1024,
+                       help="sequences waiting for the engine; beyond, requests get 503 with Retry-After")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--trace-dir", default=None, help="on shutdown, write the pipeline trace and pictures here")
+    stage = sub.add_parser("stage", help="run this host's pipeline stages for a driver on another host")
+    stage.add_argument("--model", default=None, help="this host's copy of the model (default: the driver's path)")
+    _multinode_args(stage)
+    stage.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to wait for the driver")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line, with the positional model (and generate's prompts) sorted out."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    unknown = [word for word in extra if word.startswith("-")] if args.command == "generate" else extra
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "generate":
+        args.words += extra  # prompts after options: argparse takes only the first run of positionals
+        _model_and_prompts(args)
+    elif hasattr(args, "model_path"):
+        if args.model_path and args.model and args.model_path != args.model:
+            raise ValueError(f"two models given ({args.model_path!r} and --model {args.model!r}); give one")
+        args.model = args.model_path or args.model
+    return args
