@@ -4,15 +4,10 @@ summary."""
 import json
 import os
 
+from pipellm.extras import pyplot
+
 MAX_COLUMNS = 32  # prompt positions drawn: the last ones (inspect.json keeps them all)
 DPI = 100
-
-
-def _pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 
 def _label(token: str, width: int = 9) -> str:
@@ -44,7 +39,7 @@ def lens_size(num_layers: int, num_columns: int) -> tuple[float, float]:
 
 def render_lens(data: dict, path: str) -> None:
     import numpy as np
-    plt = _pyplot()
+    plt = pyplot("drawing lens.png and kv.png")
     layers = data["layers"]
     cols = min(len(data["prompt_tokens"]), MAX_COLUMNS)
     first = len(data["prompt_tokens"]) - cols
@@ -81,7 +76,7 @@ def kv_size(num_layers: int, num_columns: int, num_panels: int, most_stage_layer
 
 def render_kv(data: dict, path: str) -> None:
     import numpy as np
-    plt = _pyplot()
+    plt = pyplot("drawing lens.png and kv.png")
     layers, stages = data["layers"], data["stages"]
     attention = np.array([l["attention"] for l in layers])                               # [L, KV, K]
     num_kv, num_keys = attention.shape[1], attention.shape[2]

@@ -5,6 +5,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from pipellm.extras import pyplot, require_extra
+
 WAIT_KINDS = {"wait_batch": "wait for batch", "wait_hidden": "wait for activations"}
 
 
@@ -16,6 +18,10 @@ class TraceRecorder:
     generated_tokens: int = 0
     clock_offset_s: float = field(default_factory=lambda: time.time() - time.perf_counter())
     stage_events: dict[int, list[dict]] = field(default_factory=dict)  # rank -> events, wall clock
+
+    def __post_init__(self):
+        # a trace ends in its pictures: say that matplotlib is missing now, not after the run
+        require_extra("plot", "tracing (trace_dir=, --trace-dir), which draws pipeline.png and kv_cache.png,")
 
     def add_reports(self, reports) -> None:
         """Keeps the events that stage reports hand over (every inspect() drains them from the stages)."""
@@ -110,9 +116,7 @@ def to_chrome_trace(data: dict) -> dict:
 
 def render_pipeline_png(data: dict, path: str) -> None:
     """Gantt chart: stages as rows, time across, one colour per micro-batch so a batch can be followed."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("drawing pipeline.png and kv_cache.png")
 
     summary = summarize(data)
     stages = data["stages"]
@@ -141,9 +145,7 @@ def render_pipeline_png(data: dict, path: str) -> None:
 def render_kv_png(data: dict, path: str) -> None:
     """KV blocks in use over time, with the blocks shared through prefix caching shown apart. Every layer of
     every stage uses the same block ids, so one curve holds for each of them."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("drawing pipeline.png and kv_cache.png")
 
     fig, ax = plt.subplots(figsize=(10, 4), dpi=100)
     if data["kv"]:
