@@ -29,13 +29,13 @@ def main():
         q4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
         q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         scale, mins = (torch.rand(n, k // 32) * 0.01).half(), (torch.randn(n, k // 32) * 0.01).half()
-        wt = ops.dequant_rows(q4, scale, mins, Q4, 32, None, None, torch.arange(n), "").t().contiguous()  # [K, N], as fp32 layers
+        wt = ops.dequant_rows(q4, scale, mins, Q4, 32, None, None, None, 0, torch.arange(n), "").t().contiguous()  # [K, N], as fp32 layers
         for m in (1, 4, 16, 64, 256):
             x = torch.randn(m, k)
             fp32 = bench(lambda: x @ wt)
-            fused = bench(lambda: ops.qlinear(x, q4, scale, mins, Q4, 32, None, None, 1 << 30, ""))
-            chunked = bench(lambda: ops.qlinear(x, q4, scale, mins, Q4, 32, None, None, 0, ""))
-            fused8 = bench(lambda: ops.qlinear(x, q8, scale, None, Q8, 32, None, None, 1 << 30, ""))
+            fused = bench(lambda: ops.qlinear(x, q4, scale, mins, Q4, 32, None, None, None, 0, 1 << 30, ""))
+            chunked = bench(lambda: ops.qlinear(x, q4, scale, mins, Q4, 32, None, None, None, 0, 0, ""))
+            fused8 = bench(lambda: ops.qlinear(x, q8, scale, None, Q8, 32, None, None, None, 0, 1 << 30, ""))
             print(f"{n:6d} x {k:4d}, {m:3d} rows: fp32 {fp32:7.3f}  Q4 fused {fused:7.3f}  Q4 chunked {chunked:7.3f}  "
                   f"Q8 fused {fused8:7.3f}")
 

@@ -55,7 +55,8 @@ const Isa& pick(const std::string& isa) {
 
 pipellm::QWeight describe(const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
                           const c10::optional<at::Tensor>& min, int64_t kind, int64_t group,
-                          const c10::optional<at::Tensor>& super_scale, const c10::optional<at::Tensor>& super_min) {
+                          const c10::optional<at::Tensor>& super_scale, const c10::optional<at::Tensor>& super_min,
+                          const c10::optional<at::Tensor>& high, int64_t offset) {
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.device().is_cpu(), "qs must be a contiguous 2-D CPU tensor");
   TORCH_CHECK(kind >= pipellm::F16 && kind <= pipellm::Q8, "unknown weight kind ", kind);
   pipellm::QWeight w{};
@@ -70,14 +71,33 @@ pipellm::QWeight describe(const at::Tensor& qs, const c10::optional<at::Tensor>&
   } else {
     TORCH_CHECK(qs.element_size() == 1, "Q4/Q8 codes must be 1-byte elements");
     w.K = kind == pipellm::Q4 ? qs.size(1) * 2 : qs.size(1);
-    TORCH_CHECK(group == 32 || (group == 16 && kind == pipellm::Q8), "unsupported group size ", group);
+    if (high.has_value()) {  // bit planes: 5- and 6-bit codes
+      TORCH_CHECK(kind == pipellm::Q4 && high->scalar_type() == at::kByte && high->is_contiguous() &&
+                  high->dim() == 2 && high->size(0) == qs.size(0) && high->size(1) % (w.K / 8) == 0,
+                  "bit planes must be uint8 [N, planes * K / 8] beside Q4 codes");
+      w.planes = int(high->size(1) / (w.K / 8));
+      w.qh = static_cast<const uint8_t*>(high->data_ptr());
+      w.qh_stride = high->size(1);
+      TORCH_CHECK(w.planes == 1 || w.planes == 2, "1 or 2 bit planes, got ", w.planes);
+      TORCH_CHECK(offset >= 0 && offset <= 32, "code offset must be in [0, 32]");
+      w.offset = int(offset);
+    }
+    TORCH_CHECK(group == 32 || (group == 16 && (kind == pipellm::Q8 || w.planes == 2)), "unsupported group size ",
+                group);
     TORCH_CHECK(scale.has_value(), "Q4/Q8 weights need scales");
     const at::Tensor& s = *scale;
     TORCH_CHECK(s.is_contiguous() && s.dim() == 2 && s.size(0) == qs.size(0) && s.size(1) == w.K / group,
                 "scales must be [N, K / group] and contiguous");
     w.scale = s.data_ptr();
     w.s_stride = s.size(1);
-    if (super_scale.has_value()) {  // two-level: uint8 multiples of an fp16 per 256 weights, scales and mins both
+    if (super_scale.has_value() && w.planes == 2) {  // Q6_K: int8 multiples of an fp16 per 256, no mins
+      TORCH_CHECK(s.scalar_type() == at::kChar && !min.has_value() && group == 16 && w.K % 256 == 0 &&
+                  super_scale->scalar_type() == at::kHalf && super_scale->is_contiguous() &&
+                  super_scale->dim() == 2 && super_scale->size(0) == qs.size(0) && super_scale->size(1) == w.K / 256,
+                  "6-bit codes: int8 scales per 16, fp16 super-scales [N, K / 256], no mins");
+      w.super_scale = super_scale->data_ptr();
+      w.scale_kind = pipellm::SCALE_TWO_LEVEL_I8;
+    } else if (super_scale.has_value()) {  // two-level: uint8 multiples of an fp16 per 256 weights, scales and mins
       TORCH_CHECK(s.scalar_type() == at::kByte && min.has_value() && super_min.has_value() && group == 32 &&
                   w.K % 256 == 0, "two-level scales: uint8 scales and mins, fp16 super-scales, K a multiple of 256");
       for (const at::Tensor* t : {&*super_scale, &*super_min})
@@ -97,6 +117,10 @@ pipellm::QWeight describe(const at::Tensor& qs, const c10::optional<at::Tensor>&
     }
     TORCH_CHECK(!(w.scale_kind == pipellm::SCALE_F32 && kind == pipellm::Q4 && !w.min),
                 "fp32-scaled Q4 weights need mins");
+    TORCH_CHECK(w.planes != 2 || w.scale_kind == pipellm::SCALE_TWO_LEVEL_I8, "6-bit codes take two-level scales");
+    TORCH_CHECK(w.planes != 1 || (group == 32 && (w.scale_kind == pipellm::SCALE_F16 ||
+                                                  w.scale_kind == pipellm::SCALE_TWO_LEVEL)),
+                "5-bit codes take fp16 or two-level scales per 32");
     TORCH_CHECK(!(w.group == 16 && w.min), "groups of 16 take no mins");
   }
   TORCH_CHECK(w.K % 32 == 0, "K must be a multiple of 32, got ", w.K);
@@ -106,8 +130,9 @@ pipellm::QWeight describe(const at::Tensor& qs, const c10::optional<at::Tensor>&
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
                    const c10::optional<at::Tensor>& min, int64_t kind, int64_t group,
                    const c10::optional<at::Tensor>& super_scale, const c10::optional<at::Tensor>& super_min,
-                   int64_t fused_max_rows, const std::string& isa) {
-  const pipellm::QWeight w = describe(qs, scale, min, kind, group, super_scale, super_min);
+                   const c10::optional<at::Tensor>& high, int64_t offset, int64_t fused_max_rows,
+                   const std::string& isa) {
+  const pipellm::QWeight w = describe(qs, scale, min, kind, group, super_scale, super_min, high, offset);
   const Isa& impl = pick(isa);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.K, "x must be fp32 [M, ", w.K, "]");
   const at::Tensor xc = x.contiguous();
@@ -138,8 +163,9 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const c10::optiona
 at::Tensor dequant_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
                         const c10::optional<at::Tensor>& min, int64_t kind, int64_t group,
                         const c10::optional<at::Tensor>& super_scale, const c10::optional<at::Tensor>& super_min,
-                        const at::Tensor& rows, const std::string& isa) {
-  const pipellm::QWeight w = describe(qs, scale, min, kind, group, super_scale, super_min);
+                        const c10::optional<at::Tensor>& high, int64_t offset, const at::Tensor& rows,
+                        const std::string& isa) {
+  const pipellm::QWeight w = describe(qs, scale, min, kind, group, super_scale, super_min, high, offset);
   const Isa& impl = pick(isa);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be a 1-D int64 tensor");
   const at::Tensor r = rows.contiguous();
@@ -232,9 +258,9 @@ std::string best_isa() { return pick("").name; }
 
 TORCH_LIBRARY(pipellm, m) {
   m.def("qlinear(Tensor x, Tensor qs, Tensor? scale, Tensor? min, int kind, int group, Tensor? super_scale, "
-        "Tensor? super_min, int fused_max_rows, str isa) -> Tensor", &qlinear);
+        "Tensor? super_min, Tensor? high, int offset, int fused_max_rows, str isa) -> Tensor", &qlinear);
   m.def("dequant_rows(Tensor qs, Tensor? scale, Tensor? min, int kind, int group, Tensor? super_scale, "
-        "Tensor? super_min, Tensor rows, str isa) -> Tensor", &dequant_rows);
+        "Tensor? super_min, Tensor? high, int offset, Tensor rows, str isa) -> Tensor", &dequant_rows);
   m.def("best_isa() -> str", &best_isa);
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "int window, float scale, str isa) -> Tensor", &paged_decode_attention);

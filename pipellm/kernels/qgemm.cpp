@@ -42,6 +42,9 @@ template <int SK>
 static inline float scale_at(const QWeight& w, int64_t i) {
   if constexpr (SK == pipellm::SCALE_F32) return static_cast<const float*>(w.scale)[i];
   else if constexpr (SK == pipellm::SCALE_F16) return half_to_float(static_cast<const uint16_t*>(w.scale)[i]);
+  else if constexpr (SK == pipellm::SCALE_TWO_LEVEL_I8)
+    return half_to_float(static_cast<const uint16_t*>(w.super_scale)[i / 16]) *
+           float(static_cast<const int8_t*>(w.scale)[i]);
   else
     return half_to_float(static_cast<const uint16_t*>(w.super_scale)[i / 8]) *
            float(static_cast<const uint8_t*>(w.scale)[i]);
@@ -57,7 +60,7 @@ static inline float min_at(const QWeight& w, int64_t i) {
 }
 
 // Weights b*32 .. b*32+31 of row n, as fp32.
-template <int KIND, int GROUP, int SK, bool MIN>
+template <int KIND, int GROUP, int SK, bool MIN, int P>
 static inline void expand(const QWeight& w, int64_t n, int64_t b, float* __restrict out) {
   const uint8_t* row = w.qs + n * w.qs_stride;
   if constexpr (KIND == pipellm::F16) {
@@ -77,6 +80,14 @@ static inline void expand(const QWeight& w, int64_t n, int64_t b, float* __restr
       for (int j = 0; j < 16; j++) {
         out[j] = float(p[j] & 15);
         out[j + 16] = float(p[j] >> 4);
+      }
+      if constexpr (P > 0) {
+        const uint8_t* h = w.qh + n * w.qh_stride + b * 4 * P;
+        for (int j = 0; j < 32; j++) {
+          int code = int(out[j]);
+          for (int pl = 0; pl < P; pl++) code |= ((h[4 * pl + j / 8] >> (j % 8)) & 1) << (4 + pl);
+          out[j] = float(code - w.offset);
+        }
       }
     } else {
       const int8_t* p = reinterpret_cast<const int8_t*>(row) + b * 32;
@@ -103,7 +114,17 @@ struct Block {
 static inline __m256 u8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 static inline __m256 i8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
 
-template <int KIND, int GROUP, int SK, bool MIN>
+// 32 bytes from 32 bits: byte j is 0xFF where bit j is set (byte j reads source byte j / 8, then tests bit j % 8)
+static inline __m256i bytes_from_bits(const uint8_t* bits) {
+  uint32_t x;
+  std::memcpy(&x, bits, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int(x)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i all_but_bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, all_but_bit), _mm256_set1_epi64x(-1));
+}
+
+template <int KIND, int GROUP, int SK, bool MIN, int P>
 static inline Block expand_vec(const QWeight& w, int64_t n, int64_t b) {
   const uint8_t* row = w.qs + n * w.qs_stride;
   Block out;
@@ -119,11 +140,27 @@ static inline Block expand_vec(const QWeight& w, int64_t n, int64_t b) {
     if constexpr (KIND == pipellm::Q4) {
       const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
       const __m128i mask = _mm_set1_epi8(15);
-      const __m128i lo = _mm_and_si128(p, mask), hi = _mm_and_si128(_mm_srli_epi16(p, 4), mask);
-      out.v[0] = u8_to_ps(lo);
-      out.v[1] = u8_to_ps(_mm_srli_si128(lo, 8));
-      out.v[2] = u8_to_ps(hi);
-      out.v[3] = u8_to_ps(_mm_srli_si128(hi, 8));
+      __m128i lo = _mm_and_si128(p, mask), hi = _mm_and_si128(_mm_srli_epi16(p, 4), mask);
+      if constexpr (P == 0) {
+        out.v[0] = u8_to_ps(lo);
+        out.v[1] = u8_to_ps(_mm_srli_si128(lo, 8));
+        out.v[2] = u8_to_ps(hi);
+        out.v[3] = u8_to_ps(_mm_srli_si128(hi, 8));
+      } else {  // bits 4 (and 5) from the planes, then the offset: codes fit int8 either way
+        const uint8_t* h = w.qh + n * w.qh_stride + b * 4 * P;
+        for (int pl = 0; pl < P; pl++) {
+          const __m256i bits = _mm256_and_si256(bytes_from_bits(h + 4 * pl), _mm256_set1_epi8(char(16 << pl)));
+          lo = _mm_or_si128(lo, _mm256_castsi256_si128(bits));
+          hi = _mm_or_si128(hi, _mm256_extracti128_si256(bits, 1));
+        }
+        const __m128i off = _mm_set1_epi8(char(w.offset));
+        lo = _mm_sub_epi8(lo, off);
+        hi = _mm_sub_epi8(hi, off);
+        out.v[0] = i8_to_ps(lo);
+        out.v[1] = i8_to_ps(_mm_srli_si128(lo, 8));
+        out.v[2] = i8_to_ps(hi);
+        out.v[3] = i8_to_ps(_mm_srli_si128(hi, 8));
+      }
     } else {
       const uint8_t* p = row + b * 32;
       for (int c = 0; c < 4; c++) out.v[c] = i8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * c)));
@@ -147,7 +184,7 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int KIND, int GROUP, int SK, bool MIN, int R>
+template <int KIND, int GROUP, int SK, bool MIN, int P, int R>
 static inline void gemm_tile(const QWeight& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t n) {
   // A chain of FMAs into one register waits ~4 cycles a link: with few rows, each row keeps several partial sums
   // so that independent FMAs fill the pipeline (3x faster for one row).
@@ -157,7 +194,7 @@ static inline void gemm_tile(const QWeight& w, const float* x, int64_t ldx, floa
     for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
   const int64_t nb = w.K / 32;
   for (int64_t b = 0; b < nb; b++) {
-    const Block wb = expand_vec<KIND, GROUP, SK, MIN>(w, n, b);
+    const Block wb = expand_vec<KIND, GROUP, SK, MIN, P>(w, n, b);
     for (int r = 0; r < R; r++) {
       const float* xr = x + r * ldx + b * 32;
       for (int c = 0; c < 4; c++)
@@ -170,38 +207,38 @@ static inline void gemm_tile(const QWeight& w, const float* x, int64_t ldx, floa
   }
 }
 
-template <int KIND, int GROUP, int SK, bool MIN>
+template <int KIND, int GROUP, int SK, bool MIN, int P>
 static void gemm_t(const QWeight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, int64_t n0,
                    int64_t n1) {
   for (int64_t n = n0; n < n1; n++) {
     int64_t m = 0;
-    for (; m + MR <= M; m += MR) gemm_tile<KIND, GROUP, SK, MIN, MR>(w, x + m * ldx, ldx, y + m * ldy, ldy, n);
+    for (; m + MR <= M; m += MR) gemm_tile<KIND, GROUP, SK, MIN, P, MR>(w, x + m * ldx, ldx, y + m * ldy, ldy, n);
     const float* xm = x + m * ldx;
     float* ym = y + m * ldy;
     switch (M - m) {
-      case 7: gemm_tile<KIND, GROUP, SK, MIN, 7>(w, xm, ldx, ym, ldy, n); break;
-      case 6: gemm_tile<KIND, GROUP, SK, MIN, 6>(w, xm, ldx, ym, ldy, n); break;
-      case 5: gemm_tile<KIND, GROUP, SK, MIN, 5>(w, xm, ldx, ym, ldy, n); break;
-      case 4: gemm_tile<KIND, GROUP, SK, MIN, 4>(w, xm, ldx, ym, ldy, n); break;
-      case 3: gemm_tile<KIND, GROUP, SK, MIN, 3>(w, xm, ldx, ym, ldy, n); break;
-      case 2: gemm_tile<KIND, GROUP, SK, MIN, 2>(w, xm, ldx, ym, ldy, n); break;
-      case 1: gemm_tile<KIND, GROUP, SK, MIN, 1>(w, xm, ldx, ym, ldy, n); break;
+      case 7: gemm_tile<KIND, GROUP, SK, MIN, P, 7>(w, xm, ldx, ym, ldy, n); break;
+      case 6: gemm_tile<KIND, GROUP, SK, MIN, P, 6>(w, xm, ldx, ym, ldy, n); break;
+      case 5: gemm_tile<KIND, GROUP, SK, MIN, P, 5>(w, xm, ldx, ym, ldy, n); break;
+      case 4: gemm_tile<KIND, GROUP, SK, MIN, P, 4>(w, xm, ldx, ym, ldy, n); break;
+      case 3: gemm_tile<KIND, GROUP, SK, MIN, P, 3>(w, xm, ldx, ym, ldy, n); break;
+      case 2: gemm_tile<KIND, GROUP, SK, MIN, P, 2>(w, xm, ldx, ym, ldy, n); break;
+      case 1: gemm_tile<KIND, GROUP, SK, MIN, P, 1>(w, xm, ldx, ym, ldy, n); break;
     }
   }
 }
 
-template <int KIND, int GROUP, int SK, bool MIN>
+template <int KIND, int GROUP, int SK, bool MIN, int P>
 static void dequant_t(const QWeight& w, const int64_t* rows, int64_t R, float* out) {
   const int64_t nb = w.K / 32;
   for (int64_t i = 0; i < R; i++)
     for (int64_t b = 0; b < nb; b++) {
-      const Block wb = expand_vec<KIND, GROUP, SK, MIN>(w, rows[i], b);
+      const Block wb = expand_vec<KIND, GROUP, SK, MIN, P>(w, rows[i], b);
       for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + i * w.K + b * 32 + 8 * c, wb.v[c]);
     }
 }
 #else
 
-template <int KIND, int GROUP, int SK, bool MIN>
+template <int KIND, int GROUP, int SK, bool MIN, int P>
 static void gemm_t(const QWeight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, int64_t n0,
                    int64_t n1) {
   const int64_t nb = w.K / 32;
@@ -211,7 +248,7 @@ static void gemm_t(const QWeight& w, const float* x, int64_t M, int64_t ldx, flo
       const int mr = M - m0 < MR ? int(M - m0) : MR;
       alignas(64) float acc[MR][8] = {};
       for (int64_t b = 0; b < nb; b++) {
-        expand<KIND, GROUP, SK, MIN>(w, n, b, wb);
+        expand<KIND, GROUP, SK, MIN, P>(w, n, b, wb);
         for (int r = 0; r < mr; r++) {
           const float* xr = x + (m0 + r) * ldx + b * 32;
           // 8 partial sums a row: one vector register each with AVX2
@@ -228,37 +265,46 @@ static void gemm_t(const QWeight& w, const float* x, int64_t M, int64_t ldx, flo
   }
 }
 
-template <int KIND, int GROUP, int SK, bool MIN>
+template <int KIND, int GROUP, int SK, bool MIN, int P>
 static void dequant_t(const QWeight& w, const int64_t* rows, int64_t R, float* out) {
   const int64_t nb = w.K / 32;
   for (int64_t i = 0; i < R; i++)
-    for (int64_t b = 0; b < nb; b++) expand<KIND, GROUP, SK, MIN>(w, rows[i], b, out + i * w.K + b * 32);
+    for (int64_t b = 0; b < nb; b++) expand<KIND, GROUP, SK, MIN, P>(w, rows[i], b, out + i * w.K + b * 32);
 }
 
 #endif  // PIPELLM_AVX2
 
-constexpr int F16S = pipellm::SCALE_F16, F32S = pipellm::SCALE_F32, TWO = pipellm::SCALE_TWO_LEVEL;
+constexpr int F16S = pipellm::SCALE_F16, F32S = pipellm::SCALE_F32, TWO = pipellm::SCALE_TWO_LEVEL,
+              TWO_I8 = pipellm::SCALE_TWO_LEVEL_I8;
 
 // The layouts that GGUF's types and our own quantization produce; anything else is refused by ops.cpp first.
+// With bit planes: Q5_0 and Q5_1 (fp16 scales, offset 16 or a min), Q5_K (two-level), Q6_K (int8 two-level per
+// 16, offset 32).
 #define PIPELLM_DISPATCH(FN, ...)                                                      \
   switch (w.kind) {                                                                    \
-    case pipellm::F16: return FN<pipellm::F16, 32, false, false>(__VA_ARGS__);         \
-    case pipellm::BF16: return FN<pipellm::BF16, 32, false, false>(__VA_ARGS__);       \
+    case pipellm::F16: return FN<pipellm::F16, 32, false, false, 0>(__VA_ARGS__);      \
+    case pipellm::BF16: return FN<pipellm::BF16, 32, false, false, 0>(__VA_ARGS__);    \
     case pipellm::Q4:                                                                  \
-      if (w.scale_kind == TWO) return FN<pipellm::Q4, 32, TWO, true>(__VA_ARGS__);     \
-      if (w.scale_kind == F32S) return FN<pipellm::Q4, 32, F32S, true>(__VA_ARGS__);   \
-      if (w.min) return FN<pipellm::Q4, 32, F16S, true>(__VA_ARGS__);                  \
-      return FN<pipellm::Q4, 32, F16S, false>(__VA_ARGS__);                            \
+      if (w.planes == 2) return FN<pipellm::Q4, 16, TWO_I8, false, 2>(__VA_ARGS__);   \
+      if (w.planes == 1) {                                                             \
+        if (w.scale_kind == TWO) return FN<pipellm::Q4, 32, TWO, true, 1>(__VA_ARGS__); \
+        if (w.min) return FN<pipellm::Q4, 32, F16S, true, 1>(__VA_ARGS__);             \
+        return FN<pipellm::Q4, 32, F16S, false, 1>(__VA_ARGS__);                       \
+      }                                                                                \
+      if (w.scale_kind == TWO) return FN<pipellm::Q4, 32, TWO, true, 0>(__VA_ARGS__);     \
+      if (w.scale_kind == F32S) return FN<pipellm::Q4, 32, F32S, true, 0>(__VA_ARGS__);   \
+      if (w.min) return FN<pipellm::Q4, 32, F16S, true, 0>(__VA_ARGS__);                  \
+      return FN<pipellm::Q4, 32, F16S, false, 0>(__VA_ARGS__);                            \
     default:                                                                           \
       if (w.group == 16) {                                                             \
-        if (w.scale_kind == F32S) return FN<pipellm::Q8, 16, F32S, false>(__VA_ARGS__); \
-        return FN<pipellm::Q8, 16, F16S, false>(__VA_ARGS__);                          \
+        if (w.scale_kind == F32S) return FN<pipellm::Q8, 16, F32S, false, 0>(__VA_ARGS__); \
+        return FN<pipellm::Q8, 16, F16S, false, 0>(__VA_ARGS__);                          \
       }                                                                                \
-      if (w.scale_kind == TWO) return FN<pipellm::Q8, 32, TWO, true>(__VA_ARGS__);     \
-      if (w.scale_kind == F32S && w.min) return FN<pipellm::Q8, 32, F32S, true>(__VA_ARGS__); \
-      if (w.scale_kind == F32S) return FN<pipellm::Q8, 32, F32S, false>(__VA_ARGS__);  \
-      if (w.min) return FN<pipellm::Q8, 32, F16S, true>(__VA_ARGS__);                  \
-      return FN<pipellm::Q8, 32, F16S, false>(__VA_ARGS__);                            \
+      if (w.scale_kind == TWO) return FN<pipellm::Q8, 32, TWO, true, 0>(__VA_ARGS__);     \
+      if (w.scale_kind == F32S && w.min) return FN<pipellm::Q8, 32, F32S, true, 0>(__VA_ARGS__); \
+      if (w.scale_kind == F32S) return FN<pipellm::Q8, 32, F32S, false, 0>(__VA_ARGS__);  \
+      if (w.min) return FN<pipellm::Q8, 32, F16S, true, 0>(__VA_ARGS__);                  \
+      return FN<pipellm::Q8, 32, F16S, false, 0>(__VA_ARGS__);                            \
   }
 
 void gemm(const QWeight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, int64_t n0, int64_t n1) {

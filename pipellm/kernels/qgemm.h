@@ -16,9 +16,17 @@ struct QWeight {
   int64_t K;
   int kind, group;
   int scale_kind;      // ScaleKind
+  // Q4 only: codes of 5 or 6 bits keep bits 4 and 5 in bit planes beside the nibbles, and may be offset:
+  // code = nibble | plane0 << 4 | plane1 << 5, w = (code - offset) * scale (+ min)
+  const uint8_t* qh;   // per 32 weights, `planes` runs of 4 bytes (bit j of a run: weight j); row n at n * qh_stride
+  int64_t qh_stride;
+  int planes;          // 0, 1 (Q5_0, Q5_1, Q5_K) or 2 (Q6_K)
+  int offset;
 };
 
-enum ScaleKind { SCALE_F16 = 0, SCALE_F32 = 1, SCALE_TWO_LEVEL = 2 };
+// TWO_LEVEL: uint8 multiples (scales and mins) of fp16s per 256, groups of 32 (Q4_K, Q5_K); TWO_LEVEL_I8: int8
+// multiples of an fp16 per 256, groups of 16, no mins (Q6_K)
+enum ScaleKind { SCALE_F16 = 0, SCALE_F32 = 1, SCALE_TWO_LEVEL = 2, SCALE_TWO_LEVEL_I8 = 3 };
 
 struct DecodeArgs {
   const float* q;              // [B, H, D]

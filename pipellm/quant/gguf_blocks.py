@@ -1,9 +1,10 @@
 """GGUF's block formats repacked, without loss, into the layouts of quant/linear.py.
 
-Each GGUF row of K weights is a run of blocks (32 weights, or 256 in the K-quants). Scales that the file keeps as
-fp16 stay fp16; Q4_K's and Q5_K's two-level scales (an fp16 per 256 times a 6-bit integer per 32) stay two-level, and Q6_K's
-(an fp16 per 256 times an int8 per 16) become an fp32 per 16. The kernels multiply the two levels in fp32, which is
-exact, so every weight expands to the same float as in the `gguf` package's dequantize.
+Each GGUF row of K weights is a run of blocks (32 weights, or 256 in the K-quants). Codes keep their bits: 4-bit
+codes as nibbles, 5- and 6-bit codes as nibbles plus one or two bit planes. Scales that the file keeps as fp16 stay
+fp16; the K-quants' two-level scales (an fp16 per 256 times a 6-bit integer per 32, or Q6_K's int8 per 16) stay
+two-level. The kernels multiply the two levels in fp32, which is exact, so every weight expands to the same float as
+in the `gguf` package's dequantize.
 """
 import numpy as np
 import torch
@@ -33,12 +34,9 @@ def _pack_q4(q: np.ndarray) -> np.ndarray:
     return (q[..., :16] | (q[..., 16:] << np.uint8(4))).reshape(q.shape[0], -1)
 
 
-def _five_bits(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
-    """Q5_0/Q5_1 codes [N, G, 32] from qs [N, G, 16] and the high bits qh [N, G, 4] (bit j for weight j)."""
-    lo, hi = _nibbles(qs)
-    low = np.concatenate((lo, hi), axis=-1)                                   # [N, G, 32]
-    bits = np.unpackbits(qh, axis=-1, bitorder="little")                      # [N, G, 32]
-    return low | (bits << np.uint8(4))
+def _planes(bits: np.ndarray) -> np.ndarray:
+    """0/1 bits [N, G, planes, 32] -> our bit planes [N, G * planes * 4]: per 32 weights a 4-byte run a plane."""
+    return np.packbits(bits, axis=-1, bitorder="little").reshape(bits.shape[0], -1)
 
 
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -72,13 +70,13 @@ def repack(raw: np.ndarray, qtype: T, num_rows: int, num_cols: int, name: str = 
     if qtype == T.Q8_0:
         return QuantWeight(Q8, _t(blocks[..., 2:].reshape(n, -1).view(np.int8)), _t(_f16(blocks[..., 0:2])),
                            source=src)
-    if qtype in (T.Q5_0, T.Q5_1):
+    if qtype in (T.Q5_0, T.Q5_1):  # the file's nibble order is ours, and its qh (bit j: weight j) our plane
         d = _f16(blocks[..., 0:2])
         off = 4 if qtype == T.Q5_1 else 2
-        q = _five_bits(blocks[..., off + 4:], blocks[..., off:off + 4]).astype(np.int8)
-        if qtype == T.Q5_0:
-            return QuantWeight(Q8, _t((q - np.int8(16)).reshape(n, -1)), _t(d), source=src)
-        return QuantWeight(Q8, _t(q.reshape(n, -1)), _t(d), _t(_f16(blocks[..., 2:4])), source=src)
+        qs, qh = _t(blocks[..., off + 4:].reshape(n, -1)), _t(blocks[..., off:off + 4].reshape(n, -1))
+        if qtype == T.Q5_0:  # w = d (q - 16)
+            return QuantWeight(Q4, qs, _t(d), source=src, high=qh, offset=16)
+        return QuantWeight(Q4, qs, _t(d), _t(_f16(blocks[..., 2:4])), source=src, high=qh)
     if qtype in (T.Q4_K, T.Q5_K):
         # two-level scales kept as the file has them: fp16 d and dmin per 256, 6-bit multiples per 32
         d, dmin = _t(_f16(blocks[..., 0:2])), _t(_f16(blocks[..., 2:4]))       # [N, K/256]
@@ -90,15 +88,15 @@ def repack(raw: np.ndarray, qtype: T, num_rows: int, num_cols: int, name: str = 
             return QuantWeight(Q4, _t(_pack_q4(q)), sc, mn, source=src, super_scale=d, super_min=dmin)
         qh = blocks[..., 16:48][:, :, None, :]                                # [N, B, 1, 32]: bit i for sub-block i
         bits = (qh >> np.arange(8, dtype=np.uint8)[:, None]) & np.uint8(1)    # [N, B, 8, 32]
-        q = q | (bits.reshape(n, -1, 32) << np.uint8(4))
-        return QuantWeight(Q8, _t(q.astype(np.int8).reshape(n, -1)), sc, mn, source=src, super_scale=d,
-                           super_min=dmin)
+        return QuantWeight(Q4, _t(_pack_q4(q)), sc, mn, source=src, super_scale=d, super_min=dmin,
+                           high=_t(_planes(bits.reshape(n, -1, 1, 32))))
     # Q6_K: ql [128], qh [64], 16 int8 scales, fp16 d; groups of 16
     ql, qh = blocks[..., 0:128], blocks[..., 128:192]
-    scales = blocks[..., 192:208].view(np.int8).astype(np.float32)
-    d = _f16(blocks[..., 208:210]).astype(np.float32)[..., None]
+    scales, d = blocks[..., 192:208].view(np.int8), _f16(blocks[..., 208:210])
     lo, hi = _nibbles(ql.reshape(n, -1, 2, 1, 64))                            # per 128 weights: 64 bytes
     low = np.concatenate((lo, hi), axis=3).reshape(n, -1, 8, 32)              # [N, B, 8, 32]
     high = (qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & np.uint8(3)
-    q = (low | (high.reshape(n, -1, 8, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
-    return QuantWeight(Q8, _t(q.reshape(n, -1)), _t((d * scales).reshape(n, -1)), group=16, source=src)
+    high = high.reshape(n, -1, 32)                                            # [N, K/32, 32]: bits 4-5 of each code
+    bits = np.stack((high & np.uint8(1), high >> np.uint8(1)), axis=2)        # [N, K/32, 2, 32]
+    return QuantWeight(Q4, _t(_pack_q4(low.reshape(n, -1, 32))), _t(scales.reshape(n, -1)), group=16, source=src,
+                       super_scale=_t(d), high=_t(_planes(bits)), offset=32)  # w = d * scale * (q - 32)

@@ -17,21 +17,25 @@ FUSED_MAX_ROWS = 32  # up to this many rows the fused kernel beats expanding a s
 class QuantWeight(nn.Module):
     """codes [N, K/2] (Q4, uint8), [N, K] (Q8 int8; F16/BF16/F32 floats); scale and min [N, K/group] or None:
     w = q * scale + min. Two-level (the K-quants): scale and min are uint8 multiples of fp16 super_scale and
-    super_min [N, K/256], and w = q * (super_scale * scale) - super_min * min."""
+    super_min [N, K/256], and w = q * (super_scale * scale) - super_min * min (Q6_K: int8 scales per 16, no min).
+    Q4 codes of 5 or 6 bits (Q5_0, Q5_1,
+    Q5_K, Q6_K) keep bits 4 and 5 in bit planes, high [N, planes * K/8] (per 32 weights, a 4-byte run a plane,
+    bit j for weight j), and q = nibble | plane0 << 4 | plane1 << 5 - offset."""
 
     def __init__(self, kind: int, codes: torch.Tensor, scale: torch.Tensor | None = None,
                  min: torch.Tensor | None = None, group: int = 32, source: str = "",
-                 super_scale: torch.Tensor | None = None, super_min: torch.Tensor | None = None):
+                 super_scale: torch.Tensor | None = None, super_min: torch.Tensor | None = None,
+                 high: torch.Tensor | None = None, offset: int = 0):
         super().__init__()
-        self.kind, self.group, self.source = kind, group, source or KIND_NAMES[kind]
+        self.kind, self.group, self.source, self.offset = kind, group, source or KIND_NAMES[kind], offset
         self.num_rows = codes.shape[0]
         self.num_cols = codes.shape[1] * (2 if kind == Q4 else 1)
         for name, t in (("codes", codes), ("scale", scale), ("min", min), ("super_scale", super_scale),
-                        ("super_min", super_min)):
+                        ("super_min", super_min), ("high", high)):
             self.register_buffer(name, None if t is None else t.contiguous())
 
     def _tensors(self) -> tuple:
-        return self.codes, self.scale, self.min, self.super_scale, self.super_min
+        return self.codes, self.scale, self.min, self.super_scale, self.super_min, self.high
 
     @property
     def nbytes(self) -> int:
@@ -47,21 +51,30 @@ class QuantWeight(nn.Module):
             # per 32 weights 16 bytes: low nibbles are weights 0-15, high nibbles 16-31
             b = codes.view(n, -1, 16)                                          # [n, K/32, 16]
             q = torch.cat((b & 15, b >> 4), dim=-1).float()                    # [n, K/32, 32]
+            if self.high is not None:
+                planes = (self.high if rows is None else self.high[rows]).view(n, -1, 4)  # [n, K/32 * planes, 4]
+                bits = (planes[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1      # [.., 4, 8]: bit j%8
+                bits = bits.reshape(n, q.shape[1], -1, 32).float()             # [n, K/32, planes, 32]
+                for p in range(bits.shape[2]):
+                    q = q + bits[:, :, p] * (16 << p)
+                q = q - self.offset
         else:
             q = codes.float()
         q = q.reshape(n, -1, self.group)                                       # [n, K/group, group]
         pick = (lambda t: (t if rows is None else t[rows]).float())
         scale, mins = pick(self.scale), None if self.min is None else pick(self.min)
-        if self.super_scale is not None:  # [n, K/256] -> one per group of 32: [n, K/32]
-            scale = pick(self.super_scale).repeat_interleave(8, dim=-1) * scale
-            mins = -(pick(self.super_min).repeat_interleave(8, dim=-1) * mins)
+        if self.super_scale is not None:  # [n, K/256] -> one per group: [n, K/group]
+            scale = pick(self.super_scale).repeat_interleave(256 // self.group, dim=-1) * scale
+            if mins is not None:
+                mins = -(pick(self.super_min).repeat_interleave(256 // self.group, dim=-1) * mins)
         w = q * scale[..., None]
         if mins is not None:
             w = w + mins[..., None]
         return w.reshape(n, self.num_cols)
 
     def _kernel_args(self):
-        return self.codes, self.scale, self.min, self.kind, self.group, self.super_scale, self.super_min
+        return (self.codes, self.scale, self.min, self.kind, self.group, self.super_scale, self.super_min, self.high,
+                self.offset)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 -> x @ W^T, [M, N] fp32."""
@@ -78,21 +91,23 @@ class QuantWeight(nn.Module):
         return ops.dequant_rows(*self._kernel_args(), ids, "")
 
     def same_layout(self, other: "QuantWeight") -> bool:
-        return (self.kind, self.group, self.num_cols) == (other.kind, other.group, other.num_cols) and all(
+        return (self.kind, self.group, self.num_cols, self.offset) == (
+            other.kind, other.group, other.num_cols, other.offset) and all(
             (a is None) == (b is None) and (a is None or a.dtype == b.dtype)
             for a, b in zip(self._tensors(), other._tensors()))
 
     def take_rows(self, index: torch.Tensor) -> "QuantWeight":
-        codes, scale, mins, sup, sup_min = (None if t is None else t[index] for t in self._tensors())
-        return QuantWeight(self.kind, codes, scale, mins, self.group, self.source, sup, sup_min)
+        codes, scale, mins, sup, sup_min, high = (None if t is None else t[index] for t in self._tensors())
+        return QuantWeight(self.kind, codes, scale, mins, self.group, self.source, sup, sup_min, high, self.offset)
 
     @staticmethod
     def stack(parts: list["QuantWeight"]) -> "QuantWeight":
         """Rows of parts of one layout, one after another (q, k and v into one qkv matrix)."""
         columns = zip(*(p._tensors() for p in parts))
-        codes, scale, mins, sup, sup_min = (None if ts[0] is None else torch.cat(ts) for ts in columns)
+        codes, scale, mins, sup, sup_min, high = (None if ts[0] is None else torch.cat(ts) for ts in columns)
         source = "+".join(dict.fromkeys(p.source for p in parts))
-        return QuantWeight(parts[0].kind, codes, scale, mins, parts[0].group, source, sup, sup_min)
+        return QuantWeight(parts[0].kind, codes, scale, mins, parts[0].group, source, sup, sup_min, high,
+                           parts[0].offset)
 
 
 class CompactLinear(nn.Module):
