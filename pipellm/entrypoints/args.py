@@ -167,6 +167,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting-seqs", type=int, default=1024,
                        help="sequences waiting for the engine; beyond, requests get 503 with Retry-After")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--generation-config", default="auto",
+                       help="sampling defaults for fields a request leaves out: auto (default) = the model folder's "
+                            "generation_config.json; vllm = none; or a folder holding a generation_config.json")
     serve.add_argument("--trace-dir", default=None, help="on shutdown, write the pipeline trace and pictures here")
     stage = sub.add_parser("stage", help="run this host's pipeline stages for a driver on another host")
     stage.add_argument("--model", default=None, help="this host's copy of the model (default: the driver's path)")

@@ -192,7 +192,8 @@ def cmd_serve(args) -> None:
     config = ServerConfig(args.served_model_name or args.model or DEFAULT_MODEL_NAME, args.host, args.port,
                           args.api_key, metrics_public=args.metrics_public, max_request_bytes=args.max_request_bytes,
                           max_request_seqs=args.max_request_seqs, max_request_tokens=args.max_request_tokens,
-                          max_waiting_seqs=args.max_waiting_seqs, log_level=args.log_level, trace_dir=args.trace_dir)
+                          max_waiting_seqs=args.max_waiting_seqs, log_level=args.log_level, trace_dir=args.trace_dir,
+                          generation_config=args.generation_config)
     run_server(args.model, _engine_kwargs(args, restart_default=True), config)
 
 

@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import re
 import time
 import uuid
@@ -21,6 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 import pipellm
+from pipellm.config import generation_defaults
 from pipellm.engine.async_engine import AsyncEngine, EngineDeadError, StreamDelta
 from pipellm.engine.engine import LLMEngine
 from pipellm.observe.metrics import CONTENT_TYPE, ServerMetrics
@@ -45,8 +47,14 @@ class ServerConfig:
     log_level: str = "info"
     graceful_shutdown_s: float = 30.0   # on SIGINT/SIGTERM, in-flight requests get this long to finish
     trace_dir: str | None = None        # on shutdown, write the pipeline trace and pictures here
+    generation_config: str = "auto"     # sampling defaults for fields a request leaves out: "auto" (the model's
+    #                                     generation_config.json, as vLLM), "vllm" (none), or a folder holding one
 
     def __post_init__(self):
+        source = self.generation_config
+        if source not in ("auto", "vllm") and not os.path.isfile(os.path.join(source, "generation_config.json")):
+            raise ValueError(f"--generation-config {source}: no generation_config.json there; give auto, vllm or a "
+                             "folder holding one")
         for name in ("max_request_bytes", "max_request_seqs", "max_request_tokens", "max_waiting_seqs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive integer")
@@ -118,10 +126,10 @@ def _parse(model: type[BaseModel], data: dict):
 
 
 def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                     prompt_logprobs: int | None = None) -> SamplingParams:
-    def get(name, default):
+                     prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
+    def get(name, default):  # the request's value, else the model's default (generation_config.json), else ours
         value = getattr(req, name)
-        return default if value is None else value
+        return (defaults or {}).get(name, default) if value is None else value
 
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
@@ -162,6 +170,9 @@ class OpenAIServer:
         self.metrics = ServerMetrics(config.served_model_name, lambda: self.async_engine.stats)
         self.async_engine.metrics = self.metrics
         self.created = int(time.time())
+        source = config.generation_config
+        self.sampling_defaults = {} if source == "vllm" else generation_defaults(
+            engine.model_dir if source == "auto" else source)
 
     # ---- checks shared by the endpoints -----------------------------------------------------------------------
 
@@ -432,12 +443,13 @@ class _Endpoints:
             raise APIError(400, "suffix is not supported", param="suffix")
         echo = bool(req.echo)
         # OpenAI's default is 16 new tokens; without an explicit max_tokens the engine caps it at what fits.
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        max_tokens = s.sampling_defaults.get("max_tokens", 16) if req.max_tokens is None else req.max_tokens
         if max_tokens == 0 and not echo:
             raise APIError(400, "max_tokens=0 asks for no completion: give echo=true (with logprobs, to score the "
                            "prompt) or max_tokens >= 1", param="max_tokens")
         # max_tokens 0: the engine still makes one token (a prefill ends in a sample), which is dropped
-        params = _sampling_params(req, max_tokens or 1, req.logprobs, req.logprobs if echo else None)
+        params = _sampling_params(req, max_tokens or 1, req.logprobs, req.logprobs if echo else None,
+                                  s.sampling_defaults)
         prompts, texts = self.completion_prompts(req.prompt)
         for ids in prompts:
             s.check_prompt(ids, params, req.max_tokens is not None)
@@ -487,7 +499,9 @@ class _Endpoints:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = _sampling_params(req, max_tokens, top_k)  # None: up to max_model_len, as OpenAI's chat does
+        if max_tokens is None:  # the model's default, else up to max_model_len, as OpenAI's chat does
+            max_tokens = s.sampling_defaults.get("max_tokens")
+        params = _sampling_params(req, max_tokens, top_k, defaults=s.sampling_defaults)
         prompts = [self.chat_prompt(req.messages)]
         s.check_prompt(prompts[0], params, max_tokens is not None)
         s.check_size_and_room(prompts, params)
