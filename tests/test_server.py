@@ -197,8 +197,9 @@ def test_echo_returns_the_prompt_with_its_logprobs(server, llm_pp2):
 
 
 def test_generation_config_gives_the_defaults_a_request_leaves_out(tmp_path):
-    from pipellm.entrypoints.server import CompletionRequest, ServerConfig, _sampling_params
-    params = _sampling_params(CompletionRequest(prompt="x", top_p=0.5), 16, None,
+    from pipellm.entrypoints.protocol import CompletionRequest, sampling_params
+    from pipellm.entrypoints.server import ServerConfig
+    params = sampling_params(CompletionRequest(prompt="x", top_p=0.5), 16, None,
                               defaults={"temperature": 0.6, "top_p": 0.9, "top_k": 20})
     assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.5, 20)
     with pytest.raises(ValueError, match="no generation_config.json"):

@@ -9,7 +9,6 @@ import hmac
 import json
 import logging
 import os
-import re
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
@@ -17,7 +16,6 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -25,12 +23,12 @@ import pipellm
 from pipellm.config import generation_defaults
 from pipellm.engine.async_engine import AsyncEngine, EngineDeadError, StreamDelta
 from pipellm.engine.engine import LLMEngine
+from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, CompletionLogprobs, CompletionRequest,
+                                          chat_logprobs, parse_request, sampling_params, usage)
 from pipellm.observe.metrics import CONTENT_TYPE, ServerMetrics
 from pipellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pipellm.server")
-MAX_N = 128                 # completions per prompt
-MAX_LOGPROBS = 20           # top log-probabilities per token
 
 
 @dataclass
@@ -60,94 +58,7 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive integer")
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.body = status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
-        self.headers = headers
-
-
 # ---- request bodies (OpenAI's fields; unknown ones are ignored, as OpenAI clients send extras) ------------------
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    logit_bias: dict | None = None
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool | None = None
-    suffix: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[dict] | None = None
-
-
-class ChatRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list | None = None
-
-
-def _parse(model: type[BaseModel], data: dict):
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        raise APIError(400, f"{loc}: {err['msg']}", param=str(err["loc"][0]) if err["loc"] else None) from None
-
-
-def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                     prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
-    def get(name, default):  # the request's value, else the model's default (generation_config.json), else ours
-        value = getattr(req, name)
-        return (defaults or {}).get(name, default) if value is None else value
-
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
-    if get("n", 1) > MAX_N:
-        raise APIError(400, f"n={req.n}: at most {MAX_N} completions per prompt", param="n")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise APIError(400, f"logprobs={logprobs}: must be in [0, {MAX_LOGPROBS}]", param="logprobs")
-    try:
-        return SamplingParams(n=get("n", 1), max_tokens=max_tokens, temperature=get("temperature", 1.0),
-                              top_p=get("top_p", 1.0), top_k=get("top_k", -1), min_p=get("min_p", 0.0),
-                              seed=req.seed, stop=req.stop, ignore_eos=get("ignore_eos", False),
-                              repetition_penalty=get("repetition_penalty", 1.0),
-                              presence_penalty=get("presence_penalty", 0.0),
-                              frequency_penalty=get("frequency_penalty", 0.0), logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs, skip_special_tokens=get("skip_special_tokens", True))
-    except ValueError as e:  # "SamplingParams.<field>=<value>: <why>"
-        field = re.match(r"SamplingParams\.(\w+)=", str(e))
-        raise APIError(400, str(e), param=field and field.group(1)) from None
 
 
 # ---- the app --------------------------------------------------------------------------------------------------
@@ -330,7 +241,7 @@ class OpenAIServer:
                     if choice is not None:
                         yield event(base | {"choices": [choice]} | extra)
             if include_usage:
-                yield event(base | {"choices": [], "usage": _usage(prompts, num_tokens)})
+                yield event(base | {"choices": [], "usage": usage(prompts, num_tokens)})
         except EngineDeadError as e:
             yield event(APIError(503, f"the engine is dead: {e}", "server_error", code="engine_dead").body)
         except Exception as e:  # the status line is gone already: say it in the stream
@@ -343,49 +254,6 @@ async def _disconnected(request: Request) -> None:
     # The body has been read, so the next ASGI message is the client going away.
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _usage(prompts: list[list[int]], num_completion_tokens: int) -> dict:
-    num_prompt = sum(len(p) for p in prompts)
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt + num_completion_tokens}
-
-
-def _token_str(lp) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else ""
-
-
-class _CompletionLogprobs:
-    """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset (running over chunks).
-    An entry of None (the first prompt token, echoed: nothing before it) has null log-probabilities."""
-
-    def __init__(self, decode):
-        self.offset, self.decode = 0, decode
-
-    def format(self, token_ids: list[int], entries: list[dict | None]) -> dict:
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tid, entry in zip(token_ids, entries):
-            token = self.decode(tid) if entry is None else _token_str(entry[tid])
-            out["tokens"].append(token)
-            out["token_logprobs"].append(None if entry is None else entry[tid].logprob)
-            # The top k, plus the sampled token when it is not among them (as OpenAI and vLLM do).
-            out["top_logprobs"].append(None if entry is None else {
-                _token_str(lp): lp.logprob for _, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)})
-            out["text_offset"].append(self.offset)
-            self.offset += len(token)
-        return out
-
-
-def _chat_logprobs(token_ids: list[int], entries: list[dict], top_k: int) -> dict:
-    def item(lp) -> dict:
-        token = _token_str(lp)
-        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
-
-    content = []
-    for tid, entry in zip(token_ids, entries):
-        top = sorted((lp for lp in entry.values() if lp.rank <= top_k), key=lambda lp: lp.rank)
-        content.append(item(entry[tid]) | {"top_logprobs": [item(lp) for lp in top]})
-    return {"content": content}
 
 
 # ---- endpoints ------------------------------------------------------------------------------------------------
@@ -437,7 +305,7 @@ class _Endpoints:
     async def completions(self, request: Request):
         s = self.s
         s.check_key(request)
-        req = _parse(CompletionRequest, await s.read_json(request))
+        req = parse_request(CompletionRequest, await s.read_json(request))
         s.check_model_and_engine(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
@@ -448,14 +316,14 @@ class _Endpoints:
             raise APIError(400, "max_tokens=0 asks for no completion: give echo=true (with logprobs, to score the "
                            "prompt) or max_tokens >= 1", param="max_tokens")
         # max_tokens 0: the engine still makes one token (a prefill ends in a sample), which is dropped
-        params = _sampling_params(req, max_tokens or 1, req.logprobs, req.logprobs if echo else None,
+        params = sampling_params(req, max_tokens or 1, req.logprobs, req.logprobs if echo else None,
                                   s.sampling_defaults)
         prompts, texts = self.completion_prompts(req.prompt)
         for ids in prompts:
             s.check_prompt(ids, params, req.max_tokens is not None)
         s.check_size_and_room(prompts, params)
         base = self.base("cmpl", "text_completion")
-        logprobs = [_CompletionLogprobs(self.decode_token) for _ in range(len(prompts) * params.n)]
+        logprobs = [CompletionLogprobs(self.decode_token) for _ in range(len(prompts) * params.n)]
         echoed = [not echo] * len(logprobs)
 
         def choice(index: int, text: str, token_ids, entries, finish_reason, stop_reason,
@@ -486,12 +354,12 @@ class _Endpoints:
             return Response(status_code=499)  # nobody is listening
         return base | {"choices": [choice(i, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,
                                           c.prompt_logprobs) for i, c in enumerate(choices)],
-                       "usage": _usage(prompts, sum(len(c.token_ids) for c in choices) if max_tokens else 0)}
+                       "usage": usage(prompts, sum(len(c.token_ids) for c in choices) if max_tokens else 0)}
 
     async def chat(self, request: Request):
         s = self.s
         s.check_key(request)
-        req = _parse(ChatRequest, await s.read_json(request))
+        req = parse_request(ChatRequest, await s.read_json(request))
         s.check_model_and_engine(req.model)
         if req.tools:
             raise APIError(400, "tools are not supported", param="tools")
@@ -501,14 +369,14 @@ class _Endpoints:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # the model's default, else up to max_model_len, as OpenAI's chat does
             max_tokens = s.sampling_defaults.get("max_tokens")
-        params = _sampling_params(req, max_tokens, top_k, defaults=s.sampling_defaults)
+        params = sampling_params(req, max_tokens, top_k, defaults=s.sampling_defaults)
         prompts = [self.chat_prompt(req.messages)]
         s.check_prompt(prompts[0], params, max_tokens is not None)
         s.check_size_and_room(prompts, params)
         base = self.base("chatcmpl", "chat.completion")
 
         def lps(token_ids, entries):
-            return _chat_logprobs(token_ids, entries, top_k) if top_k is not None else None
+            return chat_logprobs(token_ids, entries, top_k) if top_k is not None else None
 
         if req.stream:
             base["object"] = "chat.completion.chunk"
@@ -530,7 +398,7 @@ class _Endpoints:
         return base | {"choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
                                     "logprobs": lps(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason} for i, c in enumerate(choices)],
-                       "usage": _usage(prompts, sum(len(c.token_ids) for c in choices))}
+                       "usage": usage(prompts, sum(len(c.token_ids) for c in choices))}
 
     async def models(self, request: Request):
         self.s.check_key(request)

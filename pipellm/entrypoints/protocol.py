@@ -1,0 +1,141 @@
+"""The OpenAI API's shapes: request bodies (validated, with errors in OpenAI's form), their sampling parameters, and
+the log-probabilities of responses."""
+import re
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pipellm.sampling_params import SamplingParams
+
+MAX_N = 128                 # completions per prompt
+MAX_LOGPROBS = 20           # top log-probabilities per token
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.body = status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
+        self.headers = headers
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logit_bias: dict | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list | None = None
+
+
+def parse_request(model: type[BaseModel], data: dict):
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise APIError(400, f"{loc}: {err['msg']}", param=str(err["loc"][0]) if err["loc"] else None) from None
+
+
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                     prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
+    def get(name, default):  # the request's value, else the model's default (generation_config.json), else ours
+        value = getattr(req, name)
+        return (defaults or {}).get(name, default) if value is None else value
+
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if get("n", 1) > MAX_N:
+        raise APIError(400, f"n={req.n}: at most {MAX_N} completions per prompt", param="n")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"logprobs={logprobs}: must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+    try:
+        return SamplingParams(n=get("n", 1), max_tokens=max_tokens, temperature=get("temperature", 1.0),
+                              top_p=get("top_p", 1.0), top_k=get("top_k", -1), min_p=get("min_p", 0.0),
+                              seed=req.seed, stop=req.stop, ignore_eos=get("ignore_eos", False),
+                              repetition_penalty=get("repetition_penalty", 1.0),
+                              presence_penalty=get("presence_penalty", 0.0),
+                              frequency_penalty=get("frequency_penalty", 0.0), logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs, skip_special_tokens=get("skip_special_tokens", True))
+    except ValueError as e:  # "SamplingParams.<field>=<value>: <why>"
+        field = re.match(r"SamplingParams\.(\w+)=", str(e))
+        raise APIError(400, str(e), param=field and field.group(1)) from None
+
+
+def usage(prompts: list[list[int]], num_completion_tokens: int) -> dict:
+    num_prompt = sum(len(p) for p in prompts)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt + num_completion_tokens}
+
+
+def _token_str(lp) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else ""
+
+
+class CompletionLogprobs:
+    """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset (running over chunks).
+    An entry of None (the first prompt token, echoed: nothing before it) has null log-probabilities."""
+
+    def __init__(self, decode):
+        self.offset, self.decode = 0, decode
+
+    def format(self, token_ids: list[int], entries: list[dict | None]) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, entry in zip(token_ids, entries):
+            token = self.decode(tid) if entry is None else _token_str(entry[tid])
+            out["tokens"].append(token)
+            out["token_logprobs"].append(None if entry is None else entry[tid].logprob)
+            # The top k, plus the sampled token when it is not among them (as OpenAI and vLLM do).
+            out["top_logprobs"].append(None if entry is None else {
+                _token_str(lp): lp.logprob for _, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)})
+            out["text_offset"].append(self.offset)
+            self.offset += len(token)
+        return out
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict], top_k: int) -> dict:
+    def item(lp) -> dict:
+        token = _token_str(lp)
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        top = sorted((lp for lp in entry.values() if lp.rank <= top_k), key=lambda lp: lp.rank)
+        content.append(item(entry[tid]) | {"top_logprobs": [item(lp) for lp in top]})
+    return {"content": content}
