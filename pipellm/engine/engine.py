@@ -342,9 +342,10 @@ class LLMEngine:
         result = self.executor.receive()
         if self.tracer:
             self.tracer.on_receive(result.batch_id, len(result.tokens))
-        return self._process(self.in_flight.popleft(), result)
+        return self.process_result(self.in_flight.popleft(), result)
 
-    def _process(self, batch: ScheduledBatch, result: SampledBatch) -> list[Request]:
+    def process_result(self, batch: ScheduledBatch, result: SampledBatch) -> list[Request]:
+        """Applies a batch's sampled tokens (and prompt log-probabilities); returns the requests that got a token."""
         assert batch.batch_id == result.batch_id, "pipeline returned batches out of order"
         for req in batch.requests:
             req.in_flight = False

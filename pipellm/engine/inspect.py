@@ -40,7 +40,7 @@ def run_probe(engine: LLMEngine, prompt_token_ids: list[int]) -> dict:
             engine.in_flight.append(batch)
             result = engine.executor.receive()
             reports = engine.executor.receive_probes(stage_batch)
-            engine._process(engine.in_flight.popleft(), result)
+            engine.process_result(engine.in_flight.popleft(), result)
             last = reports[-1]
             prompt_rows = stage_batch.positions < num_prompt  # columns of the lens: prompt positions only
             lens_ids[:, stage_batch.positions[prompt_rows]] = last.lens_ids[:, prompt_rows]
