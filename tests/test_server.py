@@ -196,6 +196,21 @@ def test_echo_returns_the_prompt_with_its_logprobs(server, llm_pp2):
     assert err["param"] == "max_tokens" and "echo" in err["message"]
 
 
+def test_tokenize_and_detokenize_as_vllm(server, llm_pp2):
+    tokenizer = llm_pp2.get_tokenizer()
+    out = httpx.post(f"{server.url}/tokenize", json={"model": NAME, "prompt": PROMPT}, headers=AUTH).json()
+    assert out["tokens"] == tokenizer.encode(PROMPT) and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == MAX_MODEL_LEN
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}, headers=AUTH).json()
+    text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": out["tokens"]}, headers=AUTH).json()
+    assert back == {"prompt": PROMPT}
+    assert _error(httpx.post(f"{server.url}/detokenize", json={"tokens": [10 ** 6]}, headers=AUTH), 400)["param"] \
+        == "tokens"
+    _error(httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}), 401)
+
+
 def test_generation_config_gives_the_defaults_a_request_leaves_out(tmp_path):
     from pipellm.entrypoints.protocol import CompletionRequest, sampling_params
     from pipellm.entrypoints.server import ServerConfig

@@ -64,6 +64,21 @@ class ChatRequest(SamplingFields):
     tools: list | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse_request(model: type[BaseModel], data: dict):
     try:
         return model.model_validate(data)

@@ -1,6 +1,7 @@
 """`pipellm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncEngine.
 
-/v1/models, /v1/completions, /v1/chat/completions (with SSE streaming), /health, /version, /metrics.
+/v1/models, /v1/completions, /v1/chat/completions (with SSE streaming), /tokenize, /detokenize (as vLLM's),
+/health, /version, /metrics.
 User errors come back in OpenAI's error shape with 400/401/404/413, a dead pipeline or a full queue gives 503: never a
 500 for user input.
 """
@@ -24,7 +25,8 @@ from pipellm.config import generation_defaults
 from pipellm.engine.async_engine import AsyncEngine, EngineDeadError, StreamDelta
 from pipellm.engine.engine import LLMEngine
 from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, CompletionLogprobs, CompletionRequest,
-                                          chat_logprobs, parse_request, sampling_params, usage)
+                                          DetokenizeRequest, TokenizeRequest, chat_logprobs, parse_request,
+                                          sampling_params, usage)
 from pipellm.observe.metrics import CONTENT_TYPE, ServerMetrics
 from pipellm.sampling_params import SamplingParams
 
@@ -400,6 +402,33 @@ class _Endpoints:
                                     "stop_reason": c.stop_reason} for i, c in enumerate(choices)],
                        "usage": usage(prompts, sum(len(c.token_ids) for c in choices))}
 
+    async def tokenize(self, request: Request):
+        """vLLM's /tokenize: the token ids of a prompt, or of chat messages through the template."""
+        s = self.s
+        s.check_key(request)
+        req = parse_request(TokenizeRequest, await s.read_json(request))
+        s.check_model_and_engine(req.model)
+        tokenizer = s.async_engine.tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give a prompt or messages (one of them)", param="prompt")
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        ids = self.chat_prompt(req.messages) if req.messages is not None else \
+            tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": s.engine.max_model_len, "tokens": ids, "token_strs": None}
+
+    async def detokenize(self, request: Request):
+        s = self.s
+        s.check_key(request)
+        req = parse_request(DetokenizeRequest, await s.read_json(request))
+        s.check_model_and_engine(req.model)
+        vocab = s.engine.model_config.vocab_size
+        if s.async_engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"tokens has ids outside [0, {vocab})", param="tokens")
+        return {"prompt": s.async_engine.tokenizer.decode(req.tokens)}
+
     async def models(self, request: Request):
         self.s.check_key(request)
         name = self.s.config.served_model_name  # "root" is the name too: a local path tells clients nothing useful
@@ -441,6 +470,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app.add_api_route("/v1/completions", ep.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", ep.chat, methods=["POST"])
     app.add_api_route("/v1/models", ep.models, methods=["GET"])
+    app.add_api_route("/tokenize", ep.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", ep.detokenize, methods=["POST"])
     app.add_api_route("/health", ep.health, methods=["GET"])
     app.add_api_route("/version", ep.version, methods=["GET"])
     app.add_api_route("/metrics", ep.metrics, methods=["GET"])
