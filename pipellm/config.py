@@ -316,3 +316,16 @@ def generation_defaults(folder: str) -> dict:
     if not isinstance(d, dict):
         raise ValueError(f"{path}: not a JSON object")
     return {name: d[key] for key, name in GENERATION_CONFIG_KEYS.items() if d.get(key) is not None}
+
+
+def check_generation_config(source: str) -> None:
+    """--generation-config: "auto" (the model's generation_config.json), "vllm" (none) or a folder holding one."""
+    if source not in ("auto", "vllm") and not os.path.isfile(os.path.join(source, "generation_config.json")):
+        raise ValueError(f"--generation-config {source}: no generation_config.json there; give auto, vllm or a "
+                         "folder holding one")
+
+
+def sampling_defaults(source: str, model_dir: str) -> dict:
+    """The sampling defaults that --generation-config names, for the model in model_dir."""
+    check_generation_config(source)
+    return {} if source == "vllm" else generation_defaults(model_dir if source == "auto" else source)

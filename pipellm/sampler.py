@@ -33,16 +33,21 @@ class PromptLogprobs:
     top_logprobs: np.ndarray         # [R, k] float32
 
 
-PROMPT_LOGPROB_ROWS = 64  # rows whose log-softmax over the vocabulary exists at once (Gemma 3: 1 MB a row)
+VOCAB_ROWS = 64  # rows whose logits over the whole vocabulary exist at once (Gemma 3: 1 MB a row)
+
+
+def logits_by_rows(compute_logits, hidden: torch.Tensor):
+    """(first row, fp32 logits [rows, V]) of hidden [R, hidden], VOCAB_ROWS rows at a time."""
+    for start in range(0, len(hidden), VOCAB_ROWS):
+        yield start, compute_logits(hidden[start:start + VOCAB_ROWS]).float()
 
 
 def prompt_logprobs(compute_logits, hidden: torch.Tensor, targets: torch.Tensor, k: int) -> PromptLogprobs:
     """hidden [R, hidden]: the rows before each target [R]; compute_logits: the model's norm + LM head."""
     parts = []
-    for start in range(0, len(hidden), PROMPT_LOGPROB_ROWS):
-        rows = slice(start, start + PROMPT_LOGPROB_ROWS)
-        lp = compute_logits(hidden[rows]).float().log_softmax(dim=-1)                    # [rows, V]
-        tok_lp, ranks = _logprob_and_rank(lp, targets[rows])
+    for start, logits in logits_by_rows(compute_logits, hidden):
+        lp = logits.log_softmax(dim=-1)                                                  # [rows, V]
+        tok_lp, ranks = _logprob_and_rank(lp, targets[start:start + len(lp)])
         vals, ids = lp.topk(min(k, lp.shape[1]), dim=-1)
         parts.append((tok_lp, ranks, ids, vals))
     tok_lp, ranks, ids, vals = (torch.cat(x) for x in zip(*parts))

@@ -60,14 +60,8 @@ def _make_llm(args):
 def _sampling_params(args):
     """The flags given, over the generation config's defaults, over greedy decoding of 64 tokens at most."""
     from pipellm import SamplingParams
-    from pipellm.config import generation_defaults
-    values = dict(CLI_SAMPLING_DEFAULTS)
-    source = args.generation_config
-    if source not in ("auto", "vllm") and not os.path.isfile(os.path.join(source, "generation_config.json")):
-        raise ValueError(f"--generation-config {source}: no generation_config.json there; give auto, vllm or a "
-                         "folder holding one")
-    if source != "vllm":
-        values.update(generation_defaults(args.model_dir if source == "auto" else source))
+    from pipellm.config import sampling_defaults
+    values = CLI_SAMPLING_DEFAULTS | sampling_defaults(args.generation_config, args.model_dir)
     values.update({k: v for k in SAMPLING_FLAGS if (v := getattr(args, k)) is not None})
     return SamplingParams(**values)
 

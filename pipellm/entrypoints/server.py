@@ -9,7 +9,6 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
@@ -21,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 import pipellm
-from pipellm.config import generation_defaults
+from pipellm.config import check_generation_config, sampling_defaults
 from pipellm.engine.async_engine import AsyncEngine, EngineDeadError, StreamDelta
 from pipellm.engine.engine import LLMEngine
 from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, CompletionLogprobs, CompletionRequest,
@@ -51,10 +50,7 @@ class ServerConfig:
     #                                     generation_config.json, as vLLM), "vllm" (none), or a folder holding one
 
     def __post_init__(self):
-        source = self.generation_config
-        if source not in ("auto", "vllm") and not os.path.isfile(os.path.join(source, "generation_config.json")):
-            raise ValueError(f"--generation-config {source}: no generation_config.json there; give auto, vllm or a "
-                             "folder holding one")
+        check_generation_config(self.generation_config)  # before the engine starts
         for name in ("max_request_bytes", "max_request_seqs", "max_request_tokens", "max_waiting_seqs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive integer")
@@ -83,9 +79,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(config.served_model_name, lambda: self.async_engine.stats)
         self.async_engine.metrics = self.metrics
         self.created = int(time.time())
-        source = config.generation_config
-        self.sampling_defaults = {} if source == "vllm" else generation_defaults(
-            engine.model_dir if source == "auto" else source)
+        self.sampling_defaults = sampling_defaults(config.generation_config, engine.model_dir)
 
     # ---- checks shared by the endpoints -----------------------------------------------------------------------
 

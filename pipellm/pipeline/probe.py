@@ -5,8 +5,7 @@ import torch
 from torch import nn
 
 from pipellm.models.attention import AttentionMetadata
-
-LENS_ROWS = 64  # rows whose logits over the whole vocabulary exist at once (Gemma 3: 1 MB a row)
+from pipellm.sampler import logits_by_rows
 
 
 class Recorder:
@@ -50,8 +49,8 @@ def logit_lens(model: nn.Module, outputs: torch.Tensor, rows: torch.Tensor, toke
     sampled = np.zeros((num_layers, len(tokens)), np.float32)
     token_ids = torch.tensor(tokens, dtype=torch.long)
     for layer in range(num_layers):
-        for start in range(0, num_tokens, LENS_ROWS):
-            p = torch.softmax(model.compute_logits(outputs[layer, start:start + LENS_ROWS]).float(), dim=-1)
+        for start, logits in logits_by_rows(model.compute_logits, outputs[layer]):
+            p = torch.softmax(logits, dim=-1)
             top = p.max(dim=-1)
             ids[layer, start:start + len(p)] = top.indices.numpy()
             probs[layer, start:start + len(p)] = top.values.numpy()

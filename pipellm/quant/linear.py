@@ -18,9 +18,8 @@ class QuantWeight(nn.Module):
     """codes [N, K/2] (Q4, uint8), [N, K] (Q8 int8; F16/BF16/F32 floats); scale and min [N, K/group] or None:
     w = q * scale + min. Two-level (the K-quants): scale and min are uint8 multiples of fp16 super_scale and
     super_min [N, K/256], and w = q * (super_scale * scale) - super_min * min (Q6_K: int8 scales per 16, no min).
-    Q4 codes of 5 or 6 bits (Q5_0, Q5_1,
-    Q5_K, Q6_K) keep bits 4 and 5 in bit planes, high [N, planes * K/8] (per 32 weights, a 4-byte run a plane,
-    bit j for weight j), and q = nibble | plane0 << 4 | plane1 << 5 - offset."""
+    Q4 codes of 5 or 6 bits (Q5_0, Q5_1, Q5_K, Q6_K) keep bits 4 and 5 in bit planes, high [N, planes * K/8] (per
+    32 weights, a 4-byte run a plane, bit j for weight j), and q = nibble | plane0 << 4 | plane1 << 5 - offset."""
 
     def __init__(self, kind: int, codes: torch.Tensor, scale: torch.Tensor | None = None,
                  min: torch.Tensor | None = None, group: int = 32, source: str = "",
