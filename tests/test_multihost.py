@@ -180,9 +180,13 @@ def test_torchrun_on_both_hosts(hosts, llama_dir, tmp_path, llm_pp2):
                "-m", "pipellm.entrypoints.cli", "generate", "--model", llama_dir, "-pp", "2", "--max-tokens", "8",
                "--distributed-executor-backend", "external_launcher", prompt]
         procs.append((_in_ns(ns, *cmd, log=log), log))
+    deadline = time.monotonic() + 180
     try:
         for proc, _ in procs:
-            proc.wait(180)
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass  # reported below with both hosts' logs
     finally:
         for proc, _ in procs:
             _stop(proc)
@@ -190,7 +194,8 @@ def test_torchrun_on_both_hosts(hosts, llama_dir, tmp_path, llm_pp2):
     for proc, log in procs:
         log.seek(0)
         logs.append(log.read())
-        assert proc.returncode == 0, f"torchrun exited with {proc.returncode}:\n{logs[-1]}"
+    for proc, _ in procs:
+        assert proc.returncode == 0, f"torchrun exited with {proc.returncode}:\n" + "\n".join(logs)
     expected = llm_pp2.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
     assert f"{prompt}{expected.outputs[0].text}\n" in logs[1]
 

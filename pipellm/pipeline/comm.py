@@ -228,7 +228,10 @@ class Channel:
         self.post_recv(src)
         work, mailbox = self._posted.pop(src)
         work.wait(timeout)
-        self.post_recv(src)
+        try:
+            self.post_recv(src)
+        except RuntimeError:
+            pass  # src has closed its end (the last message was Shutdown): raised if a next message is awaited
         raw = memoryview(mailbox.numpy())
         size = int.from_bytes(raw[:8], "little")
         if size > wire.MAX_PAYLOAD_BYTES + wire.TAG_BYTES:  # checked before anything that size is allocated

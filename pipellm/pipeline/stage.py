@@ -239,8 +239,8 @@ def stage_main(world_rank: int, master_addr: str, master_port: int, token: bytes
                                                             "traceback": traceback.format_exc()}))
             except Exception:
                 pass
-        else:
-            traceback.print_exc()
+        if store is None or comm.GENERATION_ENV not in os.environ:
+            traceback.print_exc()  # no parent to report it: under torchrun, this log is where users look
         os._exit(1)
     os._exit(0)  # skip interpreter teardown: gloo's destructors can block on peers that already left
 
