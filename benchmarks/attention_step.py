@@ -10,6 +10,7 @@ import time
 import torch
 
 from pipellm.models.attention import AttentionMetadata, paged_attention
+from pipellm.models.kv_cache import KVCache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -43,12 +44,12 @@ def make_step(chunk: int, chunk_start: int, decode_contexts: list[int], num_bloc
     return q, k, v, meta
 
 
-def time_step(step, k_cache, v_cache, repeats: int) -> float:
+def time_step(step, cache: KVCache, repeats: int) -> float:
     q, k, v, meta = step
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+        paged_attention(q, k, v, cache, meta, HEAD_DIM ** -0.5)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -62,15 +63,15 @@ def main() -> None:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     num_blocks = 2048
-    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
-    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+    cache = KVCache(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen),
+                    torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen))
     decodes = [args.decode_context] * 15
     steps = {"mixed": make_step(512, 0, decodes, num_blocks, gen), "chunk": make_step(512, 0, [], num_blocks, gen),
              "decodes": make_step(0, 0, decodes, num_blocks, gen)}
     for _ in range(3):  # warm-up
         for step in steps.values():
-            time_step(step, k_cache, v_cache, 1)
-    ms = {name: 1e3 * time_step(step, k_cache, v_cache, args.repeats) for name, step in steps.items()}
+            time_step(step, cache, 1)
+    ms = {name: 1e3 * time_step(step, cache, args.repeats) for name, step in steps.items()}
     ratio = ms["mixed"] / (ms["chunk"] + ms["decodes"])
     print(f"one layer's attention, 1 thread: chunk of 512 + 15 decodes at {args.decode_context} tokens: "
           f"{ms['mixed']:.2f} ms; chunk alone {ms['chunk']:.2f} ms; decodes alone {ms['decodes']:.2f} ms; "

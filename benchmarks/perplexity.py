@@ -3,7 +3,8 @@ project and dedicated to the public domain, CC0), through each weight path, in t
 
     python benchmarks/perplexity.py [--json out.json]
 Paths: compact (the GGUF's own formats through our kernels), fp32 (the same weights dequantized, plain torch),
-and fp32 re-quantized on load with quantization="int8" / "int4".
+and fp32 re-quantized on load with quantization="int8" / "int4"; then compact weights with kv_cache_dtype="bfloat16"
+and "int8" (the prefill's attention reads the rounded keys and values back from the cache).
 """
 import argparse
 import json
@@ -20,6 +21,7 @@ from pipellm.loader.default_model import default_model_path
 from pipellm.loader.gguf import cached_gguf_folder, convert_gguf, load_gguf_stage_weights
 from pipellm.loader.safetensors import load_stage_weights
 from pipellm.models.attention import AttentionMetadata
+from pipellm.models.kv_cache import KVCache
 from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.pipeline.partition import StageLayers
@@ -45,11 +47,11 @@ def build(folder: str, cfg: ModelConfig, path: str):
 
 
 @torch.inference_mode()
-def perplexity(model, cfg: ModelConfig, ids: list[int]) -> float:
+def perplexity(model, cfg: ModelConfig, ids: list[int], kv_dtype: torch.dtype = torch.float32) -> float:
     n = len(ids)
     blocks = -(-n // BLOCK)
-    caches = [(torch.zeros(blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim),
-               torch.zeros(blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
+    caches = [KVCache.allocate(blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+              for _ in range(cfg.num_layers)]
     positions = torch.arange(n)
     meta = AttentionMetadata.build(positions, torch.tensor([n]), torch.tensor([n]), torch.arange(blocks)[None],
                                    positions, BLOCK)
@@ -76,6 +78,11 @@ def main():
         print(f"{path:8s} perplexity {results[path]:.4f}  ({results[path] / results['compact']:.4f}x compact; "
               f"{time.perf_counter() - start:.1f} s)", flush=True)
         del model
+    model = build(compact_dir, cfg, "compact")
+    for name, kv_dtype in (("kv bfloat16", torch.bfloat16), ("kv int8", torch.int8)):
+        results[name] = perplexity(model, cfg, ids, kv_dtype)
+        print(f"{name:8s} perplexity {results[name]:.4f}  ({results[name] / results['compact']:.4f}x compact)",
+              flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(tokens=len(ids), perplexity=results), f, indent=2)

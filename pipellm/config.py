@@ -10,6 +10,7 @@ GEMMA_FAMILY = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8}  # kv_cache_dtype, besides "auto"
 
 
 @dataclass
@@ -218,6 +219,8 @@ class EngineConfig:
     max_num_seqs: int = 64              # requests in one step at most
     max_num_batched_tokens: int = 512   # tokens in one step at most: small, equal steps keep stages balanced
     kv_cache_gib: float = 1.0           # KV cache memory per stage
+    kv_cache_dtype: str = "auto"        # "auto" (the activations' dtype), "bfloat16", or "int8" (a scale per block
+    #                                     and KV head): fewer bytes per cached token, a little less accuracy
     num_kv_blocks: int | None = None    # exact block count instead of kv_cache_gib (tests, tuning)
     seed: int = 0                       # seeds requests that do not set their own
     threads_per_stage: int | None = None  # torch threads per stage; None = cores // P
@@ -258,6 +261,8 @@ class EngineConfig:
             bad("max_num_seqs", "must be a positive integer")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             bad("max_num_batched_tokens", "must be a positive integer")
+        if self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):
+            bad("kv_cache_dtype", f'must be one of auto, {", ".join(KV_CACHE_DTYPES)}')
         if not self.kv_cache_gib > 0:
             bad("kv_cache_gib", "must be > 0")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):

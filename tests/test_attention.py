@@ -7,16 +7,18 @@ import torch
 
 from pipellm import kernels
 from pipellm.models.attention import AttentionMetadata, paged_attention
+from pipellm.models.kv_cache import KVCache, _write_int8
 
 BLOCK = 4
 
 
 @pytest.fixture(autouse=True, params=["kernel", "torch"])
 def decode_path(request, monkeypatch):
-    """Decode rows through our C++ kernel (K/V read in place), and through the plain-torch twin."""
+    """Decode rows through our C++ kernels (K/V read in place, int8 written), and through the plain-torch twins."""
     if request.param == "torch":
-        monkeypatch.setattr("pipellm.models.attention.kernels", type("NoKernels", (), {"load": staticmethod(
-            lambda: None)}))
+        none = type("NoKernels", (), {"load": staticmethod(lambda: None)})
+        monkeypatch.setattr("pipellm.models.attention.kernels", none)
+        monkeypatch.setattr("pipellm.models.kv_cache.kernels", none)
     else:
         assert kernels.load() is not None
 
@@ -35,12 +37,12 @@ def _dense(q, keys, values, q_pos, window):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.double()).float()
 
 
-def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | None, seed: int):
+def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | None, seed: int,
+         kv_dtype: torch.dtype = torch.float32):
     """steps: (cached tokens, new tokens) per sequence. Returns paged and dense outputs of the step."""
     gen = torch.Generator().manual_seed(seed)
     dim, num_blocks = 8, 64
-    k_cache = torch.zeros(num_blocks, BLOCK, kv_heads, dim)
-    v_cache = torch.zeros(num_blocks, BLOCK, kv_heads, dim)
+    cache = KVCache.allocate(num_blocks, BLOCK, kv_heads, dim, kv_dtype)
     free = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()   # block 0 stays unused padding
     width = max(-(-(c + n) // BLOCK) for c, n in steps)
     tables = torch.zeros(len(steps), width, dtype=torch.int32)
@@ -51,9 +53,9 @@ def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | 
         tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         keys = torch.randn(total, kv_heads, dim, generator=gen)
         values = torch.randn(total, kv_heads, dim, generator=gen)
-        for p in range(cached):  # the cached prefix is in the cache already
-            k_cache[blocks[p // BLOCK], p % BLOCK] = keys[p]
-            v_cache[blocks[p // BLOCK], p % BLOCK] = values[p]
+        if cached:  # the cached prefix is in the cache already, written by an earlier step
+            cache.write(torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached)]),
+                        keys[:cached], values[:cached])
         full_k.append(keys)
         full_v.append(values)
         positions += list(range(cached, total))
@@ -64,7 +66,7 @@ def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | 
     q = torch.cat(qs)
     meta = AttentionMetadata.build(torch.tensor(positions), torch.tensor([n for _, n in steps]),
                                    torch.tensor([c + n for c, n in steps]), tables, torch.tensor(slots), BLOCK, window)
-    out = paged_attention(q, new_k, new_v, k_cache, v_cache, meta, dim ** -0.5)
+    out = paged_attention(q, new_k, new_v, cache, meta, dim ** -0.5)
     dense = torch.cat([_dense(qi, k, v, torch.arange(c, c + n), window)
                        for qi, k, v, (c, n) in zip(qs, full_k, full_v, steps)])
     return out, dense
@@ -83,7 +85,50 @@ STEPS = {
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2)])
 @pytest.mark.parametrize("name", list(STEPS))
-def test_paged_attention_equals_dense_reference(name, heads, kv_heads, window):
-    out, dense = _run(STEPS[name], heads, kv_heads, window, seed=len(name))
+@pytest.mark.parametrize("kv_dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.int8, 4e-2)])
+def test_paged_attention_equals_dense_reference(name, heads, kv_heads, window, kv_dtype, atol):
+    """The dense reference sees the exact K/V; bf16 and int8 caches hold them rounded (values ~N(0, 1))."""
+    out, dense = _run(STEPS[name], heads, kv_heads, window, seed=len(name), kv_dtype=kv_dtype)
     assert out.shape == dense.shape
-    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, dense, atol=atol, rtol=0)
+
+
+def _round_trip(cache: KVCache, blocks: list[int], num_tokens: int) -> torch.Tensor:
+    k, _ = cache.gather(torch.tensor(blocks), 1, torch.float32)                 # [1, KV, K, D]
+    return k[0].transpose(0, 1)[:num_tokens]                                       # [T, KV, D]
+
+
+def test_int8_cache_rescales_a_block_when_a_larger_token_arrives():
+    """Decode writes one token at a time; each larger than the last raises the block's scale, and the tokens
+    already there are re-rounded to it: every token stays within a step of the final scale."""
+    cache = KVCache.allocate(4, BLOCK, 2, 8, torch.int8)
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(BLOCK, 2, 8, generator=gen) * torch.tensor([0.01, 0.1, 1.0, 10.0])[:, None, None]
+    for p in range(BLOCK):
+        cache.write(torch.tensor([2 * BLOCK + p]), keys[p:p + 1], keys[p:p + 1])
+    step = keys.abs().amax((0, 2)) / 127                                           # [KV] per head
+    assert ((_round_trip(cache, [2], BLOCK) - keys).abs() <= step[None, :, None] * 1.01).all()
+
+
+def test_int8_cache_starts_a_reused_block_afresh():
+    """A freed block's next owner writes from offset 0: the old owner's large scale must not coarsen its values."""
+    cache = KVCache.allocate(2, BLOCK, 1, 8, torch.int8)
+    big, small = torch.full((BLOCK, 1, 8), 100.0), torch.randn(BLOCK, 1, 8) * 0.01
+    slots = torch.arange(BLOCK, 2 * BLOCK)
+    cache.write(slots, big, big)
+    cache.write(slots[:2], small[:2], small[:2])  # a prefill chunk, then a decode
+    cache.write(slots[2:3], small[2:3], small[2:3])
+    assert ((_round_trip(cache, [1], 3) - small[:3]).abs() <= small[:3].abs().max() / 127).all()
+
+
+def test_int8_write_kernel_equals_torch_twin():
+    """Prefill chunks, decodes that raise a block's scale, and a block reused from offset 0: the same bytes."""
+    ops = kernels.load()
+    gen = torch.Generator().manual_seed(1)
+    caches = [(torch.zeros(8, BLOCK, 2, 16, dtype=torch.int8), torch.zeros(8, 2)) for _ in range(2)]
+    steps = [[20, 21, 22, 23, 24, 25], [26], [27], [12, 13], [14], [28, 29, 30, 31, 4, 5], [20, 21]]
+    for i, slots in enumerate(steps):
+        x = torch.randn(len(slots), 2, 16, generator=gen) * (1 + i)  # larger each step: scales grow
+        ops.kv_cache_write_int8(*caches[0], torch.tensor(slots), x)
+        _write_int8(*caches[1], torch.tensor(slots), x)
+        assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1]), i

@@ -104,8 +104,10 @@ def test_chat_template_is_a_file_or_the_template(tmp_path):
 
 def test_engine_flags_reach_the_engine(llama_dir):
     kwargs = _engine_kwargs(parse_args(["serve", llama_dir, "--block-size", "32", "--no-enable-prefix-caching",
-                                        "--kv-cache-memory-bytes", "512Mi", "--max-num-seqs", "4"]))
+                                        "--kv-cache-memory-bytes", "512Mi", "--max-num-seqs", "4",
+                                        "--kv-cache-dtype", "int8"]))
     assert kwargs["block_size"] == 32 and kwargs["enable_prefix_caching"] is False
+    assert kwargs["kv_cache_dtype"] == "int8"
     assert kwargs["kv_cache_gib"] == 0.5 and kwargs["max_num_seqs"] == 4
     kwargs = _engine_kwargs(parse_args(["chat", "--enable-prefix-caching", "--kv-cache-gib", "2"]))
     assert kwargs["enable_prefix_caching"] is True and kwargs["kv_cache_gib"] == 2
@@ -158,6 +160,7 @@ def broken_models(llama_dir, tmp_path_factory):
     (["chat", "{llama}", "--generation-config", "{root}"], "--generation-config {root}: no generation_config.json"),
     (["serve", "{llama}", "--kv-cache-gib", "1", "--kv-cache-memory-bytes", "1Gi"], "not allowed with"),
     (["serve", "{llama}", "--port", "65536"], "give a port number from 0 to 65535"),
+    (["serve", "{llama}", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype: invalid choice: 'fp8' (choose from"),
     (["generate", "--model", "{llama}", "--layer-partition", "2,2", "-pp", "2", "hi"],
      "sums to 4, but the model has 5 layers"),
     (["generate", "--model", "{llama}", "-pp", "2", "--nnodes", "2", "--node-rank", "1", "hi"],

@@ -52,6 +52,7 @@ def test_last_token_logits_match_hf(checkpoints):
     from pipellm.config import ModelConfig
     from pipellm.loader.safetensors import load_stage_weights
     from pipellm.models.attention import AttentionMetadata
+    from pipellm.models.kv_cache import KVCache
     from pipellm.models.registry import build_stage_model
     from pipellm.pipeline.partition import make_partition
 
@@ -70,8 +71,8 @@ def test_last_token_logits_match_hf(checkpoints):
         for stage in make_partition(cfg.num_layers, 2, [2, 3]):
             model = build_stage_model(cfg, stage)
             load_stage_weights(model, folder, torch.float32)
-            shape = (tables.shape[1], block, cfg.num_kv_heads, cfg.head_dim)
-            caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(stage.num_layers)]
+            caches = [KVCache.allocate(tables.shape[1], block, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+                      for _ in range(stage.num_layers)]
             with torch.no_grad():
                 hidden = model(hidden, positions, meta, caches)
         with torch.no_grad():

@@ -15,6 +15,7 @@ from pipellm.engine.scheduler import ScheduledBatch, Scheduler
 from pipellm.engine.sequence import Request
 from pipellm.loader.gguf import gguf_source
 from pipellm.loader.safetensors import checkpoint_files
+from pipellm.models.kv_cache import block_bytes, cache_dtype
 from pipellm.observe.trace import TraceRecorder
 from pipellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pipellm.pipeline import comm, wire
@@ -185,8 +186,9 @@ class LLMEngine:
         if cfg.num_kv_blocks is not None:
             num_blocks, source, ring = cfg.num_kv_blocks, f"num_kv_blocks={cfg.num_kv_blocks}", 0
         else:
-            block_bytes = 2 * cfg.block_size * mc.num_kv_heads * mc.head_dim * cfg.torch_dtype.itemsize
-            budget = int(cfg.kv_cache_gib * 2 ** 30) // block_bytes  # blocks of one layer
+            size = block_bytes(cache_dtype(cfg.kv_cache_dtype, cfg.torch_dtype), cfg.block_size, mc.num_kv_heads,
+                               mc.head_dim)
+            budget = int(cfg.kv_cache_gib * 2 ** 30) // size  # blocks of one layer
             num_blocks, source = min(budget // s.num_layers for s in self.stages), f"kv_cache_gib={cfg.kv_cache_gib}"
             if ring and num_blocks < needed:  # full-length sequences that fit with rings, on every stage
                 per_seq = []

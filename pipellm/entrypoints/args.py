@@ -62,6 +62,9 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
     kv.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache memory per stage, GiB (default 1)")
     kv.add_argument("--kv-cache-memory-bytes", type=_num_bytes, default=None,
                     help="the same in bytes, as vLLM: 2147483648, 2Gi or 2G")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
+                   help="auto (default): the activations' dtype; int8 holds 4x the tokens of float32, with a scale "
+                        "per block and KV head")
     p.add_argument("--restart-on-failure", action=argparse.BooleanOptionalAction, default=None,
                    help="when a stage fails, start a new pipeline and re-run unfinished requests "
                         "(default: on for serve on one host, off otherwise)")

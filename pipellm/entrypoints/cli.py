@@ -14,7 +14,8 @@ def _engine_kwargs(args, restart_default: bool = False) -> dict:
     kwargs = dict(pipeline_parallel_size=args.pipeline_parallel_size, layer_partition=args.layer_partition,
                   dtype=args.dtype, max_model_len=args.max_model_len, threads_per_stage=args.threads_per_stage,
                   seed=args.seed, distributed_executor_backend=args.distributed_executor_backend,
-                  token_file=args.token_file, quantization=args.quantization)
+                  token_file=args.token_file, quantization=args.quantization,
+                  kv_cache_dtype=args.kv_cache_dtype)
     kv_cache_gib = args.kv_cache_gib if args.kv_cache_memory_bytes is None else args.kv_cache_memory_bytes / 2 ** 30
     optional = dict(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                     block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,

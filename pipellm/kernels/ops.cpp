@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 #include <string>
 
@@ -221,14 +222,79 @@ void rotary_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, co
   }
 }
 
+// An int8 KV cache's write (models/kv_cache.py's _write_int8 is its torch twin, with the same arithmetic): x [T, KV, D]
+// fp32 into flat slots of cache [blocks, block_size, KV, D], scale [blocks, KV] = largest |value| / 127 per block and
+// head. A block's first token resets its scale; a scale that grows re-rounds what the block held.
+void kv_cache_write_int8(const at::Tensor& cache, const at::Tensor& scale, const at::Tensor& slots, const at::Tensor& x) {
+  TORCH_CHECK(cache.dim() == 4 && cache.scalar_type() == at::kChar && cache.is_contiguous(),
+              "cache must be contiguous int8 [blocks, block_size, KV, D]");
+  const int64_t N = cache.size(0), bs = cache.size(1), KV = cache.size(2), D = cache.size(3), T = slots.numel();
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == N &&
+              scale.size(1) == KV, "scale must be contiguous fp32 [blocks, KV]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1, "slots must be int64 [T]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3 && x.size(0) == T &&
+              x.size(1) == KV && x.size(2) == D, "x must be contiguous fp32 [T, KV, D]");
+  int8_t* c = cache.data_ptr<int8_t>();
+  float* sc = scale.data_ptr<float>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  for (int64_t t = 0; t < T; t++) {
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < N * bs, "slot out of range of the cache");
+    if (sl[t] % bs == 0) std::fill(sc + sl[t] / bs * KV, sc + (sl[t] / bs + 1) * KV, 0.0f);
+  }
+  std::vector<int64_t> blocks;
+  std::vector<float> before;  // the touched blocks' scales before this write
+  for (int64_t t = 0; t < T; t++) {
+    const int64_t b = sl[t] / bs;
+    if (std::find(blocks.begin(), blocks.end(), b) == blocks.end()) {
+      blocks.push_back(b);
+      before.insert(before.end(), sc + b * KV, sc + (b + 1) * KV);
+    }
+  }
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t h = 0; h < KV; h++) {
+      const float* v = xp + (t * KV + h) * D;
+      float amax = 0;
+      for (int64_t i = 0; i < D; i++) amax = std::max(amax, std::fabs(v[i]));
+      float& s = sc[sl[t] / bs * KV + h];
+      s = std::max(s, amax / 127.0f);
+    }
+  for (size_t u = 0; u < blocks.size(); u++)
+    for (int64_t h = 0; h < KV; h++) {
+      const float old = before[u * KV + h], now = sc[blocks[u] * KV + h];
+      if (!(old > 0 && now > old)) continue;
+      const float ratio = old / now;
+      for (int64_t o = 0; o < bs; o++) {
+        int8_t* p = c + ((blocks[u] * bs + o) * KV + h) * D;
+        for (int64_t i = 0; i < D; i++) p[i] = int8_t(std::nearbyint(float(p[i]) * ratio));
+      }
+    }
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t h = 0; h < KV; h++) {
+      const float s = std::max(sc[sl[t] / bs * KV + h], std::numeric_limits<float>::min());
+      const float* v = xp + (t * KV + h) * D;
+      int8_t* p = c + (sl[t] * KV + h) * D;
+      for (int64_t i = 0; i < D; i++) p[i] = int8_t(std::clamp(std::nearbyint(v[i] / s), -127.0f, 127.0f));
+    }
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t window,
                                   double scale, const std::string& isa) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous fp32 [B, H, D]");
+  const auto type = k_cache.scalar_type();
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "caches must be contiguous fp32 [blocks, block_size, KV, D]");
+              k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == type &&
+              (type == at::kFloat || type == at::kBFloat16 || type == at::kChar),
+              "caches must be contiguous fp32, bf16 or int8 [blocks, block_size, KV, D], both alike");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(2);
+  const bool int8 = type == at::kChar;
+  TORCH_CHECK(int8 == k_scale.has_value() && int8 == v_scale.has_value(), "int8 caches, and only they, need scales");
+  if (int8)
+    for (const auto& s : {*k_scale, *v_scale})
+      TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 &&
+                  s.size(0) == k_cache.size(0) && s.size(1) == KV, "scales must be contiguous fp32 [blocks, KV]");
   TORCH_CHECK(k_cache.size(3) == D && H % KV == 0, "head sizes disagree");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.scalar_type() == at::kLong &&
               block_tables.is_contiguous(), "block_tables must be contiguous int64 [B, width]");
@@ -244,7 +310,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < k_cache.size(0), "block id out of range");
   }
   at::Tensor out = at::empty_like(q);
-  pipellm::DecodeArgs a{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+  const int kind = int8 ? pipellm::CACHE_I8 : type == at::kBFloat16 ? pipellm::CACHE_BF16 : pipellm::CACHE_F32;
+  pipellm::DecodeArgs a{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
+                        int8 ? k_scale->data_ptr<float>() : nullptr, int8 ? v_scale->data_ptr<float>() : nullptr, kind,
                         block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
                         width, bs, window, H, KV, D, float(scale)};
   const Isa& impl = pick(isa);
@@ -262,8 +330,10 @@ TORCH_LIBRARY(pipellm, m) {
   m.def("dequant_rows(Tensor qs, Tensor? scale, Tensor? min, int kind, int group, Tensor? super_scale, "
         "Tensor? super_min, Tensor? high, int offset, Tensor rows, str isa) -> Tensor", &dequant_rows);
   m.def("best_isa() -> str", &best_isa);
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
+        "Tensor block_tables, Tensor seq_lens, "
         "int window, float scale, str isa) -> Tensor", &paged_decode_attention);
+  m.def("kv_cache_write_int8(Tensor(a!) cache, Tensor(b!) scale, Tensor slots, Tensor x) -> ()", &kv_cache_write_int8);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rotary_);
 }

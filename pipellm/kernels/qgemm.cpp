@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "qgemm.h"
@@ -315,9 +316,94 @@ void dequant(const QWeight& w, const int64_t* rows, int64_t R, float* out) {
   PIPELLM_DISPATCH(dequant_t, w, rows, R, out)
 }
 
+template <int C> struct CacheElem;
+template <> struct CacheElem<pipellm::CACHE_F32> { using T = float; };
+template <> struct CacheElem<pipellm::CACHE_BF16> { using T = uint16_t; };
+template <> struct CacheElem<pipellm::CACHE_I8> { using T = int8_t; };
+
+template <typename T> static inline float cache_value(T x) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    const uint32_t bits = uint32_t(x) << 16;  // bf16 is the top half of an fp32
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  } else {
+    return float(x);
+  }
+}
+
+#ifdef PIPELLM_AVX2
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {  // bf16
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+#endif
+
+// q . k and acc += e * v over one cached row of D values, D a multiple of 8 on the SIMD path.
+template <typename T> static inline float row_dot(const float* q, const T* k, int64_t D) {
+  int64_t i = 0;
+  float dot = 0;
+#ifdef PIPELLM_AVX2
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();  // two chains: an FMA's latency is ~4 cycles
+  for (; i + 16 <= D; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k + i + 8), s1);
+  }
+  for (; i + 8 <= D; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), s0);
+  dot = hsum(_mm256_add_ps(s0, s1));
+#endif
+  for (; i < D; i++) dot += q[i] * cache_value(k[i]);
+  return dot;
+}
+
+#ifdef PIPELLM_AVX2
+// e^x for x <= 0 (scores less their running max), as Cephes' expf: x = n ln2 + r, e^r by a degree-6 polynomial
+// (within 2 ulp), times 2^n built in the exponent bits. Below -87 it gives ~1e-38 rather than 0.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts keeps r exact
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+#endif
+
+// s[i] = e^(s[i] - mx) for i < n
+static inline void exp_shifted(float* s, int64_t n, float mx) {
+  int64_t i = 0;
+#ifdef PIPELLM_AVX2
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(s + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(mx))));
+#endif
+  for (; i < n; i++) s[i] = std::exp(s[i] - mx);
+}
+
+template <typename T> static inline void row_axpy(float* acc, float e, const T* v, int64_t D) {
+  int64_t i = 0;
+#ifdef PIPELLM_AVX2
+  const __m256 ev = _mm256_set1_ps(e);
+  for (; i + 8 <= D; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(ev, load8(v + i), _mm256_loadu_ps(acc + i)));
+#endif
+  for (; i < D; i++) acc[i] += e * cache_value(v[i]);
+}
+
 // Attention of one new token per sequence, reading K/V where they lie in the paged caches (no gathered copy).
 // A unit is (sequence, KV head): its query heads share each K/V row read. Blockwise online softmax in fp32.
-void decode_attention(const DecodeArgs& a, int64_t u0, int64_t u1) {
+// An int8 cache's scale is per block and head: it multiplies a row's dot product, and a row's softmax weight.
+template <int C>
+void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
+  using T = typename CacheElem<C>::T;
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
   const int64_t G = a.H / a.KV, D = a.D;
   std::vector<float> acc(G * D), s(G * a.block_size), m(G), l(G);
   for (int64_t u = u0; u < u1; u++) {
@@ -329,23 +415,15 @@ void decode_attention(const DecodeArgs& a, int64_t u0, int64_t u1) {
     std::fill(l.begin(), l.end(), 0.0f);
     for (int64_t blk = start / a.block_size; blk * a.block_size < len; blk++) {
       const int64_t p0 = std::max(start, blk * a.block_size), p1 = std::min(len, (blk + 1) * a.block_size);
-      const int64_t base = a.block_tables[b * a.table_width + blk] * a.block_size;
+      const int64_t id = a.block_tables[b * a.table_width + blk], base = id * a.block_size;
+      const float ks = C == pipellm::CACHE_I8 ? a.k_scale[id * a.KV + g] * a.scale : a.scale;
+      const float vs = C == pipellm::CACHE_I8 ? a.v_scale[id * a.KV + g] : 1.0f;
       for (int64_t p = p0; p < p1; p++) {
-        const float* k = a.k_cache + ((base + p % a.block_size) * a.KV + g) * D;
-        for (int64_t j = 0; j < G; j++) {
-          const float* qj = q + j * D;
-          float part[8] = {};
-          int64_t i = 0;
-          for (; i + 8 <= D; i += 8)
-            for (int c = 0; c < 8; c++) part[c] += qj[i + c] * k[i + c];
-          float dot = 0;
-          for (; i < D; i++) dot += qj[i] * k[i];
-          for (int c = 0; c < 8; c++) dot += part[c];
-          s[j * a.block_size + (p - p0)] = dot * a.scale;
-        }
+        const T* k = k_cache + ((base + p % a.block_size) * a.KV + g) * D;
+        for (int64_t j = 0; j < G; j++) s[j * a.block_size + (p - p0)] = row_dot(q + j * D, k, D) * ks;
       }
       for (int64_t j = 0; j < G; j++) {
-        const float* sj = s.data() + j * a.block_size;
+        float* sj = s.data() + j * a.block_size;
         float mx = m[j];
         for (int64_t p = 0; p < p1 - p0; p++) mx = std::max(mx, sj[p]);
         const float corr = std::exp(m[j] - mx);  // 0 on the first block (m = -inf)
@@ -353,11 +431,11 @@ void decode_attention(const DecodeArgs& a, int64_t u0, int64_t u1) {
         for (int64_t i = 0; i < D; i++) accj[i] *= corr;
         l[j] *= corr;
         m[j] = mx;
+        exp_shifted(sj, p1 - p0, mx);
         for (int64_t p = p0; p < p1; p++) {
-          const float e = std::exp(sj[p - p0] - mx);
-          const float* v = a.v_cache + ((base + p % a.block_size) * a.KV + g) * D;
-          l[j] += e;
-          for (int64_t i = 0; i < D; i++) accj[i] += e * v[i];
+          const T* v = v_cache + ((base + p % a.block_size) * a.KV + g) * D;
+          l[j] += sj[p - p0];
+          row_axpy(accj, sj[p - p0] * vs, v, D);
         }
       }
     }
@@ -366,6 +444,12 @@ void decode_attention(const DecodeArgs& a, int64_t u0, int64_t u1) {
       for (int64_t i = 0; i < D; i++) o[i] = acc[j * D + i] / l[j];
     }
   }
+}
+
+void decode_attention(const DecodeArgs& a, int64_t u0, int64_t u1) {
+  if (a.cache_kind == pipellm::CACHE_BF16) return decode_attention_t<pipellm::CACHE_BF16>(a, u0, u1);
+  if (a.cache_kind == pipellm::CACHE_I8) return decode_attention_t<pipellm::CACHE_I8>(a, u0, u1);
+  return decode_attention_t<pipellm::CACHE_F32>(a, u0, u1);
 }
 
 }  // namespace PIPELLM_ISA

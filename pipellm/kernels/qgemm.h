@@ -28,10 +28,15 @@ struct QWeight {
 // multiples of an fp16 per 256, groups of 16, no mins (Q6_K)
 enum ScaleKind { SCALE_F16 = 0, SCALE_F32 = 1, SCALE_TWO_LEVEL = 2, SCALE_TWO_LEVEL_I8 = 3 };
 
+enum CacheKind { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_I8 = 2 };
+
 struct DecodeArgs {
   const float* q;              // [B, H, D]
-  const float* k_cache;        // [num_blocks, block_size, KV, D]
-  const float* v_cache;
+  const void* k_cache;         // [num_blocks, block_size, KV, D]: fp32, bf16, or int8 with scales
+  const void* v_cache;
+  const float* k_scale;        // int8 only: [num_blocks, KV], value = int8 * scale
+  const float* v_scale;
+  int cache_kind;              // CacheKind
   const int64_t* block_tables; // [B, table_width]
   const int64_t* seq_lens;     // [B]: keys 0 .. len-1 (the new token's included)
   float* out;                  // [B, H, D]

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pipellm import kernels
+from pipellm.models.kv_cache import KVCache
 
 
 @dataclass
@@ -112,56 +113,46 @@ def _ring_view(rings: torch.Tensor, positions, query_lens, seq_lens, block_table
     return positions, query_lens, seq_lens, tables, slots, block_size
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    softcap: float | None = None) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KV, D]; caches [num_blocks, block_size, KV, D]. Returns [T, H, D].
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+                    scale: float, softcap: float | None = None) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KV, D]; the layer's cache holds [num_blocks, block_size, KV, D]. Returns [T, H, D].
     softcap: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
-    num_heads, num_kv, head_dim = q.shape[1], k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = k  # [num_blocks * block_size, KV, D]
-    v_cache.view(-1, num_kv, head_dim)[meta.slot_mapping] = v
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    cache.write(meta.slot_mapping, k, v)
     if meta.probe is not None and meta.decode is not None:
         d = meta.decode
-        meta.probe.append(decode_attention_weights(q if d.token_idx is None else q[d.token_idx], k_cache, d,
+        meta.probe.append(decode_attention_weights(q if d.token_idx is None else q[d.token_idx], cache, d,
                                                    scale, softcap))
     out = None if meta.decode is not None and meta.decode.token_idx is None else torch.empty_like(q)
     if meta.decode is not None:
         d = meta.decode
         rows = q if d.token_idx is None else q[d.token_idx]
         num_seqs = len(rows)
-        ops = kernels.load() if q.dtype == torch.float32 == k_cache.dtype and softcap is None else None
+        ops = kernels.load() if q.dtype == torch.float32 and softcap is None else None
         if ops is not None:  # reads K/V in place through the block tables: no gathered copy
-            o = ops.paged_decode_attention(rows.contiguous(), k_cache, v_cache, d.block_tables, d.seq_lens, d.window,
-                                           scale, "")                                  # [Bd, H, D]
+            o = ops.paged_decode_attention(rows.contiguous(), cache.k, cache.v, cache.k_scale, cache.v_scale,
+                                           d.block_tables, d.seq_lens, d.window, scale, "")  # [Bd, H, D]
         else:
             queries = rows.view(num_seqs, 1, num_heads, head_dim).transpose(1, 2)      # [Bd, H, 1, D]
-            o = _attend(queries, gather(k_cache, d.block_ids, num_seqs), gather(v_cache, d.block_ids, num_seqs),
-                        d.mask, scale, softcap)                                        # [Bd, H, 1, D]
+            o = _attend(queries, *cache.gather(d.block_ids, num_seqs, q.dtype), d.mask, scale,
+                        softcap)                                                       # [Bd, H, 1, D]
             o = o.view(num_seqs, num_heads, head_dim)
         if out is None:
             return o
         out[d.token_idx] = o
     for p in meta.prefills:
         queries = q[p.start:p.end].transpose(0, 1)[None]                                # [1, H, q, D]
-        o = _attend(queries, gather(k_cache, p.block_ids, 1), gather(v_cache, p.block_ids, 1), p.mask, scale,
-                    softcap)                                                           # [1, H, q, D]
+        o = _attend(queries, *cache.gather(p.block_ids, 1, q.dtype), p.mask, scale, softcap)  # [1, H, q, D]
         out[p.start:p.end] = o[0].transpose(0, 1)
     return out
 
 
-def gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """The K or V values of num_seqs sequences' blocks: [S * N] block ids -> [S, KV, K = N * block_size, D]."""
-    num_kv, head_dim = cache.shape[2], cache.shape[3]
-    # [S * N, block_size, KV, D] -> [S, N * block_size, KV, D] -> [S, KV, K, D]
-    return cache.index_select(0, block_ids).view(num_seqs, -1, num_kv, head_dim).transpose(1, 2)
-
-
-def decode_attention_weights(q: torch.Tensor, k_cache: torch.Tensor, d: DecodeGroup, scale: float,
+def decode_attention_weights(q: torch.Tensor, cache: KVCache, d: DecodeGroup, scale: float,
                              softcap: float | None) -> torch.Tensor:
     """q [Bd, H, D] -> [Bd, H, K] float32: each decode row's attention weights over its cached keys (positions
     past its context, or before its window, get 0). For inspection, off the hot path."""
     num_seqs, num_heads = q.shape[0], q.shape[1]
-    keys = gather(k_cache, d.block_ids, num_seqs).float()                              # [Bd, KV, K, D]
+    keys = cache.gather(d.block_ids, num_seqs, torch.float32)[0]                       # [Bd, KV, K, D]
     keys = keys.repeat_interleave(num_heads // keys.shape[1], dim=1)                   # [Bd, H, K, D]
     scores = (keys @ q.float()[..., None]).squeeze(-1) * scale                         # [Bd, H, K]
     if softcap is not None:

@@ -23,7 +23,7 @@ class GPT2Attention(nn.Module):
 
     def forward(self, x, meta: AttentionMetadata, cache):
         q, k, v = self.c_attn(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # [T, 3, H, D] -> 3 x [T, H, D]
-        out = paged_attention(q, k, v, cache[0], cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, cache, meta, self.scale)
         return self.c_proj(out.reshape(x.shape))             # [T, H, D] -> [T, hidden]
 
 

@@ -7,12 +7,12 @@ from torch import nn
 
 from pipellm.config import ModelConfig
 from pipellm.models.attention import AttentionMetadata, paged_attention
+from pipellm.models.kv_cache import KVCache
 from pipellm.models.layers import GatedMLP, RMSNorm
 from pipellm.models.moe import SparseMoE
 from pipellm.models.rotary import RotaryEmbedding, apply_rotary
 from pipellm.pipeline.partition import StageLayers
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, rotated dims]
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # an expert's MLP: Mixtral's block_sparse_moe.experts.E.w1/w3/w2, Qwen3-MoE's mlp.experts.E.gate/up/down_proj
@@ -42,7 +42,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, *ropes[self.is_sliding])
-        out = paged_attention(q, k, v, cache[0], cache[1], meta.local if self.is_sliding else meta, self.scale,
+        out = paged_attention(q, k, v, cache, meta.local if self.is_sliding else meta, self.scale,
                               self.softcap)
         return self.o_proj(out.reshape(-1, self.q_size))     # [T, H * D] -> [T, hidden]
 

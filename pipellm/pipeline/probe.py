@@ -32,11 +32,11 @@ class Recorder:
         a = torch.stack(self.attention)[:, 0, :, :seq_len]                               # [L, H, K]
         attention = a.view(len(a), num_kv_heads, -1, seq_len).mean(2).numpy()         # [L, KV, group, K] -> [L, KV, K]
         blocks, rms = [], []
-        for meta, (k_cache, _) in zip(self.metas, kv_caches):
-            table = meta.decode.block_tables[0].tolist()
-            keys = k_cache[table].float().flatten(0, 1)[:seq_len]                     # [N, bs, KV, D] -> [K, KV, D]
-            blocks.append(table)
-            rms.append(keys.pow(2).mean((1, 2)).sqrt().tolist())
+        for meta, cache in zip(self.metas, kv_caches):
+            table = meta.decode.block_tables[0]
+            keys = cache.gather(table, 1, torch.float32)[0][0, :, :seq_len]            # [KV, K, D]
+            blocks.append(table.tolist())
+            rms.append(keys.pow(2).mean((0, 2)).sqrt().tolist())
         return {"attention": attention, "kv_blocks": blocks, "kv_key_rms": rms}
 
 

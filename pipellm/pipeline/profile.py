@@ -11,6 +11,7 @@ import torch
 from pipellm import kernels
 from pipellm.config import EngineConfig, ModelConfig
 from pipellm.models.attention import AttentionMetadata
+from pipellm.models.kv_cache import KVCache, cache_dtype
 from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.quant.rtn import quantize_linears
@@ -43,7 +44,8 @@ def profile_costs(model_config: ModelConfig, engine_config: EngineConfig, repeat
 
 def _profile_raw(model_config: ModelConfig, engine_config: EngineConfig, repeats: int, compact: bool) -> dict:
     num_tokens = max(1, min(engine_config.max_num_seqs, 32) // engine_config.pipeline_parallel_size)
-    key = ["v3", asdict(model_config), engine_config.dtype, engine_config.num_threads, num_tokens,
+    key = ["v3", asdict(model_config), engine_config.dtype, engine_config.kv_cache_dtype, engine_config.num_threads,
+           num_tokens,
            engine_config.max_num_batched_tokens, compact]
     return _cached(key, lambda: _measure(model_config, engine_config, num_tokens, repeats, compact))
 
@@ -107,8 +109,8 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
         transpose_linears(model)
         bs = ecfg.block_size
         blocks_per_seq = -(-CONTEXT // bs)
-        shape = (num_tokens * blocks_per_seq, bs, cfg.num_kv_heads, cfg.head_dim)
-        caches = [(torch.zeros(shape, dtype=ecfg.torch_dtype), torch.zeros(shape, dtype=ecfg.torch_dtype))]
+        kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)
+        caches = [KVCache.allocate(num_tokens * blocks_per_seq, bs, cfg.num_kv_heads, cfg.head_dim, kv_dtype)]
         tables = torch.arange(num_tokens * blocks_per_seq, dtype=torch.int32).view(num_tokens, blocks_per_seq)
         positions = torch.full((num_tokens,), CONTEXT - 1)
         slots = tables[:, -1].long() * bs + (CONTEXT - 1) % bs
@@ -124,8 +126,7 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
         # A prefill chunk of one sequence, as big as a step's token budget.
         chunk = min(ecfg.max_num_batched_tokens, CONTEXT * 4, cfg.max_position_embeddings)
         blocks = -(-chunk // bs)
-        shape = (blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-        cache = (torch.zeros(shape, dtype=ecfg.torch_dtype), torch.zeros(shape, dtype=ecfg.torch_dtype))
+        cache = KVCache.allocate(blocks, bs, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
         pos = torch.arange(chunk)
         pmeta = AttentionMetadata.for_layers(is_sliding, cfg.sliding_window, pos, torch.tensor([chunk]),
                                              torch.tensor([chunk]), torch.arange(blocks, dtype=torch.int32)[None],

@@ -17,6 +17,7 @@ import torch
 from pipellm.loader.gguf import gguf_source, load_gguf_stage_weights
 from pipellm.loader.safetensors import load_stage_weights
 from pipellm.models.attention import AttentionMetadata
+from pipellm.models.kv_cache import KVCache, cache_dtype
 from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.quant.linear import weight_bytes
@@ -57,13 +58,11 @@ class StageWorker:
                 quantize_linears(self.model, ecfg.quantization)
         transpose_linears(self.model)
         self.model.eval()
-        def cache(num_blocks: int):
-            shape = (num_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim)
-            return torch.zeros(shape, dtype=ecfg.torch_dtype), torch.zeros(shape, dtype=ecfg.torch_dtype)
-
+        kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)
         # sliding-window layers have caches of their own when the driver gives them rings of blocks
-        self.kv_caches = [cache(args.num_window_blocks if sliding and args.num_window_blocks else args.num_blocks)
-                          for sliding in self.is_sliding]
+        self.kv_caches = [KVCache.allocate(args.num_window_blocks if sliding and args.num_window_blocks
+                                           else args.num_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                           kv_dtype) for sliding in self.is_sliding]
         self.sampler = Sampler() if self.stage.is_last else None
         self.steps = self.bytes_sent = self.tokens_sent = 0
         self.busy_s = 0.0  # time computing, not waiting for input
@@ -169,10 +168,10 @@ class StageWorker:
             rank=self.stage.rank, description=self.stage.describe(), pid=os.getpid(),
             param_names=[n for n, _ in self.model.named_parameters()],
             checkpoint_tensors=self.checkpoint_tensors, model_dir=self.args.model_dir, num_kv_caches=len(self.kv_caches),
-            kv_cache_shape=tuple(self.kv_caches[0][0].shape), num_threads=torch.get_num_threads(),
+            kv_cache_shape=tuple(self.kv_caches[0].k.shape), num_threads=torch.get_num_threads(),
             cpu_affinity=sorted(os.sched_getaffinity(0)), steps=self.steps,
             activation_bytes_sent=self.bytes_sent, activation_tokens_sent=self.tokens_sent, busy_s=self.busy_s,
-            weight_bytes=weight_bytes(self.model), kv_cache_bytes=sum(k.nbytes + v.nbytes for k, v in self.kv_caches),
+            weight_bytes=weight_bytes(self.model), kv_cache_bytes=sum(c.nbytes for c in self.kv_caches),
             rss_bytes=_resident_bytes(), events=events, clock_offset_s=time.time() - time.perf_counter())
 
 
