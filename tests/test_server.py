@@ -51,24 +51,6 @@ def _still_serves(server: Server) -> None:
     assert out.usage.completion_tokens >= 1
 
 
-class _ByteTokenizer:
-    """Token id = one byte: makes incomplete UTF-8 sequences easy to produce."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(ids).decode("utf-8", errors="replace")
-
-
-def test_incremental_detokenizer_holds_back_partial_chars_and_stop_prefixes():
-    from pipellm.engine.async_engine import IncrementalDetokenizer
-
-    detok = IncrementalDetokenizer(_ByteTokenizer(), SamplingParams(stop=["XYZ"]))
-    pieces = [detok.add(list(b), False) for b in (b"a", b"\xc3", b"\xa9", b"X", b"Y", b"Q", b"X")]
-    assert pieces == ["a", "", "\u00e9", "", "", "XYQ", ""]
-    assert detok.add(list(b"YZ"), True, stop_text="a\u00e9XYQ") == ""  # the engine cut at the stop string
-    detok = IncrementalDetokenizer(_ByteTokenizer(), SamplingParams())
-    assert detok.add([0xc3], False) == "" and detok.add([], True) == "\ufffd"  # ends mid-character: as decoded
-
-
 # ---- the OpenAI API ---------------------------------------------------------------------------------------------
 
 def test_models_health_version(server):

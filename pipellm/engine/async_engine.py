@@ -49,6 +49,7 @@ class EngineDelta:
     """What one completion got in one step: only the new tokens."""
     index: int
     token_ids: list[int]
+    text: str                                       # the text they completed (the engine's detokenizer)
     token_times: list[float]                        # time.monotonic() of each new token
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
@@ -81,30 +82,21 @@ class StreamDelta:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # in the first delta, when asked for
 
 
-# ---- incremental detokenization -------------------------------------------------------------------------------
+# ---- streamed text ---------------------------------------------------------------------------------------------
 
-class IncrementalDetokenizer:
-    """Turns a completion's growing token ids into text deltas. It decodes the whole output each time (outputs are
-    short beside a step's cost), so the streamed text is exactly the final text, and holds back what may change:
-    a trailing U+FFFD (an incomplete UTF-8 sequence) and any tail that could still grow into a stop string."""
+class StreamText:
+    """A completion's text as its client sees it: the engine's text deltas, less any tail that could still grow into
+    a stop string (the engine cuts the text there if it does). The streamed text adds up to the final text exactly."""
 
-    def __init__(self, tokenizer, params: SamplingParams):
-        self.tokenizer, self.params = tokenizer, params
-        self.token_ids: list[int] = []
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.text = ""
         self.num_sent_chars = 0
 
-    def _decode(self) -> str:
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=self.params.skip_special_tokens)
-
-    def add(self, token_ids: list[int], finished: bool, stop_text: str | None = None) -> str:
-        self.token_ids += token_ids
-        text = stop_text if stop_text is not None else self._decode()
-        end = len(text)
-        if not finished:
-            while end > self.num_sent_chars and text[end - 1] == "\ufffd":
-                end -= 1
-            end -= _stop_prefix_len(text[:end], self.params.stop)
-        delta = text[self.num_sent_chars:end]
+    def add(self, text: str, finished: bool, stop_text: str | None = None) -> str:
+        self.text = stop_text if stop_text is not None else self.text + text
+        end = len(self.text) if finished else len(self.text) - _stop_prefix_len(self.text, self.stops)
+        delta = self.text[self.num_sent_chars:end]
         self.num_sent_chars = max(self.num_sent_chars, end)
         return delta
 
@@ -126,6 +118,7 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
 class _Tracked:
     updates: asyncio.Queue
     num_sent: list[int]             # per completion: output tokens already published
+    num_chars: list[int]            # per completion: characters of its text already published
     is_open: list[bool]             # per completion: not finished yet
 
 
@@ -187,7 +180,7 @@ class AsyncEngine:
             raise EngineDeadError(self.error)
         arrival = time.monotonic()
         updates: asyncio.Queue = asyncio.Queue()
-        detoks = [IncrementalDetokenizer(self.tokenizer, params) for _ in range(params.n)]
+        texts = [StreamText(params.stop) for _ in range(params.n)]
         last_time: list[float | None] = [None] * params.n  # per completion: its latest token's time
         is_open = [True] * params.n
         with self._queued_lock:
@@ -208,7 +201,7 @@ class AsyncEngine:
                         if not is_open[d.index]:
                             continue
                         is_open[d.index] = d.finish_reason is None
-                        text = detoks[d.index].add(d.token_ids, not is_open[d.index], d.stop_text)
+                        text = texts[d.index].add(d.text, not is_open[d.index], d.stop_text)
                         if self.metrics:
                             self.metrics.on_delta(d.token_times, last_time[d.index], arrival, d.finish_reason)
                         if d.token_times:
@@ -268,7 +261,8 @@ class AsyncEngine:
         finally:
             with self._queued_lock:  # after add_request: counted in the scheduler now, never in neither
                 self._num_queued -= cmd.params.n
-        self._active[cmd.request_id] = _Tracked(cmd.updates, [0] * cmd.params.n, [True] * cmd.params.n)
+        n = cmd.params.n
+        self._active[cmd.request_id] = _Tracked(cmd.updates, [0] * n, [0] * n, [True] * n)
 
     def _publish(self, updated: list) -> None:
         self._num_generated += len(updated)  # one new token each
@@ -278,11 +272,12 @@ class AsyncEngine:
             tracked = self._active.get(rid)
             if tracked is None:
                 continue
-            start = tracked.num_sent[req.index]
-            tracked.num_sent[req.index] = len(req.output_token_ids)
+            start, chars = tracked.num_sent[req.index], tracked.num_chars[req.index]
+            text = self.engine.text(req)
+            tracked.num_sent[req.index], tracked.num_chars[req.index] = len(req.output_token_ids), len(text)
             tracked.is_open[req.index] = not req.is_finished
             per_request.setdefault(rid, []).append(EngineDelta(
-                req.index, req.output_token_ids[start:], req.token_times[start:],
+                req.index, req.output_token_ids[start:], text[chars:], req.token_times[start:],
                 req.output_logprobs[start:] if req.params.logprobs is not None else None,
                 req.finish_reason, req.stop_reason, req.text if isinstance(req.stop_reason, str) else None,
                 req.prompt_logprobs if start == 0 else None))
@@ -325,7 +320,7 @@ class AsyncEngine:
         for rid, tracked in self._active.items():
             if error is None:
                 self.engine.abort_request(rid)
-                batch.append((tracked.updates, [EngineDelta(i, [], [], None, "abort", None, None)
+                batch.append((tracked.updates, [EngineDelta(i, [], "", [], None, "abort", None, None)
                                                 for i, is_open in enumerate(tracked.is_open) if is_open]))
             else:
                 batch.append((tracked.updates, error))

@@ -11,6 +11,7 @@ from datetime import timedelta
 from pipellm import kernels
 from pipellm.config import EngineConfig, ModelConfig
 from pipellm.engine.block_manager import BlockManager
+from pipellm.engine.detokenizer import IncrementalDetokenizer
 from pipellm.engine.scheduler import ScheduledBatch, Scheduler
 from pipellm.engine.sequence import Request
 from pipellm.loader.gguf import gguf_source
@@ -395,22 +396,36 @@ class LLMEngine:
         if token in params.stop_token_ids:
             req.stop_reason = token
             return self.scheduler.finish(req, "stop")
-        text = self.decode(req) if params.stop else ""  # full decode: a stop string can span tokens
-        for stop in params.stop:
-            at = text.find(stop)
-            if at != -1:
-                req.text, req.stop_reason = text[:at], stop
-                return self.scheduler.finish(req, "stop")
+        if params.stop:
+            before = len(req.detok.text) if req.detok is not None else 0
+            text = self.text(req)
+            # a stop string can span tokens: search the new text and the tail before it that could start one
+            start = max(0, before - max(map(len, params.stop)) + 1)
+            for stop in params.stop:
+                at = text.find(stop, start)
+                if at != -1:
+                    req.text, req.stop_reason = text[:at], stop
+                    return self.scheduler.finish(req, "stop")
         if len(req.output_token_ids) >= req.max_tokens:
             self.scheduler.finish(req, "length")
 
-    def decode(self, req: Request) -> str:
+    def text(self, req: Request) -> str:
+        """The request's output text so far, through its incremental detokenizer (made on first use): a request
+        with stop strings, or one the server streams, reads its text every step. Whole once the request finished."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+        if req.detok is None:
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
+        req.detok.update(req.output_token_ids[len(req.detok.token_ids):], final=req.is_finished)
+        return req.detok.text
 
     def completion(self, req: Request) -> CompletionOutput:
-        text = req.text if isinstance(req.stop_reason, str) else self.decode(req)
+        if isinstance(req.stop_reason, str):
+            text = req.text
+        elif req.detok is not None or self.tokenizer is None:
+            text = self.text(req)
+        else:  # never read before: one decode of the whole output costs less than a window per token
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
         return CompletionOutput(req.index, text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
                                 list(req.output_logprobs) if req.params.logprobs is not None else None,
                                 req.cumulative_logprob if req.params.logprobs is not None else None)

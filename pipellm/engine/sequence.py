@@ -2,6 +2,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pipellm.engine.detokenizer import IncrementalDetokenizer
 from pipellm.outputs import Logprob
 from pipellm.sampling_params import SamplingParams
 
@@ -38,7 +39,8 @@ class Request:
     num_preemptions: int = 0
     use_prefix_cache: bool = True    # False: compute every prompt position, even where a cached prefix holds it
     rope_len: int = 0                # num_tokens when its K/V was last computed (longrope: short or long factors)
-    text: str = ""
+    text: str = ""                   # the output text cut before a stop string, once one ended the request
+    detok: IncrementalDetokenizer | None = None  # its output's text, kept up to date by engine.text()
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
