@@ -9,6 +9,7 @@ from gguf.quants import dequantize, quantize
 from pipellm import kernels
 from pipellm.quant.gguf_blocks import _BLOCK_BYTES, SUPPORTED, repack
 from pipellm.quant.linear import F32, FUSED_MAX_ROWS, CompactLinear, QuantWeight
+from tests.test_attention import KV_DTYPES, _run
 
 ops = kernels.load()
 ISAS = [isa for isa in ("generic", "avx2", "avx512")
@@ -147,3 +148,22 @@ def test_quantization_refusals(smollm2_dir):  # smollm2_dir: the converted defau
 def test_held_within_115_percent_of_the_file(qtype):
     raw = gguf_tensor(qtype, 16, 512)
     assert repack(raw, qtype, 16, 512).nbytes <= 1.15 * raw.nbytes
+
+
+@pytest.mark.parametrize("kv_dtype, atol", KV_DTYPES)
+@pytest.mark.parametrize("dim", [64, 80, 128])
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_attention_kernel_at_model_head_sizes(monkeypatch, isa, dim, kv_dtype, atol):
+    """Every instruction set's decode attention at real head sizes (its SIMD paths take multiples of 8 and 64), ragged
+    contexts and windows, against the dense reference."""
+    class Forced:  # the kernels, with paged_decode_attention run by this instruction set
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def paged_decode_attention(self, *args):
+            return ops.paged_decode_attention(*args[:-1], isa)
+
+    monkeypatch.setattr("pipellm.models.attention.kernels", type("K", (), {"load": staticmethod(Forced)}))
+    for window in (None, 21):
+        out, dense = _run([(3, 1), (40, 1), (0, 1), (17, 1)], 6, 2, window, seed=dim, kv_dtype=kv_dtype, dim=dim)
+        torch.testing.assert_close(out, dense, atol=atol, rtol=0)

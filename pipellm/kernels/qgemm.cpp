@@ -396,6 +396,54 @@ template <typename T> static inline void row_axpy(float* acc, float e, const T* 
   for (; i < D; i++) acc[i] += e * cache_value(v[i]);
 }
 
+#ifdef PIPELLM_AVX2
+// [sum(a[0]), ..., sum(a[7])]: a transpose-and-add tree, ~1 instruction a sum where hsum takes ~5
+static inline __m256 hsum8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+// out[r] = q . rows[r] * scale for the n rows of a block: 8 rows at a time in independent FMA chains
+template <typename T>
+static inline void block_scores(const float* q, const T* const* rows, int64_t n, int64_t D, float scale, float* out) {
+  int64_t r = 0;
+#ifdef PIPELLM_AVX2
+  if (D % 8 == 0)
+    for (; r + 8 <= n; r += 8) {
+      __m256 acc[8];
+      for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < D; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(qv, load8(rows[r + c] + i), acc[c]);
+      }
+      _mm256_storeu_ps(out + r, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+    }
+#endif
+  for (; r < n; r++) out[r] = row_dot(q, rows[r], D) * scale;
+}
+
+// acc += sum_r e[r] * scale * rows[r]: with D a multiple of 64, acc stays in registers across the block's rows
+template <typename T>
+static inline void block_axpy(float* acc, const float* e, const T* const* rows, int64_t n, float scale, int64_t D) {
+#ifdef PIPELLM_AVX2
+  if (D % 64 == 0) {
+    for (int64_t i0 = 0; i0 < D; i0 += 64) {
+      __m256 a[8];
+      for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + i0 + 8 * c);
+      for (int64_t r = 0; r < n; r++) {
+        const __m256 ev = _mm256_set1_ps(e[r] * scale);
+        for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(ev, load8(rows[r] + i0 + 8 * c), a[c]);
+      }
+      for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + i0 + 8 * c, a[c]);
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < n; r++) row_axpy(acc, e[r] * scale, rows[r], D);
+}
+
 // Attention of one new token per sequence, reading K/V where they lie in the paged caches (no gathered copy).
 // A unit is (sequence, KV head): its query heads share each K/V row read. Blockwise online softmax in fp32.
 // An int8 cache's scale is per block and head: it multiplies a row's dot product, and a row's softmax weight.
@@ -406,6 +454,7 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
   const T* v_cache = static_cast<const T*>(a.v_cache);
   const int64_t G = a.H / a.KV, D = a.D;
   std::vector<float> acc(G * D), s(G * a.block_size), m(G), l(G);
+  std::vector<const T*> krows(a.block_size), vrows(a.block_size);
   for (int64_t u = u0; u < u1; u++) {
     const int64_t b = u / a.KV, g = u % a.KV, len = a.seq_lens[b];
     const int64_t start = a.window > 0 && len > a.window ? len - a.window : 0;
@@ -418,25 +467,35 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
       const int64_t id = a.block_tables[b * a.table_width + blk], base = id * a.block_size;
       const float ks = C == pipellm::CACHE_I8 ? a.k_scale[id * a.KV + g] * a.scale : a.scale;
       const float vs = C == pipellm::CACHE_I8 ? a.v_scale[id * a.KV + g] : 1.0f;
-      for (int64_t p = p0; p < p1; p++) {
-        const T* k = k_cache + ((base + p % a.block_size) * a.KV + g) * D;
-        for (int64_t j = 0; j < G; j++) s[j * a.block_size + (p - p0)] = row_dot(q + j * D, k, D) * ks;
+      const int64_t n = p1 - p0;
+#ifdef PIPELLM_AVX2
+      if ((blk + 1) * a.block_size < len) {  // the next block's rows of this head: in flight while this one computes
+        const int64_t next = a.block_tables[b * a.table_width + blk + 1] * a.block_size;
+        const int64_t row_bytes = D * int64_t(sizeof(T));
+        for (int64_t o = 0; o < a.block_size; o++)
+          for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+            _mm_prefetch((const char*)(k_cache + ((next + o) * a.KV + g) * D) + byte, _MM_HINT_T0);
+            _mm_prefetch((const char*)(v_cache + ((next + o) * a.KV + g) * D) + byte, _MM_HINT_T0);
+          }
       }
+#endif
+      for (int64_t p = p0; p < p1; p++) {
+        krows[p - p0] = k_cache + ((base + p % a.block_size) * a.KV + g) * D;
+        vrows[p - p0] = v_cache + ((base + p % a.block_size) * a.KV + g) * D;
+      }
+      for (int64_t j = 0; j < G; j++) block_scores(q + j * D, krows.data(), n, D, ks, s.data() + j * a.block_size);
       for (int64_t j = 0; j < G; j++) {
         float* sj = s.data() + j * a.block_size;
         float mx = m[j];
-        for (int64_t p = 0; p < p1 - p0; p++) mx = std::max(mx, sj[p]);
+        for (int64_t p = 0; p < n; p++) mx = std::max(mx, sj[p]);
         const float corr = std::exp(m[j] - mx);  // 0 on the first block (m = -inf)
         float* accj = acc.data() + j * D;
         for (int64_t i = 0; i < D; i++) accj[i] *= corr;
         l[j] *= corr;
         m[j] = mx;
-        exp_shifted(sj, p1 - p0, mx);
-        for (int64_t p = p0; p < p1; p++) {
-          const T* v = v_cache + ((base + p % a.block_size) * a.KV + g) * D;
-          l[j] += sj[p - p0];
-          row_axpy(accj, sj[p - p0] * vs, v, D);
-        }
+        exp_shifted(sj, n, mx);
+        for (int64_t p = 0; p < n; p++) l[j] += sj[p];
+        block_axpy(accj, sj, vrows.data(), n, vs, D);
       }
     }
     for (int64_t j = 0; j < G; j++) {
