@@ -44,13 +44,15 @@ def main() -> None:
         kv_token = block_bytes(cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype), ecfg.block_size, cfg.num_kv_heads,
                                cfg.head_dim) * cfg.num_layers / ecfg.block_size
         for context in args.contexts:
-            start = time.perf_counter()
+            start, busy = time.perf_counter(), llm.engine.inspect()[0].busy_s
             tok_s = decode_rate(llm, context, args.new)
+            busy_share = (llm.engine.inspect()[0].busy_s - busy) / (time.perf_counter() - start)
             step_bytes = weights + SEQS * (context + args.new / 2) * kv_token
             share = step_bytes * tok_s / SEQS / limit
-            results[context] = dict(tok_s=tok_s, step_bytes=step_bytes, bandwidth_share=share)
+            results[context] = dict(tok_s=tok_s, step_bytes=step_bytes, bandwidth_share=share, stage_busy=busy_share)
             print(f"{SEQS} x {context} tokens: decode {tok_s:.1f} tok/s, {step_bytes / 1e6:.0f} MB a step "
-                  f"({weights / 1e6:.0f} MB weights), {share:.0%} of the bandwidth ({time.perf_counter() - start:.0f} s)",
+                  f"({weights / 1e6:.0f} MB weights), {share:.0%} of the bandwidth; the stage computing {busy_share:.0%} "
+                  f"of the run ({time.perf_counter() - start:.0f} s)",
                   flush=True)
     low, high = min(args.contexts), max(args.contexts)
     ratio = results[high]["tok_s"] / results[low]["tok_s"]
