@@ -97,7 +97,7 @@ def test_paged_attention_equals_dense_reference(name, heads, kv_heads, window, k
 
 
 def _round_trip(cache: KVCache, blocks: list[int], num_tokens: int) -> torch.Tensor:
-    k, _ = cache.gather(torch.tensor(blocks), 1, torch.float32)                 # [1, KV, K, D]
+    k = cache.keys(torch.tensor(blocks), 1, torch.float32)                       # [1, KV, K, D]
     return k[0].transpose(0, 1)[:num_tokens]                                       # [T, KV, D]
 
 

@@ -134,15 +134,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
                                            d.block_tables, d.seq_lens, d.window, scale, "")  # [Bd, H, D]
         else:
             queries = rows.view(num_seqs, 1, num_heads, head_dim).transpose(1, 2)      # [Bd, H, 1, D]
-            o = _attend(queries, *cache.gather(d.block_ids, num_seqs, q.dtype), d.mask, scale,
-                        softcap)                                                       # [Bd, H, 1, D]
+            ids = d.block_ids
+            o = _attend(queries, cache.keys(ids, num_seqs, q.dtype), cache.values(ids, num_seqs, q.dtype), d.mask,
+                        scale, softcap)                                                # [Bd, H, 1, D]
             o = o.view(num_seqs, num_heads, head_dim)
         if out is None:
             return o
         out[d.token_idx] = o
     for p in meta.prefills:
         queries = q[p.start:p.end].transpose(0, 1)[None]                                # [1, H, q, D]
-        o = _attend(queries, *cache.gather(p.block_ids, 1, q.dtype), p.mask, scale, softcap)  # [1, H, q, D]
+        o = _attend(queries, cache.keys(p.block_ids, 1, q.dtype), cache.values(p.block_ids, 1, q.dtype), p.mask,
+                    scale, softcap)                                                    # [1, H, q, D]
         out[p.start:p.end] = o[0].transpose(0, 1)
     return out
 
@@ -152,7 +154,7 @@ def decode_attention_weights(q: torch.Tensor, cache: KVCache, d: DecodeGroup, sc
     """q [Bd, H, D] -> [Bd, H, K] float32: each decode row's attention weights over its cached keys (positions
     past its context, or before its window, get 0). For inspection, off the hot path."""
     num_seqs, num_heads = q.shape[0], q.shape[1]
-    keys = cache.gather(d.block_ids, num_seqs, torch.float32)[0]                       # [Bd, KV, K, D]
+    keys = cache.keys(d.block_ids, num_seqs, torch.float32)                            # [Bd, KV, K, D]
     keys = keys.repeat_interleave(num_heads // keys.shape[1], dim=1)                   # [Bd, H, K, D]
     scores = (keys @ q.float()[..., None]).squeeze(-1) * scale                         # [Bd, H, K]
     if softcap is not None:

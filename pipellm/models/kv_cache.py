@@ -51,10 +51,13 @@ class KVCache:
         write(self.k, self.k_scale, slots, k.float().contiguous())
         write(self.v, self.v_scale, slots, v.float().contiguous())
 
-    def gather(self, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of num_seqs sequences' blocks, [S * N] block ids -> [S, KV, K = N * block_size, D] each, in dtype."""
-        return (_gather(self.k, self.k_scale, block_ids, num_seqs, dtype),
-                _gather(self.v, self.v_scale, block_ids, num_seqs, dtype))
+    def keys(self, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
+        """K of num_seqs sequences' blocks, [S * N] block ids -> [S, KV, K = N * block_size, D], in dtype."""
+        return _gather(self.k, self.k_scale, block_ids, num_seqs, dtype)
+
+    def values(self, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
+        """V, as keys()."""
+        return _gather(self.v, self.v_scale, block_ids, num_seqs, dtype)
 
 
 def _write_int8(cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -83,8 +86,8 @@ def _write_int8(cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, x
 def _gather(cache: torch.Tensor, scale: torch.Tensor | None, block_ids: torch.Tensor, num_seqs: int,
             dtype: torch.dtype) -> torch.Tensor:
     num_kv, head_dim = cache.shape[2], cache.shape[3]
-    values = cache.index_select(0, block_ids)                                      # [S * N, bs, KV, D]
+    values = cache.index_select(0, block_ids).to(dtype)                            # [S * N, bs, KV, D]
     if scale is not None:
-        values = values.to(dtype) * scale.index_select(0, block_ids).to(dtype)[:, None, :, None]
+        values = values * scale.index_select(0, block_ids).to(dtype)[:, None, :, None]
     # [S * N, block_size, KV, D] -> [S, N * block_size, KV, D] -> [S, KV, K, D]
-    return values.to(dtype).view(num_seqs, -1, num_kv, head_dim).transpose(1, 2)
+    return values.view(num_seqs, -1, num_kv, head_dim).transpose(1, 2)

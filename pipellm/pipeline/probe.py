@@ -34,7 +34,7 @@ class Recorder:
         blocks, rms = [], []
         for meta, cache in zip(self.metas, kv_caches):
             table = meta.decode.block_tables[0]
-            keys = cache.gather(table, 1, torch.float32)[0][0, :, :seq_len]            # [KV, K, D]
+            keys = cache.keys(table, 1, torch.float32)[0, :, :seq_len]                 # [KV, K, D]
             blocks.append(table.tolist())
             rms.append(keys.pow(2).mean((0, 2)).sqrt().tolist())
         return {"attention": attention, "kv_blocks": blocks, "kv_key_rms": rms}
