@@ -14,6 +14,7 @@ import json
 import time
 
 import torch
+from long_context import decode_tok_s, long_prompts  # benchmarks/ itself: they run as scripts
 
 from pipellm import LLM, SamplingParams
 from pipellm.models.attention import AttentionMetadata, paged_attention
@@ -47,17 +48,14 @@ def attention_ms(kv: str, context: int, seqs: int = 16, repeats: int = 20) -> fl
 
 def end_to_end(kv: str, context: int, seqs: int, new: int) -> dict:
     """Decode rate: the tokens generated after the last prompt's prefill, over the time they took."""
-    prompts = [{"prompt_token_ids": [(17 * i + 7 * s) % 40000 + 100 for i in range(context)]} for s in range(seqs)]
+    prompts = long_prompts(context, seqs)
     with LLM(pipeline_parallel_size=1, kv_cache_dtype=kv) as llm:
         llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         start = time.monotonic()  # the clock of the requests' metrics
         outs = llm.generate(prompts, SamplingParams(max_tokens=1 + new, temperature=0, ignore_eos=True),
                             use_tqdm=False)
         capacity = llm.engine.num_blocks * llm.engine.config.block_size
-    decode_start = max(o.metrics.first_token_time for o in outs)
-    end = max(o.metrics.token_times[-1] for o in outs)
-    decoded = sum(t > decode_start for o in outs for t in o.metrics.token_times)
-    return {"decode_tok_s": decoded / (end - decode_start), "prefill_s": decode_start - start,
+    return {"decode_tok_s": decode_tok_s(outs), "prefill_s": max(o.metrics.first_token_time for o in outs) - start,
             "capacity_tokens": capacity}
 
 

@@ -18,19 +18,27 @@ from pipellm.observe.roofline import measure_limits
 SEQS = 8
 
 
+def long_prompts(context: int, seqs: int = SEQS) -> list[dict]:
+    return [{"prompt_token_ids": [(17 * i + 7 * s) % 40000 + 100 for i in range(context)]} for s in range(seqs)]
+
+
+def decode_tok_s(outs) -> float:
+    """Tokens generated once every prompt is in (its first token out), over the time they took."""
+    first = max(o.metrics.first_token_time for o in outs)
+    end = max(o.metrics.token_times[-1] for o in outs)
+    return sum(t > first for o in outs for t in o.metrics.token_times) / (end - first)
+
+
 def decode_run(llm: LLM, context: int, new: int) -> dict:
     """The prompts' prefill first (max_tokens=1, left in the prefix cache), then the measured run, whose prompts hit
     the cache: its time is decode. Its decode rate, and the shares of it the stage spent computing and the driver
     spent on a core."""
-    prompts = [{"prompt_token_ids": [(17 * i + 7 * s) % 40000 + 100 for i in range(context)]} for s in range(SEQS)]
+    prompts = long_prompts(context)
     llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
     start, busy, cpu = time.monotonic(), llm.engine.inspect()[0].busy_s, time.process_time()
     outs = llm.generate(prompts, SamplingParams(max_tokens=1 + new, temperature=0, ignore_eos=True), use_tqdm=False)
     wall = time.monotonic() - start
-    first = max(o.metrics.first_token_time for o in outs)
-    end = max(o.metrics.token_times[-1] for o in outs)
-    return {"tok_s": sum(t > first for o in outs for t in o.metrics.token_times) / (end - first),
-            "stage_busy": (llm.engine.inspect()[0].busy_s - busy) / wall,
+    return {"tok_s": decode_tok_s(outs), "stage_busy": (llm.engine.inspect()[0].busy_s - busy) / wall,
             "driver_cpu": (time.process_time() - cpu) / wall}
 
 

@@ -45,8 +45,7 @@ def profile_costs(model_config: ModelConfig, engine_config: EngineConfig, repeat
 def _profile_raw(model_config: ModelConfig, engine_config: EngineConfig, repeats: int, compact: bool) -> dict:
     num_tokens = max(1, min(engine_config.max_num_seqs, 32) // engine_config.pipeline_parallel_size)
     key = ["v3", asdict(model_config), engine_config.dtype, engine_config.kv_cache_dtype, engine_config.num_threads,
-           num_tokens,
-           engine_config.max_num_batched_tokens, compact]
+           num_tokens, engine_config.max_num_batched_tokens, compact]
     return _cached(key, lambda: _measure(model_config, engine_config, num_tokens, repeats, compact))
 
 
