@@ -37,6 +37,13 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
+static inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;  // bf16 is the top half of an fp32
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // Group i's scale and min (i = row * s_stride + group). Two-level: an 8-bit multiple of an fp16 per 256 weights,
 // multiplied in fp32 (exact: 11 x 8 bits), so w = q * scale + min expands to the same floats as a one-level fp32.
 template <int SK>
@@ -70,10 +77,7 @@ static inline void expand(const QWeight& w, int64_t n, int64_t b, float* __restr
     return;
   } else if constexpr (KIND == pipellm::BF16) {
     const uint16_t* p = reinterpret_cast<const uint16_t*>(row) + b * 32;
-    for (int j = 0; j < 32; j++) {
-      uint32_t bits = uint32_t(p[j]) << 16;
-      std::memcpy(out + j, &bits, 4);
-    }
+    for (int j = 0; j < 32; j++) out[j] = bf16_to_float(p[j]);
     return;
   } else {
     if constexpr (KIND == pipellm::Q4) {
@@ -114,6 +118,9 @@ struct Block {
 
 static inline __m256 u8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 static inline __m256 i8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
+static inline __m256 bf16_to_ps(__m128i h) {  // bf16 is the top half of an fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 
 // 32 bytes from 32 bits: byte j is 0xFF where bit j is set (byte j reads source byte j / 8, then tests bit j % 8)
 static inline __m256i bytes_from_bits(const uint8_t* bits) {
@@ -133,8 +140,7 @@ static inline Block expand_vec(const QWeight& w, int64_t n, int64_t b) {
     const __m128i* p = reinterpret_cast<const __m128i*>(row + b * 64);
     for (int c = 0; c < 4; c++) {
       const __m128i h = _mm_loadu_si128(p + c);
-      out.v[c] = KIND == pipellm::F16 ? _mm256_cvtph_ps(h)
-                                      : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      out.v[c] = KIND == pipellm::F16 ? _mm256_cvtph_ps(h) : bf16_to_ps(h);
     }
     return out;
   } else {
@@ -322,24 +328,14 @@ template <> struct CacheElem<pipellm::CACHE_BF16> { using T = uint16_t; };
 template <> struct CacheElem<pipellm::CACHE_I8> { using T = int8_t; };
 
 template <typename T> static inline float cache_value(T x) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    const uint32_t bits = uint32_t(x) << 16;  // bf16 is the top half of an fp32
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  } else {
-    return float(x);
-  }
+  if constexpr (std::is_same_v<T, uint16_t>) return bf16_to_float(x);
+  else return float(x);
 }
 
 #ifdef PIPELLM_AVX2
 static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const uint16_t* p) {  // bf16
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-static inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
+static inline __m256 load8(const uint16_t* p) { return bf16_to_ps(_mm_loadu_si128((const __m128i*)p)); }  // bf16
+static inline __m256 load8(const int8_t* p) { return i8_to_ps(_mm_loadl_epi64((const __m128i*)p)); }
 #endif
 
 // q . k and acc += e * v over one cached row of D values, D a multiple of 8 on the SIMD path.
@@ -459,6 +455,7 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
     const int64_t b = u / a.KV, g = u % a.KV, len = a.seq_lens[b];
     const int64_t start = a.window > 0 && len > a.window ? len - a.window : 0;
     const float* q = a.q + (b * a.H + g * G) * D;
+    auto row = [&](int64_t slot) { return (slot * a.KV + g) * D; };  // where this head's K or V of a cache slot starts
     std::fill(acc.begin(), acc.end(), 0.0f);
     std::fill(m.begin(), m.end(), -INFINITY);
     std::fill(l.begin(), l.end(), 0.0f);
@@ -474,14 +471,14 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
         const int64_t row_bytes = D * int64_t(sizeof(T));
         for (int64_t o = 0; o < a.block_size; o++)
           for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-            _mm_prefetch((const char*)(k_cache + ((next + o) * a.KV + g) * D) + byte, _MM_HINT_T0);
-            _mm_prefetch((const char*)(v_cache + ((next + o) * a.KV + g) * D) + byte, _MM_HINT_T0);
+            _mm_prefetch((const char*)(k_cache + row(next + o)) + byte, _MM_HINT_T0);
+            _mm_prefetch((const char*)(v_cache + row(next + o)) + byte, _MM_HINT_T0);
           }
       }
 #endif
       for (int64_t p = p0; p < p1; p++) {
-        krows[p - p0] = k_cache + ((base + p % a.block_size) * a.KV + g) * D;
-        vrows[p - p0] = v_cache + ((base + p % a.block_size) * a.KV + g) * D;
+        krows[p - p0] = k_cache + row(base + p % a.block_size);
+        vrows[p - p0] = v_cache + row(base + p % a.block_size);
       }
       for (int64_t j = 0; j < G; j++) block_scores(q + j * D, krows.data(), n, D, ks, s.data() + j * a.block_size);
       for (int64_t j = 0; j < G; j++) {
