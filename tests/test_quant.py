@@ -8,7 +8,8 @@ from gguf.quants import dequantize, quantize
 
 from pipellm import kernels
 from pipellm.quant.gguf_blocks import _BLOCK_BYTES, SUPPORTED, repack
-from pipellm.quant.linear import F32, FUSED_MAX_ROWS, CompactLinear, QuantWeight
+from pipellm.quant.linear import (F32, FUSED_MAX_ROWS, Q4, Q8, CompactLinear, QuantWeight, round_activations,
+                                  set_int8_activations)
 from tests.test_attention import KV_DTYPES, _run
 
 ops = kernels.load()
@@ -58,11 +59,30 @@ def test_matmul_matches_fp32_matmul_of_dequantized(qtype, num_rows):
     x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(1))
     ref = x.double() @ ref_w.t()
     tol = 1e-5 * (x.double().abs() @ ref_w.abs().t()).max().item()  # fp32 rounding of a k-term sum
-    for isa in ISAS:
-        for fused in (0, 1 << 30):  # both the fused kernel and expand-then-torch.mm
-            y = ops.qlinear(x, *w._kernel_args(), fused, isa)
-            assert y.shape == (num_rows, n) and y.dtype == torch.float32
-            assert (y.double() - ref).abs().max().item() <= tol, (isa, fused)
+    # integer codes can also multiply activations rounded to 8 bits: against gguf's own Q8_0 round trip of x
+    x8 = gguf_q8_0_round_trip(x).double()
+    for int8_acts in (False, True) if w.kind in (Q4, Q8) else (False,):
+        for isa in ISAS:
+            for fused in (0, 1 << 30):  # both the fused kernel and expand-then-torch.mm
+                y = ops.qlinear(x, *w._kernel_args(), fused, int8_acts, isa)
+                assert y.shape == (num_rows, n) and y.dtype == torch.float32
+                expected = x8 @ ref_w.t() if int8_acts else ref
+                assert (y.double() - expected).abs().max().item() <= tol, (isa, fused, int8_acts)
+
+
+def gguf_q8_0_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the gguf package quantizes and dequantizes Q8_0."""
+    x = x.float().numpy()
+    return torch.from_numpy(dequantize(quantize(x, T.Q8_0), T.Q8_0).reshape(x.shape))
+
+
+def test_activation_rounding_matches_gguf_q8_0():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 256, generator=g) * torch.logspace(-3, 3, 256)
+    x[1, :32] = 0  # an all-zero block
+    x[3] = torch.arange(256) % 64 - 31.5  # with a maximum of 127 a block's scale is 1: halves, rounded away from 0
+    x[3, ::32] = 127
+    assert torch.equal(round_activations(x), gguf_q8_0_round_trip(x))
 
 
 def test_unsupported_type_names_tensor_and_type():
@@ -74,11 +94,14 @@ def test_unsupported_type_names_tensor_and_type():
 def test_kernel_refuses_bad_input():
     w = repack(gguf_tensor(T.Q8_0, 4, 64), T.Q8_0, 4, 64)
     with pytest.raises(RuntimeError, match=r"x must be fp32 \[M, 64\]"):
-        ops.qlinear(torch.randn(2, 32), *w._kernel_args(), 8, "")
+        ops.qlinear(torch.randn(2, 32), *w._kernel_args(), 8, True, "")
     with pytest.raises(RuntimeError, match="row index out of range"):
         ops.dequant_rows(*w._kernel_args(), torch.tensor([4]), "")
     with pytest.raises(RuntimeError, match="unknown instruction set"):
-        ops.qlinear(torch.randn(2, 64), *w._kernel_args(), 8, "sse9")
+        ops.qlinear(torch.randn(2, 64), *w._kernel_args(), 8, True, "sse9")
+    f16 = repack(gguf_tensor(T.F16, 4, 64), T.F16, 4, 64)
+    with pytest.raises(RuntimeError, match="8-bit activations need Q4 or Q8 weights"):
+        ops.qlinear(torch.randn(2, 64), *f16._kernel_args(), 8, True, "")
     # decode attention reads only blocks that exist, and no further than the block table reaches
     q, cache = torch.randn(1, 4, 16), torch.zeros(3, 4, 2, 16)
     with pytest.raises(RuntimeError, match="block id out of range"):
@@ -107,6 +130,11 @@ def test_compact_linear_mixed_layouts_and_bias():
     expected = x.double() @ w.t() + bias.double()
     tol = 1e-5 * (x.double().abs() @ w.abs().t()).max().item()  # fp32 rounding of a 256-term sum
     assert (layer(x).double() - expected).abs().max().item() <= tol
+    # int8_activations: the integer codes (Q4_K, Q6_K) multiply x rounded to 8 bits, the F32 rows x itself
+    set_int8_activations(layer, True)
+    x8 = gguf_q8_0_round_trip(x.reshape(6, 256)).reshape(x.shape)
+    expected = torch.cat([x8.double() @ w[:12].t(), x.double() @ w[12:].t()], dim=-1) + bias.double()
+    assert (layer(x).double() - expected).abs().max().item() <= tol
     assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
@@ -129,7 +157,7 @@ def test_round_to_nearest_levels_within_half_a_step(method):
     assert (err <= 0.5 * step + 127 * step * 2 ** -11 + 1e-6).all()
     for isa in ISAS:  # and the kernel multiplies by exactly these levels
         x = torch.randn(3, 320)
-        torch.testing.assert_close(ops.qlinear(x, *q._kernel_args(), 8, isa), x @ q.dequantize().t(),
+        torch.testing.assert_close(ops.qlinear(x, *q._kernel_args(), 8, False, isa), x @ q.dequantize().t(),
                                    rtol=1e-5, atol=1e-4)
 
 

@@ -15,7 +15,7 @@ def _engine_kwargs(args, restart_default: bool = False) -> dict:
                   dtype=args.dtype, max_model_len=args.max_model_len, threads_per_stage=args.threads_per_stage,
                   seed=args.seed, distributed_executor_backend=args.distributed_executor_backend,
                   token_file=args.token_file, quantization=args.quantization,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, int8_activations=args.int8_activations)
     kv_cache_gib = args.kv_cache_gib if args.kv_cache_memory_bytes is None else args.kv_cache_memory_bytes / 2 ** 30
     optional = dict(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                     block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,

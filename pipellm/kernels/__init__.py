@@ -7,18 +7,22 @@ log = logging.getLogger("pipellm")
 
 @functools.cache
 def load():
-    """torch.ops.pipellm after loading the library (building it first if needed), or None with one warning."""
-    import torch
+    """The kernels' Python module, built first if needed, or None with one warning."""
+    import importlib.util
+
+    import torch  # noqa: F401  (the module links against the torch libraries this import loads)
 
     from pipellm.kernels.build import build
 
     try:
-        torch.ops.load_library(build(quiet=True))
+        spec = importlib.util.spec_from_file_location("pipellm_kernels", build(quiet=True))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     except Exception as e:  # no compiler, or a platform the sources do not build on
         log.warning("compact-weight kernels unavailable (%s: %s); using the plain-torch path, which is slower",
                     type(e).__name__, str(e).splitlines()[0])
         return None
-    return torch.ops.pipellm
+    return module
 
 
 @functools.cache

@@ -10,10 +10,11 @@ import os
 import platform
 import subprocess
 import sys
+import sysconfig
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("qgemm.h", "qgemm.cpp", "ops.cpp")
+SOURCES = ("qgemm.h", "qgemm.cpp", "ops.cpp", "build.py")  # what the build's hash covers
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 ISA_FLAGS = {  # per instruction set: the flags its copy of qgemm.cpp is compiled with
     "generic": [],
@@ -29,10 +30,12 @@ def _torch_flags() -> tuple[list[str], list[str]]:
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cflags = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-fopenmp"]
+    cflags = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
+    cflags += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_EXTENSION_NAME=pipellm_kernels", "-fopenmp",
+               "-fvisibility=hidden"]
     lib = cpp_extension.library_paths()[0]
     # link torch's own libgomp (found through the rpath) so one OpenMP runtime serves torch and these kernels
-    ldflags = [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-lgomp"]
+    ldflags = [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python", "-lgomp"]
     return cflags, ldflags
 
 

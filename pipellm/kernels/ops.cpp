@@ -1,8 +1,11 @@
-// torch ops over qgemm.cpp: picks the best instruction set this CPU has at run time and splits rows over
+// A Python module over qgemm.cpp: picks the best instruction set this CPU has at run time and splits rows over
 // torch's own thread pool (at::parallel_for), so set_num_threads governs these kernels as it does matmul.
+// Plain pybind11 functions rather than torch.ops: a decode step makes ~10 calls a layer, and the dispatcher's
+// argument handling cost ~8 us a call against ~1 us here.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -20,6 +23,8 @@ struct Isa {
   const char* name;
   decltype(&generic::gemm) gemm;
   decltype(&generic::dequant) dequant;
+  decltype(&generic::quantize_acts) quantize_acts;
+  decltype(&generic::gemm_q8) gemm_q8;
   decltype(&generic::decode_attention) decode_attention;
 };
 
@@ -35,9 +40,8 @@ bool has(const char* isa) {
   return !std::strcmp(isa, "generic");
 }
 
-const Isa kIsas[] = {{"avx512", avx512::gemm, avx512::dequant, avx512::decode_attention},
-                     {"avx2", avx2::gemm, avx2::dequant, avx2::decode_attention},
-                     {"generic", generic::gemm, generic::dequant, generic::decode_attention}};
+#define PIPELLM_ISA_ENTRY(NS) {#NS, NS::gemm, NS::dequant, NS::quantize_acts, NS::gemm_q8, NS::decode_attention}
+const Isa kIsas[] = {PIPELLM_ISA_ENTRY(avx512), PIPELLM_ISA_ENTRY(avx2), PIPELLM_ISA_ENTRY(generic)};
 
 const Isa& pick(const std::string& isa) {
   std::string want = isa;
@@ -131,16 +135,39 @@ pipellm::QWeight describe(const at::Tensor& qs, const c10::optional<at::Tensor>&
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
                    const c10::optional<at::Tensor>& min, int64_t kind, int64_t group,
                    const c10::optional<at::Tensor>& super_scale, const c10::optional<at::Tensor>& super_min,
-                   const c10::optional<at::Tensor>& high, int64_t offset, int64_t fused_max_rows,
+                   const c10::optional<at::Tensor>& high, int64_t offset, int64_t fused_max_rows, bool int8_acts,
                    const std::string& isa) {
   const pipellm::QWeight w = describe(qs, scale, min, kind, group, super_scale, super_min, high, offset);
   const Isa& impl = pick(isa);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.K, "x must be fp32 [M, ", w.K, "]");
-  const at::Tensor xc = x.contiguous();
+  TORCH_CHECK(!int8_acts || kind == pipellm::Q4 || kind == pipellm::Q8, "8-bit activations need Q4 or Q8 weights");
+  at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), N = qs.size(0), K = w.K;
   at::Tensor y = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
-  if (M <= fused_max_rows) {
+  if (int8_acts) {
+    // the rows rounded to 8 bits per 32 first; few rows multiply codes in integers, many take the rounded rows
+    // through the expanding path below. Codes and scales live in a per-thread scratch buffer: four tensor
+    // allocations a call cost more than rounding one row.
+    thread_local std::vector<float> scratch;
+    const int64_t nb = K / 32;
+    scratch.resize(size_t(M * (K / 4 + nb + 2 * nb + nb)));
+    int8_t* q = reinterpret_cast<int8_t*>(scratch.data());           // [M, K]
+    float* d = scratch.data() + M * K / 4;                            // [M, K/32]
+    float* ds = d + M * nb;                                           // [M, K/16]
+    float* ds32 = ds + 2 * M * nb;                                    // [M, K/32]
+    at::Tensor rounded = M > fused_max_rows ? at::empty({M, K}, xc.options()) : at::Tensor();
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      impl.quantize_acts(xc.data_ptr<float>(), K, m0, m1, K, q, d, ds, ds32,
+                         rounded.defined() ? rounded.data_ptr<float>() : nullptr);
+    });
+    if (M <= fused_max_rows) {
+      const pipellm::QActs a{q, d, ds, ds32, M, K};
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { impl.gemm_q8(w, a, y.data_ptr<float>(), N, n0, n1); });
+      return y;
+    }
+    xc = rounded;
+  } else if (M <= fused_max_rows) {
     // few rows (decoding): expand each weight block once, in registers, for all rows
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       impl.gemm(w, xc.data_ptr<float>(), M, K, y.data_ptr<float>(), N, n0, n1);
@@ -324,16 +351,15 @@ std::string best_isa() { return pick("").name; }
 
 }  // namespace
 
-TORCH_LIBRARY(pipellm, m) {
-  m.def("qlinear(Tensor x, Tensor qs, Tensor? scale, Tensor? min, int kind, int group, Tensor? super_scale, "
-        "Tensor? super_min, Tensor? high, int offset, int fused_max_rows, str isa) -> Tensor", &qlinear);
-  m.def("dequant_rows(Tensor qs, Tensor? scale, Tensor? min, int kind, int group, Tensor? super_scale, "
-        "Tensor? super_min, Tensor? high, int offset, Tensor rows, str isa) -> Tensor", &dequant_rows);
-  m.def("best_isa() -> str", &best_isa);
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
-        "Tensor block_tables, Tensor seq_lens, "
-        "int window, float scale, str isa) -> Tensor", &paged_decode_attention);
-  m.def("kv_cache_write_int8(Tensor(a!) cache, Tensor(b!) scale, Tensor slots, Tensor x) -> ()", &kv_cache_write_int8);
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
-  m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rotary_);
+PYBIND11_MODULE(pipellm_kernels, m) {
+  using namespace pybind11::literals;
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();  // the stage's other threads run meanwhile
+  m.def("qlinear", &qlinear, nogil, "x"_a, "qs"_a, "scale"_a, "min"_a, "kind"_a, "group"_a, "super_scale"_a,
+        "super_min"_a, "high"_a, "offset"_a, "fused_max_rows"_a, "int8_acts"_a, "isa"_a);
+  m.def("dequant_rows", &dequant_rows, nogil);
+  m.def("best_isa", &best_isa);
+  m.def("paged_decode_attention", &paged_decode_attention, nogil);
+  m.def("kv_cache_write_int8", &kv_cache_write_int8);
+  m.def("rms_norm", &rms_norm);
+  m.def("rotary_", &rotary_);
 }

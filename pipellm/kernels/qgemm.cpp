@@ -25,6 +25,7 @@
 namespace PIPELLM_ISA {
 
 using pipellm::DecodeArgs;
+using pipellm::QActs;
 using pipellm::QWeight;
 
 static inline float half_to_float(uint16_t h) {
@@ -281,6 +282,235 @@ static void dequant_t(const QWeight& w, const int64_t* rows, int64_t R, float* o
 
 #endif  // PIPELLM_AVX2
 
+// ---- 8-bit activations times Q4/Q8 codes, in integers (as llama.cpp's Q8_0 dot products) ----
+
+static inline uint16_t float_to_half(float f) {
+#ifdef __F16C__
+  return _cvtss_sh(f, 0);  // round to nearest even, as numpy's astype(float16)
+#else
+  _Float16 h = (_Float16)f;
+  uint16_t u;
+  std::memcpy(&u, &h, 2);
+  return u;
+#endif
+}
+
+// Rows m0 .. m1-1 of x [M, K] rounded as GGUF's Q8_0 rounds a block of 32: d = max |x| / 127, q = x / d rounded
+// half away from zero (gguf's np_roundf, written so that it vectorizes), d kept as fp16. `rounded`, if given, gets
+// q * d in fp32: the same activations for the path that expands weights for torch's matmul.
+void quantize_acts(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, float* d, float* ds,
+                   float* ds32, float* rounded) {
+  const int64_t nb = K / 32;
+  for (int64_t m = m0; m < m1; m++)
+    for (int64_t b = 0; b < nb; b++) {
+      const float* xb = x + m * ldx + b * 32;
+      float amax = 0;
+      for (int j = 0; j < 32; j++) amax = std::max(amax, std::fabs(xb[j]));
+      const float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+      float v[32];
+      for (int j = 0; j < 32; j++) {
+        const float t = std::fabs(xb[j] * id), f = std::floor(t);
+        v[j] = std::copysign(f + std::floor(2.0f * (t - f)), xb[j]);
+      }
+      int8_t* qb = q + m * K + b * 32;
+      int sum0 = 0, sum1 = 0;
+      for (int j = 0; j < 16; j++) sum0 += (qb[j] = int8_t(v[j]));
+      for (int j = 16; j < 32; j++) sum1 += (qb[j] = int8_t(v[j]));
+      const float df = half_to_float(float_to_half(dd));
+      d[m * nb + b] = df;
+      ds[m * 2 * nb + 2 * b] = df * float(sum0);
+      ds[m * 2 * nb + 2 * b + 1] = df * float(sum1);
+      ds32[m * nb + b] = df * float(sum0 + sum1);
+      if (rounded)
+        for (int j = 0; j < 32; j++) rounded[m * K + b * 32 + j] = v[j] * df;
+    }
+}
+
+// Block b of row n as w = code * s[g] + c[g] per group g, the code before any offset (5- and 6-bit codes carry it
+// in c, with the min).
+template <int GROUP, int SK, bool MIN, int P>
+static inline void block_consts(const QWeight& w, int64_t n, int64_t b, float* s, float* c) {
+  constexpr int G = 32 / GROUP;
+  const int64_t g0 = n * w.s_stride + b * G;
+  for (int g = 0; g < G; g++) {
+    s[g] = scale_at<SK>(w, g0 + g);
+    c[g] = (MIN ? min_at<SK>(w, g0 + g) : 0.0f) - (P > 0 ? float(w.offset) * s[g] : 0.0f);
+  }
+}
+
+#ifdef PIPELLM_AVX2
+// Block b of row n's 32 codes in weight order: Q4 unsigned (planes included, offset not), Q8 signed.
+template <int KIND, int P>
+static inline __m256i codes32(const QWeight& w, int64_t n, int64_t b) {
+  const uint8_t* row = w.qs + n * w.qs_stride;
+  if constexpr (KIND == pipellm::Q4) {
+    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+    const __m128i mask = _mm_set1_epi8(15);
+    __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), mask), _mm_and_si128(p, mask));
+    const uint8_t* h = w.qh + n * w.qh_stride + b * 4 * P;
+    for (int pl = 0; pl < P; pl++)
+      c = _mm256_or_si256(c, _mm256_and_si256(bytes_from_bits(h + 4 * pl), _mm256_set1_epi8(char(16 << pl))));
+    return c;
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
+  }
+}
+
+// Scales and constants (block_consts) of blocks b0 .. b0+7 of row n, 8 or 16 groups: vector loads where the
+// layout allows, else one block at a time.
+template <int GROUP, int SK, bool MIN, int P>
+static inline void chunk_consts(const QWeight& w, int64_t n, int64_t b0, float* s, float* c) {
+  constexpr int G = 32 / GROUP;
+  const int64_t g0 = n * w.s_stride + b0 * G;
+  __m256 sv[G], mv[G];
+  if constexpr (SK == pipellm::SCALE_F16) {
+    for (int h = 0; h < G; h++) {
+      sv[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w.scale) + g0 + 8 * h)));
+      mv[h] = MIN ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w.min) + g0 + 8 * h)))
+                  : _mm256_setzero_ps();
+    }
+  } else if constexpr (SK == pipellm::SCALE_F32) {
+    for (int h = 0; h < G; h++) {
+      sv[h] = _mm256_loadu_ps(static_cast<const float*>(w.scale) + g0 + 8 * h);
+      mv[h] = MIN ? _mm256_loadu_ps(static_cast<const float*>(w.min) + g0 + 8 * h) : _mm256_setzero_ps();
+    }
+  } else if constexpr (SK == pipellm::SCALE_TWO_LEVEL) {  // 8 groups of 32 = one super-block
+    const __m256 d = _mm256_set1_ps(half_to_float(static_cast<const uint16_t*>(w.super_scale)[g0 / 8]));
+    sv[0] = _mm256_mul_ps(d, u8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.scale) + g0))));
+    if constexpr (MIN) {
+      const __m256 dm = _mm256_set1_ps(-half_to_float(static_cast<const uint16_t*>(w.super_min)[g0 / 8]));
+      mv[0] = _mm256_mul_ps(dm, u8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.min) + g0))));
+    } else {
+      mv[0] = _mm256_setzero_ps();
+    }
+  } else {  // SCALE_TWO_LEVEL_I8: 16 groups of 16 = one super-block
+    const __m256 d = _mm256_set1_ps(half_to_float(static_cast<const uint16_t*>(w.super_scale)[g0 / 16]));
+    for (int h = 0; h < G; h++) {
+      sv[h] = _mm256_mul_ps(d, i8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w.scale) + g0 + 8 * h))));
+      mv[h] = _mm256_setzero_ps();
+    }
+  }
+  for (int h = 0; h < G; h++) {
+    _mm256_storeu_ps(s + 8 * h, sv[h]);
+    _mm256_storeu_ps(c + 8 * h, P > 0 ? _mm256_fnmadd_ps(_mm256_set1_ps(float(w.offset)), sv[h], mv[h]) : mv[h]);
+  }
+}
+
+// Rows m0 .. m0+R-1 against weight row n. Each row's arithmetic is the same whatever R is, so a token's result
+// does not depend on which rows share its step. Per chunk of 8 blocks: the weight's scales and constants, then per
+// row its scale products and the constants' share (c . d * sum(codes)); per block one integer dot product a row.
+template <int KIND, int GROUP, int SK, bool MIN, int P, int R>
+static inline void gemm_q8_tile(const QWeight& w, const QActs& a, int64_t m0, float* y, int64_t ldy, int64_t n) {
+  constexpr int G = 32 / GROUP;
+  const int64_t nb = a.K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  float cst[R];
+  for (int r = 0; r < R; r++) {
+    acc[r] = _mm256_setzero_ps();
+    cst[r] = 0.0f;
+  }
+  alignas(32) float s[8 * G], c[8 * G], f[R][8 * G];
+  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+    const int nbk = int(std::min<int64_t>(8, nb - b0));
+    if (nbk == 8) {
+      chunk_consts<GROUP, SK, MIN, P>(w, n, b0, s, c);
+    } else {
+      for (int j = 0; j < nbk; j++) block_consts<GROUP, SK, MIN, P>(w, n, b0 + j, s + G * j, c + G * j);
+    }
+    for (int r = 0; r < R; r++) {
+      const int64_t m = m0 + r;
+      const float* d = a.d + m * nb + b0;
+      if (nbk == 8 && G == 1) {
+        _mm256_store_ps(f[r], _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_loadu_ps(d)));
+        if constexpr (MIN || P > 0)
+          acc[r] = _mm256_fmadd_ps(_mm256_load_ps(c), _mm256_loadu_ps(a.ds32 + m * nb + b0), acc[r]);
+      } else {
+        for (int j = 0; j < nbk * G; j++) {
+          f[r][j] = s[j] * d[j / G];
+          if constexpr (MIN || P > 0) cst[r] += c[j] * (G == 1 ? a.ds32[m * nb + b0 + j] : a.ds[m * 2 * nb + 2 * b0 + j]);
+        }
+      }
+    }
+    for (int j = 0; j < nbk; j++) {
+      const int64_t b = b0 + j;
+      const __m256i cw = codes32<KIND, P>(w, n, b);
+      // maddubs multiplies unsigned by signed bytes: signed codes lend their sign to the activations
+      const __m256i cu = KIND == pipellm::Q4 ? cw : _mm256_sign_epi8(cw, cw);
+      for (int r = 0; r < R; r++) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (m0 + r) * a.K + b * 32));
+        const __m256i dot = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(cu, KIND == pipellm::Q4 ? xv : _mm256_sign_epi8(xv, cw)), ones);
+        // int32 lane i sums weights 4i .. 4i+3: with groups of 16, lanes 0-3 are the block's first group
+        const __m256 fv = G == 1 ? _mm256_broadcast_ss(&f[r][j])
+                                 : _mm256_setr_m128(_mm_broadcast_ss(&f[r][2 * j]), _mm_broadcast_ss(&f[r][2 * j + 1]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), fv, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++) y[r * ldy + n] = hsum(acc[r]) + cst[r];
+}
+
+template <int KIND, int GROUP, int SK, bool MIN, int P>
+static void gemm_q8_t(const QWeight& w, const QActs& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if constexpr (KIND == pipellm::Q4 || KIND == pipellm::Q8) {
+    for (int64_t n = n0; n < n1; n++) {
+      int64_t m = 0;
+      for (; m + MR <= a.M; m += MR) gemm_q8_tile<KIND, GROUP, SK, MIN, P, MR>(w, a, m, y + m * ldy, ldy, n);
+      float* ym = y + m * ldy;
+      switch (a.M - m) {
+        case 7: gemm_q8_tile<KIND, GROUP, SK, MIN, P, 7>(w, a, m, ym, ldy, n); break;
+        case 6: gemm_q8_tile<KIND, GROUP, SK, MIN, P, 6>(w, a, m, ym, ldy, n); break;
+        case 5: gemm_q8_tile<KIND, GROUP, SK, MIN, P, 5>(w, a, m, ym, ldy, n); break;
+        case 4: gemm_q8_tile<KIND, GROUP, SK, MIN, P, 4>(w, a, m, ym, ldy, n); break;
+        case 3: gemm_q8_tile<KIND, GROUP, SK, MIN, P, 3>(w, a, m, ym, ldy, n); break;
+        case 2: gemm_q8_tile<KIND, GROUP, SK, MIN, P, 2>(w, a, m, ym, ldy, n); break;
+        case 1: gemm_q8_tile<KIND, GROUP, SK, MIN, P, 1>(w, a, m, ym, ldy, n); break;
+      }
+    }
+  }
+}
+#else
+
+template <int KIND, int GROUP, int SK, bool MIN, int P>
+static void gemm_q8_t(const QWeight& w, const QActs& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if constexpr (KIND == pipellm::Q4 || KIND == pipellm::Q8) {
+    constexpr int G = 32 / GROUP;
+    const int64_t nb = a.K / 32;
+    std::vector<float> acc(a.M);
+    int code[32];
+    for (int64_t n = n0; n < n1; n++) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      const uint8_t* row = w.qs + n * w.qs_stride;
+      for (int64_t b = 0; b < nb; b++) {
+        for (int j = 0; j < 32; j++) {
+          if constexpr (KIND == pipellm::Q4) {
+            code[j] = j < 16 ? row[b * 16 + j] & 15 : row[b * 16 + j - 16] >> 4;
+            const uint8_t* h = w.qh + n * w.qh_stride + b * 4 * P;
+            for (int pl = 0; pl < P; pl++) code[j] |= ((h[4 * pl + j / 8] >> (j % 8)) & 1) << (4 + pl);
+          } else {
+            code[j] = reinterpret_cast<const int8_t*>(row)[b * 32 + j];
+          }
+        }
+        float s[G], k[G];
+        block_consts<GROUP, SK, MIN, P>(w, n, b, s, k);
+        for (int64_t m = 0; m < a.M; m++) {
+          const int8_t* xq = a.q + m * a.K + b * 32;
+          const float* ds = a.ds + m * 2 * nb + 2 * b;
+          for (int g = 0; g < G; g++) {
+            int dot = 0;
+            for (int j = g * GROUP; j < (g + 1) * GROUP; j++) dot += code[j] * xq[j];
+            acc[m] += s[g] * a.d[m * nb + b] * float(dot) + k[g] * (G == 1 ? a.ds32[m * nb + b] : ds[g]);
+          }
+        }
+      }
+      for (int64_t m = 0; m < a.M; m++) y[m * ldy + n] = acc[m];
+    }
+  }
+}
+
+#endif  // PIPELLM_AVX2
+
 constexpr int F16S = pipellm::SCALE_F16, F32S = pipellm::SCALE_F32, TWO = pipellm::SCALE_TWO_LEVEL,
               TWO_I8 = pipellm::SCALE_TWO_LEVEL_I8;
 
@@ -320,6 +550,10 @@ void gemm(const QWeight& w, const float* x, int64_t M, int64_t ldx, float* y, in
 
 void dequant(const QWeight& w, const int64_t* rows, int64_t R, float* out) {
   PIPELLM_DISPATCH(dequant_t, w, rows, R, out)
+}
+
+void gemm_q8(const QWeight& w, const QActs& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  PIPELLM_DISPATCH(gemm_q8_t, w, a, y, ldy, n0, n1)
 }
 
 template <int C> struct CacheElem;

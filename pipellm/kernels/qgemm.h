@@ -28,6 +28,16 @@ struct QWeight {
 // multiples of an fp16 per 256, groups of 16, no mins (Q6_K)
 enum ScaleKind { SCALE_F16 = 0, SCALE_F32 = 1, SCALE_TWO_LEVEL = 2, SCALE_TWO_LEVEL_I8 = 3 };
 
+// Activations rounded to 8 bits per 32 values, as GGUF's Q8_0 rounds them: x ~= q * d, d = fp16(max |x| / 127).
+// The Q4/Q8 matmul multiplies these codes with the weights' codes in integers, as llama.cpp does.
+struct QActs {
+  const int8_t* q;     // [M, K]
+  const float* d;      // [M, K / 32]: the fp16-rounded scales, as fp32
+  const float* ds;     // [M, K / 16]: d * (sum of the 16 codes): what a weight group's min or offset multiplies
+  const float* ds32;   // [M, K / 32]: the same per 32
+  int64_t M, K;
+};
+
 enum CacheKind { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_I8 = 2 };
 
 struct DecodeArgs {
@@ -52,6 +62,10 @@ struct DecodeArgs {
   void gemm(const pipellm::QWeight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,     \
             int64_t n0, int64_t n1);                                                                       \
   void dequant(const pipellm::QWeight& w, const int64_t* rows, int64_t R, float* out);                    \
+  void quantize_acts(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int8_t* q, float* d,    \
+                     float* ds, float* ds32, float* rounded);                                              \
+  void gemm_q8(const pipellm::QWeight& w, const pipellm::QActs& a, float* y, int64_t ldy, int64_t n0,       \
+               int64_t n1);                                                                                \
   void decode_attention(const pipellm::DecodeArgs& a, int64_t u0, int64_t u1);                            \
   }
 

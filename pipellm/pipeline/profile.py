@@ -14,6 +14,7 @@ from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache, cache_dtype
 from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
+from pipellm.quant.linear import set_int8_activations
 from pipellm.quant.rtn import quantize_linears
 from pipellm.pipeline.partition import StageLayers, even_partition
 
@@ -44,8 +45,8 @@ def profile_costs(model_config: ModelConfig, engine_config: EngineConfig, repeat
 
 def _profile_raw(model_config: ModelConfig, engine_config: EngineConfig, repeats: int, compact: bool) -> dict:
     num_tokens = max(1, min(engine_config.max_num_seqs, 32) // engine_config.pipeline_parallel_size)
-    key = ["v3", asdict(model_config), engine_config.dtype, engine_config.kv_cache_dtype, engine_config.num_threads,
-           num_tokens, engine_config.max_num_batched_tokens, compact]
+    key = ["v4", asdict(model_config), engine_config.dtype, engine_config.kv_cache_dtype, engine_config.num_threads,
+           num_tokens, engine_config.max_num_batched_tokens, compact, engine_config.int8_activations]
     return _cached(key, lambda: _measure(model_config, engine_config, num_tokens, repeats, compact))
 
 
@@ -105,6 +106,7 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
         model = build_stage_model(cfg, StageLayers(0, 0, 1, True, True)).to(ecfg.torch_dtype)
         if compact:  # a stage multiplies by compact weights with our kernels: time those, not fp32
             quantize_linears(model, "int8")
+            set_int8_activations(model, ecfg.int8_activations)
         transpose_linears(model)
         bs = ecfg.block_size
         blocks_per_seq = -(-CONTEXT // bs)

@@ -20,7 +20,7 @@ from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache, cache_dtype
 from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
-from pipellm.quant.linear import weight_bytes
+from pipellm.quant.linear import set_int8_activations, weight_bytes
 from pipellm.quant.rtn import quantize_linears
 from pipellm.pipeline import comm, probe, wire
 from pipellm.pipeline.messages import (Inspect, ProbeReport, SampledBatch, Shutdown, StageArgs, StageBatch,
@@ -56,6 +56,7 @@ class StageWorker:
             self.checkpoint_tensors = load_stage_weights(self.model, args.model_dir, ecfg.torch_dtype)
             if ecfg.quantization:
                 quantize_linears(self.model, ecfg.quantization)
+        set_int8_activations(self.model, ecfg.int8_activations)
         transpose_linears(self.model)
         self.model.eval()
         kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)

@@ -14,6 +14,17 @@ KIND_NAMES = {F16: "F16", BF16: "BF16", Q4: "Q4", Q8: "Q8", F32: "F32"}
 FUSED_MAX_ROWS = 32  # up to this many rows the fused kernel beats expanding a slice for torch's matmul (BENCHMARKS.md)
 
 
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rounded to 8 bits per 32 values as GGUF's Q8_0 rounds them (d = max |x| / 127 kept as fp16, codes
+    rounded half away from zero): what Q4 and Q8 weights multiply, as in llama.cpp. Plain torch, the kernel's twin."""
+    b = x.float().reshape(x.shape[0], -1, 32)                                  # [M, K/32, 32]
+    d = b.abs().amax(-1, keepdim=True) / 127
+    t = b * torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    a = t.abs()
+    q = torch.copysign(a.floor() + (2 * (a - a.floor())).floor(), t)
+    return (q * d.half().float()).reshape(x.shape)
+
+
 class QuantWeight(nn.Module):
     """codes [N, K/2] (Q4, uint8), [N, K] (Q8 int8; F16/BF16/F32 floats); scale and min [N, K/group] or None:
     w = q * scale + min. Two-level (the K-quants): scale and min are uint8 multiples of fp16 super_scale and
@@ -27,6 +38,7 @@ class QuantWeight(nn.Module):
                  high: torch.Tensor | None = None, offset: int = 0):
         super().__init__()
         self.kind, self.group, self.source, self.offset = kind, group, source or KIND_NAMES[kind], offset
+        self.round_activations = False  # EngineConfig.int8_activations
         self.num_rows = codes.shape[0]
         self.num_cols = codes.shape[1] * (2 if kind == Q4 else 1)
         for name, t in (("codes", codes), ("scale", scale), ("min", min), ("super_scale", super_scale),
@@ -75,12 +87,18 @@ class QuantWeight(nn.Module):
         return (self.codes, self.scale, self.min, self.kind, self.group, self.super_scale, self.super_min, self.high,
                 self.offset)
 
+    @property
+    def int8_activations(self) -> bool:
+        """Whether activations are rounded to 8 bits (round_activations()) for this weight: integer codes only, when
+        EngineConfig.int8_activations asks."""
+        return self.round_activations and self.kind in (Q4, Q8)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 -> x @ W^T, [M, N] fp32."""
         ops = kernels.load() if self.kind != F32 else None
         if ops is None:
-            return x @ self.dequantize().t()
-        return ops.qlinear(x, *self._kernel_args(), FUSED_MAX_ROWS, "")
+            return (round_activations(x) if self.int8_activations else x) @ self.dequantize().t()
+        return ops.qlinear(x, *self._kernel_args(), FUSED_MAX_ROWS, self.int8_activations, "")
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows for ids [T] (an embedding lookup that expands only those rows)."""
@@ -138,7 +156,8 @@ class CompactLinear(nn.Module):
             if ops is None or p.kind == F32:
                 calls.append(p.matmul)
             else:
-                calls.append(lambda x, op=ops.qlinear, args=p._kernel_args(): op(x, *args, FUSED_MAX_ROWS, ""))
+                calls.append(lambda x, op=ops.qlinear, args=p._kernel_args(), i8=p.int8_activations:
+                             op(x, *args, FUSED_MAX_ROWS, i8, ""))
         self._calls = calls
         return calls
 
@@ -165,6 +184,15 @@ class CompactEmbedding(nn.Module):
 
 
 _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def set_int8_activations(model: nn.Module, on: bool) -> None:
+    """EngineConfig.int8_activations for every compact weight below model."""
+    for m in model.modules():
+        if isinstance(m, QuantWeight):
+            m.round_activations = on
+        elif isinstance(m, CompactLinear):
+            m._calls = None
 
 
 def weight_bytes(model: nn.Module) -> list[tuple[str, int]]:
