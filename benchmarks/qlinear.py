@@ -4,7 +4,7 @@
 Shapes of the default model (qkv+gate/up, down, LM head); 1 to 256 activation rows; the torch threads this
 process has (2 here). 'fused' expands weight blocks in registers for all rows; 'chunked' expands ~2 MB of rows
 to fp32 and calls torch's matmul (the path above FUSED_MAX_ROWS); 'int8' rounds the activation rows to 8 bits and
-multiplies the codes in integers (EngineConfig.int8_activations).
+multiplies the codes in integers (EngineConfig.int8_activations uses that for one row only).
 """
 import time
 
@@ -36,11 +36,11 @@ def main():
             fp32 = bench(lambda: x @ wt)
             q4_args, q8_args = (q4, scale, mins, Q4, 32, None, None, None, 0), (q8, scale, None, Q8, 32, None, None,
                                                                                  None, 0)
-            fused = bench(lambda: ops.qlinear(x, *q4_args, 1 << 30, False, ""))
-            chunked = bench(lambda: ops.qlinear(x, *q4_args, 0, False, ""))
-            fused8 = bench(lambda: ops.qlinear(x, *q8_args, 1 << 30, False, ""))
-            int4 = bench(lambda: ops.qlinear(x, *q4_args, 1 << 30, True, ""))
-            int8 = bench(lambda: ops.qlinear(x, *q8_args, 1 << 30, True, ""))
+            fused = bench(lambda: ops.qlinear(x, *q4_args, 1 << 30, False, 0, ""))
+            chunked = bench(lambda: ops.qlinear(x, *q4_args, 0, False, 0, ""))
+            fused8 = bench(lambda: ops.qlinear(x, *q8_args, 1 << 30, False, 0, ""))
+            int4 = bench(lambda: ops.qlinear(x, *q4_args, 1 << 30, True, 1 << 30, ""))
+            int8 = bench(lambda: ops.qlinear(x, *q8_args, 1 << 30, True, 1 << 30, ""))
             print(f"{n:6d} x {k:4d}, {m:3d} rows: fp32 {fp32:7.3f}  Q4 fused {fused:7.3f}  Q4 chunked {chunked:7.3f}  "
                   f"Q8 fused {fused8:7.3f}  Q4 int8 {int4:7.3f}  Q8 int8 {int8:7.3f}")
 

@@ -50,7 +50,7 @@ def test_repack_expands_to_gguf_dequantize_exactly(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, FUSED_MAX_ROWS, FUSED_MAX_ROWS + 5, 100])
+@pytest.mark.parametrize("num_rows", [1, 2, 9, FUSED_MAX_ROWS, FUSED_MAX_ROWS + 5, 100])
 def test_matmul_matches_fp32_matmul_of_dequantized(qtype, num_rows):
     n, k = 37, 768
     raw = gguf_tensor(qtype, n, k, seed=num_rows)
@@ -61,13 +61,13 @@ def test_matmul_matches_fp32_matmul_of_dequantized(qtype, num_rows):
     tol = 1e-5 * (x.double().abs() @ ref_w.abs().t()).max().item()  # fp32 rounding of a k-term sum
     # integer codes can also multiply activations rounded to 8 bits: against gguf's own Q8_0 round trip of x
     x8 = gguf_q8_0_round_trip(x).double()
-    for int8_acts in (False, True) if w.kind in (Q4, Q8) else (False,):
+    for int8_acts, integer in ((False, 0), (True, 0), (True, 1 << 30)) if w.kind in (Q4, Q8) else ((False, 0),):
         for isa in ISAS:
-            for fused in (0, 1 << 30):  # both the fused kernel and expand-then-torch.mm
-                y = ops.qlinear(x, *w._kernel_args(), fused, int8_acts, isa)
+            for fused in (0, 1 << 30):  # both the fused kernel and expand-then-torch.mm (or the integer one)
+                y = ops.qlinear(x, *w._kernel_args(), fused, int8_acts, integer, isa)
                 assert y.shape == (num_rows, n) and y.dtype == torch.float32
                 expected = x8 @ ref_w.t() if int8_acts else ref
-                assert (y.double() - expected).abs().max().item() <= tol, (isa, fused, int8_acts)
+                assert (y.double() - expected).abs().max().item() <= tol, (isa, fused, int8_acts, integer)
 
 
 def gguf_q8_0_round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -94,14 +94,14 @@ def test_unsupported_type_names_tensor_and_type():
 def test_kernel_refuses_bad_input():
     w = repack(gguf_tensor(T.Q8_0, 4, 64), T.Q8_0, 4, 64)
     with pytest.raises(RuntimeError, match=r"x must be fp32 \[M, 64\]"):
-        ops.qlinear(torch.randn(2, 32), *w._kernel_args(), 8, True, "")
+        ops.qlinear(torch.randn(2, 32), *w._kernel_args(), 8, True, 1, "")
     with pytest.raises(RuntimeError, match="row index out of range"):
         ops.dequant_rows(*w._kernel_args(), torch.tensor([4]), "")
     with pytest.raises(RuntimeError, match="unknown instruction set"):
-        ops.qlinear(torch.randn(2, 64), *w._kernel_args(), 8, True, "sse9")
+        ops.qlinear(torch.randn(2, 64), *w._kernel_args(), 8, True, 1, "sse9")
     f16 = repack(gguf_tensor(T.F16, 4, 64), T.F16, 4, 64)
     with pytest.raises(RuntimeError, match="8-bit activations need Q4 or Q8 weights"):
-        ops.qlinear(torch.randn(2, 64), *f16._kernel_args(), 8, True, "")
+        ops.qlinear(torch.randn(2, 64), *f16._kernel_args(), 8, True, 1, "")
     # decode attention reads only blocks that exist, and no further than the block table reaches
     q, cache = torch.randn(1, 4, 16), torch.zeros(3, 4, 2, 16)
     with pytest.raises(RuntimeError, match="block id out of range"):
@@ -157,7 +157,7 @@ def test_round_to_nearest_levels_within_half_a_step(method):
     assert (err <= 0.5 * step + 127 * step * 2 ** -11 + 1e-6).all()
     for isa in ISAS:  # and the kernel multiplies by exactly these levels
         x = torch.randn(3, 320)
-        torch.testing.assert_close(ops.qlinear(x, *q._kernel_args(), 8, False, isa), x @ q.dequantize().t(),
+        torch.testing.assert_close(ops.qlinear(x, *q._kernel_args(), 8, False, 0, isa), x @ q.dequantize().t(),
                                    rtol=1e-5, atol=1e-4)
 
 

@@ -136,7 +136,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const c10::optiona
                    const c10::optional<at::Tensor>& min, int64_t kind, int64_t group,
                    const c10::optional<at::Tensor>& super_scale, const c10::optional<at::Tensor>& super_min,
                    const c10::optional<at::Tensor>& high, int64_t offset, int64_t fused_max_rows, bool int8_acts,
-                   const std::string& isa) {
+                   int64_t integer_max_rows, const std::string& isa) {
   const pipellm::QWeight w = describe(qs, scale, min, kind, group, super_scale, super_min, high, offset);
   const Isa& impl = pick(isa);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.K, "x must be fp32 [M, ", w.K, "]");
@@ -146,9 +146,10 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const c10::optiona
   at::Tensor y = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
   if (int8_acts) {
-    // the rows rounded to 8 bits per 32 first; few rows multiply codes in integers, many take the rounded rows
-    // through the expanding path below. Codes and scales live in a per-thread scratch buffer: four tensor
-    // allocations a call cost more than rounding one row.
+    // The rows rounded to 8 bits per 32 first. One row (a decode step of one sequence) multiplies codes in
+    // integers, 1.1-1.9x faster than expanding them to fp32 here; more rows take the rounded rows through the fp32
+    // paths below, where the integer products gain nothing (BENCHMARKS.md). Codes and scales live in a per-thread
+    // scratch buffer: four tensor allocations a call cost more than rounding one row.
     thread_local std::vector<float> scratch;
     const int64_t nb = K / 32;
     scratch.resize(size_t(M * (K / 4 + nb + 2 * nb + nb)));
@@ -156,18 +157,20 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const c10::optiona
     float* d = scratch.data() + M * K / 4;                            // [M, K/32]
     float* ds = d + M * nb;                                           // [M, K/16]
     float* ds32 = ds + 2 * M * nb;                                    // [M, K/32]
-    at::Tensor rounded = M > fused_max_rows ? at::empty({M, K}, xc.options()) : at::Tensor();
+    const bool integer = M <= integer_max_rows;
+    at::Tensor rounded = integer ? at::Tensor() : at::empty({M, K}, xc.options());
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       impl.quantize_acts(xc.data_ptr<float>(), K, m0, m1, K, q, d, ds, ds32,
-                         rounded.defined() ? rounded.data_ptr<float>() : nullptr);
+                         integer ? nullptr : rounded.data_ptr<float>());
     });
-    if (M <= fused_max_rows) {
+    if (integer) {
       const pipellm::QActs a{q, d, ds, ds32, M, K};
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { impl.gemm_q8(w, a, y.data_ptr<float>(), N, n0, n1); });
       return y;
     }
     xc = rounded;
-  } else if (M <= fused_max_rows) {
+  }
+  if (M <= fused_max_rows) {
     // few rows (decoding): expand each weight block once, in registers, for all rows
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       impl.gemm(w, xc.data_ptr<float>(), M, K, y.data_ptr<float>(), N, n0, n1);
@@ -355,7 +358,7 @@ PYBIND11_MODULE(pipellm_kernels, m) {
   using namespace pybind11::literals;
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();  // the stage's other threads run meanwhile
   m.def("qlinear", &qlinear, nogil, "x"_a, "qs"_a, "scale"_a, "min"_a, "kind"_a, "group"_a, "super_scale"_a,
-        "super_min"_a, "high"_a, "offset"_a, "fused_max_rows"_a, "int8_acts"_a, "isa"_a);
+        "super_min"_a, "high"_a, "offset"_a, "fused_max_rows"_a, "int8_acts"_a, "integer_max_rows"_a, "isa"_a);
   m.def("dequant_rows", &dequant_rows, nogil);
   m.def("best_isa", &best_isa);
   m.def("paged_decode_attention", &paged_decode_attention, nogil);

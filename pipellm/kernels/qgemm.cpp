@@ -396,79 +396,55 @@ static inline void chunk_consts(const QWeight& w, int64_t n, int64_t b0, float* 
   }
 }
 
-// Rows m0 .. m0+R-1 against weight row n. Each row's arithmetic is the same whatever R is, so a token's result
-// does not depend on which rows share its step. Per chunk of 8 blocks: the weight's scales and constants, then per
-// row its scale products and the constants' share (c . d * sum(codes)); per block one integer dot product a row.
-template <int KIND, int GROUP, int SK, bool MIN, int P, int R>
-static inline void gemm_q8_tile(const QWeight& w, const QActs& a, int64_t m0, float* y, int64_t ldy, int64_t n) {
+// Activation row m against weight row n. Per chunk of 8 blocks: the weight's scales and constants, the row's scale
+// products and the constants' share (c . d * sum(codes)); per block one integer dot product. (For more rows the
+// integer products gain nothing here: maddubs and madd take the FMA's place, two instructions for its one.)
+template <int KIND, int GROUP, int SK, bool MIN, int P>
+static inline float gemm_q8_row(const QWeight& w, const QActs& a, int64_t m, int64_t n) {
   constexpr int G = 32 / GROUP;
   const int64_t nb = a.K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  float cst[R];
-  for (int r = 0; r < R; r++) {
-    acc[r] = _mm256_setzero_ps();
-    cst[r] = 0.0f;
-  }
-  alignas(32) float s[8 * G], c[8 * G], f[R][8 * G];
+  __m256 acc = _mm256_setzero_ps();
+  float cst = 0.0f;
+  alignas(32) float s[8 * G], c[8 * G], f[8 * G];
   for (int64_t b0 = 0; b0 < nb; b0 += 8) {
     const int nbk = int(std::min<int64_t>(8, nb - b0));
-    if (nbk == 8) {
+    const float* d = a.d + m * nb + b0;
+    if (nbk == 8 && G == 1) {
       chunk_consts<GROUP, SK, MIN, P>(w, n, b0, s, c);
+      _mm256_store_ps(f, _mm256_mul_ps(_mm256_load_ps(s), _mm256_loadu_ps(d)));
+      if constexpr (MIN || P > 0)
+        acc = _mm256_fmadd_ps(_mm256_load_ps(c), _mm256_loadu_ps(a.ds32 + m * nb + b0), acc);
     } else {
-      for (int j = 0; j < nbk; j++) block_consts<GROUP, SK, MIN, P>(w, n, b0 + j, s + G * j, c + G * j);
-    }
-    for (int r = 0; r < R; r++) {
-      const int64_t m = m0 + r;
-      const float* d = a.d + m * nb + b0;
-      if (nbk == 8 && G == 1) {
-        _mm256_store_ps(f[r], _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_loadu_ps(d)));
-        if constexpr (MIN || P > 0)
-          acc[r] = _mm256_fmadd_ps(_mm256_load_ps(c), _mm256_loadu_ps(a.ds32 + m * nb + b0), acc[r]);
-      } else {
-        for (int j = 0; j < nbk * G; j++) {
-          f[r][j] = s[j] * d[j / G];
-          if constexpr (MIN || P > 0) cst[r] += c[j] * (G == 1 ? a.ds32[m * nb + b0 + j] : a.ds[m * 2 * nb + 2 * b0 + j]);
-        }
+      if (nbk == 8) chunk_consts<GROUP, SK, MIN, P>(w, n, b0, s, c);
+      else for (int j = 0; j < nbk; j++) block_consts<GROUP, SK, MIN, P>(w, n, b0 + j, s + G * j, c + G * j);
+      for (int j = 0; j < nbk * G; j++) {
+        f[j] = s[j] * d[j / G];
+        if constexpr (MIN || P > 0) cst += c[j] * (G == 1 ? a.ds32[m * nb + b0 + j] : a.ds[m * 2 * nb + 2 * b0 + j]);
       }
     }
     for (int j = 0; j < nbk; j++) {
       const int64_t b = b0 + j;
       const __m256i cw = codes32<KIND, P>(w, n, b);
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + m * a.K + b * 32));
       // maddubs multiplies unsigned by signed bytes: signed codes lend their sign to the activations
-      const __m256i cu = KIND == pipellm::Q4 ? cw : _mm256_sign_epi8(cw, cw);
-      for (int r = 0; r < R; r++) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (m0 + r) * a.K + b * 32));
-        const __m256i dot = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(cu, KIND == pipellm::Q4 ? xv : _mm256_sign_epi8(xv, cw)), ones);
-        // int32 lane i sums weights 4i .. 4i+3: with groups of 16, lanes 0-3 are the block's first group
-        const __m256 fv = G == 1 ? _mm256_broadcast_ss(&f[r][j])
-                                 : _mm256_setr_m128(_mm_broadcast_ss(&f[r][2 * j]), _mm_broadcast_ss(&f[r][2 * j + 1]));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), fv, acc[r]);
-      }
+      const __m256i dot = KIND == pipellm::Q4
+          ? _mm256_madd_epi16(_mm256_maddubs_epi16(cw, xv), ones)
+          : _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(cw, cw), _mm256_sign_epi8(xv, cw)), ones);
+      // int32 lane i sums weights 4i .. 4i+3: with groups of 16, lanes 0-3 are the block's first group
+      const __m256 fv = G == 1 ? _mm256_broadcast_ss(&f[j])
+                               : _mm256_setr_m128(_mm_broadcast_ss(&f[2 * j]), _mm_broadcast_ss(&f[2 * j + 1]));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), fv, acc);
     }
   }
-  for (int r = 0; r < R; r++) y[r * ldy + n] = hsum(acc[r]) + cst[r];
+  return hsum(acc) + cst;
 }
 
 template <int KIND, int GROUP, int SK, bool MIN, int P>
 static void gemm_q8_t(const QWeight& w, const QActs& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  if constexpr (KIND == pipellm::Q4 || KIND == pipellm::Q8) {
-    for (int64_t n = n0; n < n1; n++) {
-      int64_t m = 0;
-      for (; m + MR <= a.M; m += MR) gemm_q8_tile<KIND, GROUP, SK, MIN, P, MR>(w, a, m, y + m * ldy, ldy, n);
-      float* ym = y + m * ldy;
-      switch (a.M - m) {
-        case 7: gemm_q8_tile<KIND, GROUP, SK, MIN, P, 7>(w, a, m, ym, ldy, n); break;
-        case 6: gemm_q8_tile<KIND, GROUP, SK, MIN, P, 6>(w, a, m, ym, ldy, n); break;
-        case 5: gemm_q8_tile<KIND, GROUP, SK, MIN, P, 5>(w, a, m, ym, ldy, n); break;
-        case 4: gemm_q8_tile<KIND, GROUP, SK, MIN, P, 4>(w, a, m, ym, ldy, n); break;
-        case 3: gemm_q8_tile<KIND, GROUP, SK, MIN, P, 3>(w, a, m, ym, ldy, n); break;
-        case 2: gemm_q8_tile<KIND, GROUP, SK, MIN, P, 2>(w, a, m, ym, ldy, n); break;
-        case 1: gemm_q8_tile<KIND, GROUP, SK, MIN, P, 1>(w, a, m, ym, ldy, n); break;
-      }
-    }
-  }
+  if constexpr (KIND == pipellm::Q4 || KIND == pipellm::Q8)
+    for (int64_t n = n0; n < n1; n++)
+      for (int64_t m = 0; m < a.M; m++) y[m * ldy + n] = gemm_q8_row<KIND, GROUP, SK, MIN, P>(w, a, m, n);
 }
 #else
 

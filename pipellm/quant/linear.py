@@ -12,6 +12,7 @@ from pipellm import kernels
 F16, BF16, Q4, Q8, F32 = 0, 1, 2, 3, 4  # kernels/qgemm.h's Kind, plus F32 (plain torch matmul)
 KIND_NAMES = {F16: "F16", BF16: "BF16", Q4: "Q4", Q8: "Q8", F32: "F32"}
 FUSED_MAX_ROWS = 32  # up to this many rows the fused kernel beats expanding a slice for torch's matmul (BENCHMARKS.md)
+INTEGER_MAX_ROWS = 1  # int8_activations: rows multiplied in integers; more go through the fp32 paths, rounded
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +99,7 @@ class QuantWeight(nn.Module):
         ops = kernels.load() if self.kind != F32 else None
         if ops is None:
             return (round_activations(x) if self.int8_activations else x) @ self.dequantize().t()
-        return ops.qlinear(x, *self._kernel_args(), FUSED_MAX_ROWS, self.int8_activations, "")
+        return ops.qlinear(x, *self._kernel_args(), FUSED_MAX_ROWS, self.int8_activations, INTEGER_MAX_ROWS, "")
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows for ids [T] (an embedding lookup that expands only those rows)."""
@@ -157,7 +158,7 @@ class CompactLinear(nn.Module):
                 calls.append(p.matmul)
             else:
                 calls.append(lambda x, op=ops.qlinear, args=p._kernel_args(), i8=p.int8_activations:
-                             op(x, *args, FUSED_MAX_ROWS, i8, ""))
+                             op(x, *args, FUSED_MAX_ROWS, i8, INTEGER_MAX_ROWS, ""))
         self._calls = calls
         return calls
 
