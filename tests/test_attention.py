@@ -135,3 +135,17 @@ def test_int8_write_kernel_equals_torch_twin():
         ops.kv_cache_write_int8(*caches[0], torch.tensor(slots), x)
         _write_int8(*caches[1], torch.tensor(slots), x)
         assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1]), i
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_write_kernel_equals_index_put(dtype):
+    """k and v as a layer hands them over (views of one qkv matmul's output, strided), slots in any order."""
+    ops = kernels.load()
+    qkv = torch.randn(5, (4 + 2 * 2) * 16).to(dtype)                            # [T, (H + 2 KV) * D]
+    k, v = qkv[:, 64:96].view(5, 2, 16), qkv[:, 96:].view(5, 2, 16)               # [T, KV, D], strided
+    slots = torch.tensor([33, 2, 17, 16, 63])
+    ours, twin = (KVCache.allocate(16, BLOCK, 2, 16, dtype) for _ in range(2))
+    ours.write(slots, k, v)  # the kernel, or (the "torch" run) index_put itself
+    twin.k.view(-1, 2, 16)[slots], twin.v.view(-1, 2, 16)[slots] = k, v
+    assert torch.equal(ours.k, twin.k) and torch.equal(ours.v, twin.v)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.kv_cache_write(ours.k, ours.v, torch.tensor([64]), k[:1], v[:1])

@@ -252,6 +252,29 @@ void rotary_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, co
   }
 }
 
+// K and V of T new tokens [T, KV, D] (each head's D values contiguous; q, k and v are views of one matmul's output)
+// into flat slots of caches [blocks, block_size, KV, D] of their own dtype: one call instead of two index_puts.
+void kv_cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
+                    const at::Tensor& v) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [blocks, block_size, KV, D], alike");
+  const int64_t slots_total = k_cache.size(0) * k_cache.size(1), KV = k_cache.size(2), D = k_cache.size(3);
+  const int64_t T = slots.numel(), es = k_cache.element_size();
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1, "slots must be int64 [T]");
+  for (const at::Tensor* x : {&k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == KV && x->size(2) == D && x->stride(2) == 1 &&
+                x->scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+                "k and v must be [T, KV, D] in the caches' dtype, each head's values contiguous");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; t++) {
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < slots_total, "slot out of range of the cache");
+    for (auto [cache, x] : {std::pair{&k_cache, &k}, std::pair{&v_cache, &v}})
+      for (int64_t h = 0; h < KV; h++)
+        std::memcpy(static_cast<char*>(cache->data_ptr()) + ((sl[t] * KV + h) * D) * es,
+                    static_cast<const char*>(x->data_ptr()) + (t * x->stride(0) + h * x->stride(1)) * es, D * es);
+  }
+}
+
 // An int8 KV cache's write (models/kv_cache.py's _write_int8 is its torch twin, with the same arithmetic): x [T, KV, D]
 // fp32 into flat slots of cache [blocks, block_size, KV, D], scale [blocks, KV] = largest |value| / 127 per block and
 // head. A block's first token resets its scale; a scale that grows re-rounds what the block held.
@@ -362,6 +385,7 @@ PYBIND11_MODULE(pipellm_kernels, m) {
   m.def("dequant_rows", &dequant_rows, nogil);
   m.def("best_isa", &best_isa);
   m.def("paged_decode_attention", &paged_decode_attention, nogil);
+  m.def("kv_cache_write", &kv_cache_write);
   m.def("kv_cache_write_int8", &kv_cache_write_int8);
   m.def("rms_norm", &rms_norm);
   m.def("rotary_", &rotary_);

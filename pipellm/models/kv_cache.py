@@ -42,11 +42,14 @@ class KVCache:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [T, KV, D] into flat slots [T] (block * block_size + offset)."""
+        ops = kernels.load()
         if self.k_scale is None:
+            if ops is not None and k.dtype == self.k.dtype and k.stride(-1) == v.stride(-1) == 1:
+                ops.kv_cache_write(self.k, self.v, slots, k, v)  # one call instead of two index_puts
+                return
             self.k.view(-1, *k.shape[1:])[slots] = k.to(self.k.dtype)  # [num_blocks * block_size, KV, D]
             self.v.view(-1, *v.shape[1:])[slots] = v.to(self.v.dtype)
             return
-        ops = kernels.load()
         write = _write_int8 if ops is None else ops.kv_cache_write_int8
         write(self.k, self.k_scale, slots, k.float().contiguous())
         write(self.v, self.v_scale, slots, v.float().contiguous())

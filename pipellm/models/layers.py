@@ -51,8 +51,8 @@ class GatedMLP(nn.Module):
         self.act = F.silu if act == "silu" else partial(F.gelu, approximate="tanh")
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(x)                                         # [T, 2 * intermediate]
+        return self.down_proj(self.act(gate_up[..., :self.intermediate_size]) * gate_up[..., self.intermediate_size:])
 
 
 class TransposedLinear(nn.Module):

@@ -34,10 +34,10 @@ class LlamaAttention(nn.Module):
         self.softcap = cfg.attn_logit_softcapping
 
     def forward(self, x, ropes: tuple[Rope, Rope], meta: AttentionMetadata, cache: KVCache):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)        # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)     # [T, KV, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)                               # [T, (H + 2 KV) * D]; slices cost less than split
+        q = qkv[..., :self.q_size].view(-1, self.num_heads, self.head_dim)                           # [T, H, D]
+        k = qkv[..., self.q_size:self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        v = qkv[..., self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):  # over each head's D values: [T * heads, D]
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.num_kv_heads, self.head_dim)
