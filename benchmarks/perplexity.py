@@ -4,7 +4,8 @@ project and dedicated to the public domain, CC0), through each weight path, in t
     python benchmarks/perplexity.py [--json out.json]
 Paths: compact (the GGUF's own formats through our kernels), fp32 (the same weights dequantized, plain torch),
 and fp32 re-quantized on load with quantization="int8" / "int4"; then compact weights with kv_cache_dtype="bfloat16"
-and "int8" (the prefill's attention reads the rounded keys and values back from the cache).
+and "int8" (the prefill's attention reads the rounded keys and values back from the cache), and with
+int8_activations (every matmul's activation rows rounded to 8 bits per 32).
 """
 import argparse
 import json
@@ -25,6 +26,7 @@ from pipellm.models.kv_cache import KVCache
 from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.pipeline.partition import StageLayers
+from pipellm.quant.linear import set_int8_activations
 from pipellm.quant.rtn import quantize_linears
 
 TEXT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "perplexity.txt")
@@ -83,6 +85,10 @@ def main():
         results[name] = perplexity(model, cfg, ids, kv_dtype)
         print(f"{name:8s} perplexity {results[name]:.4f}  ({results[name] / results['compact']:.4f}x compact)",
               flush=True)
+    set_int8_activations(model, True)
+    results["int8 activations"] = perplexity(model, cfg, ids)
+    print(f"int8 activations perplexity {results['int8 activations']:.4f}  "
+          f"({results['int8 activations'] / results['compact']:.4f}x compact)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(tokens=len(ids), perplexity=results), f, indent=2)
