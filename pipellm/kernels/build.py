@@ -31,8 +31,7 @@ def _torch_flags() -> tuple[list[str], list[str]]:
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cflags = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
-    cflags += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_EXTENSION_NAME=pipellm_kernels", "-fopenmp",
-               "-fvisibility=hidden"]
+    cflags += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-fopenmp", "-fvisibility=hidden"]  # hidden: pybind11's advice
     lib = cpp_extension.library_paths()[0]
     # link torch's own libgomp (found through the rpath) so one OpenMP runtime serves torch and these kernels
     ldflags = [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python", "-lgomp"]

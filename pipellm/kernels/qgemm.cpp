@@ -363,11 +363,15 @@ static inline void chunk_consts(const QWeight& w, int64_t n, int64_t b0, float* 
   constexpr int G = 32 / GROUP;
   const int64_t g0 = n * w.s_stride + b0 * G;
   __m256 sv[G], mv[G];
+  auto bytes8 = [](const void* p) { return _mm_loadl_epi64(static_cast<const __m128i*>(p)); };  // 8 bytes
   if constexpr (SK == pipellm::SCALE_F16) {
+    auto load16 = [&](const void* p, int h) {  // 8 fp16s from group g0 + 8h on
+      const uint16_t* at = static_cast<const uint16_t*>(p) + g0 + 8 * h;
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+    };
     for (int h = 0; h < G; h++) {
-      sv[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w.scale) + g0 + 8 * h)));
-      mv[h] = MIN ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w.min) + g0 + 8 * h)))
-                  : _mm256_setzero_ps();
+      sv[h] = load16(w.scale, h);
+      mv[h] = MIN ? load16(w.min, h) : _mm256_setzero_ps();
     }
   } else if constexpr (SK == pipellm::SCALE_F32) {
     for (int h = 0; h < G; h++) {
@@ -375,18 +379,16 @@ static inline void chunk_consts(const QWeight& w, int64_t n, int64_t b0, float* 
       mv[h] = MIN ? _mm256_loadu_ps(static_cast<const float*>(w.min) + g0 + 8 * h) : _mm256_setzero_ps();
     }
   } else if constexpr (SK == pipellm::SCALE_TWO_LEVEL) {  // 8 groups of 32 = one super-block
-    const __m256 d = _mm256_set1_ps(half_to_float(static_cast<const uint16_t*>(w.super_scale)[g0 / 8]));
-    sv[0] = _mm256_mul_ps(d, u8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.scale) + g0))));
-    if constexpr (MIN) {
-      const __m256 dm = _mm256_set1_ps(-half_to_float(static_cast<const uint16_t*>(w.super_min)[g0 / 8]));
-      mv[0] = _mm256_mul_ps(dm, u8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.min) + g0))));
-    } else {
-      mv[0] = _mm256_setzero_ps();
-    }
+    const int64_t sb = g0 / 8;
+    sv[0] = _mm256_mul_ps(_mm256_set1_ps(half_to_float(static_cast<const uint16_t*>(w.super_scale)[sb])),
+                          u8_to_ps(bytes8(static_cast<const uint8_t*>(w.scale) + g0)));
+    mv[0] = MIN ? _mm256_mul_ps(_mm256_set1_ps(-half_to_float(static_cast<const uint16_t*>(w.super_min)[sb])),
+                                u8_to_ps(bytes8(static_cast<const uint8_t*>(w.min) + g0)))
+                : _mm256_setzero_ps();
   } else {  // SCALE_TWO_LEVEL_I8: 16 groups of 16 = one super-block
     const __m256 d = _mm256_set1_ps(half_to_float(static_cast<const uint16_t*>(w.super_scale)[g0 / 16]));
     for (int h = 0; h < G; h++) {
-      sv[h] = _mm256_mul_ps(d, i8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w.scale) + g0 + 8 * h))));
+      sv[h] = _mm256_mul_ps(d, i8_to_ps(bytes8(static_cast<const int8_t*>(w.scale) + g0 + 8 * h)));
       mv[h] = _mm256_setzero_ps();
     }
   }

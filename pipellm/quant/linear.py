@@ -39,7 +39,7 @@ class QuantWeight(nn.Module):
                  high: torch.Tensor | None = None, offset: int = 0):
         super().__init__()
         self.kind, self.group, self.source, self.offset = kind, group, source or KIND_NAMES[kind], offset
-        self.round_activations = False  # EngineConfig.int8_activations
+        self.int8_acts = False  # EngineConfig.int8_activations, for integer codes
         self.num_rows = codes.shape[0]
         self.num_cols = codes.shape[1] * (2 if kind == Q4 else 1)
         for name, t in (("codes", codes), ("scale", scale), ("min", min), ("super_scale", super_scale),
@@ -92,7 +92,7 @@ class QuantWeight(nn.Module):
     def int8_activations(self) -> bool:
         """Whether activations are rounded to 8 bits (round_activations()) for this weight: integer codes only, when
         EngineConfig.int8_activations asks."""
-        return self.round_activations and self.kind in (Q4, Q8)
+        return self.int8_acts and self.kind in (Q4, Q8)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 -> x @ W^T, [M, N] fp32."""
@@ -193,7 +193,7 @@ def set_int8_activations(model: nn.Module, on: bool) -> None:
     """EngineConfig.int8_activations for every compact weight below model."""
     for m in model.modules():
         if isinstance(m, QuantWeight):
-            m.round_activations = on
+            m.int8_acts = on
         elif isinstance(m, CompactLinear):
             m._calls = None
 
