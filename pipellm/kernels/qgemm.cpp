@@ -68,6 +68,21 @@ static inline float min_at(const QWeight& w, int64_t i) {
              float(static_cast<const uint8_t*>(w.min)[i]));
 }
 
+// The 32 codes of block b of row n in weight order: Q4 unsigned (bit planes included, offset not), Q8 signed.
+template <int KIND, int P>
+static inline void codes_at(const QWeight& w, int64_t n, int64_t b, int* code) {
+  const uint8_t* row = w.qs + n * w.qs_stride;
+  if constexpr (KIND == pipellm::Q4) {
+    const uint8_t* h = w.qh + n * w.qh_stride + b * 4 * P;
+    for (int j = 0; j < 32; j++) {
+      code[j] = j < 16 ? row[b * 16 + j] & 15 : row[b * 16 + j - 16] >> 4;
+      for (int pl = 0; pl < P; pl++) code[j] |= ((h[4 * pl + j / 8] >> (j % 8)) & 1) << (4 + pl);
+    }
+  } else {
+    for (int j = 0; j < 32; j++) code[j] = reinterpret_cast<const int8_t*>(row)[b * 32 + j];
+  }
+}
+
 // Weights b*32 .. b*32+31 of row n, as fp32.
 template <int KIND, int GROUP, int SK, bool MIN, int P>
 static inline void expand(const QWeight& w, int64_t n, int64_t b, float* __restrict out) {
@@ -81,24 +96,9 @@ static inline void expand(const QWeight& w, int64_t n, int64_t b, float* __restr
     for (int j = 0; j < 32; j++) out[j] = bf16_to_float(p[j]);
     return;
   } else {
-    if constexpr (KIND == pipellm::Q4) {
-      const uint8_t* p = row + b * 16;
-      for (int j = 0; j < 16; j++) {
-        out[j] = float(p[j] & 15);
-        out[j + 16] = float(p[j] >> 4);
-      }
-      if constexpr (P > 0) {
-        const uint8_t* h = w.qh + n * w.qh_stride + b * 4 * P;
-        for (int j = 0; j < 32; j++) {
-          int code = int(out[j]);
-          for (int pl = 0; pl < P; pl++) code |= ((h[4 * pl + j / 8] >> (j % 8)) & 1) << (4 + pl);
-          out[j] = float(code - w.offset);
-        }
-      }
-    } else {
-      const int8_t* p = reinterpret_cast<const int8_t*>(row) + b * 32;
-      for (int j = 0; j < 32; j++) out[j] = float(p[j]);
-    }
+    int code[32];
+    codes_at<KIND, P>(w, n, b, code);
+    for (int j = 0; j < 32; j++) out[j] = float(code[j] - (P > 0 ? w.offset : 0));
     constexpr int G = 32 / GROUP;  // groups in this block
     const int64_t g0 = n * w.s_stride + b * G;
     for (int g = 0; g < G; g++) {
@@ -339,7 +339,7 @@ static inline void block_consts(const QWeight& w, int64_t n, int64_t b, float* s
 }
 
 #ifdef PIPELLM_AVX2
-// Block b of row n's 32 codes in weight order: Q4 unsigned (planes included, offset not), Q8 signed.
+// codes_at's 32 codes in one register.
 template <int KIND, int P>
 static inline __m256i codes32(const QWeight& w, int64_t n, int64_t b) {
   const uint8_t* row = w.qs + n * w.qs_stride;
@@ -459,17 +459,8 @@ static void gemm_q8_t(const QWeight& w, const QActs& a, float* y, int64_t ldy, i
     int code[32];
     for (int64_t n = n0; n < n1; n++) {
       std::fill(acc.begin(), acc.end(), 0.0f);
-      const uint8_t* row = w.qs + n * w.qs_stride;
       for (int64_t b = 0; b < nb; b++) {
-        for (int j = 0; j < 32; j++) {
-          if constexpr (KIND == pipellm::Q4) {
-            code[j] = j < 16 ? row[b * 16 + j] & 15 : row[b * 16 + j - 16] >> 4;
-            const uint8_t* h = w.qh + n * w.qh_stride + b * 4 * P;
-            for (int pl = 0; pl < P; pl++) code[j] |= ((h[4 * pl + j / 8] >> (j % 8)) & 1) << (4 + pl);
-          } else {
-            code[j] = reinterpret_cast<const int8_t*>(row)[b * 32 + j];
-          }
-        }
+        codes_at<KIND, P>(w, n, b, code);
         float s[G], k[G];
         block_consts<GROUP, SK, MIN, P>(w, n, b, s, k);
         for (int64_t m = 0; m < a.M; m++) {

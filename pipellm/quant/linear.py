@@ -94,12 +94,19 @@ class QuantWeight(nn.Module):
         EngineConfig.int8_activations asks."""
         return self.int8_acts and self.kind in (Q4, Q8)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] fp32 -> x @ W^T, [M, N] fp32."""
+    def matmul_fn(self):
+        """A function x [M, K] fp32 -> x @ W^T [M, N] fp32, with this weight's arguments bound once: a decode step
+        makes ~120 of these calls on one row each, where attribute lookups cost more than the kernel (40 us a call
+        against 6 us)."""
         ops = kernels.load() if self.kind != F32 else None
         if ops is None:
-            return (round_activations(x) if self.int8_activations else x) @ self.dequantize().t()
-        return ops.qlinear(x, *self._kernel_args(), FUSED_MAX_ROWS, self.int8_activations, INTEGER_MAX_ROWS, "")
+            return lambda x: (round_activations(x) if self.int8_activations else x) @ self.dequantize().t()
+        return lambda x, op=ops.qlinear, args=(*self._kernel_args(), FUSED_MAX_ROWS, self.int8_activations,
+                                               INTEGER_MAX_ROWS, ""): op(x, *args)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] fp32 -> x @ W^T, [M, N] fp32."""
+        return self.matmul_fn()(x)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows for ids [T] (an embedding lookup that expands only those rows)."""
@@ -149,18 +156,8 @@ class CompactLinear(nn.Module):
         return super()._apply(fn, recurse)
 
     def _prepare(self) -> list:
-        # A decode step makes ~120 of these calls on one row each; going through the modules' attribute lookups
-        # every time cost 40 us a call against 6 us for the kernel itself.
-        ops = kernels.load()
-        calls = []
-        for p in self.parts:
-            if ops is None or p.kind == F32:
-                calls.append(p.matmul)
-            else:
-                calls.append(lambda x, op=ops.qlinear, args=p._kernel_args(), i8=p.int8_activations:
-                             op(x, *args, FUSED_MAX_ROWS, i8, INTEGER_MAX_ROWS, ""))
-        self._calls = calls
-        return calls
+        self._calls = [p.matmul_fn() for p in self.parts]
+        return self._calls
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         calls = self._calls or self._prepare()
