@@ -7,6 +7,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
 from pipellm import kernels
+from pipellm.models import fused
 from pipellm.quant.gguf_blocks import _BLOCK_BYTES, SUPPORTED, repack
 from pipellm.quant.linear import (F32, FUSED_MAX_ROWS, Q4, Q8, CompactLinear, QuantWeight, round_activations,
                                   set_int8_activations)
@@ -99,6 +100,10 @@ def test_kernel_refuses_bad_input():
         ops.dequant_rows(*w._kernel_args(), torch.tensor([4]), "")
     with pytest.raises(RuntimeError, match="unknown instruction set"):
         ops.qlinear(torch.randn(2, 64), *w._kernel_args(), 8, True, 1, "sse9")
+    with pytest.raises(RuntimeError, match=r"x must be fp32 \[M, 64\]"):
+        w.matmul_fn()(torch.randn(2, 32))
+    with pytest.raises(RuntimeError, match=r"bias must be fp32 \[4\]"):
+        ops.Linear.concat([w.matmul_fn()], torch.zeros(5))
     f16 = repack(gguf_tensor(T.F16, 4, 64), T.F16, 4, 64)
     with pytest.raises(RuntimeError, match="8-bit activations need Q4 or Q8 weights"):
         ops.qlinear(torch.randn(2, 64), *f16._kernel_args(), 8, True, 1, "")
@@ -130,6 +135,9 @@ def test_compact_linear_mixed_layouts_and_bias():
     expected = x.double() @ w.t() + bias.double()
     tol = 1e-5 * (x.double().abs() @ w.abs().t()).max().item()  # fp32 rounding of a 256-term sum
     assert (layer(x).double() - expected).abs().max().item() <= tol
+    # the same rows and bias bound in one kernels' Linear, as the fused decode step holds them
+    bound = fused._linear(ops, layer)
+    assert (bound(x.reshape(6, 256)).double() - expected.reshape(6, 16)).abs().max().item() <= tol
     # int8_activations: the integer codes (Q4_K, Q6_K) multiply x rounded to 8 bits, the F32 rows x itself
     set_int8_activations(layer, True)
     x8 = gguf_q8_0_round_trip(x.reshape(6, 256)).reshape(x.shape)

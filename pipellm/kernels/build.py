@@ -1,8 +1,8 @@
 """Builds the compact-weight kernels (`python -m pipellm.kernels.build`; `make demo`/`make test` run it).
 
 qgemm.cpp is compiled once per instruction set (generic, AVX2, AVX-512) and linked with ops.cpp, which picks one at
-run time, so the library built on one x86-64 machine runs on any other. The file name carries a hash of the
-sources, the flags and the torch version: a stale build is never loaded.
+run time, so the library built on one x86-64 machine runs on any other, and with layer.cpp. The file name carries a
+hash of the sources, the flags and the torch version: a stale build is never loaded.
 """
 import hashlib
 import logging
@@ -14,7 +14,7 @@ import sysconfig
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("qgemm.h", "qgemm.cpp", "ops.cpp", "build.py")  # what the build's hash covers
+SOURCES = ("qgemm.h", "qgemm.cpp", "ops.h", "ops.cpp", "layer.cpp", "build.py")  # what the build's hash covers
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 ISA_FLAGS = {  # per instruction set: the flags its copy of qgemm.cpp is compiled with
     "generic": [],
@@ -62,8 +62,10 @@ def build(quiet: bool = False) -> str:
             obj = os.path.join(tmp, f"qgemm_{isa}.o")
             jobs.append((obj, [cxx, *COMMON, *flags, f"-DPIPELLM_ISA={isa}", "-c", os.path.join(HERE, "qgemm.cpp"),
                                "-o", obj]))
-        obj = os.path.join(tmp, "ops.o")
-        jobs.append((obj, [cxx, *COMMON, *cflags, "-ffp-contract=off", "-c", os.path.join(HERE, "ops.cpp"), "-o", obj]))
+        for name in ("ops", "layer"):
+            obj = os.path.join(tmp, f"{name}.o")
+            jobs.append((obj, [cxx, *COMMON, *cflags, "-ffp-contract=off", "-c", os.path.join(HERE, f"{name}.cpp"),
+                               "-o", obj]))
         procs = [(cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)) for _, cmd in jobs]
         for cmd, p in procs:
             output, _ = p.communicate(timeout=600)

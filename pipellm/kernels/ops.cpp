@@ -15,6 +15,7 @@
 #include <vector>
 #include <string>
 
+#include "ops.h"
 #include "qgemm.h"
 
 namespace {
@@ -132,17 +133,11 @@ pipellm::QWeight describe(const at::Tensor& qs, const c10::optional<at::Tensor>&
   return w;
 }
 
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
-                   const c10::optional<at::Tensor>& min, int64_t kind, int64_t group,
-                   const c10::optional<at::Tensor>& super_scale, const c10::optional<at::Tensor>& super_min,
-                   const c10::optional<at::Tensor>& high, int64_t offset, int64_t fused_max_rows, bool int8_acts,
-                   int64_t integer_max_rows, const std::string& isa) {
-  const pipellm::QWeight w = describe(qs, scale, min, kind, group, super_scale, super_min, high, offset);
-  const Isa& impl = pick(isa);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.K, "x must be fp32 [M, ", w.K, "]");
-  TORCH_CHECK(!int8_acts || kind == pipellm::Q4 || kind == pipellm::Q8, "8-bit activations need Q4 or Q8 weights");
+// x @ W^T for x fp32 [M, K] (checked by the callers), W [N, K] described by w.
+at::Tensor qmatmul(const at::Tensor& x, const pipellm::QWeight& w, int64_t N, int64_t fused_max_rows, bool int8_acts,
+                   int64_t integer_max_rows, const Isa& impl) {
   at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), N = qs.size(0), K = w.K;
+  const int64_t M = xc.size(0), K = w.K;
   at::Tensor y = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
   if (int8_acts) {
@@ -191,6 +186,17 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const c10::optiona
   return y;
 }
 
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
+                   const c10::optional<at::Tensor>& min, int64_t kind, int64_t group,
+                   const c10::optional<at::Tensor>& super_scale, const c10::optional<at::Tensor>& super_min,
+                   const c10::optional<at::Tensor>& high, int64_t offset, int64_t fused_max_rows, bool int8_acts,
+                   int64_t integer_max_rows, const std::string& isa) {
+  const pipellm::QWeight w = describe(qs, scale, min, kind, group, super_scale, super_min, high, offset);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.K, "x must be fp32 [M, ", w.K, "]");
+  TORCH_CHECK(!int8_acts || kind == pipellm::Q4 || kind == pipellm::Q8, "8-bit activations need Q4 or Q8 weights");
+  return qmatmul(x, w, qs.size(0), fused_max_rows, int8_acts, integer_max_rows, pick(isa));
+}
+
 at::Tensor dequant_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
                         const c10::optional<at::Tensor>& min, int64_t kind, int64_t group,
                         const c10::optional<at::Tensor>& super_scale, const c10::optional<at::Tensor>& super_min,
@@ -208,6 +214,10 @@ at::Tensor dequant_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& s
   at::parallel_for(0, R, 4, [&](int64_t a, int64_t b) { impl.dequant(w, idx + a, b - a, o + a * w.K); });
   return out;
 }
+
+}  // namespace
+
+namespace pipellm {
 
 // Decode steps run these on a handful of rows, where a chain of small torch ops costs more than the arithmetic:
 // one call each instead of 8 (RMSNorm) or 12 (rotary). Same operations in the same order as the torch twins in
@@ -373,12 +383,80 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+at::Tensor Linear::operator()(const at::Tensor& x) const {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K, "x must be fp32 [M, ", K, "]");
+  if (parts.size() == 1 && parts[0].dense.defined() && bias.has_value())
+    return at::addmm(*bias, x, parts[0].dense);  // as TransposedLinear computes it
+  std::vector<at::Tensor> ys;
+  for (const Part& p : parts)
+    ys.push_back(p.dense.defined() ? at::mm(x, p.dense)
+                                   : qmatmul(x, p.w, p.N, p.fused_max_rows, p.int8_acts, p.integer_max_rows,
+                                             kIsas[p.isa]));
+  at::Tensor y = ys.size() == 1 ? ys[0] : at::cat(ys, 1);
+  return bias.has_value() ? y + *bias : y;
+}
+
+}  // namespace pipellm
+
+namespace {
+
+using pipellm::Linear;
+
+Linear compact_linear(const at::Tensor& qs, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& min,
+                      int64_t kind, int64_t group, const c10::optional<at::Tensor>& super_scale,
+                      const c10::optional<at::Tensor>& super_min, const c10::optional<at::Tensor>& high,
+                      int64_t offset, int64_t fused_max_rows, bool int8_acts, int64_t integer_max_rows,
+                      const std::string& isa) {
+  Linear::Part p;
+  p.w = describe(qs, scale, min, kind, group, super_scale, super_min, high, offset);
+  TORCH_CHECK(!int8_acts || kind == pipellm::Q4 || kind == pipellm::Q8, "8-bit activations need Q4 or Q8 weights");
+  p.keep = {qs};
+  for (const auto* t : {&scale, &min, &super_scale, &super_min, &high})
+    if (t->has_value()) p.keep.push_back(**t);
+  p.N = qs.size(0);
+  p.fused_max_rows = fused_max_rows;
+  p.int8_acts = int8_acts;
+  p.integer_max_rows = integer_max_rows;
+  p.isa = int(&pick(isa) - kIsas);
+  Linear l;
+  l.K = p.w.K;
+  l.parts.push_back(std::move(p));
+  return l;
+}
+
+Linear dense_linear(const at::Tensor& weight_t) {
+  TORCH_CHECK(weight_t.dim() == 2 && weight_t.scalar_type() == at::kFloat, "a dense weight must be fp32 [K, N]");
+  Linear::Part p;
+  p.dense = weight_t;
+  p.N = weight_t.size(1);
+  Linear l;
+  l.K = weight_t.size(0);
+  l.parts.push_back(std::move(p));
+  return l;
+}
+
+Linear concat_linear(const std::vector<Linear>& blocks, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(!blocks.empty(), "no blocks of rows");
+  Linear l;
+  l.K = blocks[0].K;
+  for (const Linear& b : blocks) {
+    TORCH_CHECK(b.K == l.K && !b.bias.has_value(), "blocks of rows must share K and have no bias of their own");
+    l.parts.insert(l.parts.end(), b.parts.begin(), b.parts.end());
+  }
+  const int64_t N = l.out_features();
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat),
+              "bias must be fp32 [", N, "]");
+  l.bias = bias;
+  return l;
+}
+
 std::string best_isa() { return pick("").name; }
 
 }  // namespace
 
 PYBIND11_MODULE(pipellm_kernels, m) {
   using namespace pybind11::literals;
+  using namespace pipellm;
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();  // the stage's other threads run meanwhile
   m.def("qlinear", &qlinear, nogil, "x"_a, "qs"_a, "scale"_a, "min"_a, "kind"_a, "group"_a, "super_scale"_a,
         "super_min"_a, "high"_a, "offset"_a, "fused_max_rows"_a, "int8_acts"_a, "integer_max_rows"_a, "isa"_a);
@@ -389,4 +467,11 @@ PYBIND11_MODULE(pipellm_kernels, m) {
   m.def("kv_cache_write_int8", &kv_cache_write_int8);
   m.def("rms_norm", &rms_norm);
   m.def("rotary_", &rotary_);
+  pybind11::class_<Linear>(m, "Linear", "y = x @ W^T + b, the weight's arguments checked and bound once")
+      .def(pybind11::init(&compact_linear), "qs"_a, "scale"_a, "min"_a, "kind"_a, "group"_a, "super_scale"_a,
+           "super_min"_a, "high"_a, "offset"_a, "fused_max_rows"_a, "int8_acts"_a, "integer_max_rows"_a, "isa"_a)
+      .def_static("dense", &dense_linear, "weight_t"_a)
+      .def_static("concat", &concat_linear, "blocks"_a, "bias"_a = pybind11::none())
+      .def("__call__", &Linear::operator(), nogil);
+  pipellm::bind_layers(m);
 }

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pipellm.config import ModelConfig
+from pipellm.models import fused
 from pipellm.models.attention import AttentionMetadata, paged_attention
 from pipellm.models.kv_cache import KVCache
 from pipellm.models.layers import GatedMLP, RMSNorm
@@ -83,6 +84,11 @@ class LlamaStage(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         self.rotary_local = None if cfg.rope_local is None else \
             RotaryEmbedding(cfg.rope_local, cfg.head_dim, cfg.max_position_embeddings)
+        self._fused = None  # (the caches it was built for, the kernels' DecoderStack or None): decode steps
+
+    def _apply(self, fn, recurse=True):
+        self._fused = None  # moved or cast: built again from the new tensors
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
@@ -98,6 +104,12 @@ class LlamaStage(nn.Module):
                    kv_caches: list[KVCache]) -> torch.Tensor:
         seq_ends = meta.token_rope_lens if self.rotary.scaled_from is not None else None
         rope = self.rotary.tables(positions, x.dtype, seq_ends)  # once per step, for every layer
+        if fused.applies(x, meta):
+            if self._fused is None or self._fused[0] is not kv_caches:
+                self._fused = (kv_caches, fused.build_stack(self.layers, kv_caches))
+            if self._fused[1] is not None:
+                d = meta.decode
+                return self._fused[1].decode(x, *rope, meta.slot_mapping, d.block_tables, d.seq_lens)
         ropes = (rope, rope if self.rotary_local is None else self.rotary_local.tables(positions, x.dtype))
         for layer, cache in zip(self.layers, kv_caches):
             x = layer(x, ropes, meta, cache)

@@ -95,14 +95,15 @@ class QuantWeight(nn.Module):
         return self.int8_acts and self.kind in (Q4, Q8)
 
     def matmul_fn(self):
-        """A function x [M, K] fp32 -> x @ W^T [M, N] fp32, with this weight's arguments bound once: a decode step
-        makes ~120 of these calls on one row each, where attribute lookups cost more than the kernel (40 us a call
-        against 6 us)."""
-        ops = kernels.load() if self.kind != F32 else None
+        """A function x [M, K] fp32 -> x @ W^T [M, N] fp32, with this weight's arguments checked and bound once (the
+        kernels' Linear): a decode step makes ~120 of these calls on one row each, where attribute lookups cost more
+        than the kernel (40 us a call against 6 us)."""
+        ops = kernels.load()
         if ops is None:
             return lambda x: (round_activations(x) if self.int8_activations else x) @ self.dequantize().t()
-        return lambda x, op=ops.qlinear, args=(*self._kernel_args(), FUSED_MAX_ROWS, self.int8_activations,
-                                               INTEGER_MAX_ROWS, ""): op(x, *args)
+        if self.kind == F32:
+            return ops.Linear.dense(self.codes.t())
+        return ops.Linear(*self._kernel_args(), FUSED_MAX_ROWS, self.int8_activations, INTEGER_MAX_ROWS, "")
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 -> x @ W^T, [M, N] fp32."""

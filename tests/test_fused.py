@@ -1,0 +1,101 @@
+"""Decode steps through the kernels' DecoderStack (models/fused.py) against the layers' own forward, which every
+other step takes, and against HF transformers' logits."""
+import pytest
+import torch
+
+from pipellm import kernels
+from pipellm.config import ModelConfig
+from pipellm.loader.safetensors import load_stage_weights
+from pipellm.models import fused
+from pipellm.models.attention import AttentionMetadata
+from pipellm.models.kv_cache import KVCache
+from pipellm.models.layers import transpose_linears
+from pipellm.models.registry import build_stage_model
+from pipellm.pipeline.partition import StageLayers
+from pipellm.quant.rtn import quantize_linears
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="the kernels do not build on this platform")
+BLOCK = 4
+PROMPTS = [[(5 * i + 7 * s + 1) % 384 for i in range(n)] for s, n in enumerate((9, 3, 14))]  # ragged
+
+
+def _stage(folder: str, quantization: str | None):
+    cfg = ModelConfig.from_pretrained(folder)
+    model = build_stage_model(cfg, StageLayers(0, 0, cfg.num_layers, True, True))
+    load_stage_weights(model, folder, torch.float32)
+    if quantization:
+        quantize_linears(model, quantization)
+    transpose_linears(model)
+    return cfg, model.eval()
+
+
+def _tables(seed: int) -> torch.Tensor:
+    """[3, 6] block ids, every sequence's blocks scattered over the cache, none in order."""
+    return torch.randperm(3 * 6, generator=torch.Generator().manual_seed(seed)).view(3, 6).int()
+
+
+def _step(model, ids: list[list[int]], starts: list[int], tables: torch.Tensor, caches) -> torch.Tensor:
+    """One step: for each sequence, its new ids at positions start.. Returns the last stage's hidden states."""
+    q = torch.tensor([len(i) for i in ids])
+    positions = torch.cat([torch.arange(s, s + len(i)) for s, i in zip(starts, ids)])
+    seq = torch.tensor([s + len(i) for s, i in zip(starts, ids)])
+    rows = torch.repeat_interleave(torch.arange(len(ids)), q)
+    slots = tables[rows, positions // BLOCK].long() * BLOCK + positions % BLOCK
+    cfg = model.cfg
+    meta = AttentionMetadata.for_layers([cfg.is_sliding(i) for i in range(cfg.num_layers)], cfg.sliding_window,
+                                        positions, q, seq, tables, slots, BLOCK)
+    with torch.inference_mode():
+        return model(torch.tensor([t for i in ids for t in i]), positions, meta, caches)
+
+
+def _decode_run(model, cfg, kv_dtype, decodes: int) -> tuple[list[torch.Tensor], list[KVCache]]:
+    caches = [KVCache.allocate(18, BLOCK, cfg.num_kv_heads, cfg.head_dim, kv_dtype) for _ in model.layers]
+    tables = _tables(0)
+    _step(model, PROMPTS, [0, 0, 0], tables, caches)  # a prefill step: the layers' own path
+    outs, lens = [], [len(p) for p in PROMPTS]
+    for d in range(decodes):
+        outs.append(_step(model, [[(11 * d + s) % 384] for s in range(3)], lens, tables, caches))
+        lens = [n + 1 for n in lens]
+    return outs, caches
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_decode_equals_the_layers(checkpoints, monkeypatch, arch, quantization, kv):
+    """Same kernels in the same order: the same bits, in the outputs and in every cache."""
+    cfg, model = _stage(checkpoints[arch][0], quantization)
+    dtype = getattr(torch, kv) if kv != "int8" else torch.int8
+    outs, caches = _decode_run(model, cfg, dtype, 3)
+    assert model._fused[1] is not None  # the decodes took the fused path
+    monkeypatch.setattr(fused, "applies", lambda x, meta: False)
+    ref_outs, ref_caches = _decode_run(model, cfg, dtype, 3)
+    for a, b in zip(outs, ref_outs):
+        assert torch.equal(a, b)
+    for a, b in zip(caches, ref_caches):
+        assert all(torch.equal(x, y) for x, y in zip((a.k, a.v, a.k_scale, a.v_scale), (b.k, b.v, b.k_scale, b.v_scale))
+                   if x is not None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_decode_logits_match_hf(checkpoints, arch):
+    folder, hf = checkpoints[arch]
+    cfg, model = _stage(folder, None)
+    caches = [KVCache.allocate(18, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32) for _ in model.layers]
+    tables = _tables(1)
+    _step(model, [p[:-1] for p in PROMPTS], [0, 0, 0], tables, caches)
+    hidden = _step(model, [p[-1:] for p in PROMPTS], [len(p) - 1 for p in PROMPTS], tables, caches)
+    assert model._fused[1] is not None
+    with torch.no_grad():
+        logits = model.compute_logits(hidden)
+        for row, prompt in enumerate(PROMPTS):
+            expected = hf(torch.tensor([prompt])).logits[0, -1]
+            torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=0)
+
+
+def test_layers_without_a_fused_path_keep_their_own(checkpoints):
+    """Sliding windows (Mistral) take the layers' forward, and still decode."""
+    cfg, model = _stage(checkpoints["mistral"][0], None)
+    outs, _ = _decode_run(model, cfg, torch.float32, 1)
+    assert model._fused is None or model._fused[1] is None
+    assert torch.isfinite(outs[0]).all()
