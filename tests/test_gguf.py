@@ -409,3 +409,12 @@ def test_smollm2_quantized_on_load(smollm2_fp32, method):
         assert ids == [c["greedy_token_ids"] for c in golden]
     else:
         assert outputs[0].outputs[0].text.startswith(" Paris.")
+
+
+def test_bench_compares_hf_on_a_gguf(tiny, tmp_path, monkeypatch):
+    # transformers reads safetensors: `pipellm bench --compare-hf` hands it the GGUF's weights dequantized
+    from pipellm.entrypoints.bench import run_hf
+
+    monkeypatch.setenv("PIPELLM_CACHE_DIR", str(tmp_path))
+    r = run_hf(str(tiny[1]), [[5, 80, 100, 7]], 3, "float32", 1)
+    assert r["generated_tok_s"] > 0

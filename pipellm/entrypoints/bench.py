@@ -1,10 +1,12 @@
 """Offline throughput: `pipellm bench`, or run_bench() from Python."""
 import json
+import os
 import pickle
 import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from pipellm.llm import LLM
@@ -150,11 +152,18 @@ def run_hf(model: str | None, prompts: list[list[int]], output_len: int, dtype: 
     """HF transformers generate on the same requests, as one padded batch, in a process of its own
     (its OpenMP threads must not share a process, or cores, with a running engine)."""
     from pipellm.engine.engine import resolve_model
+    from pipellm.loader.gguf import convert_gguf, gguf_source
 
-    job = json.dumps(dict(model_dir=resolve_model(model), prompts=prompts, output_len=output_len, dtype=dtype,
-                          threads=threads))
-    code = "import sys; from pipellm.entrypoints.bench import hf_worker; hf_worker(sys.stdin.read())"
-    out = subprocess.run([sys.executable, "-c", code], input=job, capture_output=True, text=True, check=True)
+    folder = resolve_model(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        if (source := gguf_source(folder)) is not None:  # transformers reads safetensors: the weights as fp32
+            folder = os.path.join(tmp, "fp32")
+            convert_gguf(source, folder)
+        job = json.dumps(dict(model_dir=folder, prompts=prompts, output_len=output_len, dtype=dtype, threads=threads))
+        code = "import sys; from pipellm.entrypoints.bench import hf_worker; hf_worker(sys.stdin.read())"
+        out = subprocess.run([sys.executable, "-c", code], input=job, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"HF transformers failed on {model or 'the default model'}:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
