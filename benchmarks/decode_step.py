@@ -32,8 +32,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     folder = cached_gguf_folder(default_model_path())
     cfg = ModelConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        model = build_stage_model(cfg, StageLayers(0, 0, cfg.num_layers, True, True))
+    model = build_stage_model(cfg, StageLayers(0, 0, cfg.num_layers, True, True), meta=True)
     load_gguf_stage_weights(model, folder, torch.float32)
     transpose_linears(model)
     model.eval()

@@ -36,8 +36,7 @@ BLOCK = 16
 def build(folder: str, cfg: ModelConfig, path: str):
     whole = StageLayers(0, 0, cfg.num_layers, True, True)
     if path == "compact":
-        with torch.device("meta"):
-            model = build_stage_model(cfg, whole)
+        model = build_stage_model(cfg, whole, meta=True)
         load_gguf_stage_weights(model, folder, torch.float32)
     else:
         model = build_stage_model(cfg, whole)

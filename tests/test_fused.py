@@ -99,3 +99,27 @@ def test_layers_without_a_fused_path_keep_their_own(checkpoints):
     outs, _ = _decode_run(model, cfg, torch.float32, 1)
     assert model._fused is None or model._fused[1] is None
     assert torch.isfinite(outs[0]).all()
+
+
+def test_building_on_meta_skips_init_and_its_imports(checkpoints):
+    """A stage built on the meta device runs no random init: its first call on a meta tensor would import torch's
+    symbolic-shape machinery (sympy and ~800 modules, 68 MB of every stage process). torch.nn.init is left as it was."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, torch
+from torch import nn
+from pipellm.config import ModelConfig
+from pipellm.models.registry import build_stage_model
+from pipellm.pipeline.partition import StageLayers
+init = nn.init.normal_
+for arch, folder in {[(a, checkpoints[a][0]) for a in ("llama", "gpt2")]!r}:
+    cfg = ModelConfig.from_pretrained(folder)
+    model = build_stage_model(cfg, StageLayers(0, 0, cfg.num_layers, True, True), meta=True)
+    assert all(p.is_meta for p in model.parameters()), arch
+assert "sympy" not in sys.modules
+assert nn.init.normal_ is init
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,3 +1,6 @@
+import contextlib
+
+import torch
 from torch import nn
 
 from pipellm.config import ModelConfig
@@ -20,5 +23,27 @@ STAGE_CLASSES = {
 }
 
 
-def build_stage_model(cfg: ModelConfig, stage: StageLayers) -> nn.Module:
-    return STAGE_CLASSES[cfg.architecture](cfg, stage)
+# what modules' reset_parameters call; on the meta device they compute nothing
+INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "constant_", "trunc_normal_")
+
+
+def build_stage_model(cfg: ModelConfig, stage: StageLayers, meta: bool = False) -> nn.Module:
+    """The stage's modules, randomly initialised; with meta, on the meta device (no memory: the loader fills them)."""
+    if not meta:
+        return STAGE_CLASSES[cfg.architecture](cfg, stage)
+    with torch.device("meta"), _without_init():
+        return STAGE_CLASSES[cfg.architecture](cfg, stage)
+
+
+@contextlib.contextmanager
+def _without_init():
+    """torch.nn.init's functions as no-ops (as transformers' no_init_weights does): the first one run on a meta
+    tensor imports torch's symbolic-shape machinery, ~800 modules with sympy, 68 MB of every stage process."""
+    saved = {name: getattr(nn.init, name) for name in INIT_FUNCTIONS}
+    try:
+        for name in INIT_FUNCTIONS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)

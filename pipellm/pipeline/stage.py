@@ -48,8 +48,7 @@ class StageWorker:
         cfg, ecfg = args.model_config, args.engine_config
         self.is_sliding = [cfg.is_sliding(i) for i in range(self.stage.start, self.stage.end)]
         if gguf_source(args.model_dir):  # built without memory, then filled with compact weights from the file
-            with torch.device("meta"):
-                self.model = build_stage_model(cfg, self.stage)
+            self.model = build_stage_model(cfg, self.stage, meta=True)
             self.checkpoint_tensors = load_gguf_stage_weights(self.model, args.model_dir, ecfg.torch_dtype)
         else:
             self.model = build_stage_model(cfg, self.stage)
