@@ -385,13 +385,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 at::Tensor Linear::operator()(const at::Tensor& x) const {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == K, "x must be fp32 [M, ", K, "]");
-  if (parts.size() == 1 && parts[0].dense.defined() && bias.has_value())
-    return at::addmm(*bias, x, parts[0].dense);  // as TransposedLinear computes it
   std::vector<at::Tensor> ys;
   for (const Part& p : parts)
-    ys.push_back(p.dense.defined() ? at::mm(x, p.dense)
-                                   : qmatmul(x, p.w, p.N, p.fused_max_rows, p.int8_acts, p.integer_max_rows,
-                                             kIsas[p.isa]));
+    ys.push_back(!p.dense.defined() ? qmatmul(x, p.w, p.N, p.fused_max_rows, p.int8_acts, p.integer_max_rows,
+                                              kIsas[p.isa])
+                 : p.dense_bias.has_value() ? at::addmm(*p.dense_bias, x, p.dense)  // as TransposedLinear does
+                                            : at::mm(x, p.dense));
   at::Tensor y = ys.size() == 1 ? ys[0] : at::cat(ys, 1);
   return bias.has_value() ? y + *bias : y;
 }
@@ -424,10 +423,13 @@ Linear compact_linear(const at::Tensor& qs, const c10::optional<at::Tensor>& sca
   return l;
 }
 
-Linear dense_linear(const at::Tensor& weight_t) {
+Linear dense_linear(const at::Tensor& weight_t, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight_t.dim() == 2 && weight_t.scalar_type() == at::kFloat, "a dense weight must be fp32 [K, N]");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight_t.size(1) &&
+                                    bias->scalar_type() == at::kFloat), "bias must be fp32 [", weight_t.size(1), "]");
   Linear::Part p;
   p.dense = weight_t;
+  p.dense_bias = bias;
   p.N = weight_t.size(1);
   Linear l;
   l.K = weight_t.size(0);
@@ -470,7 +472,7 @@ PYBIND11_MODULE(pipellm_kernels, m) {
   pybind11::class_<Linear>(m, "Linear", "y = x @ W^T + b, the weight's arguments checked and bound once")
       .def(pybind11::init(&compact_linear), "qs"_a, "scale"_a, "min"_a, "kind"_a, "group"_a, "super_scale"_a,
            "super_min"_a, "high"_a, "offset"_a, "fused_max_rows"_a, "int8_acts"_a, "integer_max_rows"_a, "isa"_a)
-      .def_static("dense", &dense_linear, "weight_t"_a)
+      .def_static("dense", &dense_linear, "weight_t"_a, "bias"_a = pybind11::none())
       .def_static("concat", &concat_linear, "blocks"_a, "bias"_a = pybind11::none())
       .def("__call__", &Linear::operator(), nogil);
   pipellm::bind_layers(m);

@@ -11,13 +11,14 @@
 namespace pipellm {
 
 // y = x @ W^T + b for x fp32 [M, K]: W in blocks of rows, each compact codes (described once, not per call) or a
-// dense fp32 [K, N] matrix, and an optional bias.
+// dense fp32 [K, N] matrix, and an optional bias added to the whole, as CompactLinear adds it.
 class Linear {
  public:
   struct Part {
     QWeight w{};
     std::vector<at::Tensor> keep;  // the tensors w points into
     at::Tensor dense;              // fp32 [K, N] instead of codes
+    c10::optional<at::Tensor> dense_bias;  // added by the dense matmul (addmm), as TransposedLinear adds it
     int64_t N = 0, fused_max_rows = 0, integer_max_rows = 0;
     bool int8_acts = false;
     int isa = 0;                   // index into ops.cpp's instruction sets

@@ -49,13 +49,11 @@ def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
 
 def _linear(ops, module: nn.Module):
     """The kernels' Linear for a stage's linear module, or None for one it cannot run."""
-    if isinstance(module, CompactLinear):
-        blocks = [p.matmul_fn() for p in module.parts]
-        bias = module.bias
-    elif isinstance(module, TransposedLinear) and module.weight_t.dtype == torch.float32:
-        blocks, bias = [ops.Linear.dense(module.weight_t)], module.bias
-    else:
-        return None
+    bias = getattr(module, "bias", None)
     if bias is not None and bias.dtype != torch.float32:
         return None
-    return ops.Linear.concat(blocks, bias)
+    if isinstance(module, CompactLinear):  # the blocks' products, then the bias
+        return ops.Linear.concat([p.matmul_fn() for p in module.parts], bias)
+    if isinstance(module, TransposedLinear) and module.weight_t.dtype == torch.float32:
+        return ops.Linear.dense(module.weight_t, bias)  # one addmm
+    return None
