@@ -123,3 +123,20 @@ assert nn.init.normal_ is init
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_int8_activations_switched_on_reach_the_fused_path(checkpoints, monkeypatch):
+    from pipellm.quant.linear import set_int8_activations
+
+    cfg, model = _stage(checkpoints["llama"][0], "int8")
+    caches = [KVCache.allocate(18, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32) for _ in model.layers]
+    tables, lens = _tables(0), [len(p) for p in PROMPTS]
+    _step(model, PROMPTS, [0, 0, 0], tables, caches)
+    _step(model, [[1], [2], [3]], lens, tables, caches)  # builds the stack for these caches, fp32 activations
+    set_int8_activations(model, True)
+    lens = [n + 1 for n in lens]
+    before = [KVCache(c.k.clone(), c.v.clone(), None, None) for c in caches]
+    out = _step(model, [[4], [5], [6]], lens, tables, caches)
+    assert model._fused[1] is not None
+    monkeypatch.setattr(fused, "applies", lambda x, meta: False)
+    assert torch.equal(out, _step(model, [[4], [5], [6]], lens, tables, before))

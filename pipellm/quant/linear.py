@@ -194,6 +194,8 @@ def set_int8_activations(model: nn.Module, on: bool) -> None:
             m.int8_acts = on
         elif isinstance(m, CompactLinear):
             m._calls = None
+        elif getattr(m, "_fused", None) is not None:  # a stage's one-call decode layers hold the old setting
+            m._fused = None
 
 
 def weight_bytes(model: nn.Module) -> list[tuple[str, int]]:
