@@ -103,7 +103,7 @@ def test_layers_without_a_fused_path_keep_their_own(checkpoints):
 
 def test_building_on_meta_skips_init_and_its_imports(checkpoints):
     """A stage built on the meta device runs no random init: its first call on a meta tensor would import torch's
-    symbolic-shape machinery (sympy and ~800 modules, 68 MB of every stage process). torch.nn.init is left as it was."""
+    symbolic-shape machinery (sympy and ~800 modules, 68 MB of the process). torch.nn.init is left as it was."""
     import subprocess
     import sys
 

@@ -38,7 +38,7 @@ def build_stage_model(cfg: ModelConfig, stage: StageLayers, meta: bool = False) 
 @contextlib.contextmanager
 def _without_init():
     """torch.nn.init's functions as no-ops (as transformers' no_init_weights does): the first one run on a meta
-    tensor imports torch's symbolic-shape machinery, ~800 modules with sympy, 68 MB of every stage process."""
+    tensor imports torch's symbolic-shape machinery, ~800 modules with sympy, 68 MB of the process."""
     saved = {name: getattr(nn.init, name) for name in INIT_FUNCTIONS}
     try:
         for name in INIT_FUNCTIONS:
