@@ -46,8 +46,8 @@ def main() -> None:
     tables = torch.randperm(args.seqs * width, generator=gen).int().view(args.seqs, width)
     positions = torch.full((args.seqs,), args.context)
     slots = tables[:, args.context // BLOCK].long() * BLOCK + args.context % BLOCK
-    meta = AttentionMetadata.for_layers([False] * cfg.num_layers, None, positions, torch.ones(args.seqs, dtype=torch.long),
-                                        positions + 1, tables, slots, BLOCK)
+    meta = AttentionMetadata.for_layers([False] * cfg.num_layers, None, positions,
+                                        torch.ones(args.seqs, dtype=torch.long), positions + 1, tables, slots, BLOCK)
     ids = torch.randint(0, cfg.vocab_size, (args.seqs,), generator=gen)
     fused_applies = fused.applies
     times = {"layers": [], "fused": []}
