@@ -186,17 +186,6 @@ at::Tensor qmatmul(const at::Tensor& x, const pipellm::QWeight& w, int64_t N, in
   return y;
 }
 
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
-                   const c10::optional<at::Tensor>& min, int64_t kind, int64_t group,
-                   const c10::optional<at::Tensor>& super_scale, const c10::optional<at::Tensor>& super_min,
-                   const c10::optional<at::Tensor>& high, int64_t offset, int64_t fused_max_rows, bool int8_acts,
-                   int64_t integer_max_rows, const std::string& isa) {
-  const pipellm::QWeight w = describe(qs, scale, min, kind, group, super_scale, super_min, high, offset);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.K, "x must be fp32 [M, ", w.K, "]");
-  TORCH_CHECK(!int8_acts || kind == pipellm::Q4 || kind == pipellm::Q8, "8-bit activations need Q4 or Q8 weights");
-  return qmatmul(x, w, qs.size(0), fused_max_rows, int8_acts, integer_max_rows, pick(isa));
-}
-
 at::Tensor dequant_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
                         const c10::optional<at::Tensor>& min, int64_t kind, int64_t group,
                         const c10::optional<at::Tensor>& super_scale, const c10::optional<at::Tensor>& super_min,
@@ -423,10 +412,24 @@ Linear compact_linear(const at::Tensor& qs, const c10::optional<at::Tensor>& sca
   return l;
 }
 
+// Python's ops.qlinear: the weight bound for one call (tests and benchmarks pick the ISA and the paths with it)
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
+                   const c10::optional<at::Tensor>& min, int64_t kind, int64_t group,
+                   const c10::optional<at::Tensor>& super_scale, const c10::optional<at::Tensor>& super_min,
+                   const c10::optional<at::Tensor>& high, int64_t offset, int64_t fused_max_rows, bool int8_acts,
+                   int64_t integer_max_rows, const std::string& isa) {
+  return compact_linear(qs, scale, min, kind, group, super_scale, super_min, high, offset, fused_max_rows, int8_acts,
+                        integer_max_rows, isa)(x);
+}
+
+void check_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat),
+              "bias must be fp32 [", N, "]");
+}
+
 Linear dense_linear(const at::Tensor& weight_t, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight_t.dim() == 2 && weight_t.scalar_type() == at::kFloat, "a dense weight must be fp32 [K, N]");
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight_t.size(1) &&
-                                    bias->scalar_type() == at::kFloat), "bias must be fp32 [", weight_t.size(1), "]");
+  check_bias(bias, weight_t.size(1));
   Linear::Part p;
   p.dense = weight_t;
   p.dense_bias = bias;
@@ -445,9 +448,7 @@ Linear concat_linear(const std::vector<Linear>& blocks, const c10::optional<at::
     TORCH_CHECK(b.K == l.K && !b.bias.has_value(), "blocks of rows must share K and have no bias of their own");
     l.parts.insert(l.parts.end(), b.parts.begin(), b.parts.end());
   }
-  const int64_t N = l.out_features();
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat),
-              "bias must be fp32 [", N, "]");
+  check_bias(bias, l.out_features());
   l.bias = bias;
   return l;
 }
