@@ -222,8 +222,8 @@ class OpenAIServer:
                   make_choice, first_choices: list[dict] = ()):
         """The SSE body: a chunk per choice update (make_choice(index, delta) -> dict, or None to skip), then the
         usage (if asked), then [DONE]."""
-        def event(obj) -> str:
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        def event(obj) -> str:  # ASCII: clients that split lines as str.splitlines() does (httpx) also split at
+            return f"data: {json.dumps(obj)}\n\n"  # U+2028, U+0085, ..., which a token's text may hold
 
         extra = {"usage": None} if include_usage else {}
         num_tokens = 0
