@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pydantic.json_schema import models_json_schema
 
 from benchmarks.soak import run_soak
+from pipellm import LLM, SamplingParams, kernels
 from pipellm.entrypoints.protocol import ChatRequest, CompletionRequest
 from tests.conftest import VOCAB
 from tests.serving import serve
@@ -32,6 +33,19 @@ def test_soak_loses_nothing_frees_every_block_and_rss_is_flat(llama_dir, tmp_pat
     assert r["num_requests_running"] == r["num_requests_waiting"] == 0
     assert r["rss_ratio"] <= 1.10, r["rss_by_process_mib"]
     assert r["health_status"] == 200
+
+
+@pytest.mark.skipif(not kernels.has_bf16_matmul(), reason="no bf16 instructions: torch's bf16 matmul does not use "
+                    "oneDNN's compiled kernels on this CPU")
+def test_bf16_stage_memory_stays_bounded_over_many_batch_shapes(llama_dir):
+    """oneDNN compiles a kernel per matmul shape: 250 prompts of distinct lengths make 250 token counts."""
+    prompts = [{"prompt_token_ids": [(7 * n + j) % (VOCAB - 1) + 1 for j in range(n)]} for n in range(1, 251)]
+    with LLM(llama_dir, dtype="bfloat16", max_num_seqs=1) as llm:
+        llm.generate(prompts[:20], SamplingParams(max_tokens=1), use_tqdm=False)
+        before = llm.engine.inspect()[0].rss_bytes
+        llm.generate(prompts[20:], SamplingParams(max_tokens=1), use_tqdm=False)
+        grown = llm.engine.inspect()[0].rss_bytes - before
+    assert grown < 80e6, f"stage grew by {grown / 1e6:.0f} MB"  # ~400 MB with oneDNN's default caches
 
 
 def _opt(**schema) -> dict:

@@ -30,6 +30,10 @@ from pipellm.sampler import Sampler, prompt_logprobs
 
 MAX_EVENTS = 200_000  # trace events a stage keeps between two reports
 START_TIMEOUT_S = 300.0  # how long a stage waits for the driver to publish its work
+# oneDNN, which runs torch's bf16 matmuls on CPUs with bf16 instructions, keeps a compiled kernel (~0.5-0.9 MB) for
+# every matmul shape it meets, up to 1,024 in each of two caches: batches of ever-changing token counts grew a stage
+# by ~1 GB. A step needs a few shapes a layer; 32 bounds the growth at ~40 MB. Read at the first matmul.
+ONEDNN_CACHE_VARS = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "32", "LRU_CACHE_CAPACITY": "32"}
 
 
 def _heartbeat(store_addr: tuple[str, int], token: bytes, generation: int, rank: int) -> None:
@@ -210,6 +214,8 @@ def stage_main(world_rank: int, master_addr: str, master_port: int, token: bytes
                local_world_size: int = 1, model_dir: str | None = None) -> None:
     """Entry point of a stage process: world rank r >= 1 runs stage r - 1 of the newest generation's plan."""
     _die_with_parent()
+    for name, value in ONEDNN_CACHE_VARS.items():
+        os.environ.setdefault(name, value)  # a user's own setting wins
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; it shuts us down
     rank = world_rank - 1
     store = None
