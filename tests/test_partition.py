@@ -76,9 +76,13 @@ def test_auto_dtype(monkeypatch, tmp_path):
     assert profile.auto_dtype(1, compact=False)[0] == "float32"
 
 
-def test_engine_resolves_auto_dtype(llm_pp2):
-    from pipellm import kernels
+def test_engine_resolves_auto_dtype(llama_dir):
+    from pipellm import LLM, kernels
+    from pipellm.pipeline import profile
 
-    # the stages got a concrete dtype: float32 on a CPU without bf16 instructions
-    dtype = llm_pp2.engine.config.dtype
-    assert dtype in ("float32", "bfloat16") and (dtype == "float32" or kernels.has_bf16_matmul())
+    # the stages got a concrete dtype, the measured choice: float32 on a CPU without bf16 instructions
+    with LLM(llama_dir, threads_per_stage=1) as llm:
+        dtype = llm.engine.config.dtype
+        assert [r.weight_bytes[0][0] for r in llm.engine.inspect()] == [{"float32": "F32"}.get(dtype, "BF16")]
+    assert dtype == profile.auto_dtype(1, compact=False)[0]
+    assert dtype == "float32" or kernels.has_bf16_matmul()

@@ -146,7 +146,7 @@ def test_memory_pressure_preempts_without_changing_greedy_output(llama_dir, chec
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     expected = hf_greedy_ids(checkpoints["llama"][1], [p["prompt_token_ids"] for p in prompts], params.max_tokens)
     # 16 blocks of 16 tokens for 10 requests needing up to 4 blocks each.
-    with LLM(llama_dir, pipeline_parallel_size=2, num_kv_blocks=16) as tight:
+    with LLM(llama_dir, pipeline_parallel_size=2, num_kv_blocks=16, dtype="float32") as tight:
         got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
         preempted = tight.engine.scheduler.num_preemptions
         assert tight.engine.block_manager.num_free_blocks == 16
