@@ -86,12 +86,10 @@ def llama_dir(checkpoints):
 
 @pytest.fixture(scope="session")
 def llm_pp2(llama_dir):
-    """One 2-stage engine on the tiny Llama, shared by tests that only read from it. float32 on every CPU: with bf16
-    activations (dtype="auto" on CPUs whose bf16 matmul is faster) the batch a sequence runs in may move its greedy
-    tokens, which some of those tests compare."""
+    """One 2-stage engine on the tiny Llama, shared by tests that only read from it."""
     from pipellm import LLM
 
-    with LLM(llama_dir, pipeline_parallel_size=2, dtype="float32") as llm:
+    with LLM(llama_dir, pipeline_parallel_size=2) as llm:
         yield llm
 
 
