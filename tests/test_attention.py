@@ -38,8 +38,12 @@ def _dense(q, keys, values, q_pos, window):
 
 
 def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | None, seed: int,
-         kv_dtype: torch.dtype = torch.float32, dim: int = 8):
-    """steps: (cached tokens, new tokens) per sequence. Returns paged and dense outputs of the step."""
+         kv_dtype: torch.dtype = torch.float32, dim: int = 8, act_dtype: torch.dtype = torch.float32):
+    """steps: (cached tokens, new tokens) per sequence. Returns paged and dense outputs of the step. act_dtype: the
+    activations' (q and the new K/V); the reference sees the same values, rounded to it."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(act_dtype).float()
+
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 64
     cache = KVCache.allocate(num_blocks, BLOCK, kv_heads, dim, kv_dtype)
@@ -51,8 +55,7 @@ def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | 
         total = cached + new
         blocks = [free.pop() for _ in range(-(-total // BLOCK))]
         tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        keys = torch.randn(total, kv_heads, dim, generator=gen)
-        values = torch.randn(total, kv_heads, dim, generator=gen)
+        keys, values = randn(total, kv_heads, dim), randn(total, kv_heads, dim)
         if cached:  # the cached prefix is in the cache already, written by an earlier step
             cache.write(torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached)]),
                         keys[:cached], values[:cached])
@@ -60,13 +63,13 @@ def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | 
         full_v.append(values)
         positions += list(range(cached, total))
         slots += [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached, total)]
-        qs.append(torch.randn(new, heads, dim, generator=gen))
+        qs.append(randn(new, heads, dim))
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, steps)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, steps)])
     q = torch.cat(qs)
     meta = AttentionMetadata.build(torch.tensor(positions), torch.tensor([n for _, n in steps]),
                                    torch.tensor([c + n for c, n in steps]), tables, torch.tensor(slots), BLOCK, window)
-    out = paged_attention(q, new_k, new_v, cache, meta, dim ** -0.5)
+    out = paged_attention(*(x.to(act_dtype) for x in (q, new_k, new_v)), cache, meta, dim ** -0.5)
     dense = torch.cat([_dense(qi, k, v, torch.arange(c, c + n), window)
                        for qi, k, v, (c, n) in zip(qs, full_k, full_v, steps)])
     return out, dense
@@ -94,6 +97,14 @@ def test_paged_attention_equals_dense_reference(name, heads, kv_heads, window, k
     out, dense = _run(STEPS[name], heads, kv_heads, window, seed=len(name), kv_dtype=kv_dtype)
     assert out.shape == dense.shape
     torch.testing.assert_close(out, dense, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_paged_attention_with_bf16_activations(name):
+    """dtype="bfloat16": q and the new K/V arrive in bf16, the cache holds bf16, the output is bf16."""
+    out, dense = _run(STEPS[name], 6, 2, None, seed=len(name), kv_dtype=torch.bfloat16, act_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), dense, atol=2e-2, rtol=0)
 
 
 def _round_trip(cache: KVCache, blocks: list[int], num_tokens: int) -> torch.Tensor:
