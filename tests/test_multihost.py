@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 from pipellm import SamplingParams
+from tests.conftest import FP32
 from tests.serving import is_running, wait_until
 
 HOST_A, HOST_B = "10.77.0.1", "10.77.0.2"
@@ -66,7 +67,7 @@ import json, os, signal, sys, threading, time
 from pipellm import LLM, SamplingParams
 cfg = json.loads(sys.argv[1])
 llm = LLM(cfg["model"], pipeline_parallel_size=2, nnodes=2, master_addr=cfg["addr"], master_port=cfg["port"],
-          restart_on_failure=cfg["restart"])
+          restart_on_failure=cfg["restart"], dtype="float32")
 params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
 out = {"local": sorted(llm.engine.executor.procs), "status": llm.engine.executor.stage_status(),
        "reports": [[r.model_dir, r.checkpoint_tensors] for r in llm.engine.inspect()]}
@@ -178,7 +179,7 @@ def test_torchrun_on_both_hosts(hosts, llama_dir, tmp_path, llm_pp2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
                "--nproc-per-node", str(nproc), "--master-addr", HOST_A, "--master-port", str(port),
                "-m", "pipellm.entrypoints.cli", "generate", "--model", llama_dir, "-pp", "2", "--max-tokens", "8",
-               "--distributed-executor-backend", "external_launcher", prompt]
+               "--dtype", FP32, "--distributed-executor-backend", "external_launcher", prompt]
         procs.append((_in_ns(ns, *cmd, log=log), log))
     deadline = time.monotonic() + 180
     try:
@@ -227,7 +228,8 @@ def test_serve_on_two_hosts(hosts, llama_dir, tmp_path, llm_pp2):
     logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("server", "agent", "client")}
     cli = [sys.executable, "-m", "pipellm.entrypoints.cli"]
     multihost = ["--nnodes", "2", "--master-addr", HOST_A, "--master-port", str(port)]
-    server = _in_ns(ns_a, *cli, "serve", llama_dir, "-pp", "2", "--port", "8000", *multihost, log=logs["server"])
+    server = _in_ns(ns_a, *cli, "serve", llama_dir, "-pp", "2", "--port", "8000", "--dtype", FP32, *multihost,
+                    log=logs["server"])
     agent = _in_ns(ns_b, *cli, "stage", "--node-rank", "1", *multihost, log=logs["agent"])
     try:
         client = _in_ns(ns_a, sys.executable, "-c", CLIENT, "http://127.0.0.1:8000", prompt, log=logs["client"])

@@ -15,6 +15,7 @@ import pytest
 from benchmarks.soak import free_port
 from pipellm import LLM, SamplingParams
 from pipellm.pipeline.executor import PipelineError
+from tests.conftest import FP32
 from tests.serving import is_running, serve
 
 PROMPTS = [{"prompt_token_ids": [i % 300 + 1, 7, (3 * i) % 250 + 2] * (2 + i % 5)} for i in range(24)]
@@ -52,7 +53,7 @@ def _token_ids(outputs):
 
 @pytest.fixture(scope="module")
 def recovering_llm(llama_dir):
-    with LLM(llama_dir, pipeline_parallel_size=2, restart_on_failure=True) as llm:
+    with LLM(llama_dir, pipeline_parallel_size=2, restart_on_failure=True, dtype=FP32) as llm:
         yield llm
 
 
@@ -77,7 +78,7 @@ def test_restart_gives_every_request_the_tokens_of_a_fault_free_run(recovering_l
 
 
 def test_without_restart_the_error_names_the_stage_within_5_s(llama_dir):
-    llm = LLM(llama_dir, pipeline_parallel_size=2)
+    llm = LLM(llama_dir, pipeline_parallel_size=2, dtype=FP32)
     pids = [p.pid for p in llm.engine.executor.procs.values()]
     killer = KillWhen(llm, 1)
     killer.start()
@@ -92,7 +93,7 @@ def test_without_restart_the_error_names_the_stage_within_5_s(llama_dir):
 
 
 def test_a_stage_that_keeps_dying_stops_the_restarts(llama_dir):
-    llm = LLM(llama_dir, pipeline_parallel_size=2, restart_on_failure=True)
+    llm = LLM(llama_dir, pipeline_parallel_size=2, restart_on_failure=True, dtype=FP32)
     pids = []
 
     def keep_killing():
@@ -197,7 +198,8 @@ def test_a_lost_host_fails_the_restart_fast_instead_of_waiting(llama_dir, monkey
                               "1", "--master-port", str(port), "--connect-timeout", "60"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        llm = LLM(llama_dir, pipeline_parallel_size=2, nnodes=2, master_port=port, restart_on_failure=True)
+        llm = LLM(llama_dir, pipeline_parallel_size=2, nnodes=2, master_port=port, restart_on_failure=True,
+                  dtype=FP32)
         try:
             pids = [s["pid"] for s in llm.engine.executor.stage_status()]
             os.killpg(agent.pid, signal.SIGKILL)  # the whole host: the agent and its stage

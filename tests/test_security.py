@@ -17,6 +17,7 @@ from benchmarks.soak import free_port
 from pipellm import LLM, SamplingParams
 from pipellm.pipeline import comm, wire
 from pipellm.pipeline.executor import PipelineError
+from tests.conftest import FP32
 from tests.serving import is_running, listening, serve, wait_until
 
 PROMPTS = [{"prompt_token_ids": [i % 300 + 1, 7, (3 * i) % 250 + 2] * (2 + i % 5)} for i in range(8)]
@@ -63,7 +64,7 @@ def test_forged_store_values_run_no_code_and_the_pipeline_carries_on(llama_dir, 
     ones; a stage is then killed, so the restart reads its keys again. Nothing runs, and the outputs are those of
     a fault-free run."""
     canary = tmp_path / "canary"
-    with LLM(llama_dir, pipeline_parallel_size=2, restart_on_failure=True) as llm:
+    with LLM(llama_dir, pipeline_parallel_size=2, restart_on_failure=True, dtype=FP32) as llm:
         hostile = dist.TCPStore("127.0.0.1", llm.engine.store.store.port, is_master=False,
                                 timeout=timedelta(seconds=10))
         for i, key in enumerate(_keys(range(4), 2)):
@@ -81,7 +82,7 @@ def test_an_attack_that_never_stops_ends_the_pipeline_with_a_clear_error(llama_d
     """While a client keeps overwriting the stages' arguments with pickles (the attack that ran code before), a
     restarted pipeline cannot start; the engine says why and stops retrying. Still nothing runs."""
     canary = tmp_path / "canary"
-    llm = LLM(llama_dir, pipeline_parallel_size=2, restart_on_failure=True)
+    llm = LLM(llama_dir, pipeline_parallel_size=2, restart_on_failure=True, dtype=FP32)
     stop = threading.Event()
 
     def attack(port: int) -> None:
@@ -133,7 +134,7 @@ def test_a_node_agent_with_the_wrong_token_is_refused_and_the_right_one_joins(ll
 
     def driver():  # blocks until host 1's stage has joined
         try:
-            box["llm"] = LLM(llama_dir, pipeline_parallel_size=2, nnodes=2, master_port=port,
+            box["llm"] = LLM(llama_dir, pipeline_parallel_size=2, nnodes=2, master_port=port, dtype=FP32,
                              token_file=str(token_file))
         except Exception as e:
             box["error"] = e
