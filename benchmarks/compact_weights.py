@@ -44,7 +44,7 @@ def main():
     with LLM(gguf_file, pipeline_parallel_size=1, **small) as c1, \
             LLM(gguf_file, pipeline_parallel_size=1, int8_activations=True, **small) as c1_int8, \
             LLM(gguf_file, pipeline_parallel_size=2, **small) as c2, \
-            LLM(fp32_dir, pipeline_parallel_size=1, **small) as f1:
+            LLM(fp32_dir, pipeline_parallel_size=1, dtype="float32", **small) as f1:
         engines = {"decode_compact_pp1": c1, "decode_compact_int8_pp1": c1_int8, "decode_compact_pp2": c2,
                    "decode_fp32_pp1": f1}
         for name, llm in engines.items():
@@ -60,9 +60,11 @@ def main():
                     rates[name].append(json.loads(out.strip().splitlines()[-1])["rate"])
     workload = dict(num_prompts=32, input_len=(64, 192), output_len=64, use_tqdm=False)
     systems = {"batch_compact_pp1": dict(model=gguf_file, pipeline_parallel_size=1),
-               "batch_fp32_pp1": dict(model=fp32_dir, pipeline_parallel_size=1),
+               "batch_fp32_pp1": dict(model=fp32_dir, pipeline_parallel_size=1, dtype="float32"),
                "batch_compact_pp2": dict(model=gguf_file, pipeline_parallel_size=2),
-               "batch_fp32_pp2": dict(model=fp32_dir, pipeline_parallel_size=2)}
+               "batch_fp32_pp2": dict(model=fp32_dir, pipeline_parallel_size=2, dtype="float32"),
+               # dtype="auto": bf16 where this CPU's bf16 matmul is faster (the same as fp32 elsewhere)
+               "batch_dense_auto_pp1": dict(model=fp32_dir, pipeline_parallel_size=1)}
     rates.update({name: [] for name in systems})
     for _ in range(max(1, args.rounds - 1)):
         for name, kwargs in systems.items():
@@ -74,7 +76,8 @@ def main():
           f"compact/hf {results['decode_compact_pp1'] / results['decode_hf_fp32']:.2f}, "
           f"int8 activations/fp32 ones {results['decode_compact_int8_pp1'] / results['decode_compact_pp1']:.2f}; "
           f"batch: compact/fp32 pp1 {results['batch_compact_pp1'] / results['batch_fp32_pp1']:.2f}, "
-          f"pp2 {results['batch_compact_pp2'] / results['batch_fp32_pp2']:.2f}")
+          f"pp2 {results['batch_compact_pp2'] / results['batch_fp32_pp2']:.2f}, compact/dense (dtype auto) pp1 "
+          f"{results['batch_compact_pp1'] / results['batch_dense_auto_pp1']:.2f}")
     if "decode_llama_cpp" in results:
         print(f"decode vs llama.cpp: compact {results['decode_compact_pp1'] / results['decode_llama_cpp']:.2f}, "
               f"with 8-bit activations {results['decode_compact_int8_pp1'] / results['decode_llama_cpp']:.2f}")
