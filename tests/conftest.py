@@ -88,7 +88,7 @@ def llama_dir(checkpoints):
 @pytest.fixture(scope="session")
 def llm_pp2(llama_dir):
     """One 2-stage engine on the tiny Llama, shared by tests that only read from it. float32 on every CPU, as the
-    engines and servers compared with it (FP32 below): with bf16 activations (dtype="auto" where bf16 matmul is
+    engines and servers compared with it (FP32): with bf16 activations (dtype="auto" where bf16 matmul is
     faster) a sequence's greedy tokens may move with the batch it runs in or a recomputed cache, and the random tiny
     models' top tokens are close enough to flip."""
     from pipellm import LLM

@@ -45,7 +45,7 @@ def test_bf16_stage_memory_stays_bounded_over_many_batch_shapes(llama_dir):
         before = llm.engine.inspect()[0].rss_bytes
         llm.generate(prompts[20:], SamplingParams(max_tokens=1), use_tqdm=False)
         grown = llm.engine.inspect()[0].rss_bytes - before
-    assert grown < 80e6, f"stage grew by {grown / 1e6:.0f} MB"  # ~400 MB with oneDNN's default caches
+    assert grown < 80e6, f"stage grew by {grown / 1e6:.0f} MB"  # 639 MB with oneDNN's default caches (measured)
 
 
 def _opt(**schema) -> dict:
