@@ -10,6 +10,7 @@ import httpx
 import openai
 
 from benchmarks.soak import start_server, stop_server
+from tests.conftest import FP32
 
 KEY = "test-key"
 
@@ -71,11 +72,11 @@ def listening(pid: int) -> list[tuple[str, int]]:
 
 @contextmanager
 def serve(model_dir: str, tmp_dir, *extra: str):
-    """A healthy `pipellm serve -pp 2 --model model_dir *extra`, its output in a log file under tmp_dir; float32
+    """A healthy `pipellm serve -pp 2 --model model_dir *extra`, its output in a log file under tmp_dir; FP32
     unless extra says --dtype, as the engines it is compared with (tests/conftest.py, llm_pp2)."""
     fd, log = tempfile.mkstemp(prefix="server-", suffix=".log", dir=tmp_dir)
     os.close(fd)
-    proc, url = start_server(model_dir, list(extra) + ([] if "--dtype" in extra else ["--dtype", "float32"]), log)
+    proc, url = start_server(model_dir, list(extra) + ([] if "--dtype" in extra else ["--dtype", FP32]), log)
     try:
         yield Server(url, proc, log)
     finally:

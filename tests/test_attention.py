@@ -41,10 +41,11 @@ def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | 
          kv_dtype: torch.dtype = torch.float32, dim: int = 8, act_dtype: torch.dtype = torch.float32):
     """steps: (cached tokens, new tokens) per sequence. Returns paged and dense outputs of the step. act_dtype: the
     activations' (q and the new K/V); the reference sees the same values, rounded to it."""
+    gen = torch.Generator().manual_seed(seed)
+
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(act_dtype).float()
 
-    gen = torch.Generator().manual_seed(seed)
     num_blocks = 64
     cache = KVCache.allocate(num_blocks, BLOCK, kv_heads, dim, kv_dtype)
     free = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()   # block 0 stays unused padding

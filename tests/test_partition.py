@@ -1,6 +1,7 @@
 import pytest
 
 from pipellm.pipeline.partition import even_partition, make_partition
+from tests.conftest import FP32
 
 
 @pytest.mark.parametrize("layers,stages,expected", [
@@ -48,9 +49,9 @@ def test_auto_partition_keeps_greedy_output(llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELLM_CACHE_DIR", str(tmp_path))  # a fresh profile
     prompts = [{"prompt_token_ids": [(3 * i + j) % 300 + 1 for j in range(5 + 4 * i)]} for i in range(5)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    with LLM(llama_dir, dtype="float32") as one:  # compared token for token (tests/conftest.py, llm_pp2)
+    with LLM(llama_dir, dtype=FP32) as one:
         expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
-    with LLM(llama_dir, pipeline_parallel_size=3, layer_partition="auto", dtype="float32") as auto:
+    with LLM(llama_dir, pipeline_parallel_size=3, layer_partition="auto", dtype=FP32) as auto:
         sizes = [s.num_layers for s in auto.engine.stages]
         assert sum(sizes) == 5 and min(sizes) >= 1
         assert auto.engine.partition_note.startswith("auto partition")

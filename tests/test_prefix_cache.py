@@ -6,7 +6,7 @@ from pipellm.config import EngineConfig
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.scheduler import Scheduler
 from pipellm.engine.sequence import Request
-from tests.conftest import hf_greedy_ids
+from tests.conftest import FP32, hf_greedy_ids
 
 BS = 4  # block size of the unit tests
 
@@ -207,11 +207,11 @@ def _token_ids(outs) -> list[list[int]]:
 def test_prefix_caching_keeps_greedy_output(llama_dir, checkpoints):
     prompts = _prompts()
     expected = hf_greedy_ids(checkpoints["llama"][1], [p["prompt_token_ids"] for p in prompts], GREEDY.max_tokens)
-    with LLM(llama_dir, pipeline_parallel_size=2, enable_prefix_caching=False, dtype="float32") as off:
+    with LLM(llama_dir, pipeline_parallel_size=2, enable_prefix_caching=False, dtype=FP32) as off:
         assert _token_ids(off.generate(prompts, GREEDY, use_tqdm=False)) == expected
         assert off.engine.block_manager.num_prefix_hits == 0
     # max_num_seqs=2 admits requests over many steps, so later ones find the prefix computed by earlier ones.
-    with LLM(llama_dir, pipeline_parallel_size=2, max_num_seqs=2, dtype="float32") as on:
+    with LLM(llama_dir, pipeline_parallel_size=2, max_num_seqs=2, dtype=FP32) as on:
         assert _token_ids(on.generate(prompts, GREEDY, use_tqdm=False)) == expected
         bm = on.engine.block_manager
         assert bm.num_prefix_queries == sum(len(p["prompt_token_ids"]) for p in prompts)

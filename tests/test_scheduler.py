@@ -5,7 +5,7 @@ from pipellm import LLM, SamplingParams
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.scheduler import Scheduler
 from pipellm.engine.sequence import Request
-from tests.conftest import hf_greedy_ids
+from tests.conftest import FP32, hf_greedy_ids
 
 
 def _req(rid: str, num_prompt: int, max_tokens: int = 4) -> Request:
@@ -146,7 +146,7 @@ def test_memory_pressure_preempts_without_changing_greedy_output(llama_dir, chec
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     expected = hf_greedy_ids(checkpoints["llama"][1], [p["prompt_token_ids"] for p in prompts], params.max_tokens)
     # 16 blocks of 16 tokens for 10 requests needing up to 4 blocks each.
-    with LLM(llama_dir, pipeline_parallel_size=2, num_kv_blocks=16, dtype="float32") as tight:
+    with LLM(llama_dir, pipeline_parallel_size=2, num_kv_blocks=16, dtype=FP32) as tight:
         got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
         preempted = tight.engine.scheduler.num_preemptions
         assert tight.engine.block_manager.num_free_blocks == 16
