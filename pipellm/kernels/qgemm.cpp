@@ -133,6 +133,48 @@ static inline __m256i bytes_from_bits(const uint8_t* bits) {
   return _mm256_cmpeq_epi8(_mm256_or_si256(spread, all_but_bit), _mm256_set1_epi64x(-1));
 }
 
+// codes_at's 32 codes in one register.
+template <int KIND, int P>
+static inline __m256i codes32(const QWeight& w, int64_t n, int64_t b) {
+  const uint8_t* row = w.qs + n * w.qs_stride;
+  if constexpr (KIND == pipellm::Q4) {
+    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+    const __m128i mask = _mm_set1_epi8(15);
+    __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), mask), _mm_and_si128(p, mask));
+    const uint8_t* h = w.qh + n * w.qh_stride + b * 4 * P;
+    for (int pl = 0; pl < P; pl++)
+      c = _mm256_or_si256(c, _mm256_and_si256(bytes_from_bits(h + 4 * pl), _mm256_set1_epi8(char(16 << pl))));
+    return c;
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
+  }
+}
+
+// The 32 codes of block b of row n as fp32, in weight order: Q4 unsigned (bit planes included, offset not), Q8
+// signed. A 4-bit block is two widenings of 8 bytes, each byte then split into its two weights in 32-bit lanes:
+// cross-lane shuffles are the scarce instructions here.
+template <int KIND, int P>
+static inline void codes_ps(const QWeight& w, int64_t n, int64_t b, __m256* v) {
+  const uint8_t* row = w.qs + n * w.qs_stride;
+  if constexpr (KIND == pipellm::Q4 && P == 0) {
+    const __m256i mask = _mm256_set1_epi32(15);
+    for (int h = 0; h < 2; h++) {  // bytes 8h .. 8h+7: weights 8h .. 8h+7 (low nibbles) and 16+8h .. (high)
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + b * 16 + 8 * h)));
+      v[h] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, mask));
+      v[h + 2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+    }
+  } else if constexpr (KIND == pipellm::Q4) {
+    const __m256i c = codes32<KIND, P>(w, n, b);
+    const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
+    v[0] = u8_to_ps(lo);
+    v[1] = u8_to_ps(_mm_srli_si128(lo, 8));
+    v[2] = u8_to_ps(hi);
+    v[3] = u8_to_ps(_mm_srli_si128(hi, 8));
+  } else {
+    for (int c = 0; c < 4; c++) v[c] = i8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + b * 32 + 8 * c)));
+  }
+}
+
 template <int KIND, int GROUP, int SK, bool MIN, int P>
 static inline Block expand_vec(const QWeight& w, int64_t n, int64_t b) {
   const uint8_t* row = w.qs + n * w.qs_stride;
@@ -145,33 +187,28 @@ static inline Block expand_vec(const QWeight& w, int64_t n, int64_t b) {
     }
     return out;
   } else {
-    if constexpr (KIND == pipellm::Q4) {
+    if constexpr (KIND == pipellm::Q4 && P == 0) {
+      codes_ps<KIND, P>(w, n, b, out.v);
+    } else if constexpr (KIND == pipellm::Q4) {
       const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
       const __m128i mask = _mm_set1_epi8(15);
       __m128i lo = _mm_and_si128(p, mask), hi = _mm_and_si128(_mm_srli_epi16(p, 4), mask);
-      if constexpr (P == 0) {
-        out.v[0] = u8_to_ps(lo);
-        out.v[1] = u8_to_ps(_mm_srli_si128(lo, 8));
-        out.v[2] = u8_to_ps(hi);
-        out.v[3] = u8_to_ps(_mm_srli_si128(hi, 8));
-      } else {  // bits 4 (and 5) from the planes, then the offset: codes fit int8 either way
-        const uint8_t* h = w.qh + n * w.qh_stride + b * 4 * P;
-        for (int pl = 0; pl < P; pl++) {
-          const __m256i bits = _mm256_and_si256(bytes_from_bits(h + 4 * pl), _mm256_set1_epi8(char(16 << pl)));
-          lo = _mm_or_si128(lo, _mm256_castsi256_si128(bits));
-          hi = _mm_or_si128(hi, _mm256_extracti128_si256(bits, 1));
-        }
-        const __m128i off = _mm_set1_epi8(char(w.offset));
-        lo = _mm_sub_epi8(lo, off);
-        hi = _mm_sub_epi8(hi, off);
-        out.v[0] = i8_to_ps(lo);
-        out.v[1] = i8_to_ps(_mm_srli_si128(lo, 8));
-        out.v[2] = i8_to_ps(hi);
-        out.v[3] = i8_to_ps(_mm_srli_si128(hi, 8));
+      // bits 4 (and 5) from the planes, then the offset: codes fit int8 either way
+      const uint8_t* h = w.qh + n * w.qh_stride + b * 4 * P;
+      for (int pl = 0; pl < P; pl++) {
+        const __m256i bits = _mm256_and_si256(bytes_from_bits(h + 4 * pl), _mm256_set1_epi8(char(16 << pl)));
+        lo = _mm_or_si128(lo, _mm256_castsi256_si128(bits));
+        hi = _mm_or_si128(hi, _mm256_extracti128_si256(bits, 1));
       }
+      const __m128i off = _mm_set1_epi8(char(w.offset));
+      lo = _mm_sub_epi8(lo, off);
+      hi = _mm_sub_epi8(hi, off);
+      out.v[0] = i8_to_ps(lo);
+      out.v[1] = i8_to_ps(_mm_srli_si128(lo, 8));
+      out.v[2] = i8_to_ps(hi);
+      out.v[3] = i8_to_ps(_mm_srli_si128(hi, 8));
     } else {
-      const uint8_t* p = row + b * 32;
-      for (int c = 0; c < 4; c++) out.v[c] = i8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * c)));
+      codes_ps<KIND, P>(w, n, b, out.v);
     }
     constexpr int G = 32 / GROUP;
     const int64_t g0 = n * w.s_stride + b * G;
@@ -216,8 +253,13 @@ static inline void gemm_tile(const QWeight& w, const float* x, int64_t ldx, floa
 }
 
 template <int KIND, int GROUP, int SK, bool MIN, int P>
+static void gemm_row_t(const QWeight& w, const float* x, float* y, int64_t n0, int64_t n1);
+
+template <int KIND, int GROUP, int SK, bool MIN, int P>
 static void gemm_t(const QWeight& w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, int64_t n0,
                    int64_t n1) {
+  if constexpr (KIND == pipellm::Q4 || KIND == pipellm::Q8)
+    if (M == 1) return gemm_row_t<KIND, GROUP, SK, MIN, P>(w, x, y, n0, n1);
   for (int64_t n = n0; n < n1; n++) {
     int64_t m = 0;
     for (; m + MR <= M; m += MR) gemm_tile<KIND, GROUP, SK, MIN, P, MR>(w, x + m * ldx, ldx, y + m * ldy, ldy, n);
@@ -339,23 +381,6 @@ static inline void block_consts(const QWeight& w, int64_t n, int64_t b, float* s
 }
 
 #ifdef PIPELLM_AVX2
-// codes_at's 32 codes in one register.
-template <int KIND, int P>
-static inline __m256i codes32(const QWeight& w, int64_t n, int64_t b) {
-  const uint8_t* row = w.qs + n * w.qs_stride;
-  if constexpr (KIND == pipellm::Q4) {
-    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-    const __m128i mask = _mm_set1_epi8(15);
-    __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), mask), _mm_and_si128(p, mask));
-    const uint8_t* h = w.qh + n * w.qh_stride + b * 4 * P;
-    for (int pl = 0; pl < P; pl++)
-      c = _mm256_or_si256(c, _mm256_and_si256(bytes_from_bits(h + 4 * pl), _mm256_set1_epi8(char(16 << pl))));
-    return c;
-  } else {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
-  }
-}
-
 // Scales and constants (block_consts) of blocks b0 .. b0+7 of row n, 8 or 16 groups: vector loads where the
 // layout allows, else one block at a time.
 template <int GROUP, int SK, bool MIN, int P>
@@ -395,6 +420,55 @@ static inline void chunk_consts(const QWeight& w, int64_t n, int64_t b0, float* 
   for (int h = 0; h < G; h++) {
     _mm256_storeu_ps(s + 8 * h, sv[h]);
     _mm256_storeu_ps(c + 8 * h, P > 0 ? _mm256_fnmadd_ps(_mm256_set1_ps(float(w.offset)), sv[h], mv[h]) : mv[h]);
+  }
+}
+
+// One fp32 activation row: y[n] = sum over groups of s * (codes . x) + c * sum(x). A group's scale multiplies its
+// dot product once instead of every weight, and the constant's share comes from the row's group sums, computed
+// once for all weight rows: fewer instructions a weight than expanding the block for any number of rows.
+template <int KIND, int GROUP, int SK, bool MIN, int P>
+static void gemm_row_t(const QWeight& w, const float* x, float* y, int64_t n0, int64_t n1) {
+  constexpr int G = 32 / GROUP;
+  const int64_t nb = w.K / 32;
+  thread_local std::vector<float> sums;
+  if constexpr (MIN || P > 0) {
+    sums.resize(size_t(nb * G));
+    for (int64_t g = 0; g < nb * G; g++) {
+      __m256 t = _mm256_loadu_ps(x + g * GROUP);
+      for (int j = 8; j < GROUP; j += 8) t = _mm256_add_ps(t, _mm256_loadu_ps(x + g * GROUP + j));
+      sums[g] = hsum(t);
+    }
+  }
+  alignas(32) float s[8 * G], c[8 * G];
+  for (int64_t n = n0; n < n1; n++) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), accc = _mm256_setzero_ps();
+    float cst = 0.0f;
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+      const int nbk = int(std::min<int64_t>(8, nb - b0));
+      if (nbk == 8) {
+        chunk_consts<GROUP, SK, MIN, P>(w, n, b0, s, c);
+        if constexpr (MIN || P > 0)
+          for (int h = 0; h < G; h++)
+            accc = _mm256_fmadd_ps(_mm256_load_ps(c + 8 * h), _mm256_loadu_ps(sums.data() + b0 * G + 8 * h), accc);
+      } else {
+        for (int j = 0; j < nbk; j++) block_consts<GROUP, SK, MIN, P>(w, n, b0 + j, s + G * j, c + G * j);
+        if constexpr (MIN || P > 0)
+          for (int j = 0; j < nbk * G; j++) cst += c[j] * sums[b0 * G + j];
+      }
+      for (int j = 0; j < nbk; j++) {
+        __m256 v[4];
+        codes_ps<KIND, P>(w, n, b0 + j, v);
+        const float* xb = x + (b0 + j) * 32;
+        // two chains, a group each when groups are 16 weights
+        __m256 d0 = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+        __m256 d1 = _mm256_mul_ps(v[2], _mm256_loadu_ps(xb + 16));
+        d0 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), d0);
+        d1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), d1);
+        acc0 = _mm256_fmadd_ps(d0, _mm256_broadcast_ss(s + G * j), acc0);
+        acc1 = _mm256_fmadd_ps(d1, _mm256_broadcast_ss(s + G * j + G - 1), acc1);
+      }
+    }
+    y[n] = hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), accc)) + cst;
   }
 }
 
