@@ -1,6 +1,7 @@
 """Reads from a safetensors checkpoint only the tensors one stage owns, tensor by tensor."""
 import json
 import os
+from collections.abc import Callable
 
 import torch
 from safetensors import safe_open
@@ -35,9 +36,15 @@ def checkpoint_files(folder: str) -> dict[str, str]:
     raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -> list[str]:
-    """Fills model's parameters from the checkpoint; returns the checkpoint names it read."""
-    params = dict(model.named_parameters())
+def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
+                       on_filled: Callable[[str], None] | None = None) -> list[str]:
+    """Fills model's parameters (best built on the meta device) from the checkpoint; returns the checkpoint names it
+    read. Parameters are allocated in dtype and each checkpoint tensor is cast into its place, one at a time: no copy
+    of a bf16 checkpoint in fp32 exists. on_filled(parameter name) runs as each parameter becomes whole (quantization
+    replaces a linear layer's weights then, so that a stage never holds all of them dense)."""
+    model.to(dtype).to_empty(device="cpu")  # pages are resident once written: parameter by parameter
+    params = dict(model.named_parameters())  # those not yet whole: a whole one is dropped here, so it can be freed
+    rows = {name: p.shape[0] for name, p in params.items()}
     filled: dict[str, int] = {}  # parameter -> rows filled
     by_file: dict[str, list[tuple[str, list]]] = {}
     for name, file in checkpoint_files(folder).items():
@@ -71,9 +78,12 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -> lis
                                              f"expected {list(dst.shape)} from config.json")
                         dst.copy_(tensor)
                         filled[param_name] = filled.get(param_name, 0) + tensor.shape[0]
-    missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+                        if filled[param_name] == rows[param_name]:
+                            del params[param_name], param, dst
+                            if on_filled is not None:
+                                on_filled(param_name)
+    missing = [n for n, r in rows.items() if filled.get(n, 0) != r]
     if missing:
         raise ValueError(f"{folder}: checkpoint lacks tensors for {', '.join(missing[:5])}"
                          f"{' ...' if len(missing) > 5 else ''}")
-    model.to(dtype)
     return read

@@ -21,7 +21,7 @@ from pipellm.models.kv_cache import KVCache, cache_dtype
 from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.quant.linear import set_int8_activations, weight_bytes
-from pipellm.quant.rtn import quantize_linears
+from pipellm.quant.rtn import LinearQuantizer, quantize_linears
 from pipellm.pipeline import comm, probe, wire
 from pipellm.pipeline.messages import (Inspect, ProbeReport, SampledBatch, Shutdown, StageArgs, StageBatch,
                                        StageReport)
@@ -55,10 +55,11 @@ class StageWorker:
             self.model = build_stage_model(cfg, self.stage, meta=True)
             self.checkpoint_tensors = load_gguf_stage_weights(self.model, args.model_dir, ecfg.torch_dtype)
         else:  # no random init (0.6 s for half the default model): the loader fills every parameter, or refuses
-            self.model = build_stage_model(cfg, self.stage, meta=True).to_empty(device="cpu")
-            self.checkpoint_tensors = load_stage_weights(self.model, args.model_dir, ecfg.torch_dtype)
+            self.model = build_stage_model(cfg, self.stage, meta=True)
+            quantizer = LinearQuantizer(self.model, ecfg.quantization) if ecfg.quantization else None
+            self.checkpoint_tensors = load_stage_weights(self.model, args.model_dir, ecfg.torch_dtype, quantizer)
             if ecfg.quantization:
-                quantize_linears(self.model, ecfg.quantization)
+                quantize_linears(self.model, ecfg.quantization)  # what the quantizer left: tied weights
         set_int8_activations(self.model, ecfg.int8_activations)
         transpose_linears(self.model)
         self.model.eval()

@@ -9,11 +9,18 @@ from pipellm.quant.linear import Q4, Q8, CompactLinear, QuantWeight
 
 METHODS = ("int8", "int4")
 GROUP = 32
+ROWS = 256
 log = logging.getLogger("pipellm")
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantWeight:
-    """weight [N, K] (K a multiple of 32) -> its compact form; every level is within half a step of the weight."""
+    """weight [N, K] (K a multiple of 32) -> its compact form; every level is within half a step of the weight.
+    ROWS rows at a time, so the fp32 temporaries stay small (one 11008 x 4096 weight of a 7B model is 180 MB in fp32)."""
+    parts = [_quantize_rows(weight[i:i + ROWS], method) for i in range(0, weight.shape[0], ROWS)]
+    return parts[0] if len(parts) == 1 else QuantWeight.stack(parts)
+
+
+def _quantize_rows(weight: torch.Tensor, method: str) -> QuantWeight:
     n, k = weight.shape
     w = weight.detach().float().reshape(n, k // GROUP, GROUP)                          # [N, K/32, 32]
     if method == "int8":
@@ -41,3 +48,30 @@ def quantize_linears(model: nn.Module, method: str) -> None:
             setattr(model, name, CompactLinear([quantize(child.weight, method)], bias))
         else:
             quantize_linears(child, method)
+
+
+class LinearQuantizer:
+    """load_stage_weights' on_filled: replaces each nn.Linear below model by its quantized CompactLinear as soon as
+    the linear's parameters are whole, and lets its dense weight go. Linears never completed this way (a weight tied
+    to the embedding) are left to quantize_linears."""
+
+    def __init__(self, model: nn.Module, method: str):
+        self.method = method
+        self.waiting: dict[str, tuple[nn.Module, str, set[str]]] = {}  # linear's name -> (parent, attribute, params)
+        for parent_name, parent in model.named_modules():
+            for attr, child in parent.named_children():
+                if isinstance(child, nn.Linear) and child.in_features % GROUP == 0:
+                    name = f"{parent_name}.{attr}" if parent_name else attr
+                    self.waiting[name] = (parent, attr, {f"{name}.{p}" for p, _ in child.named_parameters()})
+
+    def __call__(self, param_name: str) -> None:
+        name = param_name.rpartition(".")[0]
+        if name not in self.waiting:
+            return
+        parent, attr, missing = self.waiting[name]
+        missing.discard(param_name)
+        if not missing:
+            del self.waiting[name]
+            linear = getattr(parent, attr)
+            bias = None if linear.bias is None else linear.bias.detach().float()
+            setattr(parent, attr, CompactLinear([quantize(linear.weight, self.method)], bias))
