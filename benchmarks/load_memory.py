@@ -18,7 +18,7 @@ import json, sys, threading, time, torch
 from pipellm.config import EngineConfig, ModelConfig
 from pipellm.pipeline.messages import StageArgs
 from pipellm.pipeline.partition import make_partition
-from pipellm.pipeline.stage import StageWorker
+from pipellm.pipeline.stage import StageWorker, _release_free_heap
 
 def anon():
     with open("/proc/self/status") as f:
@@ -39,6 +39,7 @@ def sample():
 thread = threading.Thread(target=sample)
 thread.start()
 worker = StageWorker(args)
+_release_free_heap()  # as the stage does once loaded
 done = True
 thread.join()
 print(json.dumps({"peak": peak - base, "held": anon() - base}))

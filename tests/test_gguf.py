@@ -400,10 +400,14 @@ def test_smollm2_quantized_on_load(smollm2_fp32, method):
         outputs = llm.generate([{"prompt_token_ids": c["prompt_token_ids"]} for c in golden], params,
                                use_tqdm=False)
         held = [dict(r.weight_bytes) for r in llm.engine.inspect()]
-    # every linear weight quantized: 4 or 8 bits plus an fp16 scale (and min) per 32, the rest (embedding, norms) F32
+    # every linear weight quantized: 4 or 8 bits plus an fp16 scale (and min) per 32; the token embedding to int8
+    # rows with either method; the rest (norms) F32
     linear_params = 30 * (576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576) + 49152 * 576
-    bits = {"int8": 8 + 16 / 32, "int4": 4 + 32 / 32}[method]
-    assert sum(h[method] for h in held) == linear_params * bits / 8
+    embedding = 49152 * 576 * (8 + 16 / 32) / 8
+    expected = {"int8": linear_params * (8 + 16 / 32) / 8 + embedding, "int4": linear_params * (4 + 32 / 32) / 8}
+    assert sum(h[method] for h in held) == expected[method]
+    if method == "int4":
+        assert sum(h.get("int8", 0) for h in held) == embedding
     ids = [o.outputs[0].token_ids for o in outputs]
     if method == "int8":
         assert ids == [c["greedy_token_ids"] for c in golden]

@@ -56,7 +56,7 @@ class StageWorker:
             self.checkpoint_tensors = load_gguf_stage_weights(self.model, args.model_dir, ecfg.torch_dtype)
         else:  # no random init (0.6 s for half the default model): the loader fills every parameter, or refuses
             self.model = build_stage_model(cfg, self.stage, meta=True)
-            quantizer = LinearQuantizer(self.model, ecfg.quantization) if ecfg.quantization else None
+            quantizer = LinearQuantizer(self.model, ecfg.quantization, ecfg.torch_dtype) if ecfg.quantization else None
             self.checkpoint_tensors = load_stage_weights(self.model, args.model_dir, ecfg.torch_dtype, quantizer)
             if ecfg.quantization:
                 quantize_linears(self.model, ecfg.quantization)  # what the quantizer left: tied weights

@@ -5,7 +5,7 @@ import logging
 import torch
 from torch import nn
 
-from pipellm.quant.linear import Q4, Q8, CompactLinear, QuantWeight
+from pipellm.quant.linear import Q4, Q8, CompactEmbedding, CompactLinear, QuantWeight
 
 METHODS = ("int8", "int4")
 GROUP = 32
@@ -16,8 +16,16 @@ log = logging.getLogger("pipellm")
 def quantize(weight: torch.Tensor, method: str) -> QuantWeight:
     """weight [N, K] (K a multiple of 32) -> its compact form; every level is within half a step of the weight.
     ROWS rows at a time, so the fp32 temporaries stay small (one 11008 x 4096 weight of a 7B model is 180 MB in fp32)."""
-    parts = [_quantize_rows(weight[i:i + ROWS], method) for i in range(0, weight.shape[0], ROWS)]
-    return parts[0] if len(parts) == 1 else QuantWeight.stack(parts)
+    first = _quantize_rows(weight[:ROWS], method)
+    if weight.shape[0] <= ROWS:
+        return first
+    full = [None if t is None else t.new_empty((weight.shape[0], *t.shape[1:])) for t in first._tensors()]
+    for i in range(0, weight.shape[0], ROWS):
+        chunk = first if i == 0 else _quantize_rows(weight[i:i + ROWS], method)
+        for dst, src in zip(full, chunk._tensors()):
+            if dst is not None:
+                dst[i:i + ROWS] = src
+    return QuantWeight(first.kind, *full[:3], source=first.source)
 
 
 def _quantize_rows(weight: torch.Tensor, method: str) -> QuantWeight:
@@ -52,15 +60,18 @@ def quantize_linears(model: nn.Module, method: str) -> None:
 
 class LinearQuantizer:
     """load_stage_weights' on_filled: replaces each nn.Linear below model by its quantized CompactLinear as soon as
-    the linear's parameters are whole, and lets its dense weight go. Linears never completed this way (a weight tied
-    to the embedding) are left to quantize_linears."""
+    the linear's parameters are whole, and lets its dense weight go. The token embedding becomes int8 rows (Q8_0's
+    layout, whichever the method: a lookup reads a few rows, and int4 would cost accuracy for little), expanded to
+    dtype as they are looked up. Linears never completed this way (a weight tied to the embedding) are left to
+    quantize_linears."""
 
-    def __init__(self, model: nn.Module, method: str):
-        self.method = method
-        self.waiting: dict[str, tuple[nn.Module, str, set[str]]] = {}  # linear's name -> (parent, attribute, params)
+    def __init__(self, model: nn.Module, method: str, dtype: torch.dtype = torch.float32):
+        self.method, self.dtype = method, dtype
+        self.waiting: dict[str, tuple[nn.Module, str, set[str]]] = {}  # module's name -> (parent, attribute, params)
         for parent_name, parent in model.named_modules():
             for attr, child in parent.named_children():
-                if isinstance(child, nn.Linear) and child.in_features % GROUP == 0:
+                if (isinstance(child, nn.Linear) and child.in_features % GROUP == 0 or
+                        isinstance(child, nn.Embedding) and child.embedding_dim % GROUP == 0):
                     name = f"{parent_name}.{attr}" if parent_name else attr
                     self.waiting[name] = (parent, attr, {f"{name}.{p}" for p, _ in child.named_parameters()})
 
@@ -72,6 +83,9 @@ class LinearQuantizer:
         missing.discard(param_name)
         if not missing:
             del self.waiting[name]
-            linear = getattr(parent, attr)
-            bias = None if linear.bias is None else linear.bias.detach().float()
-            setattr(parent, attr, CompactLinear([quantize(linear.weight, self.method)], bias))
+            module = getattr(parent, attr)
+            if isinstance(module, nn.Embedding):
+                setattr(parent, attr, CompactEmbedding(quantize(module.weight, "int8"), self.dtype))
+                return
+            bias = None if module.bias is None else module.bias.detach().float()
+            setattr(parent, attr, CompactLinear([quantize(module.weight, self.method)], bias))
