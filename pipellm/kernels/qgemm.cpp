@@ -159,7 +159,8 @@ static inline void codes_ps(const QWeight& w, int64_t n, int64_t b, __m256* v) {
   if constexpr (KIND == pipellm::Q4 && P == 0) {
     const __m256i mask = _mm256_set1_epi32(15);
     for (int h = 0; h < 2; h++) {  // bytes 8h .. 8h+7: weights 8h .. 8h+7 (low nibbles) and 16+8h .. (high)
-      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + b * 16 + 8 * h)));
+      const __m128i* at = reinterpret_cast<const __m128i*>(row + b * 16 + 8 * h);
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(at));
       v[h] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, mask));
       v[h + 2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
     }
@@ -171,7 +172,8 @@ static inline void codes_ps(const QWeight& w, int64_t n, int64_t b, __m256* v) {
     v[2] = u8_to_ps(hi);
     v[3] = u8_to_ps(_mm_srli_si128(hi, 8));
   } else {
-    for (int c = 0; c < 4; c++) v[c] = i8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + b * 32 + 8 * c)));
+    for (int c = 0; c < 4; c++)
+      v[c] = i8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + b * 32 + 8 * c)));
   }
 }
 
@@ -425,7 +427,7 @@ static inline void chunk_consts(const QWeight& w, int64_t n, int64_t b0, float* 
 
 // One fp32 activation row: y[n] = sum over groups of s * (codes . x) + c * sum(x). A group's scale multiplies its
 // dot product once instead of every weight, and the constant's share comes from the row's group sums, computed
-// once for all weight rows: fewer instructions a weight than expanding the block for any number of rows.
+// once for all weight rows. (Expanding a block to weights pays only when several rows share the expansion.)
 template <int KIND, int GROUP, int SK, bool MIN, int P>
 static void gemm_row_t(const QWeight& w, const float* x, float* y, int64_t n0, int64_t n1) {
   constexpr int G = 32 / GROUP;

@@ -15,7 +15,7 @@ log = logging.getLogger("pipellm")
 
 def quantize(weight: torch.Tensor, method: str) -> QuantWeight:
     """weight [N, K] (K a multiple of 32) -> its compact form; every level is within half a step of the weight.
-    ROWS rows at a time, so the fp32 temporaries stay small (one 11008 x 4096 weight of a 7B model is 180 MB in fp32)."""
+    ROWS rows at a time, so the fp32 temporaries stay small (a 7B model's 11008 x 4096 weight is 180 MB in fp32)."""
     first = _quantize_rows(weight[:ROWS], method)
     if weight.shape[0] <= ROWS:
         return first
