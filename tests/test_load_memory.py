@@ -17,7 +17,7 @@ from pipellm.loader.safetensors import load_stage_weights
 from pipellm.models.registry import build_stage_model
 from pipellm.pipeline.partition import StageLayers
 from pipellm.quant.linear import weight_bytes
-from pipellm.quant.rtn import LinearQuantizer
+from pipellm.quant.rtn import LoadQuantizer
 
 def anon():
     with open("/proc/self/status") as f:
@@ -26,7 +26,7 @@ def anon():
 folder, dtype, method = sys.argv[1], getattr(torch, sys.argv[2]), sys.argv[3] or None
 cfg = ModelConfig.from_pretrained(folder)
 model = build_stage_model(cfg, StageLayers(0, 0, cfg.num_layers, True, True), meta=True)
-quantize = LinearQuantizer(model, method) if method else None
+quantize = LoadQuantizer(model, method) if method else None
 base = peak = anon()
 def filled(name):
     global peak

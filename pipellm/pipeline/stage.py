@@ -21,7 +21,7 @@ from pipellm.models.kv_cache import KVCache, cache_dtype
 from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.quant.linear import set_int8_activations, weight_bytes
-from pipellm.quant.rtn import LinearQuantizer, quantize_linears
+from pipellm.quant.rtn import LoadQuantizer, quantize_linears
 from pipellm.pipeline import comm, probe, wire
 from pipellm.pipeline.messages import (Inspect, ProbeReport, SampledBatch, Shutdown, StageArgs, StageBatch,
                                        StageReport)
@@ -56,7 +56,7 @@ class StageWorker:
             self.checkpoint_tensors = load_gguf_stage_weights(self.model, args.model_dir, ecfg.torch_dtype)
         else:  # no random init (0.6 s for half the default model): the loader fills every parameter, or refuses
             self.model = build_stage_model(cfg, self.stage, meta=True)
-            quantizer = LinearQuantizer(self.model, ecfg.quantization, ecfg.torch_dtype) if ecfg.quantization else None
+            quantizer = LoadQuantizer(self.model, ecfg.quantization, ecfg.torch_dtype) if ecfg.quantization else None
             self.checkpoint_tensors = load_stage_weights(self.model, args.model_dir, ecfg.torch_dtype, quantizer)
             if ecfg.quantization:
                 quantize_linears(self.model, ecfg.quantization)  # what the quantizer left: tied weights

@@ -58,7 +58,7 @@ def quantize_linears(model: nn.Module, method: str) -> None:
             quantize_linears(child, method)
 
 
-class LinearQuantizer:
+class LoadQuantizer:
     """load_stage_weights' on_filled: replaces each nn.Linear below model by its quantized CompactLinear as soon as
     the linear's parameters are whole, and lets its dense weight go. The token embedding becomes int8 rows (Q8_0's
     layout, whichever the method: a lookup reads a few rows, and int4 would cost accuracy for little), expanded to
