@@ -44,6 +44,11 @@ def _quantize_rows(weight: torch.Tensor, method: str) -> QuantWeight:
     return QuantWeight(Q4, packed.reshape(n, k // 2), scale, mins, source="int4")
 
 
+def quantized_linear(linear: nn.Linear, method: str) -> CompactLinear:
+    bias = None if linear.bias is None else linear.bias.detach().float()
+    return CompactLinear([quantize(linear.weight, method)], bias)
+
+
 def quantize_linears(model: nn.Module, method: str) -> None:
     """Replaces every nn.Linear below model by its quantized CompactLinear (layers whose inputs are not a multiple
     of 32 stay as they are, with a note in the log)."""
@@ -52,8 +57,7 @@ def quantize_linears(model: nn.Module, method: str) -> None:
             if child.in_features % GROUP:
                 log.info("%s stays unquantized: %d inputs is not a multiple of %d", name, child.in_features, GROUP)
                 continue
-            bias = None if child.bias is None else child.bias.detach().float()
-            setattr(model, name, CompactLinear([quantize(child.weight, method)], bias))
+            setattr(model, name, quantized_linear(child, method))
         else:
             quantize_linears(child, method)
 
@@ -86,6 +90,5 @@ class LoadQuantizer:
             module = getattr(parent, attr)
             if isinstance(module, nn.Embedding):
                 setattr(parent, attr, CompactEmbedding(quantize(module.weight, "int8"), self.dtype))
-                return
-            bias = None if module.bias is None else module.bias.detach().float()
-            setattr(parent, attr, CompactLinear([quantize(module.weight, self.method)], bias))
+            else:
+                setattr(parent, attr, quantized_linear(module, self.method))
