@@ -207,6 +207,8 @@ class ModelConfig:
                    dense_layers=dense_layers)
 
 
+MAX_SCHEDULER_STEPS = 1024  # decode steps a batch at most (EngineConfig.num_scheduler_steps)
+
 @dataclass
 class EngineConfig:
     model: str | None                   # HF folder or GGUF path; None = the default model
@@ -243,6 +245,8 @@ class EngineConfig:
     int8_activations: bool = False      # True: integer weight codes (GGUF's Q4-Q8 types, quantization) multiply
     #                                     activations rounded to 8 bits per 32, as llama.cpp does: faster decoding,
     #                                     perplexity within 1%, but greedy output may differ where the top two are close
+    num_scheduler_steps: int = 1        # decode steps a stage runs per batch, feeding back its own samples (vLLM's
+    #                                     multi-step scheduling): less driver round trip per token, output in bursts
 
     def __post_init__(self):
         def bad(name, why):
@@ -278,6 +282,11 @@ class EngineConfig:
             bad("max_batches_in_flight", "must be a positive integer or None")
         if not isinstance(self.int8_activations, bool):
             bad("int8_activations", "must be True or False")
+        if not isinstance(self.num_scheduler_steps, int) or not 1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
+            bad("num_scheduler_steps", f"must be an integer from 1 to {MAX_SCHEDULER_STEPS}")
+        if self.num_scheduler_steps > 1 and self.pipeline_parallel_size > 1:
+            bad("num_scheduler_steps", "above 1 needs pipeline_parallel_size=1 for now: the stage that samples "
+                                       "must be the one that embeds the next token")
         if not isinstance(self.enable_prefix_caching, bool):
             bad("enable_prefix_caching", "must be True or False")
         if not isinstance(self.restart_on_failure, bool):

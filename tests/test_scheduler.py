@@ -152,3 +152,52 @@ def test_memory_pressure_preempts_without_changing_greedy_output(llama_dir, chec
         assert tight.engine.block_manager.num_free_blocks == 16
     assert got == expected
     assert preempted > 0
+
+
+@pytest.fixture(scope="module")
+def llm_steps(llama_dir):
+    """One stage running up to 5 decode steps a batch, sampling its own next inputs."""
+    with LLM(llama_dir, num_scheduler_steps=5, dtype=FP32) as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "mistral"])
+def test_several_decode_steps_a_batch_match_hf_greedy(checkpoints, arch):
+    prompts = [[5, 6, 7], [(7 * i + 3) % 300 for i in range(19)], [(11 * i + 1) % 300 for i in range(40)]]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)  # 13 decodes: steps of 5, 5, 3
+    with LLM(checkpoints[arch][0], num_scheduler_steps=5, dtype=FP32) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                               use_tqdm=False)]
+        batches = llm.engine.scheduler.num_batches
+        ring = llm.engine.block_manager.window_ring
+    assert got == hf_greedy_ids(checkpoints[arch][1], prompts, params.max_tokens)
+    # one prefill, then three batches; sliding-window rings take one step at a time (mistral's window is 24)
+    assert batches == (14 if ring else 4)
+
+
+def test_a_stop_inside_several_steps_drops_the_rest(llm_steps, checkpoints):
+    prompt = [(3 * i + 2) % 300 for i in range(30)]
+    full = hf_greedy_ids(checkpoints["llama"][1], [prompt], 12)[0]
+    stop_at = next(i for i in range(2, 12) if full[i] not in full[:i])  # a token not generated before it
+    out = llm_steps.generate({"prompt_token_ids": prompt},
+                             SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[full[stop_at]]),
+                             use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full[:stop_at + 1] and out.finish_reason == "stop" and out.stop_reason == full[stop_at]
+    engine = llm_steps.engine
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    # its cached blocks hold only its own tokens: a prompt that continues it decodes as HF does
+    longer = prompt + full[:stop_at + 1] + [9] * 8
+    got = llm_steps.generate({"prompt_token_ids": longer}, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                         ignore_eos=True), use_tqdm=False)
+    assert engine.block_manager.num_prefix_hits > 0
+    assert got[0].outputs[0].token_ids == hf_greedy_ids(checkpoints["llama"][1], [longer], 8)[0]
+
+
+def test_several_steps_keep_seeded_samples_and_logprobs(llm_steps, llm_pp2):
+    params = SamplingParams(max_tokens=11, temperature=1.0, seed=1234, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 9, 1, 2]}]
+    one = [o.outputs[0] for o in llm_pp2.generate(prompts, params, use_tqdm=False)]
+    several = [o.outputs[0] for o in llm_steps.generate(prompts, params, use_tqdm=False)]
+    for a, b in zip(one, several):
+        assert a.token_ids == b.token_ids and len(b.logprobs) == 11
+        assert all(abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob) < 1e-4 for i, t in enumerate(a.token_ids))

@@ -375,3 +375,25 @@ def test_sigterm_ends_in_flight_request_and_leaves_no_stage(server):
     forwards = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 0]
     assert {e["pid"] for e in forwards} == {0, 1} and len(forwards) > 50
     assert os.path.getsize(os.path.join(trace_dir, "pipeline.png")) > 0
+
+
+def test_streams_of_several_steps_a_batch_equal_the_engine_output(llama_dir, llm_pp2, tmp_path):
+    """--num-scheduler-steps: tokens reach the server in bursts; the stream, the usage and the stop string's cut
+    are what one step a batch gives."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    expected = llm_pp2.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    stop = expected.text[len(expected.text) // 2:][:3]  # a stop string inside the output
+    cut = llm_pp2.generate(PROMPT, SamplingParams(max_tokens=20, temperature=0.0, stop=[stop]),
+                           use_tqdm=False)[0].outputs[0]
+    with serve(llama_dir, tmp_path, "-pp", "1", "--num-scheduler-steps", "6") as srv:
+        client = srv.client()
+        model = client.models.list().data[0].id
+        chunks = list(client.completions.create(model=model, prompt=PROMPT,
+                                                max_tokens=20, temperature=0.0, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        stopped = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0.0,
+                                            stop=[stop])
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == 20
+    assert stopped.choices[0].text == cut.text and stopped.choices[0].finish_reason == "stop"

@@ -3,6 +3,7 @@ expected kind gets through. Random and hostile bytes only ever raise WireError, 
 import os
 import pickle
 import struct
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -120,7 +121,7 @@ def _header(kind, value, arrays=()) -> bytes:
     (_header("StageBatch", [0] * 11, [["|O", [1]]]), "bad array description"),
     (_header("StageBatch", [0] * 11, [["<i8", [2 ** 40, 2 ** 40]]]), "runs past the end"),
     (_header("StageBatch", [0] * 11, [["<i8", [1]]]) + b"\0" * 9, "bytes left over"),
-    (_header("StageBatch", [None, 5] + [0] * 15, [["<i8", [1]]]) + b"\0" * 8, "batch_id"),
+    (_header("StageBatch", [None, 5] + [0] * 16, [["<i8", [1]]]) + b"\0" * 8, "batch_id"),
     (struct.pack("<I", 10 ** 6) + b"{}", "past the end"),
     (struct.pack("<I", 3) + b"[[[", "undecodable"),
     (struct.pack("<I", 20000) + b"[" * 20000, "undecodable"),  # deep nesting: RecursionError inside json
@@ -148,6 +149,21 @@ def test_stage_batch_check_refuses_out_of_range_indices():
         getattr(bad, field).flat[0] = value
         with pytest.raises(ValueError, match=why):
             bad.check(12, 16, 50, True, True)
+
+
+def test_stage_batch_check_refuses_steps_it_cannot_run():
+    decodes = StageBatch(3, np.array([7, 8]), np.array([20, 5]), np.array([20, 16 + 5]), np.array([1, 1]),
+                         np.array([21, 6]), np.array([[0, 1], [2, 3]], dtype=np.int32), np.array([0, 1]),
+                         ["a", "b"], num_steps=12)
+    decodes.check(12, 16, 50, True, True)  # 21 + 11 tokens fit in two blocks of 16
+    for change, why in [(dict(num_steps=13), "do not cover"), (dict(num_steps=0), "num_steps"),
+                        (dict(num_steps=2000), "num_steps"), (dict(logits_indices=np.array([1, 0])), "num_steps")]:
+        with pytest.raises(ValueError, match=why):
+            replace(decodes, **change).check(12, 16, 50, True, True)
+    with pytest.raises(ValueError, match="embeds and samples"):
+        decodes.check(12, 16, 50, True, False)  # a first stage that does not sample cannot feed its samples back
+    with pytest.raises(ValueError, match="num_steps"):
+        replace(_batch(), num_steps=2).check(12, 16, 50, True, True)  # its first sequence is a prefill
 
 
 FRAMES = [wire.seal(KEY, CTX, wire.encode(m)) for m in MESSAGES]

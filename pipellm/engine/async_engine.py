@@ -135,7 +135,6 @@ class AsyncEngine:
         self._active: dict[str, _Tracked] = {}   # engine thread only
         self._last_report = 0.0
         self._has_stepped = True                 # since the last stage report; an idle server asks nothing
-        self._num_generated = 0                  # engine thread only
         self._num_queued = 0                     # sequences put on the command queue, not yet in the scheduler
         self._queued_lock = threading.Lock()     # ... counted up by the event loop, down by the engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -265,7 +264,6 @@ class AsyncEngine:
         self._active[cmd.request_id] = _Tracked(cmd.updates, [0] * n, [0] * n, [True] * n)
 
     def _publish(self, updated: list) -> None:
-        self._num_generated += len(updated)  # one new token each
         per_request: dict[str, list[EngineDelta]] = {}
         for req in updated:
             rid = req.parent_id or req.request_id
@@ -305,7 +303,7 @@ class AsyncEngine:
         sched = engine.scheduler
         # Replaced whole, never mutated: the event loop reads it without a lock.
         self.stats = EngineStats(len(sched.running), len(sched.waiting), bm.usage,
-                                 bm.prefix_hit_rate, self._num_generated, len(engine.restarts), reports)
+                                 bm.prefix_hit_rate, engine.num_generated_tokens, len(engine.restarts), reports)
 
     def _fail(self, message: str) -> None:
         self.error = message

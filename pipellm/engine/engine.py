@@ -104,10 +104,12 @@ class LLMEngine:
         self.block_manager = self._block_manager()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" else None,
-                                   send_rope_lens=mc.rope.rope_type in ("dynamic", "longrope"))
+                                   send_rope_lens=mc.rope.rope_type in ("dynamic", "longrope"),
+                                   num_scheduler_steps=config.num_scheduler_steps)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # a user's request id -> its completions' ids, to find them by id
         self.in_flight: deque[ScheduledBatch] = deque()
+        self.num_generated_tokens = 0     # every token applied to a request, aborted ones' included
         self._request_counter = itertools.count()
         self.tracer = TraceRecorder() if config.trace else None
         self.failures: list[float] = []   # monotonic times of pipeline failures, for the restart limit
@@ -356,16 +358,19 @@ class LLMEngine:
                 self.block_manager.free(req)
         if result.prompt_logprobs is not None:
             self._add_prompt_logprobs(batch, result.prompt_logprobs)
-        updated, now = [], time.monotonic()
-        for req, tok in zip(batch.sampled, result.tokens):
-            if req.is_finished:
-                continue
-            req.output_token_ids.append(tok.token_id)
-            req.token_times.append(now)
-            if req.params.logprobs is not None:
-                self._add_logprobs(req, tok)
-            self._check_stop(req)
-            updated.append(req)
+        updated, now, n = [], time.monotonic(), len(batch.sampled)
+        for step in range(batch.stage_batch.num_steps):  # tokens come step by step
+            for req, tok in zip(batch.sampled, result.tokens[step * n:(step + 1) * n]):
+                if req.is_finished:  # the steps after the token that ended it are dropped
+                    continue
+                req.output_token_ids.append(tok.token_id)
+                req.token_times.append(now)
+                self.num_generated_tokens += 1
+                if req.params.logprobs is not None:
+                    self._add_logprobs(req, tok)
+                self._check_stop(req)
+                if step == 0:
+                    updated.append(req)
         return updated
 
     def _add_logprobs(self, req: Request, tok) -> None:

@@ -19,6 +19,7 @@ class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]        # per request, tokens run this step
     sampled: list[Request]           # requests whose last known token is in this step: they get a new token
+    #                                  (num_steps of them, when the stage runs several decode steps)
     stage_batch: StageBatch
     prompt_spans: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, first prompt position
     #                                  scored, count) in the order of StageBatch.prompt_rows
@@ -26,8 +27,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 recompute_past: int | None = None, send_rope_lens: bool = False):
+                 recompute_past: int | None = None, send_rope_lens: bool = False, num_scheduler_steps: int = 1):
         self.block_manager = block_manager
+        self.num_scheduler_steps = num_scheduler_steps
         self.send_rope_lens = send_rope_lens  # dynamic and longrope rotary scale by each sequence's known length
         # longrope: a sequence that grows past this length recomputes its cache with the long factors (as HF's Phi-3)
         self.recompute_past = recompute_past
@@ -47,6 +49,8 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        # after several decode steps, the cache may hold steps past the token that ended it: not its tokens
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
         if req in self.running:
             self.running.remove(req)
         else:
@@ -124,9 +128,24 @@ class Scheduler:
             budget -= n
         if not chosen:
             return None
-        return self._build(chosen)
+        return self._build(chosen, self._num_steps(chosen))
 
-    def _build(self, chosen: list[tuple[Request, int]]) -> ScheduledBatch:
+    def _num_steps(self, chosen: list[tuple[Request, int]]) -> int:
+        """How many decode steps the stage runs in a row (num_scheduler_steps), with their blocks allocated: only
+        when every chosen request decodes, none waits to start, and each has that many tokens left to generate."""
+        steps = self.num_scheduler_steps
+        if steps == 1 or self.waiting or self.block_manager.window_ring or self.send_rope_lens or any(
+                n != 1 or r.num_pending_tokens != 1 or r.params.prompt_logprobs is not None for r, n in chosen):
+            return 1
+        bm = self.block_manager
+        steps = min(steps, *(r.max_tokens - len(r.output_token_ids) for r, _ in chosen))
+        if steps <= 1 or sum(bm.num_blocks_needed(r, steps) for r, _ in chosen) > bm.num_free_blocks:
+            return 1
+        for r, _ in chosen:
+            bm.allocate(r, steps)
+        return steps
+
+    def _build(self, chosen: list[tuple[Request, int]], steps: int = 1) -> ScheduledBatch:
         bs = self.block_manager.block_size
         reqs = [r for r, _ in chosen]
         counts = np.array([n for _, n in chosen], dtype=np.int64)
@@ -155,14 +174,14 @@ class Scheduler:
         logits_indices = (np.cumsum(counts) - 1)[seq_lens == rope_lens]
         spans, prompt_rows = self._prompt_rows(reqs, starts, counts)
         for r, n in chosen:
-            r.num_computed_tokens += n
+            r.num_computed_tokens += n if steps == 1 else steps
             r.in_flight = True
             r.rope_len = r.num_tokens
         for r in sampled:
             r.is_known_to_sampler = True
         batch = StageBatch(self.num_batches, ids, positions, slots, counts, seq_lens, tables, logits_indices,
                            [r.request_id for r in sampled], new, self.finished_ids,
-                           rope_lens if self.send_rope_lens else None, window_tables)
+                           rope_lens if self.send_rope_lens else None, window_tables, num_steps=steps)
         if spans:
             batch.prompt_rows, batch.prompt_targets = prompt_rows
             batch.prompt_top_k = max(r.params.prompt_logprobs for r, _, _ in spans)

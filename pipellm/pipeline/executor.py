@@ -93,7 +93,7 @@ class PipelineExecutor:
         self.generation = generation
         self.store = store.generation(generation)
         self.vocab_size, self.num_layers = model_config.vocab_size, model_config.num_layers
-        self.expected: deque[tuple[int | None, int]] = deque()  # per batch in flight: prompt log-prob rows, top k
+        self.expected: deque[tuple] = deque()  # per batch in flight: tokens, prompt log-prob rows, top k
         world_size = len(stages) + 1
         self.node_of = [node_of_stage(s.rank, len(stages), engine_config.nnodes) for s in stages]
         local = [s.rank for s in stages
@@ -295,7 +295,8 @@ class PipelineExecutor:
                 self.chan.send_obj(part, comm.stage_world_rank(stage.rank))
         self._guard("sending a batch", send)
         rows = None if batch.prompt_rows is None else len(batch.prompt_rows)
-        self.expected.append((rows, batch.prompt_top_k))  # what its SampledBatch must hold
+        # what its SampledBatch must hold
+        self.expected.append((len(batch.logits_indices) * batch.num_steps, rows, batch.prompt_top_k))
 
     def receive(self) -> SampledBatch:
         """The sampled tokens of the oldest batch in flight."""

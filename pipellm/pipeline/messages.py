@@ -3,7 +3,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipellm.config import EngineConfig, ModelConfig
+from pipellm.config import MAX_SCHEDULER_STEPS, EngineConfig, ModelConfig
 from pipellm.pipeline.partition import StageLayers
 from pipellm.sampler import PromptLogprobs, SampledToken
 from pipellm.sampling_params import SamplingParams
@@ -52,6 +52,8 @@ class StageBatch:
     prompt_rows: np.ndarray | None = None     # [R] rows whose logits score the next prompt token (last stage)
     prompt_targets: np.ndarray | None = None  # [R] those next prompt tokens
     prompt_top_k: int = 0                     # most likely tokens returned beside each (the batch's largest k)
+    num_steps: int = 1               # decode steps in a row, each step's samples the next one's input_ids (one
+    #                                  stage, every row a decode); block_tables cover them all
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +88,14 @@ class StageBatch:
                  len(self.window_block_tables) == B and (self.window_block_tables >= 0).all() and
                  (self.window_block_tables < num_window_blocks).all(), "window_block_tables out of range")
         need(not self.probe or B == 1, "a probe batch holds one sequence")
+        if self.num_steps != 1:
+            need(isinstance(self.num_steps, int) and 1 < self.num_steps <= MAX_SCHEDULER_STEPS and is_first
+                 and is_last and T == B and np.array_equal(self.logits_indices, np.arange(B))
+                 and self.prompt_rows is None and not self.probe and self.window_block_tables is None
+                 and self.rope_lens is None, f"num_steps must be 1 to {MAX_SCHEDULER_STEPS}, and above 1 only for "
+                 "decodes on a stage that both embeds and samples")
+            need((self.seq_lens + self.num_steps - 1 <= self.block_tables.shape[1] * block_size).all(),
+                 "block_tables do not cover num_steps")
         if is_first:
             need(self.input_ids is not None and self.input_ids.shape == (T,) and self.input_ids.dtype.kind == "i"
                  and (self.input_ids >= 0).all() and (self.input_ids < vocab_size).all(),
@@ -104,12 +114,15 @@ class StageBatch:
 
 @dataclass
 class SampledBatch:
-    """Last stage -> driver: one sampled token per entry of StageBatch.sample_req_ids."""
+    """Last stage -> driver: one sampled token per entry of StageBatch.sample_req_ids, per step (step by step)."""
     batch_id: int
     tokens: list[SampledToken]
     prompt_logprobs: PromptLogprobs | None = None  # for StageBatch.prompt_rows, in their order
 
-    def check(self, vocab_size: int, num_prompt_rows: int | None = None, top_k: int = 0) -> None:
+    def check(self, vocab_size: int, num_tokens: int, num_prompt_rows: int | None = None, top_k: int = 0) -> None:
+        if len(self.tokens) != num_tokens:
+            raise ValueError(f"SampledBatch {self.batch_id}: {len(self.tokens)} tokens where the batch samples "
+                             f"{num_tokens}")
         if any(not 0 <= t.token_id < vocab_size for t in self.tokens):
             raise ValueError(f"SampledBatch {self.batch_id}: token ids outside the vocabulary of {vocab_size}")
         p = self.prompt_logprobs

@@ -102,6 +102,8 @@ class StageWorker:
         cfg, ecfg = self.args.model_config, self.args.engine_config
         batch.check(self.args.num_blocks, ecfg.block_size, cfg.vocab_size, self.stage.is_first, self.stage.is_last,
                     self.args.num_window_blocks)
+        if batch.num_steps > 1:
+            return self._decode_steps(batch)
         t = torch.from_numpy
         positions = t(batch.positions)
         meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, t(batch.query_lens),
@@ -130,10 +132,7 @@ class StageWorker:
             if recorder is not None:
                 self._finish_probe(batch, recorder, [])
             return
-        for req_id in batch.finished_req_ids:
-            self.sampler.remove_request(req_id)
-        for req in batch.new_requests:
-            self.sampler.add_request(req.req_id, req.params, req.prompt_token_ids, req.seed, req.output_token_ids)
+        self._update_sampler(batch)
         tokens, prompt_lps = [], None
         if len(batch.logits_indices):
             logits = self.model.compute_logits(hidden[t(batch.logits_indices)])
@@ -146,6 +145,38 @@ class StageWorker:
         self.chan.send_obj(SampledBatch(batch.batch_id, tokens, prompt_lps), comm.DRIVER)
         if recorder is not None:
             self._finish_probe(batch, recorder, tokens)
+
+    def _update_sampler(self, batch: StageBatch) -> None:
+        for req_id in batch.finished_req_ids:
+            self.sampler.remove_request(req_id)
+        for req in batch.new_requests:
+            self.sampler.add_request(req.req_id, req.params, req.prompt_token_ids, req.seed, req.output_token_ids)
+
+    def _decode_steps(self, batch: StageBatch) -> None:
+        """batch.num_steps decode steps of its sequences on a stage that both embeds and samples: each step's
+        sampled tokens are the next step's input, one position on, in the slots their block tables give."""
+        cfg, block_size = self.args.model_config, self.args.engine_config.block_size
+        start = time.perf_counter()
+        self._update_sampler(batch)
+        t = torch.from_numpy
+        ids, positions, query_lens, seq_lens = t(batch.input_ids), t(batch.positions), t(batch.query_lens), \
+            t(batch.seq_lens)
+        tables = t(batch.block_tables)
+        rows = torch.arange(len(query_lens))
+        tokens = []
+        for step in range(batch.num_steps):
+            if step:
+                ids = torch.tensor([tok.token_id for tok in tokens[-len(rows):]])
+                positions, seq_lens = positions + 1, seq_lens + 1
+            slots = tables[rows, positions // block_size].long() * block_size + positions % block_size
+            meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, query_lens, seq_lens,
+                                                tables, slots, block_size)
+            hidden = self.model(ids, positions, meta, self.kv_caches)
+            tokens += self.sampler.sample(self.model.compute_logits(hidden), batch.sample_req_ids)
+        self.steps += batch.num_steps
+        self.busy_s += time.perf_counter() - start
+        self._record("forward", batch, start)
+        self.chan.send_obj(SampledBatch(batch.batch_id, tokens), comm.DRIVER)
 
     def _finish_probe(self, batch: StageBatch, recorder: probe.Recorder, tokens: list) -> None:
         """After a probe batch: every layer's output so far goes on to the next stage (activations, like the hidden
