@@ -284,9 +284,6 @@ class EngineConfig:
             bad("int8_activations", "must be True or False")
         if not isinstance(self.num_scheduler_steps, int) or not 1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
             bad("num_scheduler_steps", f"must be an integer from 1 to {MAX_SCHEDULER_STEPS}")
-        if self.num_scheduler_steps > 1 and self.pipeline_parallel_size > 1:
-            bad("num_scheduler_steps", "above 1 needs pipeline_parallel_size=1 for now: the stage that samples "
-                                       "must be the one that embeds the next token")
         if not isinstance(self.enable_prefix_caching, bool):
             bad("enable_prefix_caching", "must be True or False")
         if not isinstance(self.restart_on_failure, bool):

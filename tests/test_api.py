@@ -143,7 +143,7 @@ def test_output_is_capped_by_max_model_len(llama_dir):
     (dict(dtype="int8"), "dtype='int8'"),
     (dict(max_model_len=100000), "exceeds the model's context of 256"),
     (dict(num_scheduler_steps=0), "num_scheduler_steps=0: must be an integer from 1 to 1024"),
-    (dict(pipeline_parallel_size=2, num_scheduler_steps=4), "needs pipeline_parallel_size=1"),
+    (dict(num_scheduler_steps=1025), "num_scheduler_steps=1025: must be an integer from 1 to 1024"),
 ])
 def test_bad_engine_arguments(llama_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -161,18 +161,23 @@ def llm_steps(llama_dir):
         yield llm
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "mistral"])
-def test_several_decode_steps_a_batch_match_hf_greedy(checkpoints, arch):
+@pytest.mark.parametrize("arch,pp", [("llama", 1), ("qwen2", 1), ("gpt2", 1), ("mistral", 1), ("llama", 3)])
+def test_several_decode_steps_a_batch_match_hf_greedy(checkpoints, arch, pp):
     prompts = [[5, 6, 7], [(7 * i + 3) % 300 for i in range(19)], [(11 * i + 1) % 300 for i in range(40)]]
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)  # 13 decodes: steps of 5, 5, 3
-    with LLM(checkpoints[arch][0], num_scheduler_steps=5, dtype=FP32) as llm:
+    expected = hf_greedy_ids(checkpoints[arch][1], prompts, params.max_tokens)
+    with LLM(checkpoints[arch][0], pipeline_parallel_size=pp, num_scheduler_steps=5, dtype=FP32) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                                use_tqdm=False)]
         batches = llm.engine.scheduler.num_batches
         ring = llm.engine.block_manager.window_ring
-    assert got == hf_greedy_ids(checkpoints[arch][1], prompts, params.max_tokens)
-    # one prefill, then three batches; sliding-window rings take one step at a time (mistral's window is 24)
-    assert batches == (14 if ring else 4)
+        if pp > 1:  # one sequence alone takes several steps a batch through every stage
+            alone = llm.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False)[0].outputs[0].token_ids
+            assert alone == expected[1] and llm.engine.scheduler.num_batches - batches == 4
+    assert got == expected
+    # one prefill, then three batches; sliding-window rings take one step at a time (mistral's window is 24); with
+    # three stages, three batches in flight take a sequence each, one step at a time
+    assert batches == ((14 if ring else 4) if pp == 1 else 14 * len(prompts))
 
 
 def test_a_stop_inside_several_steps_drops_the_rest(llm_steps, checkpoints):

@@ -160,8 +160,8 @@ def test_stage_batch_check_refuses_steps_it_cannot_run():
                         (dict(num_steps=2000), "num_steps"), (dict(logits_indices=np.array([1, 0])), "num_steps")]:
         with pytest.raises(ValueError, match=why):
             replace(decodes, **change).check(12, 16, 50, True, True)
-    with pytest.raises(ValueError, match="embeds and samples"):
-        decodes.check(12, 16, 50, True, False)  # a first stage that does not sample cannot feed its samples back
+    decodes.check(12, 16, 50, True, False)  # each stage of a pipeline runs the steps
+    decodes.check(12, 16, 50, False, True)
     with pytest.raises(ValueError, match="num_steps"):
         replace(_batch(), num_steps=2).check(12, 16, 50, True, True)  # its first sequence is a prefill
 

@@ -105,7 +105,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" else None,
                                    send_rope_lens=mc.rope.rope_type in ("dynamic", "longrope"),
-                                   num_scheduler_steps=config.num_scheduler_steps)
+                                   num_scheduler_steps=config.num_scheduler_steps,
+                                   steps_alone=config.batches_in_flight > 1)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # a user's request id -> its completions' ids, to find them by id
         self.in_flight: deque[ScheduledBatch] = deque()

@@ -27,9 +27,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 recompute_past: int | None = None, send_rope_lens: bool = False, num_scheduler_steps: int = 1):
+                 recompute_past: int | None = None, send_rope_lens: bool = False, num_scheduler_steps: int = 1,
+                 steps_alone: bool = False):
         self.block_manager = block_manager
-        self.num_scheduler_steps = num_scheduler_steps
+        # several steps a batch; with steps_alone (several stages), only for a batch of every running request: its
+        # stages pass each step on to each other, and a second batch in flight would wait for all of its steps
+        self.num_scheduler_steps, self.steps_alone = num_scheduler_steps, steps_alone
         self.send_rope_lens = send_rope_lens  # dynamic and longrope rotary scale by each sequence's known length
         # longrope: a sequence that grows past this length recomputes its cache with the long factors (as HF's Phi-3)
         self.recompute_past = recompute_past
@@ -135,7 +138,8 @@ class Scheduler:
         when every chosen request decodes, none waits to start, and each has that many tokens left to generate."""
         steps = self.num_scheduler_steps
         if steps == 1 or self.waiting or self.block_manager.window_ring or self.send_rope_lens or any(
-                n != 1 or r.num_pending_tokens != 1 or r.params.prompt_logprobs is not None for r, n in chosen):
+                n != 1 or r.num_pending_tokens != 1 or r.params.prompt_logprobs is not None for r, n in chosen) or (
+                self.steps_alone and len(chosen) < len(self.running)):
             return 1
         bm = self.block_manager
         steps = min(steps, *(r.max_tokens - len(r.output_token_ids) for r, _ in chosen))

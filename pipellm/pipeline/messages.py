@@ -52,8 +52,9 @@ class StageBatch:
     prompt_rows: np.ndarray | None = None     # [R] rows whose logits score the next prompt token (last stage)
     prompt_targets: np.ndarray | None = None  # [R] those next prompt tokens
     prompt_top_k: int = 0                     # most likely tokens returned beside each (the batch's largest k)
-    num_steps: int = 1               # decode steps in a row, each step's samples the next one's input_ids (one
-    #                                  stage, every row a decode); block_tables cover them all
+    num_steps: int = 1               # decode steps in a row, each step's samples the next one's input_ids (the
+    #                                  last stage sends them to the first); every row a decode; block_tables cover
+    #                                  them all
 
     @property
     def num_tokens(self) -> int:
@@ -89,11 +90,10 @@ class StageBatch:
                  (self.window_block_tables < num_window_blocks).all(), "window_block_tables out of range")
         need(not self.probe or B == 1, "a probe batch holds one sequence")
         if self.num_steps != 1:
-            need(isinstance(self.num_steps, int) and 1 < self.num_steps <= MAX_SCHEDULER_STEPS and is_first
-                 and is_last and T == B and np.array_equal(self.logits_indices, np.arange(B))
-                 and self.prompt_rows is None and not self.probe and self.window_block_tables is None
-                 and self.rope_lens is None, f"num_steps must be 1 to {MAX_SCHEDULER_STEPS}, and above 1 only for "
-                 "decodes on a stage that both embeds and samples")
+            need(isinstance(self.num_steps, int) and 1 < self.num_steps <= MAX_SCHEDULER_STEPS and T == B
+                 and np.array_equal(self.logits_indices, np.arange(B)) and self.prompt_rows is None
+                 and not self.probe and self.window_block_tables is None and self.rope_lens is None,
+                 f"num_steps must be 1 to {MAX_SCHEDULER_STEPS}, and above 1 only when every row decodes")
             need((self.seq_lens + self.num_steps - 1 <= self.block_tables.shape[1] * block_size).all(),
                  "block_tables do not cover num_steps")
         if is_first:

@@ -153,30 +153,53 @@ class StageWorker:
             self.sampler.add_request(req.req_id, req.params, req.prompt_token_ids, req.seed, req.output_token_ids)
 
     def _decode_steps(self, batch: StageBatch) -> None:
-        """batch.num_steps decode steps of its sequences on a stage that both embeds and samples: each step's
-        sampled tokens are the next step's input, one position on, in the slots their block tables give."""
-        cfg, block_size = self.args.model_config, self.args.engine_config.block_size
-        start = time.perf_counter()
-        self._update_sampler(batch)
-        t = torch.from_numpy
-        ids, positions, query_lens, seq_lens = t(batch.input_ids), t(batch.positions), t(batch.query_lens), \
-            t(batch.seq_lens)
+        """batch.num_steps decode steps of its sequences, each step one position on, in the slots their block tables
+        give. The last stage's samples are the next step's input: it sends them to the first stage (only token ids
+        cross), and the driver gets every step's tokens at the end."""
+        cfg, ecfg, stage = self.args.model_config, self.args.engine_config, self.stage
+        t, bs = torch.from_numpy, ecfg.block_size
+        first_rank = comm.stage_world_rank(0)
+        last_rank = comm.stage_world_rank(self.args.num_stages - 1)
+        if stage.is_last:
+            self._update_sampler(batch)
+        ids, positions, query_lens, seq_lens = (None if batch.input_ids is None else t(batch.input_ids),
+                                                t(batch.positions), t(batch.query_lens), t(batch.seq_lens))
         tables = t(batch.block_tables)
         rows = torch.arange(len(query_lens))
         tokens = []
         for step in range(batch.num_steps):
+            waiting_since = time.perf_counter()
             if step:
-                ids = torch.tensor([tok.token_id for tok in tokens[-len(rows):]])
                 positions, seq_lens = positions + 1, seq_lens + 1
-            slots = tables[rows, positions // block_size].long() * block_size + positions % block_size
+                if stage.is_first:
+                    ids = (torch.tensor([tok.token_id for tok in tokens[-len(rows):]]) if stage.is_last else
+                           self.chan.recv_tensor((len(rows),), torch.int64, last_rank))
+                    if not bool(((ids >= 0) & (ids < cfg.vocab_size)).all()):
+                        raise ValueError(f"StageBatch {batch.batch_id}: the last stage sent token ids outside the "
+                                         f"vocabulary of {cfg.vocab_size}")
+            x = ids if stage.is_first else self.chan.recv_tensor((len(rows), cfg.hidden_size), ecfg.torch_dtype,
+                                                                  self.world_rank - 1)
+            start = time.perf_counter()
+            if step or not stage.is_first:  # (the batch's own wait is recorded by serve())
+                self._record("wait_hidden", batch, waiting_since, start)
+            slots = tables[rows, positions // bs].long() * bs + positions % bs
             meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, query_lens, seq_lens,
-                                                tables, slots, block_size)
-            hidden = self.model(ids, positions, meta, self.kv_caches)
-            tokens += self.sampler.sample(self.model.compute_logits(hidden), batch.sample_req_ids)
+                                                tables, slots, bs)
+            hidden = self.model(x, positions, meta, self.kv_caches)
+            if not stage.is_last:
+                self.chan.send_tensor(hidden, self.world_rank + 1)
+                self.bytes_sent += hidden.numel() * hidden.element_size()
+                self.tokens_sent += hidden.shape[0]
+            else:
+                step_tokens = self.sampler.sample(self.model.compute_logits(hidden), batch.sample_req_ids)
+                tokens += step_tokens
+                if not stage.is_first and step + 1 < batch.num_steps:
+                    self.chan.send_tensor(torch.tensor([tok.token_id for tok in step_tokens]), first_rank)
+            self.busy_s += time.perf_counter() - start
+            self._record("forward", batch, start)
         self.steps += batch.num_steps
-        self.busy_s += time.perf_counter() - start
-        self._record("forward", batch, start)
-        self.chan.send_obj(SampledBatch(batch.batch_id, tokens), comm.DRIVER)
+        if stage.is_last:
+            self.chan.send_obj(SampledBatch(batch.batch_id, tokens), comm.DRIVER)
 
     def _finish_probe(self, batch: StageBatch, recorder: probe.Recorder, tokens: list) -> None:
         """After a probe batch: every layer's output so far goes on to the next stage (activations, like the hidden
