@@ -1,6 +1,7 @@
 """Several decode steps a batch (num_scheduler_steps) against one, on the default model at PP=1, in one run:
-single-stream decode (as decode_latency.py: 127 / (t(128) - t(1))), with fp32 and 8-bit activations, llama.cpp on
-the same GGUF file and threads when given a Python that has llama-cpp-python, and the 32-request throughput workload.
+single-stream decode (as decode_latency.py: 127 / (t(128) - t(1))), with fp32 and 8-bit activations, and at PP=2;
+llama.cpp on the same GGUF file and threads when given a Python that has llama-cpp-python; and the 32-request
+throughput workload at PP=1.
     python benchmarks/scheduler_steps.py [--steps 1,8] [--rounds 3] [--llama-cpp-python PYTHON] [--json out.json]
 Each round starts every engine afresh, one at a time, in a rotated order (a driver process's first engine decoded
 slower than later ones here); the median round is reported.
@@ -29,22 +30,23 @@ def main():
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     gguf_file = default_model_path()
+    steps = list(map(int, args.steps.split(",")))
     systems = [(f"steps{k}" + ("_int8" if int8 else ""), dict(num_scheduler_steps=k, int8_activations=int8))
-               for k in map(int, args.steps.split(",")) for int8 in (False, True)]
+               for k in steps for int8 in (False, True)]
+    systems += [(f"pp2_steps{k}", dict(num_scheduler_steps=k, pipeline_parallel_size=2)) for k in steps]
     if args.llama_cpp_python:
         systems.append(("llama_cpp", None))
     llama_cmd = [args.llama_cpp_python, os.path.join(os.path.dirname(__file__), "llama_cpp_decode.py"), gguf_file,
                  "--new-tokens", str(args.new_tokens), "--threads", "2"]
     decode = {name: [] for name, _ in systems}
-    batch = {name: [] for name, kw in systems if kw is not None and not kw["int8_activations"]}
+    batch = {name: [] for name, kw in systems if name.startswith("steps") and not kw["int8_activations"]}
     for r in range(args.rounds):
         for name, kwargs in systems[r % len(systems):] + systems[:r % len(systems)]:
             if kwargs is None:
                 out = subprocess.run(llama_cmd, check=True, capture_output=True, text=True).stdout
                 decode[name].append(json.loads(out.strip().splitlines()[-1])["rate"])
             else:
-                with LLM(gguf_file, pipeline_parallel_size=1, kv_cache_gib=0.0625, max_model_len=1024,
-                         **kwargs) as llm:
+                with LLM(gguf_file, kv_cache_gib=0.0625, max_model_len=1024, **kwargs) as llm:
                     gen = pipellm_generator(llm)
                     gen(2)  # warm-up
                     decode[name].append(decode_rate(gen, args.new_tokens))
