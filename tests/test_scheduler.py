@@ -141,12 +141,13 @@ def test_request_ids_are_unique_and_every_completion_is_found_by_its_request_id(
     assert engine.block_manager.num_free_blocks == engine.num_blocks
 
 
-def test_memory_pressure_preempts_without_changing_greedy_output(llama_dir, checkpoints):
+@pytest.mark.parametrize("pp,steps", [(2, 1), (1, 6)])
+def test_memory_pressure_preempts_without_changing_greedy_output(llama_dir, checkpoints, pp, steps):
     prompts = [{"prompt_token_ids": [(i * 7 + j) % 300 + 1 for j in range(10 + 3 * i)]} for i in range(10)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     expected = hf_greedy_ids(checkpoints["llama"][1], [p["prompt_token_ids"] for p in prompts], params.max_tokens)
-    # 16 blocks of 16 tokens for 10 requests needing up to 4 blocks each.
-    with LLM(llama_dir, pipeline_parallel_size=2, num_kv_blocks=16, dtype=FP32) as tight:
+    # 16 blocks of 16 tokens for 10 requests needing up to 4 blocks each (and blocks for several steps ahead).
+    with LLM(llama_dir, pipeline_parallel_size=pp, num_kv_blocks=16, dtype=FP32, num_scheduler_steps=steps) as tight:
         got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
         preempted = tight.engine.scheduler.num_preemptions
         assert tight.engine.block_manager.num_free_blocks == 16
