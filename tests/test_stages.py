@@ -23,6 +23,16 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_a_stage_with_a_tied_embedding_and_head_holds_the_matrix_once(checkpoints, arch):
+    folder, hf = checkpoints[arch]
+    assert hf.get_output_embeddings().weight is hf.get_input_embeddings().weight  # tied: one parameter below
+    params = list(hf.parameters())
+    with LLM(folder, dtype="float32") as llm:
+        held = sum(n for _, n in llm.engine.inspect()[0].weight_bytes)
+    assert held == sum(p.numel() for p in params) * 4
+
+
 def test_each_stage_holds_only_its_layers(llama_dir):
     with LLM(llama_dir, pipeline_parallel_size=3, layer_partition=[1, 3, 1]) as llm:
         reports = llm.engine.inspect()

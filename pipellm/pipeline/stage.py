@@ -18,7 +18,7 @@ from pipellm.loader.gguf import gguf_source, load_gguf_stage_weights
 from pipellm.loader.safetensors import load_stage_weights
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache, cache_dtype
-from pipellm.models.layers import transpose_linears
+from pipellm.models.layers import share_tied_embedding, transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.quant.linear import set_int8_activations, weight_bytes
 from pipellm.quant.rtn import LoadQuantizer, quantize_linears
@@ -62,6 +62,7 @@ class StageWorker:
                 quantize_linears(self.model, ecfg.quantization)  # what the quantizer left: tied weights
         set_int8_activations(self.model, ecfg.int8_activations)
         transpose_linears(self.model)
+        share_tied_embedding(self.model)
         self.model.eval()
         kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)
         # sliding-window layers have caches of their own when the driver gives them rings of blocks
