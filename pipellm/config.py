@@ -218,7 +218,7 @@ class EngineConfig:
     #                                     faster on this CPU (pipeline.profile.auto_dtype)
     block_size: int = 16                # tokens per KV cache block
     max_model_len: int | None = None    # prompt + output tokens; None = the model's limit
-    max_num_seqs: int = 64              # requests in one step at most
+    max_num_seqs: int = 64              # requests running at once at most (all batches in flight together)
     max_num_batched_tokens: int = 512   # tokens in one step at most: small, equal steps keep stages balanced
     kv_cache_gib: float = 1.0           # KV cache memory per stage
     kv_cache_dtype: str = "auto"        # "auto" (the activations' dtype), "bfloat16", or "int8" (a scale per block

@@ -85,6 +85,19 @@ def test_chunked_prefill_and_mixed_steps():
     assert decode.stage_batch.input_ids.tolist() == [7, 7]
 
 
+def test_max_num_seqs_bounds_the_requests_of_every_batch_in_flight_together():
+    sched = Scheduler(BlockManager(32, 4), max_num_seqs=2, max_num_batched_tokens=64)
+    for name in "abc":
+        sched.add(_req(name, 3))
+    first = sched.schedule(max_num_seqs=1)  # two batches in flight, as the engine fills a 2-stage pipeline
+    second = sched.schedule(max_num_seqs=1)
+    assert [r.request_id for r in first.requests + second.requests] == ["a", "b"]
+    assert sched.schedule(max_num_seqs=1) is None and [r.request_id for r in sched.waiting] == ["c"]
+    _return_tokens(first)
+    sched.finish(first.requests[0], "stop")
+    assert [r.request_id for r in sched.schedule().requests] == ["c"]  # a running request ended: room for one
+
+
 def test_preemption_frees_blocks_and_recomputes_later():
     # Caching off: "a" and "b" have the same prompt, so with it on, block ids change as they share blocks
     # (test_prefix_cache.py::test_no_leaks_after_preempt_finish_and_abort runs this with caching on).

@@ -170,9 +170,8 @@ def test_a_node_agent_with_the_wrong_token_is_refused_and_the_right_one_joins(ll
 def test_request_caps_queue_limit_and_what_the_server_shows(llama_dir, tmp_path):
     key = "sekrit"
     auth = {"Authorization": f"Bearer {key}"}
-    # one stage: max_num_seqs bounds a micro-batch, and two stages run two of them at once
-    args = ["-pp", "1", "--api-key", key, "--served-model-name", "tiny", "--max-model-len", "256", "--max-num-seqs",
-            "1", "--max-waiting-seqs", "2", "--max-request-seqs", "4", "--max-request-tokens", "300"]
+    args = ["--api-key", key, "--served-model-name", "tiny", "--max-model-len", "256", "--max-num-seqs", "1",
+            "--max-waiting-seqs", "2", "--max-request-seqs", "4", "--max-request-tokens", "300"]
     with serve(llama_dir, tmp_path, *args) as server:
         url = server.url
 

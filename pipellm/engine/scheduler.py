@@ -116,7 +116,8 @@ class Scheduler:
             self.block_manager.allocate(req, n)
             chosen.append((req, n))
             budget -= n
-        while self.waiting and len(chosen) < max_seqs and budget > 0:
+        # max_num_seqs bounds the running requests of every batch in flight together, as vLLM's does
+        while self.waiting and len(chosen) < max_seqs and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
             # its K/V is already there: compute only the rest
             cached = self.block_manager.cached_prefix(req) if req.use_prefix_cache else []
