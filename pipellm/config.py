@@ -209,6 +209,7 @@ class ModelConfig:
 
 MAX_SCHEDULER_STEPS = 1024  # decode steps a batch at most (EngineConfig.num_scheduler_steps)
 
+
 @dataclass
 class EngineConfig:
     model: str | None                   # HF folder or GGUF path; None = the default model

@@ -54,7 +54,7 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
                    help="integer weight codes multiply activations rounded to 8 bits, as llama.cpp: faster decoding, "
                         "perplexity within 1%%; greedy output may differ where the top two tokens are close")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
-                   help="decode steps the stage runs per batch, sampling its own next input (one stage only): fewer "
+                   help="decode steps the stages run per batch, the last sampling the first's next input: fewer "
                         "round trips per token, output in bursts of this many tokens (default 1)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads-per-stage", type=int, default=None, help="default: cores // stages")

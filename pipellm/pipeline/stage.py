@@ -127,9 +127,7 @@ class StageWorker:
         if not self.stage.is_last:
             self.busy_s += time.perf_counter() - start
             self._record("forward", batch, start)
-            self.chan.send_tensor(hidden, self.world_rank + 1)
-            self.bytes_sent += hidden.numel() * hidden.element_size()
-            self.tokens_sent += hidden.shape[0]
+            self._send_hidden(hidden)
             if recorder is not None:
                 self._finish_probe(batch, recorder, [])
             return
@@ -146,6 +144,11 @@ class StageWorker:
         self.chan.send_obj(SampledBatch(batch.batch_id, tokens, prompt_lps), comm.DRIVER)
         if recorder is not None:
             self._finish_probe(batch, recorder, tokens)
+
+    def _send_hidden(self, hidden: torch.Tensor) -> None:
+        self.chan.send_tensor(hidden, self.world_rank + 1)
+        self.bytes_sent += hidden.numel() * hidden.element_size()
+        self.tokens_sent += hidden.shape[0]
 
     def _update_sampler(self, batch: StageBatch) -> None:
         for req_id in batch.finished_req_ids:
@@ -173,8 +176,7 @@ class StageWorker:
             if step:
                 positions, seq_lens = positions + 1, seq_lens + 1
                 if stage.is_first:
-                    ids = (torch.tensor([tok.token_id for tok in tokens[-len(rows):]]) if stage.is_last else
-                           self.chan.recv_tensor((len(rows),), torch.int64, last_rank))
+                    ids = sampled if stage.is_last else self.chan.recv_tensor((len(rows),), torch.int64, last_rank)
                     if not bool(((ids >= 0) & (ids < cfg.vocab_size)).all()):
                         raise ValueError(f"StageBatch {batch.batch_id}: the last stage sent token ids outside the "
                                          f"vocabulary of {cfg.vocab_size}")
@@ -188,14 +190,13 @@ class StageWorker:
                                                 tables, slots, bs)
             hidden = self.model(x, positions, meta, self.kv_caches)
             if not stage.is_last:
-                self.chan.send_tensor(hidden, self.world_rank + 1)
-                self.bytes_sent += hidden.numel() * hidden.element_size()
-                self.tokens_sent += hidden.shape[0]
+                self._send_hidden(hidden)
             else:
                 step_tokens = self.sampler.sample(self.model.compute_logits(hidden), batch.sample_req_ids)
                 tokens += step_tokens
+                sampled = torch.tensor([tok.token_id for tok in step_tokens])               # [B] the next input
                 if not stage.is_first and step + 1 < batch.num_steps:
-                    self.chan.send_tensor(torch.tensor([tok.token_id for tok in step_tokens]), first_rank)
+                    self.chan.send_tensor(sampled, first_rank)
             self.busy_s += time.perf_counter() - start
             self._record("forward", batch, start)
         self.steps += batch.num_steps
