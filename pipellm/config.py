@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipellm.device import check_name
+
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA_FAMILY = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -207,6 +209,7 @@ class ModelConfig:
                    dense_layers=dense_layers)
 
 
+DEFAULT_KV_CACHE_GIB = 1.0  # a stage's KV cache on a CPU when kv_cache_gib is unset
 MAX_SCHEDULER_STEPS = 1024  # decode steps a batch at most (EngineConfig.num_scheduler_steps)
 
 
@@ -221,7 +224,8 @@ class EngineConfig:
     max_model_len: int | None = None    # prompt + output tokens; None = the model's limit
     max_num_seqs: int = 64              # requests running at once at most (all batches in flight together)
     max_num_batched_tokens: int = 512   # tokens in one step at most: small, equal steps keep stages balanced
-    kv_cache_gib: float = 1.0           # KV cache memory per stage
+    kv_cache_gib: float | None = None   # KV cache memory per stage; None: 1 GiB on a CPU; on a GPU, what
+    #                                     gpu_memory_utilization leaves after the stage's weights
     kv_cache_dtype: str = "auto"        # "auto" (the activations' dtype), "bfloat16", or "int8" (a scale per block
     #                                     and KV head): fewer bytes per cached token, a little less accuracy
     num_kv_blocks: int | None = None    # exact block count instead of kv_cache_gib (tests, tuning)
@@ -246,6 +250,8 @@ class EngineConfig:
     int8_activations: bool = False      # True: integer weight codes (GGUF's Q4-Q8 types, quantization) multiply
     #                                     activations rounded to 8 bits per 32, as llama.cpp does: faster decoding,
     #                                     perplexity within 1%, but greedy output may differ where the top two are close
+    device: str = "cpu"                 # "cpu", "cuda" (a GPU a stage), "cuda:N" (every stage on GPU N) or "auto"
+    gpu_memory_utilization: float = 0.9  # share of each GPU's memory the stages on it may use (weights, KV cache)
     num_scheduler_steps: int = 1        # decode steps a stage runs per batch, feeding back its own samples (vLLM's
     #                                     multi-step scheduling): less driver round trip per token, output in bursts
 
@@ -271,8 +277,11 @@ class EngineConfig:
             bad("max_num_batched_tokens", "must be a positive integer")
         if self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):
             bad("kv_cache_dtype", f'must be one of auto, {", ".join(KV_CACHE_DTYPES)}')
-        if not self.kv_cache_gib > 0:
-            bad("kv_cache_gib", "must be > 0")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            bad("kv_cache_gib", "must be > 0 or None")
+        check_name(self.device)
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            bad("gpu_memory_utilization", "must be a fraction in (0, 1]")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             bad("num_kv_blocks", "must be a positive integer or None")
         if self.threads_per_stage is not None and (not isinstance(self.threads_per_stage, int)

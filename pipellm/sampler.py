@@ -51,7 +51,7 @@ def prompt_logprobs(compute_logits, hidden: torch.Tensor, targets: torch.Tensor,
         vals, ids = lp.topk(min(k, lp.shape[1]), dim=-1)
         parts.append((tok_lp, ranks, ids, vals))
     tok_lp, ranks, ids, vals = (torch.cat(x) for x in zip(*parts))
-    return PromptLogprobs(tok_lp.numpy(), ranks.numpy(), ids.numpy(), vals.numpy())
+    return PromptLogprobs(tok_lp.cpu().numpy(), ranks.cpu().numpy(), ids.cpu().numpy(), vals.cpu().numpy())
 
 
 def _logprob_and_rank(lp: torch.Tensor, tokens: torch.Tensor, buffer: torch.Tensor | None = None):

@@ -16,7 +16,7 @@ BLOCK = 4
 def decode_path(request, monkeypatch):
     """Decode rows through our C++ kernels (K/V read in place, int8 written), and through the plain-torch twins."""
     if request.param == "torch":
-        none = type("NoKernels", (), {"load": staticmethod(lambda: None)})
+        none = type("NoKernels", (), {"load": staticmethod(lambda: None), "for_tensor": staticmethod(lambda x: None)})
         monkeypatch.setattr("pipellm.models.attention.kernels", none)
         monkeypatch.setattr("pipellm.models.kv_cache.kernels", none)
     else:

@@ -200,7 +200,8 @@ def test_decode_attention_kernel_at_model_head_sizes(monkeypatch, isa, dim, kv_d
         def paged_decode_attention(self, *args):
             return ops.paged_decode_attention(*args[:-1], isa)
 
-    monkeypatch.setattr("pipellm.models.attention.kernels", type("K", (), {"load": staticmethod(Forced)}))
+    forced = type("K", (), {"for_tensor": staticmethod(lambda x: Forced())})
+    monkeypatch.setattr("pipellm.models.attention.kernels", forced)
     for window in (None, 21):
         out, dense = _run([(3, 1), (40, 1), (0, 1), (17, 1)], 6, 2, window, seed=dim, kv_dtype=kv_dtype, dim=dim)
         torch.testing.assert_close(out, dense, atol=atol, rtol=0)

@@ -8,8 +8,8 @@ import time
 from collections import deque
 from datetime import timedelta
 
-from pipellm import kernels
-from pipellm.config import EngineConfig, ModelConfig
+from pipellm import device, kernels
+from pipellm.config import DEFAULT_KV_CACHE_GIB, EngineConfig, ModelConfig
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.detokenizer import IncrementalDetokenizer
 from pipellm.engine.scheduler import ScheduledBatch, Scheduler
@@ -69,12 +69,17 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         gguf_file = gguf_source(self.model_dir)
         compact = gguf_file is not None or config.quantization is not None
+        self.device = device.resolve(config.device)  # this host's; a stage on another host resolves its own
+        on_gpu = self.device != "cpu"
+        if on_gpu:
+            self._check_gpu_options(config)
         if config.dtype == "auto":
             from pipellm.pipeline.profile import auto_dtype
-            dtype, why = auto_dtype(config.num_threads, compact)
+            dtype, why = (device.gpu_dtype(), "a GPU") if on_gpu else auto_dtype(config.num_threads, compact)
             log.info("dtype auto: %s (%s)", dtype, why)
             config = dataclasses.replace(config, dtype=dtype)
-        warn_if_slow_dtype(config.dtype)
+        if not on_gpu:
+            warn_if_slow_dtype(config.dtype)
         self.config = config
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         if gguf_file is None:
@@ -179,6 +184,24 @@ class LLMEngine:
         return PipelineExecutor(self.model_dir, self.model_config, self.config, self.stages, self.num_blocks,
                                 self.store, generation=len(self.restarts), num_window_blocks=self.num_window_blocks)
 
+    def _check_gpu_options(self, config: EngineConfig) -> None:
+        for name in ("quantization", "int8_activations"):
+            if getattr(config, name):
+                raise ValueError(f"{name}={getattr(config, name)!r}: compact weights on a GPU are dequantized to the "
+                                 f"activations' dtype at load (our compact kernels are CPU code); leave {name} unset "
+                                 "with a GPU device")
+        if config.nnodes == 1 and config.distributed_executor_backend == "mp":
+            device.stage_device(self.device, 0, config.pipeline_parallel_size)  # a GPU a stage: enough of them?
+
+    def _kv_cache_gib(self) -> float:
+        cfg = self.config
+        if cfg.kv_cache_gib is not None:
+            return cfg.kv_cache_gib
+        if self.device == "cpu":
+            return DEFAULT_KV_CACHE_GIB
+        return device.gpu_kv_cache_gib(self.device, self.model_config, self.stages, cfg.torch_dtype.itemsize,
+                                       cfg.gpu_memory_utilization, cfg.nnodes)
+
     def _num_kv_blocks(self) -> tuple[int, int, int]:
         """(ring length, blocks of the full-attention layers, blocks of the sliding-window layers' rings): the
         largest counts that fit every stage's budget, so one block table is valid on every stage. The sliding
@@ -192,8 +215,9 @@ class LLMEngine:
         else:
             size = block_bytes(cache_dtype(cfg.kv_cache_dtype, cfg.torch_dtype), cfg.block_size, mc.num_kv_heads,
                                mc.head_dim)
-            budget = int(cfg.kv_cache_gib * 2 ** 30) // size  # blocks of one layer
-            num_blocks, source = min(budget // s.num_layers for s in self.stages), f"kv_cache_gib={cfg.kv_cache_gib}"
+            gib = self._kv_cache_gib()
+            budget = int(gib * 2 ** 30) // size  # blocks of one layer
+            num_blocks, source = min(budget // s.num_layers for s in self.stages), f"kv_cache_gib={gib:g}"
             if ring and num_blocks < needed:  # full-length sequences that fit with rings, on every stage
                 per_seq = []
                 for s in self.stages:

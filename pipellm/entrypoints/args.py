@@ -46,8 +46,13 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, help="number of pipeline stages")
     p.add_argument("--layer-partition", "--partition", type=_partition, default=None,
                    help="layers per stage, e.g. 10,12,8, or auto (profiled on this machine)")
+    p.add_argument("--device", default=None, help="cpu (default), cuda (a GPU a stage: the i-th stage of a host on "
+                   "its i-th GPU), cuda:N (every stage of a host on GPU N), or auto (cuda where a GPU is)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of each GPU's memory the stages on it may use, weights and KV cache (default 0.9)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto (default): float32 unless bf16 measures faster on this CPU")
+                   help="auto (default): bf16 on a GPU (fp16 without bf16); on a CPU float32 unless bf16 measures "
+                        "faster there")
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
                    help="quantize an HF checkpoint's linear weights on load (GGUF files stay in their own formats)")
     p.add_argument("--int8-activations", action="store_true",
@@ -65,7 +70,9 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV cache of prompt prefixes seen before (default: on)")
     kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache memory per stage, GiB (default 1)")
+    kv.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="KV cache memory per stage, GiB (default: 1 on a CPU; on a GPU what "
+                         "--gpu-memory-utilization leaves after the weights)")
     kv.add_argument("--kv-cache-memory-bytes", type=_num_bytes, default=None,
                     help="the same in bytes, as vLLM: 2147483648, 2Gi or 2G")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],

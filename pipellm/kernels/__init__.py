@@ -25,6 +25,11 @@ def load():
     return module
 
 
+def for_tensor(x):
+    """The kernels for a tensor they can run on (they are CPU code: None for a GPU's), or None where not built."""
+    return load() if x.device.type == "cpu" else None
+
+
 @functools.cache
 def cpuinfo(field: str) -> str:
     """A field of the first CPU in Linux's /proc/cpuinfo ("flags", "model name"); empty where unknown."""

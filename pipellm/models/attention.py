@@ -2,6 +2,7 @@
 each prefill chunk through a call of its own, so no query row is padding and no mask is bigger than one sequence's
 own [new tokens, context]. (One padded [sequences, longest chunk] call made a 512-token chunk beside 15 decodes cost
 14x the two apart: benchmarks/attention_step.py.)"""
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,15 @@ class AttentionMetadata:
     def token_rope_lens(self) -> torch.Tensor:
         """[T] the known length of each token's sequence (dynamic and longrope rotary scale by it)."""
         return torch.repeat_interleave(self.seq_lens if self.rope_lens is None else self.rope_lens, self.query_lens)
+
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        """The same view with its tensors on device: a GPU stage builds it on the CPU (a few small tensors), then
+        moves it."""
+        if device.type == "cpu":
+            return self
+        moved = _moved(dataclasses.replace(self, local=None), device)
+        moved.local = None if self.local is None else moved if self.local is self else self.local.to(device)
+        return moved
 
     @classmethod
     def build(cls, positions: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor,
@@ -102,6 +112,17 @@ class AttentionMetadata:
         return meta
 
 
+def _moved(obj, device: torch.device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, list):
+        return [_moved(o, device) for o in obj]
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **{f.name: _moved(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj)})
+    return obj
+
+
 def _ring_view(rings: torch.Tensor, positions, query_lens, seq_lens, block_tables, slot_mapping, block_size):
     """build()'s arguments for layers whose sequences cycle through rings of blocks: logical block j of a sequence
     lives in ring slot j % ring. Blocks that alias older positions are outside the window, masked or skipped."""
@@ -128,7 +149,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         d = meta.decode
         rows = q if d.token_idx is None else q[d.token_idx]
         num_seqs = len(rows)
-        ops = kernels.load() if q.dtype in (torch.float32, torch.bfloat16) and softcap is None else None
+        ops = kernels.for_tensor(q) if q.dtype in (torch.float32, torch.bfloat16) and softcap is None else None
         if ops is not None:  # reads K/V in place through the block tables: no gathered copy. It computes in fp32:
             # bf16 rows are widened (a few KB), which costs far less than torch's SDPA on gathered bf16 K/V
             o = ops.paged_decode_attention(rows.float().contiguous(), cache.k, cache.v, cache.k_scale, cache.v_scale,
@@ -160,7 +181,7 @@ def decode_attention_weights(q: torch.Tensor, cache: KVCache, d: DecodeGroup, sc
     scores = (keys @ q.float()[..., None]).squeeze(-1) * scale                         # [Bd, H, K]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    key_pos = torch.arange(scores.shape[-1])
+    key_pos = torch.arange(scores.shape[-1], device=scores.device)
     visible = key_pos[None, :] < d.seq_lens[:, None]                                   # [Bd, K]
     if d.window:
         visible &= key_pos[None, :] >= d.seq_lens[:, None] - d.window

@@ -14,10 +14,10 @@ from pipellm.quant.linear import CompactLinear
 
 
 def applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """Whether this step can take the fused path: fp32 rows, each the one new token of its sequence, in order, with
-    full attention and nothing recorded per layer."""
+    """Whether this step can take the fused path: fp32 rows on the CPU, each the one new token of its sequence, in
+    order, with full attention and nothing recorded per layer."""
     d = meta.decode
-    return (x.dtype == torch.float32 and d is not None and d.token_idx is None and not meta.prefills
+    return (x.dtype == torch.float32 and x.is_cpu and d is not None and d.token_idx is None and not meta.prefills
             and d.window == 0 and meta.local is None and meta.probe is None)
 
 

@@ -30,11 +30,12 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> "KVCache":
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> "KVCache":
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         def scales():
-            return torch.zeros(num_blocks, num_kv_heads) if dtype == torch.int8 else None
-        return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), scales(), scales())
+            return torch.zeros(num_blocks, num_kv_heads, device=device) if dtype == torch.int8 else None
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                   scales(), scales())
 
     @property
     def nbytes(self) -> int:
@@ -42,7 +43,7 @@ class KVCache:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [T, KV, D] into flat slots [T] (block * block_size + offset)."""
-        ops = kernels.load()
+        ops = kernels.for_tensor(self.k)
         if self.k_scale is None:
             if ops is not None and k.dtype == self.k.dtype and k.stride(-1) == v.stride(-1) == 1:
                 ops.kv_cache_write(self.k, self.v, slots, k, v)  # one call instead of two index_puts

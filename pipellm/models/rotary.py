@@ -100,12 +100,13 @@ class RotaryEmbedding(nn.Module):
                seq_ends: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at each token's position, [T, 1, rotated_dim]. seq_ends [T]: each token's sequence length
         after this step (needed by dynamic and longrope only)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]                     # [T, rotated_dim / 2]
+        inv_freq = self.inv_freq.to(positions.device)  # no copy on a CPU
+        freqs = positions.float()[:, None] * inv_freq[None, :]                          # [T, rotated_dim / 2]
         if self.scaled_from is not None and seq_ends is not None and bool((seq_ends > self.scaled_from).any()):
             for end in seq_ends[seq_ends > self.scaled_from].unique().tolist():
                 rows = seq_ends == end
                 inv_freq, _ = inverse_frequencies(self.rope, self.head_dim, self.max_positions, end)
-                freqs[rows] = positions[rows].float()[:, None] * inv_freq[None, :]
+                freqs[rows] = positions[rows].float()[:, None] * inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)                                       # [T, rotated_dim]
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
@@ -116,7 +117,7 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q [T, H, D], k [T, KV, D] rotated by their positions (HF's rotate_half layout); may rotate them in place.
     With a partial rotary (cos narrower than D), only the first dims turn."""
-    ops = kernels.load() if q.dtype == torch.float32 == cos.dtype else None
+    ops = kernels.for_tensor(q) if q.dtype == torch.float32 == cos.dtype else None
     rotated = cos.shape[-1]
     if ops is not None:  # in place, on strided views too (the kernel needs only each head's dims contiguous)
         ops.rotary_(q[..., :rotated], k[..., :rotated], cos, sin)

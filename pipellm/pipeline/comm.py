@@ -1,4 +1,5 @@
-"""Point-to-point messaging over torch.distributed (gloo). World rank 0 is the driver; stage i is rank i + 1."""
+"""Point-to-point messaging over torch.distributed: gloo, and NCCL for activations between two GPUs. World rank 0
+is the driver; stage i is rank i + 1."""
 import logging
 import os
 import socket
@@ -8,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pipellm import device
 from pipellm.pipeline import wire
 
 log = logging.getLogger("pipellm")
@@ -122,6 +124,10 @@ def exit_key(rank: int) -> str:      # return code of a stage that ended, writte
     return f"exit/{rank}"
 
 
+def device_key(rank: int) -> str:    # device.identity() of the stage's device, for its neighbours' transport
+    return f"device/{rank}"
+
+
 def heartbeat_key(rank: int) -> str:  # a count the stage raises every HEARTBEAT_S
     return f"heartbeat/{rank}"
 
@@ -163,6 +169,20 @@ def make_channel(store: SignedStore, world_rank: int, num_stages: int, master_ad
                    store.prefix)
 
 
+def nccl_links(store: SignedStore, stage: int, num_stages: int, identity: str) -> dict[int, tuple]:
+    """For each neighbouring stage whose GPU is not this stage's (device.uses_nccl): world rank -> (an NCCL group of
+    the two, the neighbour's rank in it). Every stage has published its device identity (device_key) before."""
+    links = {}
+    for peer in (stage - 1, stage + 1):
+        if 0 <= peer < num_stages and device.uses_nccl(identity, store.get(device_key(peer)).decode()):
+            low = min(stage, peer)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = FOREVER
+            pg = dist.ProcessGroupNCCL(dist.PrefixStore(f"nccl/{low}/", store.raw), stage - low, 2, opts)
+            links[stage_world_rank(peer)] = (pg, peer - low)
+    return links
+
+
 # Tags keep the three kinds of traffic apart, so a receive posted early matches only its own kind.
 TAG_MESSAGE, TAG_OVERFLOW, TAG_TENSOR = 0, 1, 2
 MAILBOX_BYTES = 32 * 1024  # one message of this size holds a whole decode batch
@@ -189,10 +209,14 @@ class Channel:
         self._pending: deque[tuple[object, torch.Tensor]] = deque()
         self.max_pending = max_pending
         self._posted: dict[int, tuple[object, torch.Tensor]] = {}  # src -> (work, mailbox) received into next
+        self.links: dict[int, tuple] = {}  # peer -> (NCCL group, its rank there): hidden states between two GPUs
 
     def send_tensor(self, tensor: torch.Tensor, dst: int, tag: int = TAG_TENSOR) -> None:
         tensor = tensor.contiguous()
-        self._pending.append((self.pg.send([tensor], dst, tag), tensor))
+        self._keep(self.pg.send([tensor], dst, tag), tensor)
+
+    def _keep(self, work, tensor: torch.Tensor) -> None:
+        self._pending.append((work, tensor))
         while len(self._pending) > self.max_pending:
             self._pending.popleft()[0].wait(SEND_TIMEOUT)
 
@@ -200,6 +224,23 @@ class Channel:
                     tag: int = TAG_TENSOR) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=dtype)
         self.pg.recv([tensor], src, tag).wait(timeout)
+        return tensor
+
+    def send_hidden(self, tensor: torch.Tensor, dst: int) -> None:
+        """Activations to the next stage: GPU to GPU over NCCL (on its own stream: the next compute overlaps the
+        transfer), else through host memory (.cpu() is free for a CPU tensor)."""
+        if dst not in self.links:
+            return self.send_tensor(tensor.cpu(), dst)
+        pg, peer = self.links[dst]
+        tensor = tensor.contiguous()
+        self._keep(pg.send([tensor], peer, TAG_TENSOR), tensor)
+
+    def recv_hidden(self, shape, dtype: torch.dtype, src: int, device: torch.device) -> torch.Tensor:
+        if src not in self.links:
+            return self.recv_tensor(shape, dtype, src).to(device)
+        pg, peer = self.links[src]
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        pg.recv([tensor], peer, TAG_TENSOR).wait()  # orders this stream after the transfer
         return tensor
 
     def _frame_context(self, src: int, dst: int, seq: int) -> bytes:

@@ -85,7 +85,7 @@ class PipelineExecutor:
         self.failed: PipelineError | None = None
         self.first_death: int | None = None  # rank of the stage that failed first (set by the watchdog)
         self.hung = False                     # ... by going silent: no heartbeat
-        self.info: dict[int, dict] = {}       # rank -> {"pid", "host"} once loaded
+        self.info: dict[int, dict] = {}       # rank -> {"pid", "host", "device"} once loaded
         self.watching = False                 # the watchdog thread runs
         self._closing = False
         self._store_addr = (store.store.host, store.store.port)
@@ -340,14 +340,15 @@ class PipelineExecutor:
         return not self.failed and self.first_death is None and all(p.poll() is None for p in self.procs.values())
 
     def stage_status(self) -> list[dict]:
-        """Per stage: rank, pid, host, alive. Safe from any thread."""
+        """Per stage: rank, pid, host, device, alive. Safe from any thread."""
         out = []
         for rank in range(len(self.stages)):
             info = self.info.get(rank, {})
             code = self.procs[rank].poll() if rank in self.procs else None
             alive = code is None and self.first_death is None and not self.failed
             out.append({"rank": rank, "pid": self.procs[rank].pid if rank in self.procs else info.get("pid"),
-                        "host": info.get("host"), "alive": alive, "returncode": code})
+                        "host": info.get("host"), "device": info.get("device"), "alive": alive,
+                        "returncode": code})
         return out
 
     def shutdown(self, timeout_s: float = 5.0) -> None:

@@ -191,11 +191,13 @@ class StageReport:
     clock_offset_s: float = 0.0      # wall clock minus this process's perf_counter, to align events
     weight_bytes: list[tuple[str, int]] = field(default_factory=list)  # (format, bytes) of the weights held
     kv_cache_bytes: int = 0
-    rss_bytes: int = 0               # resident memory of the whole process
+    rss_bytes: int = 0               # resident memory of the whole process (host memory)
+    device: str = "cpu"              # where its weights and KV cache live
 
     def describe_memory(self) -> str:
-        """e.g. "61 MB weights (Q4_1, F32), 64 MB KV cache, 350 MB resident"."""
+        """e.g. "61 MB weights (Q4_1, F32), 64 MB KV cache, 350 MB resident"; on a GPU "... KV cache on cuda:0, ..."."""
         mb = (lambda n: f"{n / 1e6:.0f} MB")
         formats = ", ".join(f for f, _ in self.weight_bytes)
-        return (f"{mb(sum(n for _, n in self.weight_bytes))} weights ({formats}), {mb(self.kv_cache_bytes)} KV cache, "
-                f"{mb(self.rss_bytes)} resident")
+        where = "" if self.device == "cpu" else f" on {self.device}"
+        return (f"{mb(sum(n for _, n in self.weight_bytes))} weights ({formats}), {mb(self.kv_cache_bytes)} KV cache"
+                f"{where}, {mb(self.rss_bytes)} resident")

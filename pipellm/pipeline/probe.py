@@ -29,7 +29,7 @@ class Recorder:
         blocks each layer's cache holds (empty for a prefill)."""
         if not self.attention:
             return {"attention": None, "kv_blocks": [[] for _ in self.metas], "kv_key_rms": [[] for _ in self.metas]}
-        a = torch.stack(self.attention)[:, 0, :, :seq_len]                               # [L, H, K]
+        a = torch.stack(self.attention)[:, 0, :, :seq_len].cpu()                         # [L, H, K]
         attention = a.view(len(a), num_kv_heads, -1, seq_len).mean(2).numpy()         # [L, KV, group, K] -> [L, KV, K]
         blocks, rms = [], []
         for meta, cache in zip(self.metas, kv_caches):
@@ -48,9 +48,10 @@ def logit_lens(model: nn.Module, outputs: torch.Tensor, rows: torch.Tensor, toke
     probs = np.zeros((num_layers, num_tokens), np.float32)
     sampled = np.zeros((num_layers, len(tokens)), np.float32)
     token_ids = torch.tensor(tokens, dtype=torch.long)
+    device = next(model.parameters()).device
     for layer in range(num_layers):
-        for start, logits in logits_by_rows(model.compute_logits, outputs[layer]):
-            p = torch.softmax(logits, dim=-1)
+        for start, logits in logits_by_rows(model.compute_logits, outputs[layer].to(device)):
+            p = torch.softmax(logits, dim=-1).cpu()
             top = p.max(dim=-1)
             ids[layer, start:start + len(p)] = top.indices.numpy()
             probs[layer, start:start + len(p)] = top.values.numpy()

@@ -14,13 +14,14 @@ from collections import deque
 
 import torch
 
+from pipellm import device
 from pipellm.loader.gguf import gguf_source, load_gguf_stage_weights
 from pipellm.loader.safetensors import load_stage_weights
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache, cache_dtype
 from pipellm.models.layers import share_tied_embedding, transpose_linears
 from pipellm.models.registry import build_stage_model
-from pipellm.quant.linear import set_int8_activations, weight_bytes
+from pipellm.quant.linear import densify, set_int8_activations, weight_bytes
 from pipellm.quant.rtn import LoadQuantizer, quantize_linears
 from pipellm.pipeline import comm, probe, wire
 from pipellm.pipeline.messages import (Inspect, ProbeReport, SampledBatch, Shutdown, StageArgs, StageBatch,
@@ -47,8 +48,8 @@ def _heartbeat(store_addr: tuple[str, int], token: bytes, generation: int, rank:
 
 
 class StageWorker:
-    def __init__(self, args: StageArgs):
-        self.args, self.stage = args, args.stage
+    def __init__(self, args: StageArgs, device: torch.device = torch.device("cpu")):
+        self.args, self.stage, self.device = args, args.stage, device
         cfg, ecfg = args.model_config, args.engine_config
         self.is_sliding = [cfg.is_sliding(i) for i in range(self.stage.start, self.stage.end)]
         if gguf_source(args.model_dir):  # built without memory, then filled with compact weights from the file
@@ -60,15 +61,17 @@ class StageWorker:
             self.checkpoint_tensors = load_stage_weights(self.model, args.model_dir, ecfg.torch_dtype, quantizer)
             if ecfg.quantization:
                 quantize_linears(self.model, ecfg.quantization)  # what the quantizer left: tied weights
+        if device.type != "cpu":
+            densify(self.model, ecfg.torch_dtype)  # our compact kernels are CPU code
         set_int8_activations(self.model, ecfg.int8_activations)
         transpose_linears(self.model)
         share_tied_embedding(self.model)
-        self.model.eval()
+        self.model.eval().to(device)
         kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)
         # sliding-window layers have caches of their own when the driver gives them rings of blocks
         self.kv_caches = [KVCache.allocate(args.num_window_blocks if sliding and args.num_window_blocks
                                            else args.num_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                           kv_dtype) for sliding in self.is_sliding]
+                                           kv_dtype, device) for sliding in self.is_sliding]
         self.sampler = Sampler() if self.stage.is_last else None
         self.steps = self.bytes_sent = self.tokens_sent = 0
         self.busy_s = 0.0  # time computing, not waiting for input
@@ -105,7 +108,7 @@ class StageWorker:
                     self.args.num_window_blocks)
         if batch.num_steps > 1:
             return self._decode_steps(batch)
-        t = torch.from_numpy
+        t, dev = torch.from_numpy, self.device
         positions = t(batch.positions)
         meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, t(batch.query_lens),
                                             t(batch.seq_lens), t(batch.block_tables), t(batch.slot_mapping),
@@ -113,12 +116,12 @@ class StageWorker:
                                             else t(batch.window_block_tables))
         if batch.rope_lens is not None:
             meta.rope_lens = t(batch.rope_lens)
+        meta, positions = meta.to(dev), positions.to(dev)
         if self.stage.is_first:
-            x = t(batch.input_ids)
+            x = t(batch.input_ids).to(dev)
         else:
             waiting_since = time.perf_counter()
-            x = self.chan.recv_tensor((batch.num_tokens, cfg.hidden_size), ecfg.torch_dtype,
-                                      self.world_rank - 1)
+            x = self._recv_hidden((batch.num_tokens, cfg.hidden_size))
             self._record("wait_hidden", batch, waiting_since)
         recorder = probe.Recorder(self.model.layers, self.is_sliding, meta) if batch.probe else None
         start = time.perf_counter()
@@ -134,19 +137,22 @@ class StageWorker:
         self._update_sampler(batch)
         tokens, prompt_lps = [], None
         if len(batch.logits_indices):
-            logits = self.model.compute_logits(hidden[t(batch.logits_indices)])
+            logits = self.model.compute_logits(hidden[t(batch.logits_indices).to(dev)])
             tokens = self.sampler.sample(logits, batch.sample_req_ids)
         if batch.prompt_rows is not None:
-            prompt_lps = prompt_logprobs(self.model.compute_logits, hidden[t(batch.prompt_rows)],
-                                         t(batch.prompt_targets), batch.prompt_top_k)
+            prompt_lps = prompt_logprobs(self.model.compute_logits, hidden[t(batch.prompt_rows).to(dev)],
+                                         t(batch.prompt_targets).to(dev), batch.prompt_top_k)
         self.busy_s += time.perf_counter() - start
         self._record("forward", batch, start)
         self.chan.send_obj(SampledBatch(batch.batch_id, tokens, prompt_lps), comm.DRIVER)
         if recorder is not None:
             self._finish_probe(batch, recorder, tokens)
 
+    def _recv_hidden(self, shape: tuple) -> torch.Tensor:
+        return self.chan.recv_hidden(shape, self.args.engine_config.torch_dtype, self.world_rank - 1, self.device)
+
     def _send_hidden(self, hidden: torch.Tensor) -> None:
-        self.chan.send_tensor(hidden, self.world_rank + 1)
+        self.chan.send_hidden(hidden, self.world_rank + 1)
         self.bytes_sent += hidden.numel() * hidden.element_size()
         self.tokens_sent += hidden.shape[0]
 
@@ -161,7 +167,7 @@ class StageWorker:
         give. The last stage's samples are the next step's input: it sends them to the first stage (only token ids
         cross), and the driver gets every step's tokens at the end."""
         cfg, ecfg, stage = self.args.model_config, self.args.engine_config, self.stage
-        t, bs = torch.from_numpy, ecfg.block_size
+        t, bs, dev = torch.from_numpy, ecfg.block_size, self.device
         first_rank = comm.stage_world_rank(0)
         last_rank = comm.stage_world_rank(self.args.num_stages - 1)
         if stage.is_last:
@@ -180,15 +186,14 @@ class StageWorker:
                     if not bool(((ids >= 0) & (ids < cfg.vocab_size)).all()):
                         raise ValueError(f"StageBatch {batch.batch_id}: the last stage sent token ids outside the "
                                          f"vocabulary of {cfg.vocab_size}")
-            x = ids if stage.is_first else self.chan.recv_tensor((len(rows), cfg.hidden_size), ecfg.torch_dtype,
-                                                                  self.world_rank - 1)
+            x = ids.to(dev) if stage.is_first else self._recv_hidden((len(rows), cfg.hidden_size))
             start = time.perf_counter()
             if step or not stage.is_first:  # (the batch's own wait is recorded by serve())
                 self._record("wait_hidden", batch, waiting_since, start)
             slots = tables[rows, positions // bs].long() * bs + positions % bs
             meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, query_lens, seq_lens,
                                                 tables, slots, bs)
-            hidden = self.model(x, positions, meta, self.kv_caches)
+            hidden = self.model(x, positions.to(dev), meta.to(dev), self.kv_caches)
             if not stage.is_last:
                 self._send_hidden(hidden)
             else:
@@ -208,7 +213,8 @@ class StageWorker:
         states), and the last stage reads them through its norm and LM head. Each stage reports to the driver."""
         recorder.close()
         cfg, dtype = self.args.model_config, self.args.engine_config.torch_dtype
-        outputs = torch.stack(recorder.outputs)                                  # [layers here, T, hidden]
+        # through host memory (a probe is rare and small), like the layers' outputs of earlier stages
+        outputs = torch.stack(recorder.outputs).cpu()                            # [layers here, T, hidden]
         if not self.stage.is_first:
             earlier = self.chan.recv_tensor((self.stage.start, batch.num_tokens, cfg.hidden_size), dtype,
                                             self.world_rank - 1)
@@ -233,7 +239,8 @@ class StageWorker:
             cpu_affinity=sorted(os.sched_getaffinity(0)), steps=self.steps,
             activation_bytes_sent=self.bytes_sent, activation_tokens_sent=self.tokens_sent, busy_s=self.busy_s,
             weight_bytes=weight_bytes(self.model), kv_cache_bytes=sum(c.nbytes for c in self.kv_caches),
-            rss_bytes=_resident_bytes(), events=events, clock_offset_s=time.time() - time.perf_counter())
+            rss_bytes=_resident_bytes(), events=events, clock_offset_s=time.time() - time.perf_counter(),
+            device=str(self.device))
 
 
 def _resident_bytes() -> int:
@@ -295,14 +302,20 @@ def stage_main(world_rank: int, master_addr: str, master_port: int, token: bytes
         threads = args.engine_config.threads_per_stage or max(1, len(os.sched_getaffinity(0)) // local_world_size)
         os.sched_setaffinity(0, stage_cores(local_rank, local_world_size, threads))
         torch.set_num_threads(threads)
-        worker = StageWorker(args)
+        dev = device.stage_device(device.resolve(args.engine_config.device), local_rank, local_world_size)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        worker = StageWorker(args, dev)
         _release_free_heap()
+        store.set(comm.device_key(rank), device.identity(dev))
         store.set(comm.heartbeat_key(rank), "0")
         threading.Thread(target=_heartbeat, args=((master_addr, master_port), token, generation, rank),
                          name="pipellm-heartbeat", daemon=True).start()
-        store.set(comm.ready_key(rank), json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
-        worker.serve(comm.make_channel(store, world_rank, args.num_stages, master_addr,
-                                       args.engine_config.batches_in_flight))
+        store.set(comm.ready_key(rank), json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                    "device": str(dev)}))
+        chan = comm.make_channel(store, world_rank, args.num_stages, master_addr, args.engine_config.batches_in_flight)
+        chan.links = comm.nccl_links(store, rank, args.num_stages, device.identity(dev))
+        worker.serve(chan)
     except BaseException as e:  # report any failure where the driver looks for it, then exit non-zero
         if store is not None:
             try:

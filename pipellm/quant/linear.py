@@ -198,6 +198,23 @@ def set_int8_activations(model: nn.Module, on: bool) -> None:
             m._fused = None
 
 
+def densify(model: nn.Module, dtype: torch.dtype) -> None:
+    """Compact weights below model expanded to dense ones in dtype, for a GPU stage (our compact kernels are CPU
+    code): linears to nn.Linear, embeddings to nn.Embedding."""
+    for name, child in model.named_children():
+        if isinstance(child, CompactLinear):
+            weight = torch.cat([p.dequantize() for p in child.parts]).to(dtype)                # [out, in]
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=child.bias is not None, device="meta")
+            linear.weight = nn.Parameter(weight, requires_grad=False)
+            if child.bias is not None:
+                linear.bias = nn.Parameter(child.bias.to(dtype), requires_grad=False)
+            setattr(model, name, linear)
+        elif isinstance(child, CompactEmbedding):
+            setattr(model, name, nn.Embedding.from_pretrained(child.weight.dequantize().to(dtype)))
+        else:
+            densify(child, dtype)
+
+
 def weight_bytes(model: nn.Module) -> list[tuple[str, int]]:
     """(format, bytes) of the weights a model holds, largest first; a tensor shared by two modules (tied
     embeddings) counts once."""
