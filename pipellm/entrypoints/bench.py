@@ -53,7 +53,7 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
         trace_data = collect(engine) if trace_dir is not None else None  # before inspect(), which drains events
         after = engine.inspect()
         stages = [s.describe() for s in engine.stages]
-        num_scheduler_steps = engine.config.num_scheduler_steps
+        num_scheduler_steps, device = engine.config.num_scheduler_steps, engine.device
         partition_note = engine.partition_note
         layers, model_config, dtype_bytes = engine.stages, engine.model_config, engine.config.torch_dtype.itemsize
     trace_summary = write_trace_dir(trace_data, trace_dir) if trace_data is not None else None
@@ -68,7 +68,7 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
         "config": dict(model=model, pipeline_parallel_size=pipeline_parallel_size, num_prompts=num_prompts,
                        input_len=list(input_len), output_len=output_len, dtype=dtype,
                        threads_per_stage=after[0].num_threads, seed=seed, stages=stages,
-                       partition_note=partition_note, num_scheduler_steps=num_scheduler_steps),
+                       partition_note=partition_note, num_scheduler_steps=num_scheduler_steps, device=device),
         "elapsed_s": elapsed,
         "generated_tokens": generated,
         "prompt_tokens": prompt_tokens,
@@ -97,7 +97,7 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
             [sum(n for _, n in r.weight_bytes) for r in after], dtype_bytes)
     if compare_hf:
         threads = after[0].num_threads * pipeline_parallel_size
-        result["hf"] = run_hf(model, prompts, output_len, dtype, threads)
+        result["hf"] = run_hf(model, prompts, output_len, dtype, threads, device)
         result["ratio_vs_hf"] = result["generated_tok_s"] / result["hf"]["generated_tok_s"]
     return result
 
@@ -149,9 +149,10 @@ def time_codecs(messages: list, rounds: int = 7, reps: int = 200) -> dict:
             "pickle_bytes": sum(len(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in messages)}
 
 
-def run_hf(model: str | None, prompts: list[list[int]], output_len: int, dtype: str, threads: int) -> dict:
+def run_hf(model: str | None, prompts: list[list[int]], output_len: int, dtype: str, threads: int,
+           device: str = "cpu") -> dict:
     """HF transformers generate on the same requests, as one padded batch, in a process of its own
-    (its OpenMP threads must not share a process, or cores, with a running engine)."""
+    (its OpenMP threads must not share a process, or cores, with a running engine), on device."""
     from pipellm.engine.engine import resolve_model
     from pipellm.loader.gguf import convert_gguf, gguf_source
 
@@ -160,7 +161,8 @@ def run_hf(model: str | None, prompts: list[list[int]], output_len: int, dtype: 
         if (source := gguf_source(folder)) is not None:  # transformers reads safetensors: the weights as fp32
             folder = os.path.join(tmp, "fp32")
             convert_gguf(source, folder)
-        job = json.dumps(dict(model_dir=folder, prompts=prompts, output_len=output_len, dtype=dtype, threads=threads))
+        job = json.dumps(dict(model_dir=folder, prompts=prompts, output_len=output_len, dtype=dtype, threads=threads,
+                              device=device))
         code = "import sys; from pipellm.entrypoints.bench import hf_worker; hf_worker(sys.stdin.read())"
         out = subprocess.run([sys.executable, "-c", code], input=job, capture_output=True, text=True)
     if out.returncode:
@@ -175,16 +177,19 @@ def hf_worker(job_json: str) -> None:
     job = json.loads(job_json)
     torch.set_num_threads(job["threads"])
     dtype = getattr(torch, job["dtype"])
-    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=dtype).eval()
+    device = torch.device(job.get("device", "cpu"))
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=dtype).eval().to(device)
     prompts, n = job["prompts"], job["output_len"]
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     with torch.inference_mode():
         model.generate(ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, do_sample=False)  # warm-up
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              pad_token_id=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
     generated = (out.shape[1] - width) * len(prompts)
     print(json.dumps({"elapsed_s": elapsed, "generated_tok_s": generated / elapsed, "threads": job["threads"]}))

