@@ -94,7 +94,8 @@ class _Request:
     def __init__(self, params: SamplingParams, prompt_ids: list[int], seed: int):
         self.params = params
         self.seed = seed
-        self.generator: torch.Generator | None = None   # made on first draw, on the logits' device
+        self.generator: torch.Generator | None = None   # made on first draw; on the CPU whatever the logits' device,
+        #                                                 so a seed draws the same numbers on a GPU
         p = params
         penalized = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         self.history = _History(prompt_ids) if penalized else None
@@ -103,9 +104,10 @@ class _Request:
     def greedy(self) -> bool:
         return self.params.temperature < _GREEDY_BELOW
 
-    def gen(self, device: torch.device) -> torch.Generator:
+    @property
+    def gen(self) -> torch.Generator:
         if self.generator is None:
-            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+            self.generator = torch.Generator().manual_seed(self.seed)
         return self.generator
 
 
@@ -139,7 +141,7 @@ class Sampler:
             if req.history is not None:
                 req.history.add(t)
             if not req.greedy:  # one uniform per draw, as _draw takes it
-                torch.rand(1, generator=req.gen(torch.device("cpu")), dtype=torch.float64)
+                torch.rand(1, generator=req.gen, dtype=torch.float64)
 
     def remove_request(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
@@ -236,7 +238,7 @@ def _sample_random(x: torch.Tensor, reqs: list[_Request], scratch: _Scratch) -> 
     if head_rows or use_min_p:
         # ge into a float buffer, then multiply: several times faster on CPU than a bool mask + where.
         w.mul_(torch.ge(w, keep_min.unsqueeze(1), out=scratch.get("mask", w.shape, device=dev)))
-    return _draw(w, [r.gen(dev) for r in reqs])
+    return _draw(w, [r.gen for r in reqs])
 
 
 def _draw(weights: torch.Tensor, gens: list[torch.Generator], block: int = 256) -> torch.Tensor:
@@ -252,7 +254,7 @@ def _draw(weights: torch.Tensor, gens: list[torch.Generator], block: int = 256) 
         weights = torch.nn.functional.pad(weights, (0, block - vocab % block))
     blocks = weights.view(n, -1, block)
     cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)                      # [n, n_blocks]
-    u = torch.cat([torch.rand(1, generator=g, device=dev, dtype=torch.float64) for g in gens])
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens]).to(dev)
     target = _below(u * cdf[:, -1], cdf[:, -1]).unsqueeze(1)
     b = torch.searchsorted(cdf, target, right=True)                         # first block whose cdf passes it
     prev = torch.where(b > 0, cdf.gather(1, (b - 1).clamp(min=0)), 0.0)
