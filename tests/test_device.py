@@ -148,3 +148,51 @@ def test_a_stage_forward_keeps_every_tensor_on_the_stage_device(tmp_path, arch, 
         logits = model.compute_logits(hidden[torch.tensor([T - 2, T - 1])])
     assert hidden.device == meta_dev and hidden.shape == (T, cfg.hidden_size)
     assert logits.device == meta_dev and logits.shape == (2, cfg.vocab_size)
+
+
+def test_neighbours_on_two_gpus_pair_up_in_a_group_of_their_own(monkeypatch):
+    """comm.nccl_links and the channel's hidden-state path, with gloo standing in for NCCL (no GPU here): stages 0
+    and 1 on two GPUs get a group of the two, stage 2 shares stage 1's GPU and goes through host memory."""
+    import threading
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from pipellm.pipeline import comm
+
+    class GlooAsNccl:
+        Options = SimpleNamespace
+
+        def __new__(cls, store, rank, size, opts):
+            gloo = dist.ProcessGroupGloo._Options()
+            gloo._timeout, gloo._devices = timedelta(seconds=30), [dist.ProcessGroupGloo.create_device(
+                hostname="127.0.0.1")]
+            return dist.ProcessGroupGloo(store, rank, size, gloo)
+
+    monkeypatch.setattr(comm.dist, "ProcessGroupNCCL", GlooAsNccl, raising=False)
+    master = comm.make_store("127.0.0.1", 0, is_master=True)
+    identities = ["cuda/GPU-a", "cuda/GPU-b", "cuda/GPU-b"]
+    chans, hidden = {}, torch.randn(3, 8)
+
+    def stage_links(stage):  # each with a store client of its own, as a stage process has
+        client = comm.make_store("127.0.0.1", master.port, is_master=False)
+        store = comm.SignedStore(client, b"k" * 32).generation(0)
+        store.set(comm.device_key(stage), identities[stage])
+        chans[stage] = comm.Channel(None, comm.stage_world_rank(stage), 4, b"k" * 32, "")
+        chans[stage].links = comm.nccl_links(store, stage, 3, identities[stage])
+
+    threads = [threading.Thread(target=stage_links, args=(s,), daemon=True) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert {s: set(c.links) for s, c in chans.items()} == {0: {2}, 1: {1}, 2: set()}  # world ranks of the peers
+    received = {}
+    receiver = threading.Thread(target=lambda: received.update(
+        x=chans[1].recv_hidden((3, 8), torch.float32, 1, torch.device("cpu"))), daemon=True)
+    receiver.start()
+    chans[0].send_hidden(hidden, 2)
+    receiver.join(60)
+    chans[0].flush()
+    assert torch.equal(received["x"], hidden)
