@@ -652,14 +652,37 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
-// s[i] = e^(s[i] - mx) for i < n
-static inline void exp_shifted(float* s, int64_t n, float mx) {
+// s[i] = e^(s[i] - mx) for i < n; returns their sum
+static inline float exp_shifted(float* s, int64_t n, float mx) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#ifdef PIPELLM_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(mx)));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(acc);
+#endif
+  for (; i < n; i++) sum += s[i] = std::exp(s[i] - mx);
+  return sum;
+}
+
+// max(init, s[0], ..., s[n - 1])
+static inline float max_of(const float* s, int64_t n, float init) {
   int64_t i = 0;
 #ifdef PIPELLM_AVX2
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(s + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(mx))));
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(s);
+    for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    const __m128 h2 = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    init = std::max(init, _mm_cvtss_f32(_mm_max_ss(h2, _mm_shuffle_ps(h2, h2, 1))));
+  }
 #endif
-  for (; i < n; i++) s[i] = std::exp(s[i] - mx);
+  for (; i < n; i++) init = std::max(init, s[i]);
+  return init;
 }
 
 template <typename T> static inline void row_axpy(float* acc, float e, const T* v, int64_t D) {
@@ -699,14 +722,17 @@ static inline void block_scores(const float* q, const T* const* rows, int64_t n,
   for (; r < n; r++) out[r] = row_dot(q, rows[r], D) * scale;
 }
 
-// acc += sum_r e[r] * scale * rows[r]: with D a multiple of 64, acc stays in registers across the block's rows
+// acc = acc * corr + sum_r e[r] * scale * rows[r]: with D a multiple of 64, acc stays in registers across the
+// block's rows
 template <typename T>
-static inline void block_axpy(float* acc, const float* e, const T* const* rows, int64_t n, float scale, int64_t D) {
+static inline void block_axpy(float* acc, float corr, const float* e, const T* const* rows, int64_t n, float scale,
+                              int64_t D) {
 #ifdef PIPELLM_AVX2
   if (D % 64 == 0) {
+    const __m256 cv = _mm256_set1_ps(corr);
     for (int64_t i0 = 0; i0 < D; i0 += 64) {
       __m256 a[8];
-      for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + i0 + 8 * c);
+      for (int c = 0; c < 8; c++) a[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + i0 + 8 * c), cv);
       for (int64_t r = 0; r < n; r++) {
         const __m256 ev = _mm256_set1_ps(e[r] * scale);
         for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(ev, load8(rows[r] + i0 + 8 * c), a[c]);
@@ -716,8 +742,11 @@ static inline void block_axpy(float* acc, const float* e, const T* const* rows, 
     return;
   }
 #endif
+  for (int64_t i = 0; i < D; i++) acc[i] *= corr;
   for (int64_t r = 0; r < n; r++) row_axpy(acc, e[r] * scale, rows[r], D);
 }
+
+constexpr int64_t SPAN_BLOCKS = 4;  // blocks of keys per online-softmax update (fp32 and bf16 caches)
 
 // Attention of one new token per sequence, reading K/V where they lie in the paged caches (no gathered copy).
 // A unit is (sequence, KV head): its query heads share each K/V row read. Blockwise online softmax in fp32.
@@ -728,51 +757,50 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
   const int64_t G = a.H / a.KV, D = a.D;
-  std::vector<float> acc(G * D), s(G * a.block_size), m(G), l(G);
-  std::vector<const T*> krows(a.block_size), vrows(a.block_size);
+  // Keys go through the online softmax a span of blocks at a time (an int8 cache's scales are per block: one)
+  const int64_t span = (C == pipellm::CACHE_I8 ? 1 : SPAN_BLOCKS) * a.block_size, bs = a.block_size;
+  std::vector<float> acc(G * D), s(G * span), m(G), l(G);
+  std::vector<const T*> krows(span), vrows(span);
   for (int64_t u = u0; u < u1; u++) {
     const int64_t b = u / a.KV, g = u % a.KV, len = a.seq_lens[b];
     const int64_t start = a.window > 0 && len > a.window ? len - a.window : 0;
     const float* q = a.q + (b * a.H + g * G) * D;
+    const int64_t* table = a.block_tables + b * a.table_width;
     auto row = [&](int64_t slot) { return (slot * a.KV + g) * D; };  // where this head's K or V of a cache slot starts
     std::fill(acc.begin(), acc.end(), 0.0f);
     std::fill(m.begin(), m.end(), -INFINITY);
     std::fill(l.begin(), l.end(), 0.0f);
-    for (int64_t blk = start / a.block_size; blk * a.block_size < len; blk++) {
-      const int64_t p0 = std::max(start, blk * a.block_size), p1 = std::min(len, (blk + 1) * a.block_size);
-      const int64_t id = a.block_tables[b * a.table_width + blk], base = id * a.block_size;
+    for (int64_t p0 = start; p0 < len;) {
+      const int64_t p1 = std::min(len, (p0 / span + 1) * span), n = p1 - p0;
+      const int64_t id = table[p0 / bs];
       const float ks = C == pipellm::CACHE_I8 ? a.k_scale[id * a.KV + g] * a.scale : a.scale;
       const float vs = C == pipellm::CACHE_I8 ? a.v_scale[id * a.KV + g] : 1.0f;
-      const int64_t n = p1 - p0;
 #ifdef PIPELLM_AVX2
-      if ((blk + 1) * a.block_size < len) {  // the next block's rows of this head: in flight while this one computes
-        const int64_t next = a.block_tables[b * a.table_width + blk + 1] * a.block_size;
-        const int64_t row_bytes = D * int64_t(sizeof(T));
-        for (int64_t o = 0; o < a.block_size; o++)
-          for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-            _mm_prefetch((const char*)(k_cache + row(next + o)) + byte, _MM_HINT_T0);
-            _mm_prefetch((const char*)(v_cache + row(next + o)) + byte, _MM_HINT_T0);
-          }
+      // the next span's rows of this head: in flight while this one computes
+      const int64_t row_bytes = D * int64_t(sizeof(T));
+      for (int64_t p = p1; p < std::min(len, p1 + span); p++) {
+        const int64_t slot = table[p / bs] * bs + p % bs;
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+          _mm_prefetch((const char*)(k_cache + row(slot)) + byte, _MM_HINT_T0);
+          _mm_prefetch((const char*)(v_cache + row(slot)) + byte, _MM_HINT_T0);
+        }
       }
 #endif
       for (int64_t p = p0; p < p1; p++) {
-        krows[p - p0] = k_cache + row(base + p % a.block_size);
-        vrows[p - p0] = v_cache + row(base + p % a.block_size);
+        const int64_t slot = table[p / bs] * bs + p % bs;
+        krows[p - p0] = k_cache + row(slot);
+        vrows[p - p0] = v_cache + row(slot);
       }
-      for (int64_t j = 0; j < G; j++) block_scores(q + j * D, krows.data(), n, D, ks, s.data() + j * a.block_size);
+      for (int64_t j = 0; j < G; j++) block_scores(q + j * D, krows.data(), n, D, ks, s.data() + j * span);
       for (int64_t j = 0; j < G; j++) {
-        float* sj = s.data() + j * a.block_size;
-        float mx = m[j];
-        for (int64_t p = 0; p < n; p++) mx = std::max(mx, sj[p]);
-        const float corr = std::exp(m[j] - mx);  // 0 on the first block (m = -inf)
-        float* accj = acc.data() + j * D;
-        for (int64_t i = 0; i < D; i++) accj[i] *= corr;
-        l[j] *= corr;
+        float* sj = s.data() + j * span;
+        const float mx = max_of(sj, n, m[j]);
+        const float corr = std::exp(m[j] - mx);  // 0 on the first span (m = -inf)
         m[j] = mx;
-        exp_shifted(sj, n, mx);
-        for (int64_t p = 0; p < n; p++) l[j] += sj[p];
-        block_axpy(accj, sj, vrows.data(), n, vs, D);
+        l[j] = l[j] * corr + exp_shifted(sj, n, mx);
+        block_axpy(acc.data() + j * D, corr, sj, vrows.data(), n, vs, D);
       }
+      p0 = p1;
     }
     for (int64_t j = 0; j < G; j++) {
       float* o = a.out + (b * a.H + g * G + j) * D;
