@@ -767,6 +767,13 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
     const float* q = a.q + (b * a.H + g * G) * D;
     const int64_t* table = a.block_tables + b * a.table_width;
     auto row = [&](int64_t slot) { return (slot * a.KV + g) * D; };  // where this head's K or V of a cache slot starts
+    // fn(p, row of position p) for positions from <= p < to, a block at a time: no division per key
+    auto each_row = [&](int64_t from, int64_t to, auto&& fn) {
+      for (int64_t p = from; p < to;) {
+        const int64_t blk = p / bs, end = std::min(to, (blk + 1) * bs);
+        for (int64_t off = row(table[blk] * bs + p - blk * bs); p < end; p++, off += a.KV * D) fn(p, off);
+      }
+    };
     std::fill(acc.begin(), acc.end(), 0.0f);
     std::fill(m.begin(), m.end(), -INFINITY);
     std::fill(l.begin(), l.end(), 0.0f);
@@ -778,19 +785,17 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
 #ifdef PIPELLM_AVX2
       // the next span's rows of this head: in flight while this one computes
       const int64_t row_bytes = D * int64_t(sizeof(T));
-      for (int64_t p = p1; p < std::min(len, p1 + span); p++) {
-        const int64_t slot = table[p / bs] * bs + p % bs;
+      each_row(p1, std::min(len, p1 + span), [&](int64_t, int64_t off) {
         for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-          _mm_prefetch((const char*)(k_cache + row(slot)) + byte, _MM_HINT_T0);
-          _mm_prefetch((const char*)(v_cache + row(slot)) + byte, _MM_HINT_T0);
+          _mm_prefetch((const char*)(k_cache + off) + byte, _MM_HINT_T0);
+          _mm_prefetch((const char*)(v_cache + off) + byte, _MM_HINT_T0);
         }
-      }
+      });
 #endif
-      for (int64_t p = p0; p < p1; p++) {
-        const int64_t slot = table[p / bs] * bs + p % bs;
-        krows[p - p0] = k_cache + row(slot);
-        vrows[p - p0] = v_cache + row(slot);
-      }
+      each_row(p0, p1, [&](int64_t p, int64_t off) {
+        krows[p - p0] = k_cache + off;
+        vrows[p - p0] = v_cache + off;
+      });
       for (int64_t j = 0; j < G; j++) block_scores(q + j * D, krows.data(), n, D, ks, s.data() + j * span);
       for (int64_t j = 0; j < G; j++) {
         float* sj = s.data() + j * span;
