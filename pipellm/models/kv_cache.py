@@ -1,6 +1,7 @@
 """One layer's paged KV cache, in the dtype the user chose (kv_cache_dtype): the activations' own, bfloat16, or int8
 with one scale per block and KV head. Fewer bytes per cached token hold more tokens in the same memory and read
 faster where long contexts make attention memory-bound."""
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,25 @@ from pipellm import kernels
 from pipellm.config import KV_CACHE_DTYPES
 
 INT8_MAX = 127.0
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14  # Linux
+
+
+def _zeros_on_huge_pages(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory Linux is asked to back with 2 MB pages before it is first touched (where
+    transparent huge pages are in "madvise" mode, the usual default). Decode attention reads the cache in blocks
+    scattered over it: with 4 KB pages each block costs TLB misses, and 8 sequences at 4,096 tokens read 1.15x
+    faster on 2 MB pages (BENCHMARKS.md)."""
+    t = torch.empty(shape, dtype=dtype)
+    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (t.data_ptr() + t.nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end > start:
+        try:
+            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                                      MADV_HUGEPAGE)  # advice only: a refusal changes nothing
+        except (OSError, AttributeError):
+            pass
+    return t.zero_()
 
 
 def cache_dtype(kv_cache_dtype: str, activations: torch.dtype) -> torch.dtype:
@@ -34,8 +54,12 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         def scales():
             return torch.zeros(num_blocks, num_kv_heads, device=device) if dtype == torch.int8 else None
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                   scales(), scales())
+
+        def values():
+            if torch.device(device).type == "cpu":
+                return _zeros_on_huge_pages(shape, dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return cls(values(), values(), scales(), scales())
 
     @property
     def nbytes(self) -> int:
