@@ -1,0 +1,55 @@
+"""One layer's decode attention through our kernel (the default model's heads: 9 query, 3 KV, head_dim 64; fp32
+cache, blocks of 16 in random order), at 8 x 4,096 tokens (50 MB of K/V, from memory) and 8 x 256 (in cache).
+To compare two builds of the kernels, run this once per build, alternating: `--kernels PATH` loads a built
+pipellm_kernels .so (copy one aside before rebuilding); the default is this checkout's own build.
+
+    python benchmarks/decode_attention.py [--kernels PATH] [--threads 2] [--huge-pages]
+"""
+import argparse
+import importlib.util
+import time
+
+import torch
+
+from pipellm import kernels
+from pipellm.models.kv_cache import _zeros_on_huge_pages
+
+BLOCK, KV, HEADS, DIM = 16, 3, 9, 64
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kernels", default=None, help="a built pipellm_kernels .so (default: this checkout's)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--huge-pages", action="store_true", help="the caches on 2 MB pages, as a stage holds them")
+    args = parser.parse_args()
+    ops = kernels.load()
+    if args.kernels:
+        spec = importlib.util.spec_from_file_location("pipellm_kernels", args.kernels)
+        ops = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ops)
+    torch.set_num_threads(args.threads)
+    out = []
+    for context, seqs in ((4096, 8), (256, 8)):
+        gen = torch.Generator().manual_seed(0)
+        width = -(-context // BLOCK)
+        shape = (seqs * width, BLOCK, KV, DIM)
+        k, v = ((_zeros_on_huge_pages(shape, torch.float32) if args.huge_pages else torch.empty(shape))
+                .normal_(generator=gen) for _ in range(2))
+        tables = torch.randperm(seqs * width, generator=gen).view(seqs, width)
+        lens = torch.full((seqs,), context)
+        q = torch.randn(seqs, HEADS, DIM, generator=gen)
+        times = []
+        for _ in range(30 if context > 1000 else 200):
+            start = time.perf_counter()
+            o = ops.paged_decode_attention(q, k, v, None, None, tables, lens, 0, DIM ** -0.5, "")
+            times.append(time.perf_counter() - start)
+        quarter = sorted(times)[len(times) // 4]  # the best quarter's edge: steadier than the minimum here
+        gb = 2 * k.nbytes / 1e9
+        out.append(f"{seqs} x {context}: {quarter * 1e3:.3f} ms, {gb / quarter:.1f} GB/s of K/V "
+                   f"(output sum {o.double().sum().item():.6f})")
+    print(" | ".join(out))
+
+
+if __name__ == "__main__":
+    main()
