@@ -43,6 +43,18 @@ def resolve(device: str) -> str:
     return device
 
 
+def check_gpu_options(config, resolved: str) -> None:
+    """An EngineConfig's options that a GPU device cannot take, and (stages that pipellm starts on this host) whether
+    it has a GPU for each stage."""
+    for name in ("quantization", "int8_activations"):
+        if getattr(config, name):
+            raise ValueError(f"{name}={getattr(config, name)!r}: compact weights on a GPU are dequantized to the "
+                             f"activations' dtype at load (our compact kernels are CPU code); leave {name} unset "
+                             "with a GPU device")
+    if config.nnodes == 1 and config.distributed_executor_backend == "mp":
+        stage_device(resolved, 0, config.pipeline_parallel_size)
+
+
 def stage_device(device: str, local_rank: int, local_world_size: int, num_gpus: int | None = None) -> torch.device:
     """The torch device of the local_rank-th of local_world_size stages on this host, for a resolved name."""
     if device == "cpu":

@@ -196,3 +196,15 @@ def test_neighbours_on_two_gpus_pair_up_in_a_group_of_their_own(monkeypatch):
     receiver.join(60)
     chans[0].flush()
     assert torch.equal(received["x"], hidden)
+
+
+def test_options_a_gpu_cannot_take_are_refused_naming_them():
+    from pipellm.config import EngineConfig
+
+    for bad in (dict(quantization="int8"), dict(int8_activations=True)):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}=.*leave {next(iter(bad))} unset"):
+            device.check_gpu_options(EngineConfig(None, **bad), "cuda")
+    gpus = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"{gpus + 1} stages on this host but it has {gpus} GPU"):
+        device.check_gpu_options(EngineConfig(None, pipeline_parallel_size=gpus + 1), "cuda")
+    device.check_gpu_options(EngineConfig(None, pipeline_parallel_size=gpus + 1), "cuda:0")  # one GPU, shared

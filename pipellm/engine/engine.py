@@ -72,7 +72,7 @@ class LLMEngine:
         self.device = device.resolve(config.device)  # this host's; a stage on another host resolves its own
         on_gpu = self.device != "cpu"
         if on_gpu:
-            self._check_gpu_options(config)
+            device.check_gpu_options(config, self.device)
         if config.dtype == "auto":
             from pipellm.pipeline.profile import auto_dtype
             dtype, why = (device.gpu_dtype(), "a GPU") if on_gpu else auto_dtype(config.num_threads, compact)
@@ -184,24 +184,6 @@ class LLMEngine:
         return PipelineExecutor(self.model_dir, self.model_config, self.config, self.stages, self.num_blocks,
                                 self.store, generation=len(self.restarts), num_window_blocks=self.num_window_blocks)
 
-    def _check_gpu_options(self, config: EngineConfig) -> None:
-        for name in ("quantization", "int8_activations"):
-            if getattr(config, name):
-                raise ValueError(f"{name}={getattr(config, name)!r}: compact weights on a GPU are dequantized to the "
-                                 f"activations' dtype at load (our compact kernels are CPU code); leave {name} unset "
-                                 "with a GPU device")
-        if config.nnodes == 1 and config.distributed_executor_backend == "mp":
-            device.stage_device(self.device, 0, config.pipeline_parallel_size)  # a GPU a stage: enough of them?
-
-    def _kv_cache_gib(self) -> float:
-        cfg = self.config
-        if cfg.kv_cache_gib is not None:
-            return cfg.kv_cache_gib
-        if self.device == "cpu":
-            return DEFAULT_KV_CACHE_GIB
-        return device.gpu_kv_cache_gib(self.device, self.model_config, self.stages, cfg.torch_dtype.itemsize,
-                                       cfg.gpu_memory_utilization, cfg.nnodes)
-
     def _num_kv_blocks(self) -> tuple[int, int, int]:
         """(ring length, blocks of the full-attention layers, blocks of the sliding-window layers' rings): the
         largest counts that fit every stage's budget, so one block table is valid on every stage. The sliding
@@ -215,7 +197,9 @@ class LLMEngine:
         else:
             size = block_bytes(cache_dtype(cfg.kv_cache_dtype, cfg.torch_dtype), cfg.block_size, mc.num_kv_heads,
                                mc.head_dim)
-            gib = self._kv_cache_gib()
+            gib = (cfg.kv_cache_gib if cfg.kv_cache_gib is not None else DEFAULT_KV_CACHE_GIB if self.device == "cpu"
+                   else device.gpu_kv_cache_gib(self.device, mc, self.stages, cfg.torch_dtype.itemsize,
+                                                cfg.gpu_memory_utilization, cfg.nnodes))
             budget = int(gib * 2 ** 30) // size  # blocks of one layer
             num_blocks, source = min(budget // s.num_layers for s in self.stages), f"kv_cache_gib={gib:g}"
             if ring and num_blocks < needed:  # full-length sequences that fit with rings, on every stage
