@@ -1,9 +1,9 @@
 """One layer's decode attention through our kernel (the default model's heads: 9 query, 3 KV, head_dim 64; fp32
-cache, blocks of 16 in random order), at 8 x 4,096 tokens (50 MB of K/V, from memory) and 8 x 256 (in cache).
+cache or int8, blocks of 16 in random order), at 8 x 4,096 tokens (50 MB of K/V, from memory) and 8 x 256 (in cache).
 To compare two builds of the kernels, run this once per build, alternating: `--kernels PATH` loads a built
 pipellm_kernels .so (copy one aside before rebuilding); the default is this checkout's own build.
 
-    python benchmarks/decode_attention.py [--kernels PATH] [--threads 2] [--huge-pages]
+    python benchmarks/decode_attention.py [--kernels PATH] [--threads 2] [--huge-pages] [--int8]
 """
 import argparse
 import importlib.util
@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--kernels", default=None, help="a built pipellm_kernels .so (default: this checkout's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--huge-pages", action="store_true", help="the caches on 2 MB pages, as a stage holds them")
+    parser.add_argument("--int8", action="store_true", help="an int8 cache (kv_cache_dtype='int8', a scale per block)")
     args = parser.parse_args()
     ops = kernels.load()
     if args.kernels:
@@ -36,13 +37,17 @@ def main() -> None:
         shape = (seqs * width, BLOCK, KV, DIM)
         k, v = ((_zeros_on_huge_pages(shape, torch.float32) if args.huge_pages else torch.empty(shape))
                 .normal_(generator=gen) for _ in range(2))
+        scales = (None, None)
+        if args.int8:
+            k, v = ((x * 40).clamp(-127, 127).to(torch.int8) for x in (k, v))
+            scales = tuple(torch.rand(shape[0], KV, generator=gen) / 40 for _ in range(2))
         tables = torch.randperm(seqs * width, generator=gen).view(seqs, width)
         lens = torch.full((seqs,), context)
         q = torch.randn(seqs, HEADS, DIM, generator=gen)
         times = []
         for _ in range(30 if context > 1000 else 200):
             start = time.perf_counter()
-            o = ops.paged_decode_attention(q, k, v, None, None, tables, lens, 0, DIM ** -0.5, "")
+            o = ops.paged_decode_attention(q, k, v, *scales, tables, lens, 0, DIM ** -0.5, "")
             times.append(time.perf_counter() - start)
         quarter = sorted(times)[len(times) // 4]  # the best quarter's edge: steadier than the minimum here
         gb = 2 * k.nbytes / 1e9
