@@ -12,7 +12,7 @@ import time
 import torch
 
 from pipellm import kernels
-from pipellm.models.kv_cache import _zeros_on_huge_pages
+from pipellm.models.kv_cache import zeros_on_huge_pages
 
 BLOCK, KV, HEADS, DIM = 16, 3, 9, 64
 
@@ -35,7 +35,7 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         width = -(-context // BLOCK)
         shape = (seqs * width, BLOCK, KV, DIM)
-        k, v = ((_zeros_on_huge_pages(shape, torch.float32) if args.huge_pages else torch.empty(shape))
+        k, v = ((zeros_on_huge_pages(shape, torch.float32) if args.huge_pages else torch.empty(shape))
                 .normal_(generator=gen) for _ in range(2))
         scales = (None, None)
         if args.int8:

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pipellm import LLM, SamplingParams  # noqa: E402
 from pipellm.entrypoints.bench import run_bench  # noqa: E402
-from tests.conftest import make_checkpoint  # noqa: E402
+from tests.conftest import hf_greedy_ids, make_checkpoint  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 13, 2, 7], [7, 3], list(range(3, 60))]
 results, failed = {}, []
@@ -42,14 +42,8 @@ def check(name: str, fn) -> None:
     print(f"{word} {name}: {detail} ({results[name]['seconds']} s)", flush=True)
 
 
-def hf_greedy(model, prompts: list[list[int]], n: int, dev: str) -> list[list[int]]:
-    with torch.no_grad():
-        return [model.generate(torch.tensor([p], device=dev), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-
-
 def parity(folder: str, hf_model, pp: int, device: str, hf_dev: str, dtype: str, n: int = 12):
-    expected = hf_greedy(hf_model, PROMPTS, n, hf_dev)
+    expected = hf_greedy_ids(hf_model, PROMPTS, n, hf_dev)
     with LLM(folder, pipeline_parallel_size=pp, device=device, dtype=dtype) as llm:
         where = [s["device"] for s in llm.engine.executor.stage_status()]
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
@@ -132,7 +126,7 @@ def default_model_parity(tmp: str, device: str, hf_dev: str, n: int = 16):
         prompts = [llm.engine.tokenize(t) for t in ("The capital of France is", "def fibonacci(n):")]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
-    got, expected = [o.outputs[0].token_ids for o in outs], hf_greedy(hf_model, prompts, n, hf_dev)
+    got, expected = [o.outputs[0].token_ids for o in outs], hf_greedy_ids(hf_model, prompts, n, hf_dev)
     return got == expected, f"{sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))}/{2 * n} tokens equal"
 
 

@@ -63,11 +63,12 @@ def make_checkpoint(arch: str, folder: str, seed: int = 0, **overrides):
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
 
 
-def hf_greedy_ids(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """HF transformers' greedy continuation of each prompt, one at a time (no padding)."""
+def hf_greedy_ids(model, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu") -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt, one at a time (no padding), the model on device."""
     with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                               do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        return [model.generate(torch.tensor([p], device=device), max_new_tokens=max_new_tokens,
+                               min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
 
 
 @pytest.fixture(scope="session")

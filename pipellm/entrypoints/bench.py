@@ -177,7 +177,7 @@ def hf_worker(job_json: str) -> None:
     job = json.loads(job_json)
     torch.set_num_threads(job["threads"])
     dtype = getattr(torch, job["dtype"])
-    device = torch.device(job.get("device", "cpu"))
+    device = torch.device(job["device"])
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=dtype).eval().to(device)
     prompts, n = job["prompts"], job["output_len"]
     width = max(len(p) for p in prompts)

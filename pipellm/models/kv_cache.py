@@ -14,7 +14,7 @@ HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # Linux
 
 
-def _zeros_on_huge_pages(shape, dtype: torch.dtype) -> torch.Tensor:
+def zeros_on_huge_pages(shape, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose memory Linux is asked to back with 2 MB pages before it is first touched (where
     transparent huge pages are in "madvise" mode, the usual default). Decode attention reads the cache in blocks
     scattered over it: with 4 KB pages each block costs TLB misses, and 8 sequences at 4,096 tokens read 1.15x
@@ -57,7 +57,7 @@ class KVCache:
 
         def values():
             if torch.device(device).type == "cpu":
-                return _zeros_on_huge_pages(shape, dtype)
+                return zeros_on_huge_pages(shape, dtype)
             return torch.zeros(shape, dtype=dtype, device=device)
         return cls(values(), values(), scales(), scales())
 
