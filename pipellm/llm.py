@@ -109,6 +109,7 @@ class LLM:
         except KeyboardInterrupt:
             # A batch may be half received: the pipeline cannot be trusted any more.
             self._dead = "the engine was shut down by KeyboardInterrupt; create a new LLM"
+            self.engine.executor.shutdown(timeout_s=1.0)  # the user is waiting: a second's grace, then stages are killed
             self.shutdown()
             raise
         except BaseException:
