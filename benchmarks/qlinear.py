@@ -1,11 +1,15 @@
 """Our compact-weight matmul (ops.qlinear) against torch's fp32 matmul of the same weights, in one run.
 
-    python benchmarks/qlinear.py
+    python benchmarks/qlinear.py [--kernels PATH] [--rows 1,4,16,64,256] [--isa avx2]
 Shapes of the default model (qkv+gate/up, down, LM head); 1 to 256 activation rows; the torch threads this
 process has (2 here). 'fused' expands weight blocks in registers for all rows; 'chunked' expands ~2 MB of rows
 to fp32 and calls torch's matmul (the path above FUSED_MAX_ROWS); 'int8' rounds the activation rows to 8 bits and
 multiplies the codes in integers (EngineConfig.int8_activations uses that for one row only).
+To compare two builds, run this once per build, alternating: `--kernels PATH` loads a built pipellm_kernels .so
+(copy one aside before rebuilding).
 """
+import argparse
+import importlib.util
 import time
 
 import torch
@@ -23,24 +27,34 @@ def bench(f, n: int = 50) -> float:
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kernels", default=None, help="a built pipellm_kernels .so (default: this checkout's)")
+    parser.add_argument("--rows", default="1,4,16,64,256", help="activation row counts, comma-separated")
+    parser.add_argument("--isa", default="", help="an instruction set to run instead of this CPU's best")
+    args = parser.parse_args()
     ops = load()
-    print(f"kernel path: {ops.best_isa()}, {torch.get_num_threads()} threads; times in ms")
+    if args.kernels:
+        spec = importlib.util.spec_from_file_location("pipellm_kernels", args.kernels)
+        ops = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ops)
+    isa = args.isa
+    print(f"kernel path: {isa or ops.best_isa()}, {torch.get_num_threads()} threads; times in ms")
     torch.manual_seed(0)
     for n, k in [(3072, 576), (576, 1536), (49152, 576)]:
         q4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
         q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         scale, mins = (torch.rand(n, k // 32) * 0.01).half(), (torch.randn(n, k // 32) * 0.01).half()
         wt = ops.dequant_rows(q4, scale, mins, Q4, 32, None, None, None, 0, torch.arange(n), "").t().contiguous()  # [K, N], as fp32 layers
-        for m in (1, 4, 16, 64, 256):
+        for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k)
             fp32 = bench(lambda: x @ wt)
             q4_args, q8_args = (q4, scale, mins, Q4, 32, None, None, None, 0), (q8, scale, None, Q8, 32, None, None,
                                                                                  None, 0)
-            fused = bench(lambda: ops.qlinear(x, *q4_args, 1 << 30, False, 0, ""))
-            chunked = bench(lambda: ops.qlinear(x, *q4_args, 0, False, 0, ""))
-            fused8 = bench(lambda: ops.qlinear(x, *q8_args, 1 << 30, False, 0, ""))
-            int4 = bench(lambda: ops.qlinear(x, *q4_args, 1 << 30, True, 1 << 30, ""))
-            int8 = bench(lambda: ops.qlinear(x, *q8_args, 1 << 30, True, 1 << 30, ""))
+            fused = bench(lambda: ops.qlinear(x, *q4_args, 1 << 30, False, 0, isa))
+            chunked = bench(lambda: ops.qlinear(x, *q4_args, 0, False, 0, isa))
+            fused8 = bench(lambda: ops.qlinear(x, *q8_args, 1 << 30, False, 0, isa))
+            int4 = bench(lambda: ops.qlinear(x, *q4_args, 1 << 30, True, 1 << 30, isa))
+            int8 = bench(lambda: ops.qlinear(x, *q8_args, 1 << 30, True, 1 << 30, isa))
             print(f"{n:6d} x {k:4d}, {m:3d} rows: fp32 {fp32:7.3f}  Q4 fused {fused:7.3f}  Q4 chunked {chunked:7.3f}  "
                   f"Q8 fused {fused8:7.3f}  Q4 int8 {int4:7.3f}  Q8 int8 {int8:7.3f}")
 
