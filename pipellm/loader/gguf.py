@@ -224,14 +224,15 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
     dtype. Other stages' tensors are never read. Returns the names read."""
     from gguf import GGMLQuantizationType
 
-    from pipellm.quant.gguf_blocks import repack
+    from pipellm.quant.gguf_blocks import MappedEmbedding, repack
     from pipellm.quant.linear import F32, CompactEmbedding, CompactLinear
 
     path = gguf_source(folder)
     with open(os.path.join(folder, TABLE_FILE)) as f:
         table = json.load(f)
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    pieces: dict[str, list] = {}  # parameter -> [(first row, QuantWeight or tensor)]
+    pieces: dict[str, list] = {}  # parameter -> [(first row, QuantWeight, tensor or MappedEmbedding)]
+    embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     read = []
     for t in table:
         targets = model.map_weight(t["hf_name"])
@@ -240,7 +241,10 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
         raw, qtype, shape = data[t["offset"]:t["offset"] + t["nbytes"]], GGMLQuantizationType(t["type"]), t["shape"]
         if len(raw) != t["nbytes"]:
             raise ValueError(f"{path}: tensor {t['name']} runs past the end of the file (truncated?)")
-        if len(shape) == 1:
+        if len(targets) == 1 and targets[0][0] in embeddings and len(shape) == 2:
+            # only looked up here (no tied LM head on this stage): left in the file
+            value = MappedEmbedding(path, t["offset"], t["nbytes"], qtype, *shape, dtype)
+        elif len(shape) == 1:
             from gguf.quants import dequantize
             value = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape)
             if t.get("minus_one"):  # Gemma's norms are stored as 1 + w
@@ -269,6 +273,9 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
             parts = parts_of(prefix + "weight", rows)
             bias = parts_of(prefix + "bias", rows) if getattr(module, "bias", None) is not None else None
             bias = torch.cat(bias).float() if bias else None
+            if isinstance(parts[0], MappedEmbedding):
+                setattr(model.get_submodule(mod_name.rpartition(".")[0]), mod_name.rpartition(".")[2], parts[0])
+                continue
             if all(p.kind == F32 for p in parts):  # fp32 in the file: an ordinary layer in dtype
                 module.weight = nn.Parameter(torch.cat([p.codes for p in parts]).to(dtype), requires_grad=False)
                 if bias is not None:

@@ -5,6 +5,7 @@ import numpy as np
 
 from pipellm.config import MAX_SCHEDULER_STEPS, EngineConfig, ModelConfig
 from pipellm.pipeline.partition import StageLayers
+from pipellm.quant.linear import MAPPED
 from pipellm.sampler import PromptLogprobs, SampledToken
 from pipellm.sampling_params import SamplingParams
 
@@ -195,9 +196,13 @@ class StageReport:
     device: str = "cpu"              # where its weights and KV cache live
 
     def describe_memory(self) -> str:
-        """e.g. "61 MB weights (Q4_1, F32), 64 MB KV cache, 350 MB resident"; on a GPU "... KV cache on cuda:0, ..."."""
+        """e.g. "61 MB weights (Q4_1, F32), 64 MB KV cache, 350 MB resident"; on a GPU "... KV cache on cuda:0, ...";
+        an embedding left in the file adds "+ 30 MB file-mapped (Q8_0)" after the weights held."""
         mb = (lambda n: f"{n / 1e6:.0f} MB")
-        formats = ", ".join(f for f, _ in self.weight_bytes)
+        held = [(f, n) for f, n in self.weight_bytes if not f.endswith(MAPPED)]
+        mapped = [(f.removesuffix(MAPPED), n) for f, n in self.weight_bytes if f.endswith(MAPPED)]
+        text = f"{mb(sum(n for _, n in held))} weights ({', '.join(f for f, _ in held)})"
+        if mapped:
+            text += f" + {mb(sum(n for _, n in mapped))} file-mapped ({', '.join(f for f, _ in mapped)})"
         where = "" if self.device == "cpu" else f" on {self.device}"
-        return (f"{mb(sum(n for _, n in self.weight_bytes))} weights ({formats}), {mb(self.kv_cache_bytes)} KV cache"
-                f"{where}, {mb(self.rss_bytes)} resident")
+        return f"{text}, {mb(self.kv_cache_bytes)} KV cache{where}, {mb(self.rss_bytes)} resident"

@@ -12,6 +12,7 @@ from pipellm import kernels
 F16, BF16, Q4, Q8, F32 = 0, 1, 2, 3, 4  # kernels/qgemm.h's Kind, plus F32 (plain torch matmul)
 KIND_NAMES = {F16: "F16", BF16: "BF16", Q4: "Q4", Q8: "Q8", F32: "F32"}
 FUSED_MAX_ROWS = 32  # up to this many rows the fused kernel beats expanding a slice for torch's matmul (BENCHMARKS.md)
+MAPPED = " file-mapped"  # weight_bytes' format suffix for an embedding read from the file as looked up
 INTEGER_MAX_ROWS = 1  # int8_activations: rows multiplied in integers; more go through the fp32 paths, rounded
 
 
@@ -176,12 +177,16 @@ class CompactLinear(nn.Module):
 
 
 class CompactEmbedding(nn.Module):
-    def __init__(self, weight: QuantWeight, dtype: torch.dtype):
+    def __init__(self, weight: QuantWeight | None, dtype: torch.dtype):
         super().__init__()
         self.weight, self.dtype = weight, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight.rows(ids.reshape(-1)).to(self.dtype).reshape(*ids.shape, -1)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole table, fp32 [N, K]."""
+        return self.weight.dequantize()
 
 
 _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -210,7 +215,7 @@ def densify(model: nn.Module, dtype: torch.dtype) -> None:
                 linear.bias = nn.Parameter(child.bias.to(dtype), requires_grad=False)
             setattr(model, name, linear)
         elif isinstance(child, CompactEmbedding):
-            setattr(model, name, nn.Embedding.from_pretrained(child.weight.dequantize().to(dtype)))
+            setattr(model, name, nn.Embedding.from_pretrained(child.dequantize().to(dtype)))
         else:
             densify(child, dtype)
 
@@ -229,6 +234,8 @@ def weight_bytes(model: nn.Module) -> list[tuple[str, int]]:
         if isinstance(m, QuantWeight):
             for t in m._tensors():
                 add(m.source, t)
+        elif isinstance(m, CompactEmbedding) and m.weight is None:  # rows read from the file as looked up
+            totals[m.source + MAPPED] = totals.get(m.source + MAPPED, 0) + m.nbytes
     for p in model.parameters():
         add(_DTYPE_NAMES.get(p.dtype, str(p.dtype)), p)
     return sorted(totals.items(), key=lambda kv: -kv[1])
