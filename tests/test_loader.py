@@ -1,8 +1,10 @@
 """Model folders: what is refused, and errors that name the file and the problem."""
 import json
 import shutil
+from copy import deepcopy
 
 import pytest
+import torch
 
 from pipellm import LLM
 from pipellm.config import ModelConfig
@@ -91,3 +93,29 @@ def test_config_fields(checkpoints):
     assert mistral.sliding_window == 24 and mistral.head_dim == 32
     gpt2 = ModelConfig.from_pretrained(checkpoints["gpt2"][0])
     assert gpt2.is_gpt2 and gpt2.intermediate_size == 4 * gpt2.hidden_size
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_only_looked_up_stays_in_the_file(tmp_path, checkpoints, dtype):
+    from pipellm import SamplingParams
+
+    folder, hf = checkpoints["qwen2"]  # tied: the last stage holds the table for its LM head, the first looks it up
+    copy = tmp_path / "copy"
+    deepcopy(hf).to(dtype).save_pretrained(copy)  # the session's model stays as the other tests compare with it
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{folder}/{f}", copy / f)
+    table = hf.model.embed_tokens.weight
+    name = {torch.float32: "F32", torch.bfloat16: "BF16"}[dtype]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = {"prompt_token_ids": [3, 4, 5, 6]}
+    ids = {}
+    for pp, quantization in ((1, None), (2, None), (2, "int8")):
+        with LLM(str(copy), pipeline_parallel_size=pp, dtype="float32", quantization=quantization) as llm:
+            held = [dict(r.weight_bytes) for r in llm.engine.inspect()]
+            ids[pp, quantization] = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        mapped = [h.get(f"{name} file-mapped") for h in held]
+        if pp == 2 and quantization is None:  # the first stage's table is the file's; the last holds its own
+            assert mapped == [table.numel() * dtype.itemsize, None] and held[1]["F32"] >= table.numel() * 4
+        else:  # one stage holds it for its LM head; quantization rounds the table on every stage alike
+            assert mapped == [None] * pp
+    assert ids[1, None] == ids[2, None]

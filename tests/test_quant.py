@@ -8,7 +8,7 @@ from gguf.quants import dequantize, quantize
 
 from pipellm import kernels
 from pipellm.models import fused
-from pipellm.quant.gguf_blocks import _BLOCK_BYTES, SUPPORTED, MappedEmbedding, repack
+from pipellm.quant.gguf_blocks import _BLOCK_BYTES, SUPPORTED, mapped_embedding, repack
 from pipellm.quant.linear import (F32, FUSED_MAX_ROWS, Q4, Q8, CompactEmbedding, CompactLinear, QuantWeight, round_activations,
                                   set_int8_activations)
 from tests.test_attention import KV_DTYPES, _run
@@ -187,14 +187,14 @@ def test_mapped_embedding_reads_rows_from_the_file(tmp_path, qtype):
     raw = gguf_tensor(qtype, rows, cols)
     path = tmp_path / "t.gguf"
     path.write_bytes(b"x" * 96 + raw.tobytes())  # the table lies at an offset, as in a GGUF file
-    emb = MappedEmbedding(str(path), 96, raw.nbytes, qtype, rows, cols, torch.float32)
+    emb = mapped_embedding(str(path), 96, raw.nbytes, qtype, rows, cols, torch.float32)
     ref = torch.from_numpy(dequantize(raw, qtype).reshape(rows, cols))
     ids = torch.tensor([[18, 0], [7, 7]])
     assert torch.equal(emb(ids), ref[ids])
     assert torch.equal(emb(ids), CompactEmbedding(repack(raw, qtype, rows, cols), torch.float32)(ids))  # held
     assert torch.equal(emb.dequantize(), ref)  # what a GPU stage widens
     with pytest.raises(ValueError, match="do not hold 20 rows"):
-        MappedEmbedding(str(path), 96, raw.nbytes, qtype, rows + 1, cols, torch.float32)
+        mapped_embedding(str(path), 96, raw.nbytes, qtype, rows + 1, cols, torch.float32)
 
 
 @pytest.mark.parametrize("qtype", [t for t in SUPPORTED if t != T.F32], ids=lambda t: t.name)

@@ -224,8 +224,8 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
     dtype. Other stages' tensors are never read. Returns the names read."""
     from gguf import GGMLQuantizationType
 
-    from pipellm.quant.gguf_blocks import MappedEmbedding, repack
-    from pipellm.quant.linear import F32, CompactEmbedding, CompactLinear
+    from pipellm.quant.gguf_blocks import mapped_embedding, repack
+    from pipellm.quant.linear import F32, CompactEmbedding, CompactLinear, MappedEmbedding
 
     path = gguf_source(folder)
     with open(os.path.join(folder, TABLE_FILE)) as f:
@@ -243,7 +243,7 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
             raise ValueError(f"{path}: tensor {t['name']} runs past the end of the file (truncated?)")
         if len(targets) == 1 and targets[0][0] in embeddings and len(shape) == 2:
             # only looked up here (no tied LM head on this stage): left in the file
-            value = MappedEmbedding(path, t["offset"], t["nbytes"], qtype, *shape, dtype)
+            value = mapped_embedding(path, t["offset"], t["nbytes"], qtype, *shape, dtype)
         elif len(shape) == 1:
             from gguf.quants import dequantize
             value = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape)

@@ -3,9 +3,12 @@ import json
 import os
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from pipellm.quant.linear import MappedEmbedding
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Buffers that some checkpoints carry and that we recompute.
@@ -36,25 +39,61 @@ def checkpoint_files(folder: str) -> dict[str, str]:
     raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
+# safetensors dtypes a table can be read in place as (numpy has no bfloat16: its bits are read as int16)
+MAPPABLE = {"F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16), "BF16": (np.int16, torch.bfloat16)}
+
+
+def _mapped_embedding(file: str, name: str, shape: list[int], dtype: torch.dtype) -> MappedEmbedding | None:
+    """The embedding table `name` left in its safetensors file (None for a dtype it cannot be read in place as)."""
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(header_len))[name]
+    if info["dtype"] not in MAPPABLE:
+        return None
+    if info["shape"] != shape:
+        raise ValueError(f"{file}: tensor {name} has shape {info['shape']}, expected {shape} from config.json")
+    (np_type, torch_type), (rows, cols) = MAPPABLE[info["dtype"]], shape
+    begin, end = info["data_offsets"]
+    if end - begin != rows * cols * torch_type.itemsize:
+        raise ValueError(f"{file}: tensor {name} has {end - begin} bytes, not those of shape {shape}")
+
+    def expand(raw: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(raw.view(np_type)).view(torch_type)
+
+    return MappedEmbedding(file, 8 + header_len + begin, rows, cols * torch_type.itemsize, expand, info["dtype"],
+                           dtype)
+
+
 def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
-                       on_filled: Callable[[str], None] | None = None) -> list[str]:
+                       on_filled: Callable[[str], None] | None = None, map_embeddings: bool = True) -> list[str]:
     """Fills model's parameters (best built on the meta device) from the checkpoint; returns the checkpoint names it
     read. Parameters are allocated in dtype and each checkpoint tensor is cast into its place, one at a time: no copy
     of a bf16 checkpoint in fp32 exists. on_filled(parameter name) runs as each parameter becomes whole (quantization
-    replaces a linear layer's weights then, so that a stage never holds all of them dense)."""
-    model.to(dtype).to_empty(device="cpu")  # pages are resident once written: parameter by parameter
-    params = dict(model.named_parameters())  # those not yet whole: a whole one is dropped here, so it can be freed
-    rows = {name: p.shape[0] for name, p in params.items()}
-    filled: dict[str, int] = {}  # parameter -> rows filled
+    replaces a linear layer's weights then, so that a stage never holds all of them dense). With map_embeddings, an
+    embedding that is only looked up on this stage (no tied LM head beside it) stays in the file (MappedEmbedding)."""
+    embeddings = {f"{n}.weight": n for n, m in model.named_modules() if isinstance(m, nn.Embedding)} \
+        if map_embeddings else {}
     by_file: dict[str, list[tuple[str, list]]] = {}
+    read = []
     for name, file in checkpoint_files(folder).items():
         if name.endswith(IGNORED_SUFFIXES):
             continue
         targets = model.map_weight(name)
+        if len(targets) == 1 and targets[0][1] == 0 and targets[0][0] in embeddings:
+            module = embeddings[targets[0][0]]
+            mapped = _mapped_embedding(file, name, list(model.get_submodule(module).weight.shape), dtype)
+            if mapped is not None:
+                parent, _, attr = module.rpartition(".")
+                setattr(model.get_submodule(parent), attr, mapped)
+                read.append(name)
+                continue
         if targets:
             by_file.setdefault(file, []).append((name, targets))
+    model.to(dtype).to_empty(device="cpu")  # pages are resident once written: parameter by parameter
+    params = dict(model.named_parameters())  # those not yet whole: a whole one is dropped here, so it can be freed
+    rows = {name: p.shape[0] for name, p in params.items()}
+    filled: dict[str, int] = {}  # parameter -> rows filled
     to_layout = getattr(model, "to_param_layout", lambda name, t: t)
-    read = []
     with torch.no_grad():
         for file, entries in by_file.items():
             try:

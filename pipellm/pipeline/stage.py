@@ -58,7 +58,9 @@ class StageWorker:
         else:  # no random init (0.6 s for half the default model): the loader fills every parameter, or refuses
             self.model = build_stage_model(cfg, self.stage, meta=True)
             quantizer = LoadQuantizer(self.model, ecfg.quantization, ecfg.torch_dtype) if ecfg.quantization else None
-            self.checkpoint_tensors = load_stage_weights(self.model, args.model_dir, ecfg.torch_dtype, quantizer)
+            # quantization rounds the embedding too, on every stage alike (greedy output stays one for every PP)
+            self.checkpoint_tensors = load_stage_weights(self.model, args.model_dir, ecfg.torch_dtype, quantizer,
+                                                         map_embeddings=quantizer is None)
             if ecfg.quantization:
                 quantize_linears(self.model, ecfg.quantization)  # what the quantizer left: tied weights
         if device.type != "cpu":

@@ -11,40 +11,28 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from pipellm.quant.linear import BF16, F16, F32, Q4, Q8, CompactEmbedding, QuantWeight
+from pipellm.quant.linear import BF16, F16, F32, Q4, Q8, MappedEmbedding, QuantWeight
 
 SUPPORTED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 _BLOCK_BYTES = {T.Q4_0: 18, T.Q4_1: 20, T.Q5_0: 22, T.Q5_1: 24, T.Q8_0: 34, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
 
 
-class MappedEmbedding(CompactEmbedding):
-    """An embedding table left in the GGUF file: a lookup reads and expands only its rows through a memory map of
-    the table's bytes (the `gguf` package's dequantize: the same floats as repack's kernels give). A first stage
-    that is not also the last holds no copy of it (a tied LM head on the last stage needs the whole table, compact
-    there); the rows it touches are file pages, which the OS can drop and processes share."""
+def mapped_embedding(path: str, offset: int, nbytes: int, qtype: T, num_rows: int, num_cols: int,
+                     dtype: torch.dtype) -> MappedEmbedding:
+    """A GGUF embedding table left in its file; its rows expand through the `gguf` package's dequantize (the same
+    floats as repack's kernels give)."""
+    if qtype not in SUPPORTED:
+        raise ValueError(f"the embedding in {path} has GGUF type {qtype.name}, which pipellm cannot run; "
+                         f"supported: {', '.join(t.name for t in SUPPORTED)}")
+    block, size = GGML_QUANT_SIZES[qtype]  # weights a block, bytes a block
+    if num_cols % block or nbytes != num_rows * num_cols // block * size:
+        raise ValueError(f"the embedding in {path}: {nbytes} bytes do not hold {num_rows} rows of {num_cols} "
+                         f"{qtype.name} weights")
 
-    def __init__(self, path: str, offset: int, nbytes: int, qtype: T, num_rows: int, num_cols: int,
-                 dtype: torch.dtype):
-        super().__init__(None, dtype)
-        if qtype not in SUPPORTED:
-            raise ValueError(f"the embedding in {path} has GGUF type {qtype.name}, which pipellm cannot run; "
-                             f"supported: {', '.join(t.name for t in SUPPORTED)}")
-        block, size = GGML_QUANT_SIZES[qtype]  # weights a block, bytes a block
-        if num_cols % block or nbytes != num_rows * num_cols // block * size:
-            raise ValueError(f"the embedding in {path}: {nbytes} bytes do not hold {num_rows} rows of {num_cols} "
-                             f"{qtype.name} weights")
-        # a map of its own: one shared with the loader would keep every page the load read counted as resident
-        self.table = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(nbytes,)).reshape(num_rows, -1)
-        self.qtype, self.num_rows, self.num_cols, self.source, self.nbytes = qtype, num_rows, num_cols, qtype.name, nbytes
+    def expand(rows: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(dequantize(rows, qtype), dtype=np.float32).reshape(len(rows), num_cols))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.table[ids.reshape(-1).cpu().numpy()]                       # [T, bytes a row]: a copy
-        out = torch.from_numpy(np.asarray(dequantize(rows, self.qtype), dtype=np.float32))
-        return out.to(self.dtype).reshape(*ids.shape, self.num_cols)
-
-    def dequantize(self) -> torch.Tensor:
-        return torch.from_numpy(np.array(dequantize(self.table, self.qtype), dtype=np.float32)).reshape(
-            self.num_rows, self.num_cols)
+    return MappedEmbedding(path, offset, num_rows, nbytes // num_rows, expand, qtype.name, dtype)
 
 
 def _t(a: np.ndarray) -> torch.Tensor:

@@ -4,6 +4,7 @@ A QuantWeight is an [N, K] matrix (one output feature a row) kept in one of the 
 `matmul` runs our C++ kernel; `dequantize` is its plain-torch twin, the reference the tests hold the kernel to and
 the path taken where the kernel cannot be built.
 """
+import numpy as np
 import torch
 from torch import nn
 
@@ -189,6 +190,28 @@ class CompactEmbedding(nn.Module):
         return self.weight.dequantize()
 
 
+class MappedEmbedding(CompactEmbedding):
+    """An embedding table left in its checkpoint file: a lookup copies only its rows out of a memory map of the
+    table's bytes and expands them (`expand`: rows of bytes [T, row_bytes] -> values [T, K]). A stage that only
+    looks the table up (no tied LM head beside it) holds no copy; the rows it touches are file pages, which the OS
+    shares between processes and can drop."""
+
+    def __init__(self, path: str, offset: int, num_rows: int, row_bytes: int, expand, source: str,
+                 dtype: torch.dtype):
+        super().__init__(None, dtype)
+        # a map of its own: one shared with the loader would keep every page the load read counted as resident
+        self.table = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(num_rows * row_bytes,))
+        self.table = self.table.reshape(num_rows, row_bytes)
+        self.expand, self.source, self.num_rows, self.nbytes = expand, source, num_rows, num_rows * row_bytes
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table[ids.reshape(-1).cpu().numpy()]                       # [T, row_bytes]: a copy
+        return self.expand(rows).to(self.dtype).reshape(*ids.shape, -1)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.expand(np.array(self.table)).float()
+
+
 _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -234,7 +257,7 @@ def weight_bytes(model: nn.Module) -> list[tuple[str, int]]:
         if isinstance(m, QuantWeight):
             for t in m._tensors():
                 add(m.source, t)
-        elif isinstance(m, CompactEmbedding) and m.weight is None:  # rows read from the file as looked up
+        elif isinstance(m, MappedEmbedding):
             totals[m.source + MAPPED] = totals.get(m.source + MAPPED, 0) + m.nbytes
     for p in model.parameters():
         add(_DTYPE_NAMES.get(p.dtype, str(p.dtype)), p)
