@@ -231,7 +231,7 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
     with open(os.path.join(folder, TABLE_FILE)) as f:
         table = json.load(f)
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    pieces: dict[str, list] = {}  # parameter -> [(first row, QuantWeight, tensor or MappedEmbedding)]
+    pieces: dict[str, list] = {}  # parameter -> [(first row, a QuantWeight, tensor or MappedEmbedding)]
     embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     read = []
     for t in table:
