@@ -243,7 +243,8 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
             raise ValueError(f"{path}: tensor {t['name']} runs past the end of the file (truncated?)")
         if len(targets) == 1 and targets[0][0] in embeddings and len(shape) == 2:
             # only looked up here (no tied LM head on this stage): left in the file
-            value = mapped_embedding(path, t["offset"], t["nbytes"], qtype, *shape, dtype)
+            value = mapped_embedding(path, t["offset"], t["nbytes"], qtype, *shape, dtype,
+                                     name=f"{path}: {t['name']}")
         elif len(shape) == 1:
             from gguf.quants import dequantize
             value = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape)
@@ -274,14 +275,13 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
             bias = parts_of(prefix + "bias", rows) if getattr(module, "bias", None) is not None else None
             bias = torch.cat(bias).float() if bias else None
             if isinstance(parts[0], MappedEmbedding):
-                setattr(model.get_submodule(mod_name.rpartition(".")[0]), mod_name.rpartition(".")[2], parts[0])
-                continue
-            if all(p.kind == F32 for p in parts):  # fp32 in the file: an ordinary layer in dtype
+                replacement = parts[0]
+            elif all(p.kind == F32 for p in parts):  # fp32 in the file: an ordinary layer in dtype
                 module.weight = nn.Parameter(torch.cat([p.codes for p in parts]).to(dtype), requires_grad=False)
                 if bias is not None:
                     module.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
                 continue
-            if isinstance(module, nn.Embedding):
+            elif isinstance(module, nn.Embedding):
                 replacement = CompactEmbedding(parts[0], dtype)
             else:
                 replacement = CompactLinear(parts, bias)

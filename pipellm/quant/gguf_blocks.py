@@ -17,16 +17,20 @@ SUPPORTED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_
 _BLOCK_BYTES = {T.Q4_0: 18, T.Q4_1: 20, T.Q5_0: 22, T.Q5_1: 24, T.Q8_0: 34, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
 
 
+def check_supported(qtype: T, name: str) -> None:
+    if qtype not in SUPPORTED:
+        raise ValueError(f"tensor {name} has GGUF type {qtype.name}, which pipellm cannot run; supported: "
+                         f"{', '.join(t.name for t in SUPPORTED)}")
+
+
 def mapped_embedding(path: str, offset: int, nbytes: int, qtype: T, num_rows: int, num_cols: int,
-                     dtype: torch.dtype) -> MappedEmbedding:
+                     dtype: torch.dtype, name: str = "") -> MappedEmbedding:
     """A GGUF embedding table left in its file; its rows expand through the `gguf` package's dequantize (the same
     floats as repack's kernels give)."""
-    if qtype not in SUPPORTED:
-        raise ValueError(f"the embedding in {path} has GGUF type {qtype.name}, which pipellm cannot run; "
-                         f"supported: {', '.join(t.name for t in SUPPORTED)}")
+    check_supported(qtype, name)
     block, size = GGML_QUANT_SIZES[qtype]  # weights a block, bytes a block
     if num_cols % block or nbytes != num_rows * num_cols // block * size:
-        raise ValueError(f"the embedding in {path}: {nbytes} bytes do not hold {num_rows} rows of {num_cols} "
+        raise ValueError(f"tensor {name}: {nbytes} bytes do not hold {num_rows} rows of {num_cols} "
                          f"{qtype.name} weights")
 
     def expand(rows: np.ndarray) -> torch.Tensor:
@@ -68,9 +72,7 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def repack(raw: np.ndarray, qtype: T, num_rows: int, num_cols: int, name: str = "") -> QuantWeight:
     """raw: the tensor's bytes as GGUF stores them; returns the [num_rows, num_cols] weight in our layout."""
-    if qtype not in SUPPORTED:
-        raise ValueError(f"tensor {name} has GGUF type {qtype.name}, which pipellm cannot run; supported: "
-                         f"{', '.join(t.name for t in SUPPORTED)}")
+    check_supported(qtype, name)
     raw = np.asarray(raw).reshape(num_rows, -1)
     if qtype == T.F32:
         return QuantWeight(F32, _t(raw.view(np.float32)), source="F32")
