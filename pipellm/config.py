@@ -254,6 +254,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # share of each GPU's memory the stages on it may use (weights, KV cache)
     num_scheduler_steps: int = 1        # decode steps a stage runs per batch, feeding back its own samples (vLLM's
     #                                     multi-step scheduling): less driver round trip per token, output in bursts
+    async_scheduling: bool | None = None  # send the next batch while the stage runs this one, its decodes fed the
+    #                                     tokens this one samples (vLLM's name): the driver's work overlaps the
+    #                                     stage's; a request that stops has computed one token more, dropped. One
+    #                                     stage only; None: on where it applies
 
     def __post_init__(self):
         def bad(name, why):
@@ -294,6 +298,14 @@ class EngineConfig:
             bad("int8_activations", "must be True or False")
         if not isinstance(self.num_scheduler_steps, int) or not 1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
             bad("num_scheduler_steps", f"must be an integer from 1 to {MAX_SCHEDULER_STEPS}")
+        if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
+            bad("async_scheduling", "must be True, False or None (on where it applies)")
+        if self.async_scheduling and not self._one_batch_stage:
+            bad("async_scheduling", "needs pipeline_parallel_size=1 and max_batches_in_flight unset: with several "
+                                    "stages, the batches in flight already overlap the driver's work")
+        if self.async_scheduling and self.num_scheduler_steps > 1:
+            bad("async_scheduling", "and num_scheduler_steps > 1 are two ways to keep the stage from waiting on the "
+                                    "driver; choose one")
         if not isinstance(self.enable_prefix_caching, bool):
             bad("enable_prefix_caching", "must be True or False")
         if not isinstance(self.restart_on_failure, bool):
@@ -316,8 +328,18 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
     @property
+    def _one_batch_stage(self) -> bool:
+        return self.pipeline_parallel_size == 1 and self.max_batches_in_flight in (None, 1)
+
+    @property
+    def is_async_scheduling(self) -> bool:
+        if self.async_scheduling is None:
+            return self._one_batch_stage and self.num_scheduler_steps == 1
+        return self.async_scheduling
+
+    @property
     def batches_in_flight(self) -> int:
-        return self.max_batches_in_flight or self.pipeline_parallel_size
+        return 2 if self.is_async_scheduling else self.max_batches_in_flight or self.pipeline_parallel_size
 
     @property
     def num_threads(self) -> int:

@@ -126,6 +126,8 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 finished = sum(r.is_finished for r in self.engine.step())
                 bar.update(finished)
+        while self.engine.in_flight:  # async scheduling: a batch sent ahead for a request that has since stopped
+            self.engine.step(fill=False)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,

@@ -2,9 +2,11 @@
 import pytest
 
 from pipellm import LLM, SamplingParams
+from pipellm.config import EngineConfig
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.scheduler import Scheduler
 from pipellm.engine.sequence import Request
+from pipellm.pipeline.messages import AHEAD_TOKEN
 from tests.conftest import FP32, hf_greedy_ids
 
 
@@ -15,8 +17,9 @@ def _req(rid: str, num_prompt: int, max_tokens: int = 4) -> Request:
 def _return_tokens(batch, token: int = 7) -> None:
     """What the engine does when a batch's tokens come back."""
     for req in batch.requests:
-        req.in_flight = False
+        req.in_flight -= 1
     for req in batch.sampled:
+        req.num_ahead = 0
         req.output_token_ids.append(token)
 
 
@@ -220,3 +223,115 @@ def test_several_steps_keep_seeded_samples_and_logprobs(llm_steps, llm_pp2):
     for a, b in zip(one, several):
         assert a.token_ids == b.token_ids and len(b.logprobs) == 11
         assert all(abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob) < 1e-4 for i, t in enumerate(a.token_ids))
+
+
+def test_async_scheduling_runs_a_decode_ahead_of_its_token():
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, run_ahead=True)
+    a, b = _req("a", 7, max_tokens=3), _req("b", 3, max_tokens=1)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    assert first.sampled == [a, b] and a.block_ids == [0, 1] and b.block_ids == [2]
+    # both are out; "a" may take the token it is about to get as its next input, "b" wants no second token
+    ahead = sched.schedule()
+    assert ahead.requests == [a] and ahead.sampled == [a]
+    sb = ahead.stage_batch
+    assert sb.input_ids.tolist() == [AHEAD_TOKEN] and sb.ahead_req_ids == ["a"]
+    assert sb.positions.tolist() == [7] and sb.slot_mapping.tolist() == [7] and sb.seq_lens.tolist() == [8]
+    sb.check(16, 4, 100, is_first=True, is_last=True)
+    assert a.num_tokens == 8 and a.in_flight == 2
+    assert sched.schedule() is None  # one batch ahead at most
+    _return_tokens(first, token=42)  # the placeholder becomes the token that came back
+    assert a.output_token_ids == [42] and a.num_ahead == 0 and a.num_tokens == 8
+    sched.finish(b, "length")
+    assert b.block_ids == [] and bm.num_free_blocks == 14
+    # "a" runs ahead again, a block further on; its third token would be its last, so no more after that
+    nxt = sched.schedule()
+    assert nxt.requests == [a] and nxt.stage_batch.positions.tolist() == [8] and a.block_ids == [0, 1, 3]
+    assert nxt.stage_batch.finished_req_ids == ["b"]
+    _return_tokens(ahead, token=43)
+    assert sched.schedule() is None and a.num_tokens == 9
+    # it stops on the token of the batch before: the batch still out keeps its blocks until it is back
+    sched.finish(a, "stop")
+    assert a.block_ids == [0, 1, 3] and a.num_computed_tokens == 9
+    nxt.requests[0].in_flight -= 1
+    bm.free(a)
+    assert bm.num_free_blocks == 16
+
+
+def test_async_scheduling_needs_one_stage_and_one_step_a_batch():
+    assert EngineConfig("m").is_async_scheduling  # on by default where it applies
+    assert not EngineConfig("m", pipeline_parallel_size=2).is_async_scheduling
+    assert not EngineConfig("m", num_scheduler_steps=4).is_async_scheduling
+    assert not EngineConfig("m", async_scheduling=False).is_async_scheduling
+    for bad in (dict(pipeline_parallel_size=2), dict(max_batches_in_flight=2), dict(num_scheduler_steps=4)):
+        with pytest.raises(ValueError, match="async_scheduling"):
+            EngineConfig("m", async_scheduling=True, **bad)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig("m", async_scheduling="yes")
+
+
+@pytest.fixture(scope="module")
+def llm_async(llama_dir):
+    """One stage with async scheduling (the default there), each batch it was sent recorded."""
+    with LLM(llama_dir, dtype=FP32) as llm:
+        assert llm.engine.config.is_async_scheduling
+        sent, submit = [], llm.engine.executor.submit
+        llm.engine.executor.submit = lambda batch: (sent.append(batch), submit(batch))[1]
+        yield llm, sent
+
+
+def test_async_scheduling_output_equals_hf_and_a_stop_drops_the_token_ahead(llm_async, checkpoints):
+    llm, sent = llm_async
+    prompt = [(5 * i + 4) % 300 for i in range(30)]
+    full = hf_greedy_ids(checkpoints["llama"][1], [prompt], 12)[0]
+    sent.clear()
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full
+    # each decode was sent while the batch that samples its input was out
+    assert [len(b.ahead_req_ids) for b in sent] == [0] + [1] * 11
+    stop_at = next(i for i in range(2, 12) if full[i] not in full[:i])  # a token not generated before it
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[full[stop_at]]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full[:stop_at + 1] and out.finish_reason == "stop"
+    engine = llm.engine
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    # its cached blocks hold only its own tokens: a prompt that continues it decodes as HF does
+    longer = prompt + full[:stop_at + 1] + [9] * 8
+    got = llm.generate({"prompt_token_ids": longer}, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)
+    assert engine.block_manager.num_prefix_hits > 0
+    assert got[0].outputs[0].token_ids == hf_greedy_ids(checkpoints["llama"][1], [longer], 8)[0]
+
+
+def test_async_scheduling_keeps_seeded_samples_logprobs_and_aborts(llm_async, llm_pp2):
+    llm, sent = llm_async
+    params = SamplingParams(max_tokens=11, temperature=1.0, seed=99, logprobs=2, n=2)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 9, 1, 2]}]
+    sent.clear()
+    got = [c for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+    assert any(b.ahead_req_ids for b in sent)
+    for a, b in zip([c for o in llm_pp2.generate(prompts, params, use_tqdm=False) for c in o.outputs], got):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert all(abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob) < 1e-4 for i, t in enumerate(a.token_ids))
+    engine = llm.engine
+    engine.add_request("x", [1, 2, 3, 4, 5], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    receive, seen = engine.executor.receive, []
+
+    def abort_then_receive():  # aborted while two of its batches are out
+        seen.append(len(engine.in_flight))
+        engine.abort_request("x")
+        return receive()
+    engine.executor.receive = abort_then_receive
+    try:
+        engine.step()
+    finally:
+        engine.executor.receive = receive
+    while engine.in_flight:
+        engine.step()
+    assert seen == [2] and not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.num_blocks

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from pipellm.config import EngineConfig, ModelConfig, RopeConfig
 from pipellm.pipeline import wire
-from pipellm.pipeline.messages import (Inspect, NewRequest, ProbeReport, SampledBatch, Shutdown, StageArgs, StageBatch,
-                                       StageReport)
+from pipellm.pipeline.messages import (AHEAD_TOKEN, Inspect, NewRequest, ProbeReport, SampledBatch, Shutdown,
+                                       StageArgs, StageBatch, StageReport)
 from pipellm.pipeline.partition import make_partition
 from pipellm.sampler import PromptLogprobs, SampledToken
 from pipellm.sampling_params import SamplingParams
@@ -121,7 +121,7 @@ def _header(kind, value, arrays=()) -> bytes:
     (_header("StageBatch", [0] * 11, [["|O", [1]]]), "bad array description"),
     (_header("StageBatch", [0] * 11, [["<i8", [2 ** 40, 2 ** 40]]]), "runs past the end"),
     (_header("StageBatch", [0] * 11, [["<i8", [1]]]) + b"\0" * 9, "bytes left over"),
-    (_header("StageBatch", [None, 5] + [0] * 16, [["<i8", [1]]]) + b"\0" * 8, "batch_id"),
+    (_header("StageBatch", [None, 5] + [0] * 17, [["<i8", [1]]]) + b"\0" * 8, "batch_id"),
     (struct.pack("<I", 10 ** 6) + b"{}", "past the end"),
     (struct.pack("<I", 3) + b"[[[", "undecodable"),
     (struct.pack("<I", 20000) + b"[" * 20000, "undecodable"),  # deep nesting: RecursionError inside json
@@ -164,6 +164,21 @@ def test_stage_batch_check_refuses_steps_it_cannot_run():
     decodes.check(12, 16, 50, False, True)
     with pytest.raises(ValueError, match="num_steps"):
         replace(_batch(), num_steps=2).check(12, 16, 50, True, True)  # its first sequence is a prefill
+
+
+def test_stage_batch_check_refuses_ahead_tokens_it_cannot_fill():
+    ahead = _batch()
+    ahead.input_ids[-1], ahead.ahead_req_ids = AHEAD_TOKEN, ["req-2"]
+    ahead = wire.decode(wire.encode(ahead))
+    ahead.check(12, 16, 50, True, True)
+    assert ahead.ahead_req_ids == ["req-2"]
+    for change, is_last in [(dict(), False),  # a first stage that does not sample has no token to fill in
+                            (dict(ahead_req_ids=[]), True), (dict(ahead_req_ids=["req-1", "req-2"]), True)]:
+        with pytest.raises(ValueError, match="ahead_req_ids"):
+            replace(ahead, **change).check(12, 16, 50, True, is_last)
+    ahead.input_ids[-1] = AHEAD_TOKEN - 1
+    with pytest.raises(ValueError, match="input_ids"):
+        ahead.check(12, 16, 50, True, True)
 
 
 FRAMES = [wire.seal(KEY, CTX, wire.encode(m)) for m in MESSAGES]

@@ -100,6 +100,15 @@ class BlockManager:
         assert all(self.ref_counts[b] == 1 and self.block_hashes[b] is None
                    for b in req.block_ids[req.num_computed_tokens // self.block_size:])
 
+    def allocate_ahead(self, req: Request) -> None:
+        """A slot for one token past those of req's batch out (async scheduling, one stage). Its full blocks are
+        cached already: their K/V is written by batches sent before any batch that could take them from the cache,
+        and one stage runs batches in the order they were sent."""
+        assert req.in_flight and req.num_computed_tokens == req.num_tokens and not self.window_ring
+        assert self.can_allocate(req, 1), "allocate_ahead() without can_allocate()"
+        self._cache_computed_blocks(req)
+        req.block_ids.extend(self._take_free() for _ in range(self.num_blocks_needed(req, 1)))
+
     def free(self, req: Request) -> None:
         assert not req.in_flight, "free() while the request's batch is out: its blocks are still being written"
         self._cache_computed_blocks(req)
@@ -146,7 +155,8 @@ class BlockManager:
             self.num_prefix_hits += req.num_computed_tokens
 
     def _cache_computed_blocks(self, req: Request) -> None:
-        # Called only while req has no batch out, so num_computed_tokens counts K/V that really are in the cache.
+        # Called while req has no batch out, so num_computed_tokens counts K/V that really are in the cache (or, one
+        # stage, by batches sent before any that may read it)
         if not self.enable_caching:
             return
         num_full = req.num_computed_tokens // self.block_size

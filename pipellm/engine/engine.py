@@ -111,7 +111,7 @@ class LLMEngine:
                                    mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" else None,
                                    send_rope_lens=mc.rope.rope_type in ("dynamic", "longrope"),
                                    num_scheduler_steps=config.num_scheduler_steps,
-                                   steps_alone=config.batches_in_flight > 1)
+                                   steps_alone=config.batches_in_flight > 1, run_ahead=config.is_async_scheduling)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # a user's request id -> its completions' ids, to find them by id
         self.in_flight: deque[ScheduledBatch] = deque()
@@ -338,11 +338,16 @@ class LLMEngine:
     def _step(self, fill: bool) -> list[Request]:
         num_batches = self.config.batches_in_flight
         while fill and len(self.in_flight) < num_batches:
-            # Split the work evenly over the batches in flight, in requests, and in tokens over the batch slots
-            # still free, so that no stage waits behind a big batch.
-            seqs = -(-self.scheduler.num_unfinished // num_batches)
-            tokens = -(-self.scheduler.num_schedulable_tokens // (num_batches - len(self.in_flight)))
-            batch = self.scheduler.schedule(max_num_seqs=max(1, seqs), max_num_tokens=max(1, tokens))
+            if self.config.is_async_scheduling:
+                # one stage, one batch running and the next already sent: the driver's work for a step overlaps
+                # the stage's compute of the one before
+                batch = self.scheduler.schedule()
+            else:
+                # Split the work evenly over the batches in flight, in requests, and in tokens over the batch slots
+                # still free, so that no stage waits behind a big batch.
+                seqs = -(-self.scheduler.num_unfinished // num_batches)
+                tokens = -(-self.scheduler.num_schedulable_tokens // (num_batches - len(self.in_flight)))
+                batch = self.scheduler.schedule(max_num_seqs=max(1, seqs), max_num_tokens=max(1, tokens))
             if batch is None:
                 break
             self.executor.submit(batch.stage_batch)
@@ -362,8 +367,8 @@ class LLMEngine:
         """Applies a batch's sampled tokens (and prompt log-probabilities); returns the requests that got a token."""
         assert batch.batch_id == result.batch_id, "pipeline returned batches out of order"
         for req in batch.requests:
-            req.in_flight = False
-            if req.is_finished:  # aborted while in flight; its blocks were kept until now
+            req.in_flight -= 1
+            if req.is_finished and not req.in_flight:  # finished while in flight; its blocks were kept until now
                 self.block_manager.free(req)
         if result.prompt_logprobs is not None:
             self._add_prompt_logprobs(batch, result.prompt_logprobs)
@@ -372,6 +377,8 @@ class LLMEngine:
             for req, tok in zip(batch.sampled, result.tokens[step * n:(step + 1) * n]):
                 if req.is_finished:  # the steps after the token that ended it are dropped
                     continue
+                if req.num_ahead:  # the token a batch still out already took as input
+                    req.num_ahead -= 1
                 req.output_token_ids.append(tok.token_id)
                 req.token_times.append(now)
                 self.num_generated_tokens += 1

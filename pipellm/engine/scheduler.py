@@ -28,8 +28,11 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  recompute_past: int | None = None, send_rope_lens: bool = False, num_scheduler_steps: int = 1,
-                 steps_alone: bool = False):
+                 steps_alone: bool = False, run_ahead: bool = False):
         self.block_manager = block_manager
+        # async scheduling (one stage): a decoding request whose batch is out may join the next batch too, its
+        # input the token the stage samples for it in the batch before
+        self.run_ahead = run_ahead
         # several steps a batch; with steps_alone (several stages), only for a batch of every running request: its
         # stages pass each step on to each other, and a second batch in flight would wait for all of its steps
         self.num_scheduler_steps, self.steps_alone = num_scheduler_steps, steps_alone
@@ -52,6 +55,7 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        req.num_ahead = 0  # a token still to come for it is dropped
         # after several decode steps, the cache may hold steps past the token that ended it: not its tokens
         req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
         if req in self.running:
@@ -65,6 +69,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         # Recompute later: drop its cache, keep its tokens. Output stays the same (greedy or seeded).
+        assert not req.in_flight
         self.running.remove(req)
         self.block_manager.free(req)
         req.num_computed_tokens, req.status = 0, RequestStatus.WAITING
@@ -79,7 +84,7 @@ class Scheduler:
         for req in self.running + list(self.waiting):
             req.num_computed_tokens, req.block_ids, req.status = 0, [], RequestStatus.WAITING
             req.window_block_ids = []
-            req.in_flight = req.is_known_to_sampler = False
+            req.in_flight, req.num_ahead, req.is_known_to_sampler = 0, 0, False
         self.waiting = deque(self.running + list(self.waiting))
         self.running, self.finished_ids = [], []
 
@@ -97,7 +102,14 @@ class Scheduler:
         for req in list(self.running):
             if len(chosen) == max_seqs or budget == 0:
                 break
-            if req.in_flight or req not in self.running:
+            if req not in self.running:
+                continue
+            if req.in_flight:
+                if self._can_run_ahead(req):
+                    self.block_manager.allocate_ahead(req)
+                    req.num_ahead = 1
+                    chosen.append((req, 1))
+                    budget -= 1
                 continue
             if self.recompute_past is not None and req.rope_len <= self.recompute_past < req.num_tokens:
                 self._preempt(req)
@@ -134,12 +146,21 @@ class Scheduler:
             return None
         return self._build(chosen, self._num_steps(chosen))
 
+    def _can_run_ahead(self, req: Request) -> bool:
+        """Whether req may join the next batch while its batch is out: that batch runs all its known tokens and
+        samples the next (which the new batch takes as input), and one more token is wanted after that one."""
+        return (self.run_ahead and req.in_flight == 1 and req.num_ahead == 0 and req.num_pending_tokens == 0
+                and len(req.output_token_ids) + 2 <= req.max_tokens and req.params.prompt_logprobs is None
+                and not self.block_manager.window_ring and not self.send_rope_lens and self.recompute_past is None
+                and self.block_manager.can_allocate(req, 1))
+
     def _num_steps(self, chosen: list[tuple[Request, int]]) -> int:
         """How many decode steps the stage runs in a row (num_scheduler_steps), with their blocks allocated: only
         when every chosen request decodes, none waits to start, and each has that many tokens left to generate."""
         steps = self.num_scheduler_steps
         if steps == 1 or self.waiting or self.block_manager.window_ring or self.send_rope_lens or any(
-                n != 1 or r.num_pending_tokens != 1 or r.params.prompt_logprobs is not None for r, n in chosen) or (
+                n != 1 or r.num_pending_tokens != 1 or r.num_ahead or r.params.prompt_logprobs is not None
+                for r, n in chosen) or (
                 self.steps_alone and len(chosen) < len(self.running)):
             return 1
         bm = self.block_manager
@@ -180,13 +201,14 @@ class Scheduler:
         spans, prompt_rows = self._prompt_rows(reqs, starts, counts)
         for r, n in chosen:
             r.num_computed_tokens += n if steps == 1 else steps
-            r.in_flight = True
+            r.in_flight += 1
             r.rope_len = r.num_tokens
         for r in sampled:
             r.is_known_to_sampler = True
         batch = StageBatch(self.num_batches, ids, positions, slots, counts, seq_lens, tables, logits_indices,
                            [r.request_id for r in sampled], new, self.finished_ids,
-                           rope_lens if self.send_rope_lens else None, window_tables, num_steps=steps)
+                           rope_lens if self.send_rope_lens else None, window_tables,
+                           ahead_req_ids=[r.request_id for r in reqs if r.num_ahead], num_steps=steps)
         if spans:
             batch.prompt_rows, batch.prompt_targets = prompt_rows
             batch.prompt_top_k = max(r.params.prompt_logprobs for r, _, _ in spans)

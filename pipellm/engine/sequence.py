@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from pipellm.engine.detokenizer import IncrementalDetokenizer
 from pipellm.outputs import Logprob
+from pipellm.pipeline.messages import AHEAD_TOKEN
 from pipellm.sampling_params import SamplingParams
 
 
@@ -34,7 +35,9 @@ class Request:
     window_block_ids: list[int] = field(default_factory=list)  # the ring its sliding-window layers cycle through
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its first full blocks (lazy)
     status: RequestStatus = RequestStatus.WAITING
-    in_flight: bool = False          # part of a batch whose token has not come back yet
+    in_flight: int = 0               # batches out that hold it (two with async scheduling: one runs ahead)
+    num_ahead: int = 0               # tokens a batch out will sample that a batch after it already takes as
+    #                                  input (async scheduling): counted in num_tokens, their ids still unknown
     is_known_to_sampler: bool = False  # the last stage holds its sampling state
     num_preemptions: int = 0
     use_prefix_cache: bool = True    # False: compute every prompt position, even where a cached prefix holds it
@@ -50,7 +53,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_ahead
 
     @property
     def num_pending_tokens(self) -> int:
@@ -61,8 +64,13 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens start..end-1 of prompt + output, without joining the two lists: a decode step asks for one."""
+        """Tokens start..end-1 of prompt + output, without joining the two lists: a decode step asks for one.
+        A token still to come from a batch out (num_ahead) reads AHEAD_TOKEN."""
         n = len(self.prompt_token_ids)
         if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - n)]
+            ids = self.output_token_ids[start - n:end - n]
+        else:
+            ids = self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - n)]
+        if self.num_ahead:
+            ids = ids + [AHEAD_TOKEN] * (min(end, self.num_tokens) - start - len(ids))
+        return ids

@@ -61,6 +61,9 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="decode steps the stages run per batch, the last sampling the first's next input: fewer "
                         "round trips per token, output in bursts of this many tokens (default 1)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="send the next batch while the stage runs this one (default: on with one stage, where it "
+                        "applies)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads-per-stage", type=int, default=None, help="default: cores // stages")
     p.add_argument("--seed", type=int, default=0)

@@ -54,6 +54,7 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
         after = engine.inspect()
         stages = [s.describe() for s in engine.stages]
         num_scheduler_steps, device = engine.config.num_scheduler_steps, engine.device
+        async_scheduling = engine.config.is_async_scheduling
         partition_note = engine.partition_note
         layers, model_config, dtype_bytes = engine.stages, engine.model_config, engine.config.torch_dtype.itemsize
     trace_summary = write_trace_dir(trace_data, trace_dir) if trace_data is not None else None
@@ -68,7 +69,8 @@ def run_bench(model: str | None = None, pipeline_parallel_size: int = 1, num_pro
         "config": dict(model=model, pipeline_parallel_size=pipeline_parallel_size, num_prompts=num_prompts,
                        input_len=list(input_len), output_len=output_len, dtype=dtype,
                        threads_per_stage=after[0].num_threads, seed=seed, stages=stages,
-                       partition_note=partition_note, num_scheduler_steps=num_scheduler_steps, device=device),
+                       partition_note=partition_note, num_scheduler_steps=num_scheduler_steps, device=device,
+                       async_scheduling=async_scheduling),
         "elapsed_s": elapsed,
         "generated_tokens": generated,
         "prompt_tokens": prompt_tokens,
@@ -201,7 +203,8 @@ def format_result(r: dict) -> str:
         f"pipellm bench: {cfg['num_prompts']} requests, prompt {cfg['input_len'][0]}-{cfg['input_len'][1]} tokens, "
         f"{cfg['output_len']} new tokens, pp={cfg['pipeline_parallel_size']}, {cfg['threads_per_stage']} "
         f"thread(s)/stage, {cfg['dtype']}"
-        + (f", {cfg['num_scheduler_steps']} decode steps a batch" if cfg.get("num_scheduler_steps", 1) > 1 else ""),
+        + (f", {cfg['num_scheduler_steps']} decode steps a batch" if cfg.get("num_scheduler_steps", 1) > 1 else "")
+        + (", async scheduling" if cfg.get("async_scheduling") else ""),
         *[f"  {s}" for s in cfg["stages"]],
         *([f"  {cfg['partition_note']}"] if cfg.get("partition_note") else []),
         f"elapsed            {r['elapsed_s']:.2f} s",

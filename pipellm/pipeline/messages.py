@@ -10,6 +10,9 @@ from pipellm.sampler import PromptLogprobs, SampledToken
 from pipellm.sampling_params import SamplingParams
 
 
+AHEAD_TOKEN = -1  # input id of a token the stage sampled for the request in the batch before (async scheduling)
+
+
 @dataclass
 class StageArgs:
     """Driver -> a starting stage, through the rendezvous store: what to load and run."""
@@ -53,6 +56,9 @@ class StageBatch:
     prompt_rows: np.ndarray | None = None     # [R] rows whose logits score the next prompt token (last stage)
     prompt_targets: np.ndarray | None = None  # [R] those next prompt tokens
     prompt_top_k: int = 0                     # most likely tokens returned beside each (the batch's largest k)
+    ahead_req_ids: list[str] = field(default_factory=list)  # [A] requests whose input is the token the stage
+    #                                  sampled for them in the batch before (async scheduling, one stage): in order,
+    #                                  one for each AHEAD_TOKEN of input_ids
     num_steps: int = 1               # decode steps in a row, each step's samples the next one's input_ids (the
     #                                  last stage sends them to the first); every row a decode; block_tables cover
     #                                  them all
@@ -98,9 +104,12 @@ class StageBatch:
             need((self.seq_lens + self.num_steps - 1 <= self.block_tables.shape[1] * block_size).all(),
                  "block_tables do not cover num_steps")
         if is_first:
-            need(self.input_ids is not None and self.input_ids.shape == (T,) and self.input_ids.dtype.kind == "i"
-                 and (self.input_ids >= 0).all() and (self.input_ids < vocab_size).all(),
-                 f"input_ids must be [tokens] ids below {vocab_size}")
+            ids = self.input_ids
+            need(ids is not None and ids.shape == (T,) and ids.dtype.kind == "i" and (ids < vocab_size).all() and
+                 ((ids >= 0) | (ids == AHEAD_TOKEN)).all(), f"input_ids must be [tokens] ids below {vocab_size}")
+            need(int((ids == AHEAD_TOKEN).sum()) == len(self.ahead_req_ids) and (is_last or not self.ahead_req_ids)
+                 and (self.num_steps == 1 or not self.ahead_req_ids),
+                 "ahead_req_ids must name one request for each AHEAD_TOKEN in input_ids, on a stage that samples")
         if is_last:
             need(len(self.sample_req_ids) == len(self.logits_indices) and
                  ((self.logits_indices >= 0) & (self.logits_indices < T)).all(), "logits_indices out of range")

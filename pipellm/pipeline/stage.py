@@ -24,8 +24,8 @@ from pipellm.models.registry import build_stage_model
 from pipellm.quant.linear import densify, set_int8_activations, weight_bytes
 from pipellm.quant.rtn import LoadQuantizer, quantize_linears
 from pipellm.pipeline import comm, probe, wire
-from pipellm.pipeline.messages import (Inspect, ProbeReport, SampledBatch, Shutdown, StageArgs, StageBatch,
-                                       StageReport)
+from pipellm.pipeline.messages import (AHEAD_TOKEN, Inspect, ProbeReport, SampledBatch, Shutdown, StageArgs,
+                                       StageBatch, StageReport)
 from pipellm.sampler import Sampler, prompt_logprobs
 
 
@@ -75,6 +75,7 @@ class StageWorker:
                                            else args.num_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim,
                                            kv_dtype, device) for sliding in self.is_sliding]
         self.sampler = Sampler() if self.stage.is_last else None
+        self.last_tokens: dict[str, int] = {}  # request id -> the token sampled for it in the last batch
         self.steps = self.bytes_sent = self.tokens_sent = 0
         self.busy_s = 0.0  # time computing, not waiting for input
         self.chan: comm.Channel | None = None
@@ -120,7 +121,7 @@ class StageWorker:
             meta.rope_lens = t(batch.rope_lens)
         meta, positions = meta.to(dev), positions.to(dev)
         if self.stage.is_first:
-            x = t(batch.input_ids).to(dev)
+            x = t(self._input_ids(batch)).to(dev)
         else:
             waiting_since = time.perf_counter()
             x = self._recv_hidden((batch.num_tokens, cfg.hidden_size))
@@ -141,6 +142,7 @@ class StageWorker:
         if len(batch.logits_indices):
             logits = self.model.compute_logits(hidden[t(batch.logits_indices).to(dev)])
             tokens = self.sampler.sample(logits, batch.sample_req_ids)
+        self.last_tokens = {r: tok.token_id for r, tok in zip(batch.sample_req_ids, tokens)}
         if batch.prompt_rows is not None:
             prompt_lps = prompt_logprobs(self.model.compute_logits, hidden[t(batch.prompt_rows).to(dev)],
                                          t(batch.prompt_targets).to(dev), batch.prompt_top_k)
@@ -149,6 +151,17 @@ class StageWorker:
         self.chan.send_obj(SampledBatch(batch.batch_id, tokens, prompt_lps), comm.DRIVER)
         if recorder is not None:
             self._finish_probe(batch, recorder, tokens)
+
+    def _input_ids(self, batch: StageBatch):
+        if not batch.ahead_req_ids:
+            return batch.input_ids
+        missing = [r for r in batch.ahead_req_ids if r not in self.last_tokens]
+        if missing:
+            raise ValueError(f"StageBatch {batch.batch_id}: ahead_req_ids {missing[:3]} were not sampled in the "
+                             "batch before")
+        ids = batch.input_ids.copy()
+        ids[ids == AHEAD_TOKEN] = [self.last_tokens[r] for r in batch.ahead_req_ids]
+        return ids
 
     def _recv_hidden(self, shape: tuple) -> torch.Tensor:
         return self.chan.recv_hidden(shape, self.args.engine_config.torch_dtype, self.world_rank - 1, self.device)
@@ -170,6 +183,7 @@ class StageWorker:
         cross), and the driver gets every step's tokens at the end."""
         cfg, ecfg, stage = self.args.model_config, self.args.engine_config, self.stage
         t, bs, dev = torch.from_numpy, ecfg.block_size, self.device
+        self.last_tokens = {}  # no batch runs ahead of several steps
         first_rank = comm.stage_world_rank(0)
         last_rank = comm.stage_world_rank(self.args.num_stages - 1)
         if stage.is_last:
