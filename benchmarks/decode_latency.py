@@ -1,13 +1,16 @@
-"""Single-stream decode speed of the default model: pipellm at P=1 and P=2 against HF transformers, in one run.
+"""Single-stream decode speed of the default model: pipellm at P=1 (with async scheduling, its default there, and
+without) and P=2 against HF transformers, in one run.
 
 Decode tok/s = (N - 1) / (time(max_tokens=N) - time(max_tokens=1)).
     python benchmarks/decode_latency.py [--new-tokens 128] [--repeats 3] [--json out.json]
 """
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -66,14 +69,19 @@ def main():
     args = parser.parse_args()
     if args.hf_worker:
         return hf_worker(args.hf_worker, args.new_tokens, 2)
-    from pipellm.engine.engine import resolve_model
+    from pipellm.loader.default_model import default_model_path
+    from pipellm.loader.gguf import convert_gguf
 
-    model_dir = resolve_model(None)
-    hf_cmd = [sys.executable, __file__, "--hf-worker", model_dir, "--new-tokens", str(args.new_tokens)]
+    model_dir = default_model_path()
+    hf_dir = os.path.join(tempfile.mkdtemp(), "fp32")
+    convert_gguf(model_dir, hf_dir)  # transformers reads safetensors: the same weights as fp32
+    hf_cmd = [sys.executable, __file__, "--hf-worker", hf_dir, "--new-tokens", str(args.new_tokens)]
     # The systems are measured in turns, round after round, so that the machine's drifting load hits
     # each the same; the median round is reported. Idle engines use no CPU.
-    with LLM(model_dir, pipeline_parallel_size=1) as pp1, LLM(model_dir, pipeline_parallel_size=2) as pp2:
-        engines = {"pipellm_pp1": pipellm_generator(pp1), "pipellm_pp2": pipellm_generator(pp2)}
+    with LLM(model_dir, pipeline_parallel_size=1) as pp1, LLM(model_dir, pipeline_parallel_size=2) as pp2, \
+            LLM(model_dir, pipeline_parallel_size=1, async_scheduling=False) as pp1_sync:
+        engines = {"pipellm_pp1": pipellm_generator(pp1), "pipellm_pp1_sync": pipellm_generator(pp1_sync),
+                   "pipellm_pp2": pipellm_generator(pp2)}
         rates = {name: [] for name in list(engines) + ["hf_generate_2_threads"]}
         for gen in engines.values():
             gen(2)  # warm-up
@@ -87,7 +95,8 @@ def main():
         print(f"{name:24s} {rate:7.1f} decode tok/s")
     hf = results["hf_generate_2_threads"]
     print(f"ratio pp1/hf {results['pipellm_pp1'] / hf:.2f}, pp2/hf {results['pipellm_pp2'] / hf:.2f}, "
-          f"pp2/pp1 {results['pipellm_pp2'] / results['pipellm_pp1']:.2f}")
+          f"pp2/pp1 {results['pipellm_pp2'] / results['pipellm_pp1']:.2f}, "
+          f"pp1/pp1_sync {results['pipellm_pp1'] / results['pipellm_pp1_sync']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results | vars(args), f, indent=2)

@@ -227,7 +227,7 @@ def test_several_steps_keep_seeded_samples_and_logprobs(llm_steps, llm_pp2):
 
 def test_async_scheduling_runs_a_decode_ahead_of_its_token():
     bm = BlockManager(16, 4)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, run_ahead=True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, run_ahead_max_seqs=8)
     a, b = _req("a", 7, max_tokens=3), _req("b", 3, max_tokens=1)
     sched.add(a)
     sched.add(b)
@@ -241,23 +241,34 @@ def test_async_scheduling_runs_a_decode_ahead_of_its_token():
     assert sb.positions.tolist() == [7] and sb.slot_mapping.tolist() == [7] and sb.seq_lens.tolist() == [8]
     sb.check(16, 4, 100, is_first=True, is_last=True)
     assert a.num_tokens == 8 and a.in_flight == 2
-    assert sched.schedule() is None  # one batch ahead at most
+    sched.add(_req("c", 3, max_tokens=1))
+    assert sched.schedule() is None  # one batch ahead at most, and no second batch of other requests
     _return_tokens(first, token=42)  # the placeholder becomes the token that came back
     assert a.output_token_ids == [42] and a.num_ahead == 0 and a.num_tokens == 8
     sched.finish(b, "length")
     assert b.block_ids == [] and bm.num_free_blocks == 14
     # "a" runs ahead again, a block further on; its third token would be its last, so no more after that
     nxt = sched.schedule()
-    assert nxt.requests == [a] and nxt.stage_batch.positions.tolist() == [8] and a.block_ids == [0, 1, 3]
+    assert [r.request_id for r in nxt.requests] == ["a", "c"] and nxt.stage_batch.positions.tolist() == [8, 0, 1, 2]
+    assert a.block_ids == [0, 1, 3] and nxt.stage_batch.ahead_req_ids == ["a"]
     assert nxt.stage_batch.finished_req_ids == ["b"]
     _return_tokens(ahead, token=43)
     assert sched.schedule() is None and a.num_tokens == 9
     # it stops on the token of the batch before: the batch still out keeps its blocks until it is back
     sched.finish(a, "stop")
     assert a.block_ids == [0, 1, 3] and a.num_computed_tokens == 9
-    nxt.requests[0].in_flight -= 1
+    _return_tokens(nxt)
     bm.free(a)
+    sched.finish(nxt.requests[1], "length")
     assert bm.num_free_blocks == 16
+
+
+def test_async_scheduling_runs_ahead_only_while_few_requests_run():
+    sched = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=64, run_ahead_max_seqs=1)
+    sched.add(_req("a", 3))
+    sched.add(_req("b", 3))
+    assert len(sched.schedule().requests) == 2
+    assert sched.schedule() is None  # two run: the next step waits for this one's tokens, as without async
 
 
 def test_async_scheduling_needs_one_stage_and_one_step_a_batch():

@@ -26,6 +26,7 @@ from pipellm.pipeline.partition import make_partition
 from pipellm.sampling_params import SamplingParams
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads per-completion seeds apart
+ASYNC_CPU_MAX_SEQS = 8  # running requests up to which a CPU stage runs decodes ahead (async scheduling)
 RESTART_LIMIT, RESTART_WINDOW_S = 3, 60.0  # this many failures within the window: a stage keeps dying, stop
 log = logging.getLogger("pipellm")
 
@@ -111,7 +112,8 @@ class LLMEngine:
                                    mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" else None,
                                    send_rope_lens=mc.rope.rope_type in ("dynamic", "longrope"),
                                    num_scheduler_steps=config.num_scheduler_steps,
-                                   steps_alone=config.batches_in_flight > 1, run_ahead=config.is_async_scheduling)
+                                   steps_alone=config.batches_in_flight > 1,
+                                   run_ahead_max_seqs=self._run_ahead_max_seqs())
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # a user's request id -> its completions' ids, to find them by id
         self.in_flight: deque[ScheduledBatch] = deque()
@@ -126,6 +128,14 @@ class LLMEngine:
         if config.distributed_executor_backend == "mp":
             self.store.set(comm.NNODES_KEY, str(config.nnodes))  # node agents check it, and their token
         self.executor = self._start_pipeline()
+
+    def _run_ahead_max_seqs(self) -> int:
+        if not self.config.is_async_scheduling:
+            return 0
+        # A CPU stage shares its cores with the driver: there, overlapping them pays only while a step is short next
+        # to the round trip between them; with more sequences the driver's work is better done while the stage
+        # waits for it (BENCHMARKS.md: async scheduling). A GPU computes apart from the driver's cores.
+        return ASYNC_CPU_MAX_SEQS if self.device == "cpu" else self.config.max_num_seqs
 
     @property
     def prefix_caching(self) -> bool:
@@ -339,8 +349,7 @@ class LLMEngine:
         num_batches = self.config.batches_in_flight
         while fill and len(self.in_flight) < num_batches:
             if self.config.is_async_scheduling:
-                # one stage, one batch running and the next already sent: the driver's work for a step overlaps
-                # the stage's compute of the one before
+                # one stage: a batch out and, while few requests run, the next step of its decodes sent ahead of it
                 batch = self.scheduler.schedule()
             else:
                 # Split the work evenly over the batches in flight, in requests, and in tokens over the batch slots

@@ -28,11 +28,11 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  recompute_past: int | None = None, send_rope_lens: bool = False, num_scheduler_steps: int = 1,
-                 steps_alone: bool = False, run_ahead: bool = False):
+                 steps_alone: bool = False, run_ahead_max_seqs: int = 0):
         self.block_manager = block_manager
-        # async scheduling (one stage): a decoding request whose batch is out may join the next batch too, its
-        # input the token the stage samples for it in the batch before
-        self.run_ahead = run_ahead
+        # async scheduling (one stage): while at most this many requests run, a decoding request whose batch is out
+        # may join the next batch too, its input the token the stage samples for it in the batch before
+        self.run_ahead_max_seqs = run_ahead_max_seqs
         # several steps a batch; with steps_alone (several stages), only for a batch of every running request: its
         # stages pass each step on to each other, and a second batch in flight would wait for all of its steps
         self.num_scheduler_steps, self.steps_alone = num_scheduler_steps, steps_alone
@@ -96,6 +96,9 @@ class Scheduler:
 
     def schedule(self, max_num_seqs: int | None = None, max_num_tokens: int | None = None) -> ScheduledBatch | None:
         """Picks requests not in flight, within the token budget and free KV blocks. None if nothing can run."""
+        if self.run_ahead_max_seqs and any(r.in_flight for r in self.running) and \
+                not any(self._can_run_ahead(r) for r in self.running):
+            return None  # one stage: a second batch only to run decodes ahead, never a split of the requests
         max_seqs = min(self.max_num_seqs, max_num_seqs or self.max_num_seqs)
         budget = min(self.max_num_batched_tokens, max_num_tokens or self.max_num_batched_tokens)
         chosen: list[tuple[Request, int]] = []
@@ -149,7 +152,7 @@ class Scheduler:
     def _can_run_ahead(self, req: Request) -> bool:
         """Whether req may join the next batch while its batch is out: that batch runs all its known tokens and
         samples the next (which the new batch takes as input), and one more token is wanted after that one."""
-        return (self.run_ahead and req.in_flight == 1 and req.num_ahead == 0 and req.num_pending_tokens == 0
+        return (len(self.running) <= self.run_ahead_max_seqs and req.in_flight == 1 and req.num_ahead == 0 and req.num_pending_tokens == 0
                 and len(req.output_token_ids) + 2 <= req.max_tokens and req.params.prompt_logprobs is None
                 and not self.block_manager.window_ring and not self.send_rope_lens and self.recompute_past is None
                 and self.block_manager.can_allocate(req, 1))
