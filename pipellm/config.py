@@ -255,9 +255,9 @@ class EngineConfig:
     num_scheduler_steps: int = 1        # decode steps a stage runs per batch, feeding back its own samples (vLLM's
     #                                     multi-step scheduling): less driver round trip per token, output in bursts
     async_scheduling: bool | None = None  # send the next batch while the stage runs this one, its decodes fed the
-    #                                     tokens this one samples (vLLM's name): the driver's work overlaps the
-    #                                     stage's; a request that stops has computed one token more, dropped. One
-    #                                     stage only; None: on where it applies
+    #                                     tokens this one samples (vLLM's name): the driver's round trip overlaps
+    #                                     the stage's compute (on a CPU while at most 8 requests run); a request that
+    #                                     stops has computed one token more, dropped. One stage only; None: on there
 
     def __post_init__(self):
         def bad(name, why):

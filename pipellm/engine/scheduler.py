@@ -150,9 +150,10 @@ class Scheduler:
         return self._build(chosen, self._num_steps(chosen))
 
     def _can_run_ahead(self, req: Request) -> bool:
-        """Whether req may join the next batch while its batch is out: that batch runs all its known tokens and
-        samples the next (which the new batch takes as input), and one more token is wanted after that one."""
-        return (len(self.running) <= self.run_ahead_max_seqs and req.in_flight == 1 and req.num_ahead == 0 and req.num_pending_tokens == 0
+        """Whether req may join the next batch while its batch is out: few requests run, that batch runs all its
+        known tokens and samples the next (which the new batch takes as input), and one more is wanted after it."""
+        return (len(self.running) <= self.run_ahead_max_seqs and req.in_flight == 1 and req.num_ahead == 0
+                and req.num_pending_tokens == 0
                 and len(req.output_token_ids) + 2 <= req.max_tokens and req.params.prompt_logprobs is None
                 and not self.block_manager.window_ring and not self.send_rope_lens and self.recompute_past is None
                 and self.block_manager.can_allocate(req, 1))
