@@ -142,7 +142,8 @@ class StageWorker:
         if len(batch.logits_indices):
             logits = self.model.compute_logits(hidden[t(batch.logits_indices).to(dev)])
             tokens = self.sampler.sample(logits, batch.sample_req_ids)
-        self.last_tokens = {r: tok.token_id for r, tok in zip(batch.sample_req_ids, tokens)}
+        if self.stage.is_first:  # a one-stage pipeline: the next batch may take these tokens (async scheduling)
+            self.last_tokens = {r: tok.token_id for r, tok in zip(batch.sample_req_ids, tokens)}
         if batch.prompt_rows is not None:
             prompt_lps = prompt_logprobs(self.model.compute_logits, hidden[t(batch.prompt_rows).to(dev)],
                                          t(batch.prompt_targets).to(dev), batch.prompt_top_k)
