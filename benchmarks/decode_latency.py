@@ -73,7 +73,8 @@ def main():
     from pipellm.loader.gguf import convert_gguf
 
     model_dir = default_model_path()
-    hf_dir = os.path.join(tempfile.mkdtemp(), "fp32")
+    tmp = tempfile.TemporaryDirectory()  # ~0.5 GB of fp32 weights, removed once measured
+    hf_dir = os.path.join(tmp.name, "fp32")
     convert_gguf(model_dir, hf_dir)  # transformers reads safetensors: the same weights as fp32
     hf_cmd = [sys.executable, __file__, "--hf-worker", hf_dir, "--new-tokens", str(args.new_tokens)]
     # The systems are measured in turns, round after round, so that the machine's drifting load hits
@@ -90,6 +91,7 @@ def main():
                 rates[name].append(decode_rate(gen, args.new_tokens))
             out = subprocess.run(hf_cmd, check=True, capture_output=True, text=True).stdout
             rates["hf_generate_2_threads"].append(json.loads(out.strip().splitlines()[-1])["rate"])
+    tmp.cleanup()
     results = {name: statistics.median(r) for name, r in rates.items()}
     for name, rate in results.items():
         print(f"{name:24s} {rate:7.1f} decode tok/s")
