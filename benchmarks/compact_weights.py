@@ -30,7 +30,8 @@ def main():
     parser.add_argument("--llama-cpp-python", default=None, help="a Python interpreter that has llama_cpp")
     args = parser.parse_args()
     gguf_file = default_model_path()
-    fp32_dir = os.path.join(tempfile.mkdtemp(), "fp32")
+    tmp = tempfile.TemporaryDirectory()  # ~0.5 GB of fp32 weights, removed when main() returns
+    fp32_dir = os.path.join(tmp.name, "fp32")
     convert_gguf(gguf_file, fp32_dir)  # the same weights, dequantized: what pipellm held before compact weights
     hf_cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "decode_latency.py"), "--hf-worker", fp32_dir,
               "--new-tokens", str(args.new_tokens)]

@@ -67,7 +67,8 @@ def main():
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     compact_dir = cached_gguf_folder(default_model_path())
-    fp32_dir = os.path.join(tempfile.mkdtemp(), "fp32")
+    tmp = tempfile.TemporaryDirectory()  # ~0.5 GB of fp32 weights, removed when main() returns
+    fp32_dir = os.path.join(tmp.name, "fp32")
     convert_gguf(default_model_path(), fp32_dir)
     cfg = ModelConfig.from_pretrained(compact_dir)
     ids = load_tokenizer(compact_dir)(open(TEXT).read()).input_ids
