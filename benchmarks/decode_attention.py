@@ -1,9 +1,10 @@
 """One layer's decode attention through our kernel (the default model's heads: 9 query, 3 KV, head_dim 64; fp32
-cache or int8, blocks of 16 in random order), at 8 x 4,096 tokens (50 MB of K/V, from memory) and 8 x 256 (in cache).
+cache or int8, blocks of 16 in random order), by default at 8 x 4,096 tokens (50 MB of K/V, from memory) and 8 x 256
+(in cache); --shapes 1x256,1x16384 for one sequence.
 To compare two builds of the kernels, run this once per build, alternating: `--kernels PATH` loads a built
 pipellm_kernels .so (copy one aside before rebuilding); the default is this checkout's own build.
 
-    python benchmarks/decode_attention.py [--kernels PATH] [--threads 2] [--huge-pages] [--int8]
+    python benchmarks/decode_attention.py [--kernels PATH] [--threads 2] [--huge-pages] [--int8] [--shapes 8x4096,8x256]
 """
 import argparse
 import importlib.util
@@ -23,6 +24,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--huge-pages", action="store_true", help="the caches on 2 MB pages, as a stage holds them")
     parser.add_argument("--int8", action="store_true", help="an int8 cache (kv_cache_dtype='int8', a scale per block)")
+    parser.add_argument("--shapes", default="8x4096,8x256", help="sequences x context, comma-separated")
     args = parser.parse_args()
     ops = kernels.load()
     if args.kernels:
@@ -31,7 +33,7 @@ def main() -> None:
         spec.loader.exec_module(ops)
     torch.set_num_threads(args.threads)
     out = []
-    for context, seqs in ((4096, 8), (256, 8)):
+    for seqs, context in (map(int, shape.split("x")) for shape in args.shapes.split(",")):
         gen = torch.Generator().manual_seed(0)
         width = -(-context // BLOCK)
         shape = (seqs * width, BLOCK, KV, DIM)
@@ -45,7 +47,7 @@ def main() -> None:
         lens = torch.full((seqs,), context)
         q = torch.randn(seqs, HEADS, DIM, generator=gen)
         times = []
-        for _ in range(30 if context > 1000 else 200):
+        for _ in range(30 if seqs * context > 8000 else 200):
             start = time.perf_counter()
             o = ops.paged_decode_attention(q, k, v, *scales, tables, lens, 0, DIM ** -0.5, "")
             times.append(time.perf_counter() - start)

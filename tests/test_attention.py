@@ -46,7 +46,7 @@ def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | 
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(act_dtype).float()
 
-    num_blocks = 64
+    num_blocks = max(64, 1 + sum(-(-(c + n) // BLOCK) for c, n in steps))
     cache = KVCache.allocate(num_blocks, BLOCK, kv_heads, dim, kv_dtype)
     free = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()   # block 0 stays unused padding
     width = max(-(-(c + n) // BLOCK) for c, n in steps)
@@ -79,6 +79,7 @@ def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | 
 STEPS = {
     "decode, equal lengths": [(11, 1), (11, 1), (11, 1)],
     "decode, ragged": [(3, 1), (17, 1), (0, 1), (8, 1)],
+    "decode, long contexts": [(300, 1), (5, 1), (130, 1)],  # the kernel splits these into chunks of positions
     "prefill, whole prompts": [(0, 7), (0, 1 + BLOCK * 3), (0, 2)],
     "chunks after cached prefixes": [(5, 6), (BLOCK * 2, 3), (13, 9)],
     "mixed": [(9, 1), (0, 10), (4, 1), (6, 5), (21, 1)],

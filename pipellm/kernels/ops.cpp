@@ -362,13 +362,39 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < k_cache.size(0), "block id out of range");
   }
   at::Tensor out = at::empty_like(q);
+  const int64_t chunk_keys = pipellm::DECODE_CHUNK_BLOCKS * bs;
+  int64_t num_chunks = 1;
+  for (int64_t b = 0; b < B; b++) num_chunks = std::max(num_chunks, (lens[b] - 1) / chunk_keys + 1);
+  at::Tensor partial = num_chunks > 1 ? at::empty({B, num_chunks, H, D + 2}, q.options()) : at::Tensor();
   const int kind = int8 ? pipellm::CACHE_I8 : type == at::kBFloat16 ? pipellm::CACHE_BF16 : pipellm::CACHE_F32;
   pipellm::DecodeArgs a{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
                         int8 ? k_scale->data_ptr<float>() : nullptr, int8 ? v_scale->data_ptr<float>() : nullptr, kind,
                         block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
-                        width, bs, window, H, KV, D, float(scale)};
+                        width, bs, window, H, KV, D, float(scale), chunk_keys, num_chunks,
+                        num_chunks > 1 ? partial.data_ptr<float>() : nullptr};
   const Isa& impl = pick(isa);
-  at::parallel_for(0, B * KV, 1, [&](int64_t u0, int64_t u1) { impl.decode_attention(a, u0, u1); });
+  at::parallel_for(0, B * num_chunks, 1, [&](int64_t u0, int64_t u1) { impl.decode_attention(a, u0, u1); });
+  if (num_chunks > 1)  // a sequence over several chunks: its chunks' results, each rescaled to the common max
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; b++) {
+        const int64_t start = window > 0 && lens[b] > window ? lens[b] - window : 0;
+        const int64_t c0 = start / chunk_keys, c1 = (lens[b] - 1) / chunk_keys + 1;
+        if (c1 - c0 == 1) continue;  // written whole by its one unit
+        for (int64_t h = 0; h < H; h++) {
+          auto at = [&](int64_t c) { return a.partial + ((b * num_chunks + c) * H) * (D + 2); };
+          float mx = -INFINITY, sum = 0.0f;
+          for (int64_t c = c0; c < c1; c++) mx = std::max(mx, at(c)[H * D + h]);
+          float* o = a.out + (b * H + h) * D;
+          std::fill(o, o + D, 0.0f);
+          for (int64_t c = c0; c < c1; c++) {
+            const float w = std::exp(at(c)[H * D + h] - mx);
+            sum += w * at(c)[H * D + H + h];
+            for (int64_t i = 0; i < D; i++) o[i] += w * at(c)[h * D + i];
+          }
+          for (int64_t i = 0; i < D; i++) o[i] /= sum;
+        }
+      }
+    });
   return out;
 }
 

@@ -705,7 +705,8 @@ static inline __m256 hsum8(const __m256* a) {
 
 // out[r] = q . rows[r] * scale for the n rows of a block: 8 rows at a time in independent FMA chains
 template <typename T>
-static inline void block_scores(const float* q, const T* const* rows, int64_t n, int64_t D, float scale, float* out) {
+static inline void block_scores(const float* q, const T* const* rows, int64_t n, int64_t D, float scale, float* out,
+                                int64_t col) {
   int64_t r = 0;
 #ifdef PIPELLM_AVX2
   if (D % 8 == 0)
@@ -714,19 +715,19 @@ static inline void block_scores(const float* q, const T* const* rows, int64_t n,
       for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
       for (int64_t i = 0; i < D; i += 8) {
         const __m256 qv = _mm256_loadu_ps(q + i);
-        for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(qv, load8(rows[r + c] + i), acc[c]);
+        for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(qv, load8(rows[r + c] + col + i), acc[c]);
       }
       _mm256_storeu_ps(out + r, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
     }
 #endif
-  for (; r < n; r++) out[r] = row_dot(q, rows[r], D) * scale;
+  for (; r < n; r++) out[r] = row_dot(q, rows[r] + col, D) * scale;
 }
 
 // acc = acc * corr + sum_r e[r] * scale * rows[r]: with D a multiple of 64, acc stays in registers across the
 // block's rows
 template <typename T>
 static inline void block_axpy(float* acc, float corr, const float* e, const T* const* rows, int64_t n, float scale,
-                              int64_t D) {
+                              int64_t D, int64_t col) {
 #ifdef PIPELLM_AVX2
   if (D % 64 == 0) {
     const __m256 cv = _mm256_set1_ps(corr);
@@ -735,7 +736,7 @@ static inline void block_axpy(float* acc, float corr, const float* e, const T* c
       for (int c = 0; c < 8; c++) a[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + i0 + 8 * c), cv);
       for (int64_t r = 0; r < n; r++) {
         const __m256 ev = _mm256_set1_ps(e[r] * scale);
-        for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(ev, load8(rows[r] + i0 + 8 * c), a[c]);
+        for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(ev, load8(rows[r] + col + i0 + 8 * c), a[c]);
       }
       for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + i0 + 8 * c, a[c]);
     }
@@ -743,73 +744,97 @@ static inline void block_axpy(float* acc, float corr, const float* e, const T* c
   }
 #endif
   for (int64_t i = 0; i < D; i++) acc[i] *= corr;
-  for (int64_t r = 0; r < n; r++) row_axpy(acc, e[r] * scale, rows[r], D);
+  for (int64_t r = 0; r < n; r++) row_axpy(acc, e[r] * scale, rows[r] + col, D);
 }
 
 constexpr int64_t SPAN_BLOCKS = 4;  // blocks of keys per online-softmax update (fp32 and bf16 caches)
+static_assert(pipellm::DECODE_CHUNK_BLOCKS % SPAN_BLOCKS == 0, "chunks must hold whole spans");
+
+// Reads n cache blocks of `bytes` each, front to back, before the kernel reads them row by row and head by head. A
+// plain stream of loads is what the hardware prefetchers follow: reading the rows where the dot products need them
+// reached ~8 GB/s from memory on one core, a stream ~25 GB/s (benchmarks/decode_attention.py; software prefetches
+// of the same lines gained nothing).
+static inline void stream_blocks(const char* const* blocks, int64_t n, int64_t bytes) {
+#ifdef PIPELLM_AVX2
+  __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0;
+  for (int64_t j = 0; j < n; j++)
+    for (int64_t i = 0; i + 128 <= bytes; i += 128) {
+      acc0 = _mm256_or_si256(acc0, _mm256_loadu_si256((const __m256i*)(blocks[j] + i)));
+      acc1 = _mm256_or_si256(acc1, _mm256_loadu_si256((const __m256i*)(blocks[j] + i + 64)));
+    }
+  volatile int sink = _mm256_testz_si256(acc0, acc1);  // keeps the loads
+  (void)sink;
+#else
+  (void)blocks, (void)n, (void)bytes;
+#endif
+}
 
 // Attention of one new token per sequence, reading K/V where they lie in the paged caches (no gathered copy).
-// A unit is (sequence, KV head): its query heads share each K/V row read. Blockwise online softmax in fp32.
+// A unit is (sequence, chunk of its positions) and covers every head: a block's rows hold all KV heads, so it is
+// read once, as a stream. Each KV head's query heads share its rows. Blockwise online softmax in fp32.
 // An int8 cache's scale is per block and head: it multiplies a row's dot product, and a row's softmax weight.
 template <int C>
 void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
   using T = typename CacheElem<C>::T;
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
-  const int64_t G = a.H / a.KV, D = a.D;
+  const int64_t H = a.H, KV = a.KV, G = H / KV, D = a.D, bs = a.block_size, row = KV * D;
   // Keys go through the online softmax a span of blocks at a time (an int8 cache's scales are per block: one)
-  const int64_t span = (C == pipellm::CACHE_I8 ? 1 : SPAN_BLOCKS) * a.block_size, bs = a.block_size;
-  std::vector<float> acc(G * D), s(G * span), m(G), l(G);
+  const int64_t span_blocks = C == pipellm::CACHE_I8 ? 1 : SPAN_BLOCKS, span = span_blocks * bs;
+  std::vector<float> acc(H * D), s(G * span), m(H), l(H);
   std::vector<const T*> krows(span), vrows(span);
+  std::vector<const char*> blocks(2 * span_blocks);
   for (int64_t u = u0; u < u1; u++) {
-    const int64_t b = u / a.KV, g = u % a.KV, len = a.seq_lens[b];
+    const int64_t b = u / a.num_chunks, c = u % a.num_chunks, len = a.seq_lens[b];
     const int64_t start = a.window > 0 && len > a.window ? len - a.window : 0;
-    const float* q = a.q + (b * a.H + g * G) * D;
+    const int64_t lo = std::max(start, c * a.chunk_keys), hi = std::min(len, (c + 1) * a.chunk_keys);
+    if (lo >= hi) continue;
+    const bool whole = start / a.chunk_keys == (len - 1) / a.chunk_keys;  // this chunk is the sequence's only one
     const int64_t* table = a.block_tables + b * a.table_width;
-    auto row = [&](int64_t slot) { return (slot * a.KV + g) * D; };  // where this head's K or V of a cache slot starts
-    // fn(p, row of position p) for positions from <= p < to, a block at a time: no division per key
-    auto each_row = [&](int64_t from, int64_t to, auto&& fn) {
-      for (int64_t p = from; p < to;) {
-        const int64_t blk = p / bs, end = std::min(to, (blk + 1) * bs);
-        for (int64_t off = row(table[blk] * bs + p - blk * bs); p < end; p++, off += a.KV * D) fn(p, off);
-      }
-    };
     std::fill(acc.begin(), acc.end(), 0.0f);
     std::fill(m.begin(), m.end(), -INFINITY);
     std::fill(l.begin(), l.end(), 0.0f);
-    for (int64_t p0 = start; p0 < len;) {
-      const int64_t p1 = std::min(len, (p0 / span + 1) * span), n = p1 - p0;
-      const int64_t id = table[p0 / bs];
-      const float ks = C == pipellm::CACHE_I8 ? a.k_scale[id * a.KV + g] * a.scale : a.scale;
-      const float vs = C == pipellm::CACHE_I8 ? a.v_scale[id * a.KV + g] : 1.0f;
-#ifdef PIPELLM_AVX2
-      // the next span's rows of this head: in flight while this one computes
-      const int64_t row_bytes = D * int64_t(sizeof(T));
-      each_row(p1, std::min(len, p1 + span), [&](int64_t, int64_t off) {
-        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-          _mm_prefetch((const char*)(k_cache + off) + byte, _MM_HINT_T0);
-          _mm_prefetch((const char*)(v_cache + off) + byte, _MM_HINT_T0);
-        }
-      });
-#endif
-      each_row(p0, p1, [&](int64_t p, int64_t off) {
+    for (int64_t p0 = lo; p0 < hi;) {
+      const int64_t p1 = std::min(hi, (p0 / span + 1) * span), n = p1 - p0;
+      const int64_t first = p0 / bs, nblocks = (p1 - 1) / bs - first + 1;
+      for (int64_t j = 0; j < nblocks; j++) {
+        blocks[2 * j] = (const char*)(k_cache + table[first + j] * bs * row);
+        blocks[2 * j + 1] = (const char*)(v_cache + table[first + j] * bs * row);
+      }
+      stream_blocks(blocks.data(), 2 * nblocks, bs * row * int64_t(sizeof(T)));
+      for (int64_t p = p0; p < p1; p++) {  // where row p of the span starts, head 0
+        const int64_t off = (table[p / bs] * bs + p % bs) * row;
         krows[p - p0] = k_cache + off;
         vrows[p - p0] = v_cache + off;
-      });
-      for (int64_t j = 0; j < G; j++) block_scores(q + j * D, krows.data(), n, D, ks, s.data() + j * span);
-      for (int64_t j = 0; j < G; j++) {
-        float* sj = s.data() + j * span;
-        const float mx = max_of(sj, n, m[j]);
-        const float corr = std::exp(m[j] - mx);  // 0 on the first span (m = -inf)
-        m[j] = mx;
-        l[j] = l[j] * corr + exp_shifted(sj, n, mx);
-        block_axpy(acc.data() + j * D, corr, sj, vrows.data(), n, vs, D);
+      }
+      const int64_t id = table[first];
+      for (int64_t g = 0; g < KV; g++) {
+        const float ks = C == pipellm::CACHE_I8 ? a.k_scale[id * KV + g] * a.scale : a.scale;
+        const float vs = C == pipellm::CACHE_I8 ? a.v_scale[id * KV + g] : 1.0f;
+        const float* q = a.q + (b * H + g * G) * D;
+        for (int64_t j = 0; j < G; j++) block_scores(q + j * D, krows.data(), n, D, ks, s.data() + j * span, g * D);
+        for (int64_t j = 0; j < G; j++) {
+          float* sj = s.data() + j * span;
+          const int64_t h = g * G + j;
+          const float mx = max_of(sj, n, m[h]);
+          const float corr = std::exp(m[h] - mx);  // 0 on the first span (m = -inf)
+          m[h] = mx;
+          l[h] = l[h] * corr + exp_shifted(sj, n, mx);
+          block_axpy(acc.data() + h * D, corr, sj, vrows.data(), n, vs, D, g * D);
+        }
       }
       p0 = p1;
     }
-    for (int64_t j = 0; j < G; j++) {
-      float* o = a.out + (b * a.H + g * G + j) * D;
-      for (int64_t i = 0; i < D; i++) o[i] = acc[j * D + i] / l[j];
+    if (whole) {
+      for (int64_t h = 0; h < H; h++) {
+        float* o = a.out + (b * H + h) * D;
+        for (int64_t i = 0; i < D; i++) o[i] = acc[h * D + i] / l[h];
+      }
+    } else {
+      float* part = a.partial + u * H * (D + 2);
+      std::copy(acc.begin(), acc.end(), part);
+      std::copy(m.begin(), m.end(), part + H * D);
+      std::copy(l.begin(), l.end(), part + H * D + H);
     }
   }
 }

@@ -53,7 +53,16 @@ struct DecodeArgs {
   int64_t table_width, block_size, window;  // window <= 0: the whole context
   int64_t H, KV, D;
   float scale;
+  // A unit of work is (sequence, chunk of chunk_keys positions): units b * num_chunks .. (b + 1) * num_chunks - 1.
+  // A sequence whose keys span several chunks leaves each chunk's unnormalized result in partial, [B, num_chunks,
+  // H, D + 2] (the weighted values, then the running max and sum per head), which ops.cpp then merges.
+  int64_t chunk_keys, num_chunks;
+  float* partial;
 };
+
+// Keys per chunk: a multiple of every span the kernel takes (the online softmax's spans of blocks, aligned to
+// positions). It does not depend on the batch or the threads, so neither changes a sequence's result.
+constexpr int64_t DECODE_CHUNK_BLOCKS = 8;
 
 }  // namespace pipellm
 
