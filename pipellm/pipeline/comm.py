@@ -250,10 +250,9 @@ class Channel:
         seq = self._sent.get(dst, 0)
         self._sent[dst] = seq + 1
         data = wire.seal(self.key, self._frame_context(self.rank, dst, seq), wire.encode(obj))
-        mailbox = torch.zeros(MAILBOX_BYTES, dtype=torch.uint8)
+        # only the bytes used: a receive takes a message shorter than its mailbox (its first 8 bytes give the size)
         head = len(data).to_bytes(8, "little") + data[:MAILBOX_BYTES - 8]
-        mailbox[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        self.send_tensor(mailbox, dst, TAG_MESSAGE)
+        self.send_tensor(torch.frombuffer(bytearray(head), dtype=torch.uint8), dst, TAG_MESSAGE)
         if len(data) > MAILBOX_BYTES - 8:
             self.send_tensor(torch.frombuffer(bytearray(data[MAILBOX_BYTES - 8:]), dtype=torch.uint8), dst,
                              TAG_OVERFLOW)
