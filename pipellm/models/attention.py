@@ -3,6 +3,7 @@ each prefill chunk through a call of its own, so no query row is padding and no 
 own [new tokens, context]. (One padded [sequences, longest chunk] call made a 512-token chunk beside 15 decodes cost
 14x the two apart: benchmarks/attention_step.py.)"""
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -19,11 +20,21 @@ class DecodeGroup:
     block_tables: torch.Tensor      # [Bd, N] int64, their blocks (padding: block 0)
     seq_lens: torch.Tensor          # [Bd] int64, keys in each context, the new token's included
     window: int                     # sliding window, 0 for none
-    mask: torch.Tensor | None       # [Bd, 1, 1, K] for the plain-torch path: keys in the context (and window)
+    block_size: int
 
     @property
     def block_ids(self) -> torch.Tensor:
         return self.block_tables.reshape(-1)                                            # [Bd * N]
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[Bd, 1, 1, K] for the plain-torch path: the query is the last position of its sequence, so the keys up to
+        it (and within the window); None when every key is. Built on first use: the kernel's path never needs it."""
+        key_pos = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.seq_lens.device)
+        mask = key_pos[None, :] < self.seq_lens[:, None]                                # [Bd, K]
+        if self.window:
+            mask &= key_pos[None, :] >= self.seq_lens[:, None] - self.window
+        return None if bool(mask.all()) else mask[:, None, None, :]
 
 
 @dataclass
@@ -68,22 +79,18 @@ class AttentionMetadata:
         # Vector ops for the decodes; a short loop over the prefill chunks (a step holds few).
         starts = torch.cumsum(query_lens, 0) - query_lens
         is_decode = query_lens == 1
+        num_decodes = int(is_decode.sum())
+        all_decode = num_decodes == len(query_lens)
         decode = None
-        if bool(is_decode.any()):
-            rows = torch.nonzero(is_decode).flatten()
-            lens = seq_lens[rows]
+        if num_decodes:
+            rows = None if all_decode else torch.nonzero(is_decode).flatten()
+            lens = seq_lens if all_decode else seq_lens[rows]
             num_blocks = -(-int(lens.max()) // block_size)
-            key_pos = torch.arange(num_blocks * block_size)
-            # The query is the last position of its sequence: keys up to it, and within the window.
-            mask = key_pos[None, :] < lens[:, None]                                      # [Bd, K]
-            if sliding_window is not None:
-                mask &= key_pos[None, :] >= lens[:, None] - sliding_window
-            all_decode = len(rows) == len(query_lens)
-            decode = DecodeGroup(None if all_decode else starts[rows], block_tables[rows, :num_blocks].long(),
-                                 lens.long().contiguous(), sliding_window or 0,
-                                 None if bool(mask.all()) else mask[:, None, None, :])
+            decode = DecodeGroup(None if all_decode else starts[rows],
+                                 (block_tables if all_decode else block_tables[rows])[:, :num_blocks].long(),
+                                 lens.long().contiguous(), sliding_window or 0, block_size)
         prefills = []
-        for i in torch.nonzero(~is_decode).flatten().tolist():
+        for i in [] if all_decode else torch.nonzero(~is_decode).flatten().tolist():
             q_len, seq_len, start = int(query_lens[i]), int(seq_lens[i]), int(starts[i])
             num_blocks = -(-seq_len // block_size)
             # with a window, the blocks before the first query's window are skipped, not masked
