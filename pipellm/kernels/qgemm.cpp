@@ -752,8 +752,8 @@ static_assert(pipellm::DECODE_CHUNK_BLOCKS % SPAN_BLOCKS == 0, "chunks must hold
 
 // Reads n cache blocks of `bytes` each, front to back, before the kernel reads them row by row and head by head. A
 // plain stream of loads is what the hardware prefetchers follow: reading the rows where the dot products need them
-// reached ~8 GB/s from memory on one core, a stream ~25 GB/s (benchmarks/decode_attention.py; software prefetches
-// of the same lines gained nothing).
+// reached ~8 GB/s from memory on one core, a stream ~25 GB/s (BENCHMARKS.md; software prefetches of the same lines
+// gained nothing).
 static inline void stream_blocks(const char* const* blocks, int64_t n, int64_t bytes) {
 #ifdef PIPELLM_AVX2
   __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0;
