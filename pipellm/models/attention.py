@@ -3,7 +3,6 @@ each prefill chunk through a call of its own, so no query row is padding and no 
 own [new tokens, context]. (One padded [sequences, longest chunk] call made a 512-token chunk beside 15 decodes cost
 14x the two apart: benchmarks/attention_step.py.)"""
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,20 +20,23 @@ class DecodeGroup:
     seq_lens: torch.Tensor          # [Bd] int64, keys in each context, the new token's included
     window: int                     # sliding window, 0 for none
     block_size: int
+    built_mask: torch.Tensor | None | bool = False  # the mask once built (False: not yet)
 
     @property
     def block_ids(self) -> torch.Tensor:
         return self.block_tables.reshape(-1)                                            # [Bd * N]
 
-    @functools.cached_property
+    @property
     def mask(self) -> torch.Tensor | None:
         """[Bd, 1, 1, K] for the plain-torch path: the query is the last position of its sequence, so the keys up to
         it (and within the window); None when every key is. Built on first use: the kernel's path never needs it."""
-        key_pos = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.seq_lens.device)
-        mask = key_pos[None, :] < self.seq_lens[:, None]                                # [Bd, K]
-        if self.window:
-            mask &= key_pos[None, :] >= self.seq_lens[:, None] - self.window
-        return None if bool(mask.all()) else mask[:, None, None, :]
+        if self.built_mask is False:
+            key_pos = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.seq_lens.device)
+            mask = key_pos[None, :] < self.seq_lens[:, None]                            # [Bd, K]
+            if self.window:
+                mask &= key_pos[None, :] >= self.seq_lens[:, None] - self.window
+            self.built_mask = None if bool(mask.all()) else mask[:, None, None, :]
+        return self.built_mask
 
 
 @dataclass
@@ -68,6 +70,9 @@ class AttentionMetadata:
         moves it."""
         if device.type == "cpu":
             return self
+        for m in (self, self.local):  # masks built here, on the CPU (no device sync), and moved with the rest
+            if m is not None and m.decode is not None:
+                m.decode.mask
         moved = _moved(dataclasses.replace(self, local=None), device)
         moved.local = None if self.local is None else moved if self.local is self else self.local.to(device)
         return moved
