@@ -1,11 +1,14 @@
 """BlockManager and Scheduler on tiny configs: exact block ids, chunked prefill, preemption, no leaks."""
+from collections import deque
+
 import pytest
 
 from pipellm import LLM, SamplingParams
 from pipellm.config import EngineConfig
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.scheduler import Scheduler
-from pipellm.engine.sequence import Request
+from pipellm.engine.sequence import Request, RequestStatus
+from pipellm.pipeline.block_tables import StageBlockTables
 from pipellm.pipeline.messages import AHEAD_TOKEN
 from tests.conftest import FP32, hf_greedy_ids
 
@@ -125,6 +128,39 @@ def test_preemption_frees_blocks_and_recomputes_later():
     assert batch.stage_batch.finished_req_ids == ["a"]
 
 
+@pytest.mark.parametrize("run_ahead", [0, 8])
+def test_a_stage_rebuilds_every_block_table_from_the_changes_alone(run_ahead):
+    """Each batch sends only the block ids its requests' rows gained. Through growth, preemption, prefix hits, rows
+    reused after a request finishes, and async scheduling's batches ahead, a stage's tables built from the changes
+    equal the requests' own block ids, batch after batch."""
+    bm = BlockManager(num_blocks=10, block_size=4, enable_caching=True)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=12, run_ahead_max_seqs=run_ahead)
+    stage = StageBlockTables()
+    for rid, prompt in [("a", 9), ("b", 5), ("c", 9), ("d", 3)]:  # c's prompt starts as a's: a prefix hit
+        sched.add(_req(rid, prompt, max_tokens=8))
+    sent = held = 0
+    in_flight = deque()
+    while sched.num_unfinished or in_flight:
+        batch = sched.schedule()
+        if batch is not None:
+            expected = [list(r.block_ids) for r in batch.requests]
+            changes = batch.stage_batch.table_changes
+            tables = stage.apply(changes, len(expected), batch.batch_id)
+            assert tables.tolist() == [e + [0] * (tables.shape[1] - len(e)) for e in expected]
+            sent, held = sent + len(changes.new_ids), held + sum(map(len, expected))
+            in_flight.append(batch)
+        if batch is None or len(in_flight) == 2 or not run_ahead:
+            done = in_flight.popleft()
+            _return_tokens(done)
+            for r in done.requests:
+                if len(r.output_token_ids) >= r.max_tokens and r.status != RequestStatus.FINISHED:
+                    sched.finish(r, "length")
+                elif r.status == RequestStatus.FINISHED and not r.in_flight:
+                    bm.free(r)  # as the engine does once a stopped request's batches are back
+    assert sched.num_preemptions > 0 and bm.num_prefix_hits > 0 and bm.num_rows < 8
+    assert sent < held / 3  # decode steps send no block ids but a new block's
+
+
 def test_finished_and_aborted_requests_free_every_block(llama_dir):
     with LLM(llama_dir, pipeline_parallel_size=2) as llm:
         engine = llm.engine
@@ -239,6 +275,10 @@ def test_async_scheduling_runs_a_decode_ahead_of_its_token():
     sb = ahead.stage_batch
     assert sb.input_ids.tolist() == [AHEAD_TOKEN] and sb.ahead_req_ids == ["a"]
     assert sb.positions.tolist() == [7] and sb.slot_mapping.tolist() == [7] and sb.seq_lens.tolist() == [8]
+    stage = StageBlockTables()  # what the stage does with the two batches' table changes
+    stage.apply(first.stage_batch.table_changes, 2, first.batch_id)
+    sb.block_tables = stage.apply(sb.table_changes, 1, ahead.batch_id)
+    assert sb.block_tables.tolist() == [a.block_ids] and len(sb.table_changes.new_ids) == 0
     sb.check(16, 4, 100, is_first=True, is_last=True)
     assert a.num_tokens == 8 and a.in_flight == 2
     sched.add(_req("c", 3, max_tokens=1))

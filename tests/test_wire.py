@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from pipellm.config import EngineConfig, ModelConfig, RopeConfig
 from pipellm.pipeline import wire
-from pipellm.pipeline.messages import (AHEAD_TOKEN, Inspect, NewRequest, ProbeReport, SampledBatch, Shutdown,
-                                       StageArgs, StageBatch, StageReport)
+from pipellm.pipeline.block_tables import StageBlockTables
+from pipellm.pipeline.messages import (AHEAD_TOKEN, BlockTableChanges, Inspect, NewRequest, ProbeReport,
+                                       SampledBatch, Shutdown, StageArgs, StageBatch, StageReport)
 from pipellm.pipeline.partition import make_partition
 from pipellm.sampler import PromptLogprobs, SampledToken
 from pipellm.sampling_params import SamplingParams
@@ -35,6 +36,9 @@ def _batch(num_seqs: int = 3) -> StageBatch:
 
 MESSAGES = [
     _batch(),
+    replace(_batch(), block_tables=None,  # tables as changes: a new row, a row that keeps 2 blocks, an unchanged one
+            table_changes=BlockTableChanges(np.array([4, 0, 7]), np.array([0, 2, 3]), np.array([2, 1, 0]),
+                                            np.array([5, 9, 11], dtype=np.int32))),
     SampledBatch(9, [SampledToken(3, -0.25, 1, [(3, -0.25), (7, float("-inf"))]), SampledToken(4)]),
     SampledBatch(10, [], PromptLogprobs(np.array([-0.5, -2.0], np.float32), np.array([1, 4]),
                                         np.array([[3, 5], [7, 1]]), np.array([[-0.5, -1.0], [-0.1, -0.9]], np.float32))),
@@ -69,7 +73,7 @@ def test_every_message_comes_back_equal(msg):
     frame = wire.seal(KEY, CTX, wire.encode(msg))
     back = wire.decode(wire.unseal(KEY, CTX, frame, "stage 1"))
     assert _same(msg, back)
-    if isinstance(back, StageBatch):
+    if isinstance(back, StageBatch) and back.block_tables is not None:
         back.check(num_blocks=12, block_size=16, vocab_size=50, is_first=True, is_last=True)
         back.block_tables[0, 0] = 1  # arrays arrive writable (they become tensors)
 
@@ -121,7 +125,7 @@ def _header(kind, value, arrays=()) -> bytes:
     (_header("StageBatch", [0] * 11, [["|O", [1]]]), "bad array description"),
     (_header("StageBatch", [0] * 11, [["<i8", [2 ** 40, 2 ** 40]]]), "runs past the end"),
     (_header("StageBatch", [0] * 11, [["<i8", [1]]]) + b"\0" * 9, "bytes left over"),
-    (_header("StageBatch", [None, 5] + [0] * 17, [["<i8", [1]]]) + b"\0" * 8, "batch_id"),
+    (_header("StageBatch", [None, 5] + [0] * 18, [["<i8", [1]]]) + b"\0" * 8, "batch_id"),
     (struct.pack("<I", 10 ** 6) + b"{}", "past the end"),
     (struct.pack("<I", 3) + b"[[[", "undecodable"),
     (struct.pack("<I", 20000) + b"[" * 20000, "undecodable"),  # deep nesting: RecursionError inside json
@@ -149,6 +153,25 @@ def test_stage_batch_check_refuses_out_of_range_indices():
         getattr(bad, field).flat[0] = value
         with pytest.raises(ValueError, match=why):
             bad.check(12, 16, 50, True, True)
+
+
+def test_a_stage_builds_block_tables_from_changes_and_refuses_bad_ones():
+    tables = StageBlockTables()
+    first = BlockTableChanges(np.array([1, 0]), np.array([0, 0]), np.array([3, 1]), np.array([4, 5, 6, 7], np.int32))
+    assert tables.apply(first, 2, 0).tolist() == [[4, 5, 6], [7, 0, 0]]
+    # row 1 keeps its first block, gains one; row 0 unchanged; row 3 new
+    grown = BlockTableChanges(np.array([1, 0, 3]), np.array([1, 1, 0]), np.array([1, 0, 2]),
+                              np.array([8, 9, 10], np.int32))
+    assert tables.apply(grown, 3, 1).tolist() == [[4, 8], [7, 0], [9, 10]]
+    batch = replace(_batch(), block_tables=None)
+    with pytest.raises(ValueError, match="no block_tables"):
+        batch.check(12, 16, 50, True, True)
+    for change, why in [(dict(keep=np.array([3, 1])), "does not hold"), (dict(rows=np.array([1, 1])), "distinct"),
+                        (dict(rows=np.array([1, -1])), "distinct"), (dict(num_new=np.array([0, 1])), "counts"),
+                        (dict(rows=np.array([1])), "one entry"), (dict(new_ids=np.array([1.5])), "integer")]:
+        with pytest.raises(ValueError, match=why):
+            tables.apply(replace(BlockTableChanges(np.array([1, 0]), np.array([2, 1]), np.array([0, 0]),
+                                                   np.zeros(0, np.int32)), **change), 2, 2)
 
 
 def test_stage_batch_check_refuses_steps_it_cannot_run():

@@ -32,6 +32,8 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}                       # hash -> the one block indexed under it
         self.free_ids: deque[int] = deque(range(num_blocks))     # unreferenced, holding nothing worth keeping
         self.evictable: OrderedDict[int, None] = OrderedDict()   # unreferenced but cached; least recently freed first
+        self.free_rows: list[int] = []                           # rows of the stages' block tables no one holds
+        self.num_rows = 0
         self.num_prefix_queries = 0                              # tokens of admitted requests looked up
         self.num_prefix_hits = 0                                 # of those, tokens found in the cache
 
@@ -129,8 +131,15 @@ class BlockManager:
         req.block_ids = []
         self.window_free.extend(req.window_block_ids)
         req.window_block_ids = []
+        if req.table_row >= 0:  # its batches are back: none still reads the row
+            self.free_rows.append(req.table_row)
+            req.table_row = -1
 
     # ---- internals ------------------------------------------------------------------------------------------
+
+    def _new_row(self) -> int:
+        self.num_rows += 1
+        return self.num_rows - 1
 
     def _hash_blocks(self, req: Request, num_blocks: int) -> None:
         bs, hashes = self.block_size, req.block_hashes  # kept on req: its full blocks never change
@@ -150,6 +159,9 @@ class BlockManager:
             self.ref_counts[b] += 1
         req.block_ids = list(cached)
         req.num_computed_tokens = len(cached) * self.block_size
+        if req.table_row < 0:
+            req.table_row = self.free_rows.pop() if self.free_rows else self._new_row()
+        req.blocks_sent = 0
         if self.enable_caching:
             self.num_prefix_queries += req.num_tokens
             self.num_prefix_hits += req.num_computed_tokens

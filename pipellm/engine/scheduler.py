@@ -10,7 +10,7 @@ import numpy as np
 
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.sequence import Request, RequestStatus
-from pipellm.pipeline.messages import NewRequest, StageBatch
+from pipellm.pipeline.messages import BlockTableChanges, NewRequest, StageBatch
 
 
 @dataclass
@@ -85,6 +85,7 @@ class Scheduler:
             req.num_computed_tokens, req.block_ids, req.status = 0, [], RequestStatus.WAITING
             req.window_block_ids = []
             req.in_flight, req.num_ahead, req.is_known_to_sampler = 0, 0, False
+            req.table_row, req.blocks_sent = -1, 0  # the new stages hold no rows
         self.waiting = deque(self.running + list(self.waiting))
         self.running, self.finished_ids = [], []
 
@@ -209,16 +210,28 @@ class Scheduler:
             r.rope_len = r.num_tokens
         for r in sampled:
             r.is_known_to_sampler = True
-        batch = StageBatch(self.num_batches, ids, positions, slots, counts, seq_lens, tables, logits_indices,
+        batch = StageBatch(self.num_batches, ids, positions, slots, counts, seq_lens, None, logits_indices,
                            [r.request_id for r in sampled], new, self.finished_ids,
                            rope_lens if self.send_rope_lens else None, window_tables,
-                           ahead_req_ids=[r.request_id for r in reqs if r.num_ahead], num_steps=steps)
+                           ahead_req_ids=[r.request_id for r in reqs if r.num_ahead], num_steps=steps,
+                           table_changes=self._table_changes(reqs))
         if spans:
             batch.prompt_rows, batch.prompt_targets = prompt_rows
             batch.prompt_top_k = max(r.params.prompt_logprobs for r, _, _ in spans)
         self.finished_ids = []
         self.num_batches += 1
         return ScheduledBatch(batch.batch_id, reqs, counts.tolist(), sampled, batch, spans)
+
+    @staticmethod
+    def _table_changes(reqs: list[Request]) -> BlockTableChanges:
+        """The block ids each request's row gains with this batch; from now on the stages hold them."""
+        keep = [r.blocks_sent for r in reqs]
+        new = [r.block_ids[k:] for r, k in zip(reqs, keep)]
+        for r in reqs:
+            r.blocks_sent = len(r.block_ids)
+        return BlockTableChanges(np.array([r.table_row for r in reqs], dtype=np.int64), np.array(keep, dtype=np.int64),
+                                 np.array([len(n) for n in new], dtype=np.int64),
+                                 np.array([b for n in new for b in n], dtype=np.int32))
 
     @staticmethod
     def _prompt_rows(reqs: list[Request], starts: np.ndarray, counts: np.ndarray):

@@ -33,6 +33,8 @@ class Request:
     num_computed_tokens: int = 0     # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
     window_block_ids: list[int] = field(default_factory=list)  # the ring its sliding-window layers cycle through
+    table_row: int = -1              # its row in the stages' block tables while it holds blocks
+    blocks_sent: int = 0             # of its block_ids, those its row already holds
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its first full blocks (lazy)
     status: RequestStatus = RequestStatus.WAITING
     in_flight: int = 0               # batches out that hold it (two with async scheduling: one runs ahead)

@@ -36,6 +36,17 @@ class NewRequest:
 
 
 @dataclass
+class BlockTableChanges:
+    """How a batch's block tables differ from what the stages hold. Every stage keeps a table row per sequence that
+    holds blocks (the driver assigns rows), and each batch brings only the block ids added since the row was last
+    sent: a decode step sends none but a new block's, where a whole table a sequence was re-sent every step."""
+    rows: np.ndarray                 # [B] int64 each sequence's row
+    keep: np.ndarray                 # [B] the row's first blocks that stay (0: a row newly given to a sequence)
+    num_new: np.ndarray              # [B] block ids appended after those
+    new_ids: np.ndarray              # [sum of num_new] int32, sequence after sequence
+
+
+@dataclass
 class StageBatch:
     """One step of work, driver -> every stage. T = new tokens, B = sequences, S = sequences sampled."""
     batch_id: int
@@ -44,7 +55,8 @@ class StageBatch:
     slot_mapping: np.ndarray         # [T] int64 flat KV cache slot of each new token
     query_lens: np.ndarray           # [B] new tokens per sequence
     seq_lens: np.ndarray             # [B] context length after this step
-    block_tables: np.ndarray         # [B, max_blocks] int32, padded with 0
+    block_tables: np.ndarray | None  # [B, max_blocks] int32, padded with 0: sent whole, or built by each stage
+    #                                  from table_changes
     logits_indices: np.ndarray       # [S] token rows whose logits are sampled (last stage)
     sample_req_ids: list[str] = field(default_factory=list)    # [S] (last stage)
     new_requests: list[NewRequest] = field(default_factory=list)  # first step of a request (last stage)
@@ -62,6 +74,7 @@ class StageBatch:
     num_steps: int = 1               # decode steps in a row, each step's samples the next one's input_ids (the
     #                                  last stage sends them to the first); every row a decode; block_tables cover
     #                                  them all
+    table_changes: BlockTableChanges | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +88,7 @@ class StageBatch:
                 raise ValueError(f"StageBatch {self.batch_id}: {what}")
 
         T, B = len(self.positions), len(self.query_lens)
+        need(self.block_tables is not None, "no block_tables: neither sent nor built from table_changes")
         for name in ("positions", "slot_mapping", "query_lens", "seq_lens", "logits_indices"):
             a = getattr(self, name)
             need(a.ndim == 1 and a.dtype.kind == "i", f"{name} must be a 1-D integer array")

@@ -24,6 +24,7 @@ from pipellm.models.registry import build_stage_model
 from pipellm.quant.linear import densify, set_int8_activations, weight_bytes
 from pipellm.quant.rtn import LoadQuantizer, quantize_linears
 from pipellm.pipeline import comm, probe, wire
+from pipellm.pipeline.block_tables import StageBlockTables
 from pipellm.pipeline.messages import (AHEAD_TOKEN, Inspect, ProbeReport, SampledBatch, Shutdown, StageArgs,
                                        StageBatch, StageReport)
 from pipellm.sampler import Sampler, prompt_logprobs
@@ -78,6 +79,7 @@ class StageWorker:
         self.last_tokens: dict[str, int] = {}  # request id -> the token sampled for it in the last batch
         self.steps = self.bytes_sent = self.tokens_sent = 0
         self.busy_s = 0.0  # time computing, not waiting for input
+        self.block_tables = StageBlockTables()
         self.chan: comm.Channel | None = None
         # (kind, batch id, start, end, tokens, sequences), perf_counter clock; None when not tracing.
         self.events: deque[tuple] | None = deque(maxlen=MAX_EVENTS) if ecfg.trace else None
@@ -107,6 +109,8 @@ class StageWorker:
     @torch.inference_mode()
     def step(self, batch: StageBatch) -> None:
         cfg, ecfg = self.args.model_config, self.args.engine_config
+        if batch.table_changes is not None:
+            batch.block_tables = self.block_tables.apply(batch.table_changes, len(batch.query_lens), batch.batch_id)
         batch.check(self.args.num_blocks, ecfg.block_size, cfg.vocab_size, self.stage.is_first, self.stage.is_last,
                     self.args.num_window_blocks)
         if batch.num_steps > 1:
