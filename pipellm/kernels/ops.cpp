@@ -377,8 +377,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   if (num_chunks > 1)  // a sequence over several chunks: its chunks' results, each rescaled to the common max
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; b++) {
-        const int64_t start = window > 0 && lens[b] > window ? lens[b] - window : 0;
-        const int64_t c0 = start / chunk_keys, c1 = (lens[b] - 1) / chunk_keys + 1;
+        const int64_t c0 = pipellm::first_key(lens[b], window) / chunk_keys, c1 = (lens[b] - 1) / chunk_keys + 1;
         if (c1 - c0 == 1) continue;  // written whole by its one unit
         for (int64_t h = 0; h < H; h++) {
           auto at = [&](int64_t c) { return a.partial + ((b * num_chunks + c) * H) * (D + 2); };

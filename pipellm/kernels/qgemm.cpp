@@ -786,7 +786,7 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
   std::vector<const char*> blocks(2 * span_blocks);
   for (int64_t u = u0; u < u1; u++) {
     const int64_t b = u / a.num_chunks, c = u % a.num_chunks, len = a.seq_lens[b];
-    const int64_t start = a.window > 0 && len > a.window ? len - a.window : 0;
+    const int64_t start = pipellm::first_key(len, a.window);
     const int64_t lo = std::max(start, c * a.chunk_keys), hi = std::min(len, (c + 1) * a.chunk_keys);
     if (lo >= hi) continue;
     const bool whole = start / a.chunk_keys == (len - 1) / a.chunk_keys;  // this chunk is the sequence's only one
@@ -802,10 +802,12 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
         blocks[2 * j + 1] = (const char*)(v_cache + table[first + j] * bs * row);
       }
       stream_blocks(blocks.data(), 2 * nblocks, bs * row * int64_t(sizeof(T)));
-      for (int64_t p = p0; p < p1; p++) {  // where row p of the span starts, head 0
-        const int64_t off = (table[p / bs] * bs + p % bs) * row;
-        krows[p - p0] = k_cache + off;
-        vrows[p - p0] = v_cache + off;
+      for (int64_t p = p0; p < p1;) {  // where row p of the span starts, head 0: a block at a time, no division a key
+        const int64_t blk = p / bs, end = std::min(p1, (blk + 1) * bs);
+        for (int64_t off = (table[blk] * bs + p - blk * bs) * row; p < end; p++, off += row) {
+          krows[p - p0] = k_cache + off;
+          vrows[p - p0] = v_cache + off;
+        }
       }
       const int64_t id = table[first];
       for (int64_t g = 0; g < KV; g++) {

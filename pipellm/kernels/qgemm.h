@@ -64,6 +64,9 @@ struct DecodeArgs {
 // positions). It does not depend on the batch or the threads, so neither changes a sequence's result.
 constexpr int64_t DECODE_CHUNK_BLOCKS = 8;
 
+// The first key a sequence of len keys attends to: the window's first, or 0
+inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+
 }  // namespace pipellm
 
 #define PIPELLM_DECLARE_ISA(NS)                                                                            \
