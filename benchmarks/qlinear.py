@@ -1,6 +1,7 @@
 """Our compact-weight matmul (ops.qlinear) against torch's fp32 matmul of the same weights, in one run.
 
     python benchmarks/qlinear.py [--kernels PATH] [--rows 1,4,16,64,256] [--isa avx2]
+    python benchmarks/qlinear.py --rows 1 --isa avx2,avx512   # fused Q4 and Q8 per instruction set, in turns
 Shapes of the default model (qkv+gate/up, down, LM head); 1 to 256 activation rows; the torch threads this
 process has (2 here). 'fused' expands weight blocks in registers for all rows; 'chunked' expands ~2 MB of rows
 to fp32 and calls torch's matmul (the path above FUSED_MAX_ROWS); 'int8' rounds the activation rows to 8 bits and
@@ -30,7 +31,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--kernels", default=None, help="a built pipellm_kernels .so (default: this checkout's)")
     parser.add_argument("--rows", default="1,4,16,64,256", help="activation row counts, comma-separated")
-    parser.add_argument("--isa", default="", help="an instruction set to run instead of this CPU's best")
+    parser.add_argument("--isa", default="", help="an instruction set to run instead of this CPU's best; several "
+                        "(comma-separated): the fused kernels of each, in turns, best of --rounds")
+    parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     ops = load()
     if args.kernels:
@@ -38,6 +41,8 @@ def main():
         ops = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(ops)
     isa = args.isa
+    if "," in isa:
+        return compare_isas(ops, isa.split(","), [int(r) for r in args.rows.split(",")], args.rounds)
     print(f"kernel path: {isa or ops.best_isa()}, {torch.get_num_threads()} threads; times in ms")
     torch.manual_seed(0)
     for n, k in [(3072, 576), (576, 1536), (49152, 576)]:
@@ -57,6 +62,30 @@ def main():
             int8 = bench(lambda: ops.qlinear(x, *q8_args, 1 << 30, True, 1 << 30, isa))
             print(f"{n:6d} x {k:4d}, {m:3d} rows: fp32 {fp32:7.3f}  Q4 fused {fused:7.3f}  Q4 chunked {chunked:7.3f}  "
                   f"Q8 fused {fused8:7.3f}  Q4 int8 {int4:7.3f}  Q8 int8 {int8:7.3f}")
+
+
+def compare_isas(ops, isas: list[str], rows: list[int], rounds: int) -> None:
+    """The fused Q4 (fp16 scale and min, as Q4_1) and Q8 (as Q8_0) kernels of each instruction set, alternating
+    within each round: the machine's drifting load hits them alike."""
+    print(f"{torch.get_num_threads()} threads; best of {rounds} rounds, ms")
+    torch.manual_seed(0)
+    for n, k in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
+        scale, mins = (torch.rand(n, k // 32) * 0.01).half(), (torch.randn(n, k // 32) * 0.01).half()
+        weights = {"Q4": (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), scale, mins, Q4, 32, None, None,
+                          None, 0),
+                   "Q8": (torch.randint(-127, 128, (n, k), dtype=torch.int8), scale, None, Q8, 32, None, None, None,
+                          0)}
+        for m in rows:
+            x = torch.randn(m, k)
+            best = {}
+            for _ in range(rounds):
+                for kind, w in weights.items():
+                    for isa in isas:
+                        t = bench(lambda: ops.qlinear(x, *w, 1 << 30, False, 0, isa), 20 if n < 10_000 else 4)
+                        best[kind, isa] = min(t, best.get((kind, isa), t))
+            print(f"{n:6d} x {k:4d}, {m:3d} rows: " + "   ".join(
+                kind + " " + " ".join(f"{isa} {best[kind, isa]:.4f}" for isa in isas)
+                + f" ({best[kind, isas[0]] / best[kind, isas[-1]]:.2f}x)" for kind in weights))
 
 
 if __name__ == "__main__":
