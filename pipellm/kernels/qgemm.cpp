@@ -427,10 +427,11 @@ static inline void chunk_consts(const QWeight& w, int64_t n, int64_t b0, float* 
 
 #ifdef __AVX512F__
 // Blocks b0 .. b0+nbk-1 of a row's codes (Q4 without bit planes, or Q8; groups of 32) dotted with x, times their
-// scales s[], added to z. 16 lanes halve the instructions of a block, which bound the 8-lane loop; four sums, a
-// block's each in turn, keep the FMAs' latency off the path.
+// scales s[], added to z0 and z1 in turn (a sum a block would wait on the FMA's latency). 16 lanes halve the
+// instructions of a block, which bound the 8-lane loop.
 template <int KIND>
-static inline void blocks_dot16(const uint8_t* row, const float* x, const float* s, int64_t b0, int nbk, __m512* z) {
+static inline void blocks_dot16(const uint8_t* row, const float* x, const float* s, int64_t b0, int nbk, __m512& z0,
+                                __m512& z1) {
   for (int j = 0; j < nbk; j++) {
     const int64_t b = b0 + j;
     __m512 lo, hi;  // weights 0-15 and 16-31 of the block
@@ -445,7 +446,10 @@ static inline void blocks_dot16(const uint8_t* row, const float* x, const float*
     }
     const float* xb = x + b * 32;
     const __m512 d = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
-    z[j & 3] = _mm512_fmadd_ps(d, _mm512_set1_ps(s[j]), z[j & 3]);
+    if (j & 1)
+      z1 = _mm512_fmadd_ps(d, _mm512_set1_ps(s[j]), z1);
+    else
+      z0 = _mm512_fmadd_ps(d, _mm512_set1_ps(s[j]), z0);
   }
 }
 #endif
@@ -475,7 +479,7 @@ static void gemm_row_t(const QWeight& w, const float* x, float* y, int64_t n0, i
   for (int64_t n = n0; n < n1; n++) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), accc = _mm256_setzero_ps();
 #ifdef __AVX512F__
-    __m512 z[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps();
     const uint8_t* row = w.qs + n * w.qs_stride;
 #endif
     float cst = 0.0f;
@@ -493,7 +497,7 @@ static void gemm_row_t(const QWeight& w, const float* x, float* y, int64_t n0, i
       }
 #ifdef __AVX512F__
       if constexpr (WIDE) {
-        blocks_dot16<KIND>(row, x, s, b0, nbk, z);
+        blocks_dot16<KIND>(row, x, s, b0, nbk, z0, z1);
         continue;
       }
 #endif
@@ -512,8 +516,7 @@ static void gemm_row_t(const QWeight& w, const float* x, float* y, int64_t n0, i
     }
     float wide = 0.0f;
 #ifdef __AVX512F__
-    if constexpr (WIDE) wide = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(z[0], z[1]),
-                                                                   _mm512_add_ps(z[2], z[3])));
+    if constexpr (WIDE) wide = _mm512_reduce_add_ps(_mm512_add_ps(z0, z1));
 #endif
     y[n] = hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), accc)) + cst + wide;
   }
