@@ -426,30 +426,40 @@ static inline void chunk_consts(const QWeight& w, int64_t n, int64_t b0, float* 
 }
 
 #ifdef __AVX512F__
-// Blocks b0 .. b0+nbk-1 of a row's codes (Q4 without bit planes, or Q8; groups of 32) dotted with x, times their
-// scales s[], added to z0 and z1 in turn (a sum a block would wait on the FMA's latency). 16 lanes halve the
-// instructions of a block, which bound the 8-lane loop.
-template <int KIND>
-static inline void blocks_dot16(const uint8_t* row, const float* x, const float* s, int64_t b0, int nbk, __m512& z0,
-                                __m512& z1) {
+// Blocks b0 .. b0+nbk-1 of row n's codes (Q4 with any bit planes, or Q8 in groups of 32) dotted with x, each group
+// times its scale in s[], added to z0 and z1 (a sum a block, in turn, would wait on the FMA's latency; groups of 16
+// have a sum each). 16 lanes halve the instructions of a block, which bound the 8-lane loop.
+template <int KIND, int GROUP, int P>
+static inline void blocks_dot16(const QWeight& w, int64_t n, const float* x, const float* s, int64_t b0, int nbk,
+                                __m512& z0, __m512& z1) {
+  const uint8_t* row = w.qs + n * w.qs_stride;
   for (int j = 0; j < nbk; j++) {
     const int64_t b = b0 + j;
     __m512 lo, hi;  // weights 0-15 and 16-31 of the block
-    if constexpr (KIND == pipellm::Q4) {  // byte k holds weight k (low nibble) and k + 16 (high)
+    if constexpr (KIND == pipellm::Q4 && P == 0) {  // byte k holds weight k (low nibble) and k + 16 (high)
       const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
       lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
       hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+    } else if constexpr (KIND == pipellm::Q4) {  // the codes put together as bytes first, then widened
+      const __m256i c = codes32<KIND, P>(w, n, b);
+      lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(c)));
+      hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(c, 1)));
     } else {
       const __m128i* at = reinterpret_cast<const __m128i*>(row + b * 32);
       lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at)));
       hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at + 1)));
     }
     const float* xb = x + b * 32;
-    const __m512 d = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
-    if (j & 1)
-      z1 = _mm512_fmadd_ps(d, _mm512_set1_ps(s[j]), z1);
-    else
-      z0 = _mm512_fmadd_ps(d, _mm512_set1_ps(s[j]), z0);
+    if constexpr (GROUP == 16) {
+      z0 = _mm512_fmadd_ps(_mm512_mul_ps(lo, _mm512_loadu_ps(xb)), _mm512_set1_ps(s[2 * j]), z0);
+      z1 = _mm512_fmadd_ps(_mm512_mul_ps(hi, _mm512_loadu_ps(xb + 16)), _mm512_set1_ps(s[2 * j + 1]), z1);
+    } else {
+      const __m512 d = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+      if (j & 1)
+        z1 = _mm512_fmadd_ps(d, _mm512_set1_ps(s[j]), z1);
+      else
+        z0 = _mm512_fmadd_ps(d, _mm512_set1_ps(s[j]), z0);
+    }
   }
 }
 #endif
@@ -472,7 +482,7 @@ static void gemm_row_t(const QWeight& w, const float* x, float* y, int64_t n0, i
   }
   alignas(32) float s[8 * G], c[8 * G];
 #ifdef __AVX512F__
-  constexpr bool WIDE = GROUP == 32 && (KIND == pipellm::Q8 || (KIND == pipellm::Q4 && P == 0));
+  constexpr bool WIDE = KIND == pipellm::Q4 || (KIND == pipellm::Q8 && GROUP == 32);
 #else
   constexpr bool WIDE = false;
 #endif
@@ -480,7 +490,6 @@ static void gemm_row_t(const QWeight& w, const float* x, float* y, int64_t n0, i
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), accc = _mm256_setzero_ps();
 #ifdef __AVX512F__
     __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps();
-    const uint8_t* row = w.qs + n * w.qs_stride;
 #endif
     float cst = 0.0f;
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
@@ -497,7 +506,7 @@ static void gemm_row_t(const QWeight& w, const float* x, float* y, int64_t n0, i
       }
 #ifdef __AVX512F__
       if constexpr (WIDE) {
-        blocks_dot16<KIND>(row, x, s, b0, nbk, z0, z1);
+        blocks_dot16<KIND, GROUP, P>(w, n, x, s, b0, nbk, z0, z1);
         continue;
       }
 #endif
