@@ -539,7 +539,7 @@ static inline float gemm_q8_row(const QWeight& w, const QActs& a, int64_t m, int
   constexpr int G = 32 / GROUP;
   const int64_t nb = a.K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   float cst = 0.0f;
   alignas(32) float s[8 * G], c[8 * G], f[8 * G];
   for (int64_t b0 = 0; b0 < nb; b0 += 8) {
@@ -569,10 +569,13 @@ static inline float gemm_q8_row(const QWeight& w, const QActs& a, int64_t m, int
       // int32 lane i sums weights 4i .. 4i+3: with groups of 16, lanes 0-3 are the block's first group
       const __m256 fv = G == 1 ? _mm256_broadcast_ss(&f[j])
                                : _mm256_setr_m128(_mm_broadcast_ss(&f[2 * j]), _mm_broadcast_ss(&f[2 * j + 1]));
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), fv, acc);
+      if (j & 1)  // two sums in turn: one would wait on the FMA's latency every block
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), fv, acc1);
+      else
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), fv, acc);
     }
   }
-  return hsum(acc) + cst;
+  return hsum(_mm256_add_ps(acc, acc1)) + cst;
 }
 
 template <int KIND, int GROUP, int SK, bool MIN, int P>
