@@ -186,6 +186,15 @@ def test_serve_refuses_a_port_in_use(capsys, llama_dir):
         assert line == f"error: port {port} on 127.0.0.1 is in use; give another --port"
 
 
+def test_serve_holds_its_port_while_the_engine_starts():
+    """The port is bound before the stages start, so none of the sockets they open can take it meanwhile (a
+    server that checked the port and bound it later lost it so once)."""
+    from pipellm.entrypoints.cli import _bind
+    with _bind("127.0.0.1", 0) as held, socket.socket() as other:
+        with pytest.raises(OSError):
+            other.bind(held.getsockname())
+
+
 def test_a_mistake_in_a_process_of_its_own(broken_models):
     """Exit status 2 and one line, with no traceback, from a real start (nothing else writes to stderr)."""
     out = _run(["generate", str(broken_models / "arch"), "--prompt", "hi"])

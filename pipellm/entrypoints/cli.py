@@ -165,33 +165,41 @@ def cmd_inspect(args) -> None:
     print("wrote " + ", ".join(paths.values()))
 
 
-def _check_port(host: str, port: int) -> None:
-    """Fails now rather than once the engine has started, when uvicorn would find the port taken."""
+def _bind(host: str, port: int):
+    """The server's address, bound now: a port in use fails before the engine starts, and no socket the engine opens
+    meanwhile (its stages' rendezvous and connections take free ports) can take it (vLLM binds early for the same
+    reason). uvicorn listens on it once the engine is up."""
     import errno
     import socket
     try:
         family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
-            s.bind(address)
+        sock = socket.socket(family, kind)
     except OSError as e:
+        raise ValueError(f"cannot listen on {host} port {port} ({e.strerror or e}); give another --host or --port") \
+            from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
         if e.errno == errno.EADDRINUSE:
             raise ValueError(f"port {port} on {host} is in use; give another --port") from None
         raise ValueError(f"cannot listen on {host} port {port} ({e.strerror or e}); give another --host or --port") \
             from None
+    return sock
 
 
 def cmd_serve(args) -> None:
     require_extra("serve", "pipellm serve")
     from pipellm.entrypoints.server import ServerConfig, run_server
     from pipellm.loader.default_model import DEFAULT_MODEL_NAME
-    _check_port(args.host, args.port)
+    sock = _bind(args.host, args.port)
     config = ServerConfig(args.served_model_name or args.model or DEFAULT_MODEL_NAME, args.host, args.port,
                           args.api_key, metrics_public=args.metrics_public, max_request_bytes=args.max_request_bytes,
                           max_request_seqs=args.max_request_seqs, max_request_tokens=args.max_request_tokens,
                           max_waiting_seqs=args.max_waiting_seqs, log_level=args.log_level, trace_dir=args.trace_dir,
                           generation_config=args.generation_config)
-    run_server(args.model, _engine_kwargs(args, restart_default=True), config)
+    run_server(args.model, _engine_kwargs(args, restart_default=True), config, sock)
 
 
 def cmd_stage(args) -> None:

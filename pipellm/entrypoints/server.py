@@ -493,16 +493,24 @@ def _write_trace(engine: LLMEngine, trace_dir: str) -> None:
     print(f"trace written to {trace_dir}: bubble {summary['bubble_pct']:.1f}%", flush=True)
 
 
-def run_server(model: str | None, engine_kwargs: dict, config: ServerConfig) -> None:
+def run_server(model: str | None, engine_kwargs: dict, config: ServerConfig, sock) -> None:
+    """Serves until SIGINT/SIGTERM on sock, the config's address bound before the engine starts (cli's _bind)."""
     import uvicorn
 
     from pipellm.config import EngineConfig
 
-    engine = LLMEngine(EngineConfig(model, trace=config.trace_dir is not None, **engine_kwargs))
     try:
-        for stage in engine.stages:
-            print(stage.describe(), flush=True)
-        uvicorn.run(build_app(engine, config), host=config.host, port=config.port, log_level=config.log_level,
-                    timeout_graceful_shutdown=config.graceful_shutdown_s)
+        engine = LLMEngine(EngineConfig(model, trace=config.trace_dir is not None, **engine_kwargs))
+        try:
+            for stage in engine.stages:
+                print(stage.describe(), flush=True)
+            server = uvicorn.Server(uvicorn.Config(build_app(engine, config), host=config.host, port=config.port,
+                                                   log_level=config.log_level,
+                                                   timeout_graceful_shutdown=config.graceful_shutdown_s))
+            server.run(sockets=[sock])
+            if not server.started:
+                raise SystemExit(3)  # as uvicorn.run: its startup failed, and its log says why
+        finally:
+            engine.shutdown()
     finally:
-        engine.shutdown()
+        sock.close()
