@@ -186,17 +186,19 @@ class Scheduler:
         # Positions of all new tokens at once: each sequence's start plus 0..n-1.
         offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         positions = np.repeat(starts, counts) + offsets
-        width = max(len(r.block_ids) for r in reqs)
-        tables = np.zeros((len(reqs), width), dtype=np.int32)
-        for i, r in enumerate(reqs):
-            tables[i, :len(r.block_ids)] = r.block_ids
+        # The new tokens' slots from the blocks they fall in (a decode's one block), not from whole tables: the
+        # stages build those from table_changes.
+        first, last = starts // bs, (starts + counts - 1) // bs                          # [B] blocks touched
+        touched = [r.block_ids[f:l + 1] for r, f, l in zip(reqs, first.tolist(), last.tolist())]
+        base = np.cumsum([0] + [len(t) for t in touched[:-1]])                          # [B] offsets in flat
+        flat = np.array([b for t in touched for b in t], dtype=np.int64)
         window_tables = None
         if self.block_manager.window_ring:
             window_tables = np.zeros((len(reqs), self.block_manager.window_ring), dtype=np.int32)
             for i, r in enumerate(reqs):
                 window_tables[i, :len(r.window_block_ids)] = r.window_block_ids
         rows = np.repeat(np.arange(len(reqs)), counts)
-        slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = flat[base[rows] + positions // bs - first[rows]] * bs + positions % bs
         seq_lens = starts + counts
         sampled = [r for r, end in zip(reqs, seq_lens) if end == r.num_tokens]
         new = [NewRequest(r.request_id, r.params, r.prompt_token_ids, r.seed, list(r.output_token_ids))
