@@ -71,6 +71,26 @@ def test_matmul_matches_fp32_matmul_of_dequantized(qtype, num_rows):
                 assert (y.double() - expected).abs().max().item() <= tol, (isa, fused, int8_acts, integer)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_bf16_rows_match_bf16_matmul_of_dequantized(qtype):
+    # dtype="bfloat16": up to FUSED_MAX_ROWS rows through the fp32 kernels, rounded to bf16 at the end; more rows
+    # multiply weights rounded to bf16 with torch's bf16 matmul, as the dense bf16 weights would be multiplied
+    n, k = 700, 768  # rows expanded 672 at a time: the last slice is ragged
+    raw = gguf_tensor(qtype, n, k)
+    w = repack(raw, qtype, n, k)
+    ref_w = torch.from_numpy(dequantize(raw, qtype).reshape(n, k))
+    for num_rows in (1, FUSED_MAX_ROWS, FUSED_MAX_ROWS + 5, 100):
+        x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
+        for isa in ISAS:
+            y = ops.qlinear(x, *w._kernel_args(), FUSED_MAX_ROWS, False, 0, isa)
+            assert y.dtype == torch.bfloat16 and y.shape == (num_rows, n)
+            if num_rows > FUSED_MAX_ROWS:
+                assert torch.equal(y, x @ ref_w.bfloat16().t()), isa
+            else:  # the fp32 kernel's result, rounded once
+                tol = 2 ** -8 * (x.double().abs() @ ref_w.double().abs().t()).max().item()  # bf16 rounding of y
+                assert (y.double() - x.double() @ ref_w.double().t()).abs().max().item() <= tol, isa
+
+
 def gguf_q8_0_round_trip(x: torch.Tensor) -> torch.Tensor:
     """x rounded as the gguf package quantizes and dequantizes Q8_0."""
     x = x.float().numpy()
@@ -94,13 +114,15 @@ def test_unsupported_type_names_tensor_and_type():
 
 def test_kernel_refuses_bad_input():
     w = repack(gguf_tensor(T.Q8_0, 4, 64), T.Q8_0, 4, 64)
-    with pytest.raises(RuntimeError, match=r"x must be fp32 \[M, 64\]"):
+    with pytest.raises(RuntimeError, match=r"x must be fp32 or bf16 \[M, 64\]"):
         ops.qlinear(torch.randn(2, 32), *w._kernel_args(), 8, True, 1, "")
+    with pytest.raises(RuntimeError, match=r"x must be fp32 or bf16 \[M, 64\]"):
+        ops.qlinear(torch.randn(2, 64).half(), *w._kernel_args(), 8, True, 1, "")
     with pytest.raises(RuntimeError, match="row index out of range"):
         ops.dequant_rows(*w._kernel_args(), torch.tensor([4]), "")
     with pytest.raises(RuntimeError, match="unknown instruction set"):
         ops.qlinear(torch.randn(2, 64), *w._kernel_args(), 8, True, 1, "sse9")
-    with pytest.raises(RuntimeError, match=r"x must be fp32 \[M, 64\]"):
+    with pytest.raises(RuntimeError, match=r"x must be fp32 or bf16 \[M, 64\]"):
         w.matmul_fn()(torch.randn(2, 32))
     with pytest.raises(RuntimeError, match=r"bias must be fp32 \[4\]"):
         ops.Linear.concat([w.matmul_fn()], torch.zeros(5))

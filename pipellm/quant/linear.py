@@ -167,8 +167,8 @@ class CompactLinear(nn.Module):
         if len(calls) == 1 and self.bias is None and x.dim() == 2 and x.dtype == torch.float32:
             return calls[0](x)  # a stage's usual case, ~120 times a decode step
         x2 = x.reshape(-1, self.in_features)                                   # [T, K]
-        if x2.dtype != torch.float32:
-            x2 = x2.float()
+        if x2.dtype != torch.float32 and not (x2.dtype == torch.bfloat16 and kernels.load() is not None):
+            x2 = x2.float()  # the kernels take bf16 rows too (bf16 weight slices for torch's bf16 matmul)
         y = calls[0](x2) if len(calls) == 1 else torch.cat([c(x2) for c in calls], dim=-1)  # [T, N]
         if self.bias is not None:
             y = y + self.bias
