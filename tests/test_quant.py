@@ -168,6 +168,17 @@ def test_compact_linear_mixed_layouts_and_bias():
     assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
+def test_compact_linear_bf16_rows_by_cpu(monkeypatch):
+    raw = gguf_tensor(T.Q4_1, 64, 256)
+    w, ref = repack(raw, T.Q4_1, 64, 256), torch.from_numpy(dequantize(raw, T.Q4_1).reshape(64, 256))
+    layer = CompactLinear([w])
+    x = torch.randn(FUSED_MAX_ROWS + 8, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert torch.equal(layer(x), x @ ref.bfloat16().t())  # bf16 instructions: as dense bf16 weights
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert torch.equal(layer(x), w.matmul(x.float()).bfloat16())  # none: the fp32 kernels, as before
+
+
 def test_same_layouts_merge_into_one_matmul():
     a, b = (repack(gguf_tensor(T.Q4_1, 8, 64, seed=s), T.Q4_1, 8, 64) for s in (1, 2))
     c = repack(gguf_tensor(T.Q8_0, 8, 64), T.Q8_0, 8, 64)
