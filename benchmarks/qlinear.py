@@ -5,7 +5,9 @@
 Shapes of the default model (qkv+gate/up, down, LM head); 1 to 256 activation rows; the torch threads this
 process has (2 here). 'fused' expands weight blocks in registers for all rows; 'chunked' expands ~2 MB of rows
 to fp32 and calls torch's matmul (the path above FUSED_MAX_ROWS); 'int8' rounds the activation rows to 8 bits and
-multiplies the codes in integers (EngineConfig.int8_activations uses that for one row only).
+multiplies the codes in integers (EngineConfig.int8_activations uses that for one row only); 'bf16' takes bf16 rows
+(dtype="bfloat16": above FUSED_MAX_ROWS, bf16 weight slices and torch's bf16 matmul), against the same weights
+dense in bf16.
 To compare two builds, run this once per build, alternating: `--kernels PATH` loads a built pipellm_kernels .so
 (copy one aside before rebuilding).
 """
@@ -16,7 +18,7 @@ import time
 import torch
 
 from pipellm.kernels import load
-from pipellm.quant.linear import Q4, Q8
+from pipellm.quant.linear import FUSED_MAX_ROWS, Q4, Q8
 
 
 def bench(f, n: int = 50) -> float:
@@ -60,8 +62,12 @@ def main():
             fused8 = bench(lambda: ops.qlinear(x, *q8_args, 1 << 30, False, 0, isa))
             int4 = bench(lambda: ops.qlinear(x, *q4_args, 1 << 30, True, 1 << 30, isa))
             int8 = bench(lambda: ops.qlinear(x, *q8_args, 1 << 30, True, 1 << 30, isa))
+            xb, wtb = x.bfloat16(), wt.bfloat16()
+            bf16 = bench(lambda: ops.qlinear(xb, *q4_args, FUSED_MAX_ROWS, False, 0, isa))
+            dense_bf16 = bench(lambda: xb @ wtb)
             print(f"{n:6d} x {k:4d}, {m:3d} rows: fp32 {fp32:7.3f}  Q4 fused {fused:7.3f}  Q4 chunked {chunked:7.3f}  "
-                  f"Q8 fused {fused8:7.3f}  Q4 int8 {int4:7.3f}  Q8 int8 {int8:7.3f}")
+                  f"Q8 fused {fused8:7.3f}  Q4 int8 {int4:7.3f}  Q8 int8 {int8:7.3f}  Q4 bf16 {bf16:7.3f}  "
+                  f"dense bf16 {dense_bf16:7.3f}")
 
 
 def compare_isas(ops, isas: list[str], rows: list[int], rounds: int) -> None:
