@@ -133,38 +133,14 @@ pipellm::QWeight describe(const at::Tensor& qs, const c10::optional<at::Tensor>&
   return w;
 }
 
-// Weight rows n0 .. n0+r-1 expanded to fp32 into out [r, K].
-void dequant_slice(const pipellm::QWeight& w, int64_t n0, int64_t r, float* out, const Isa& impl) {
-  at::Tensor rows = at::arange(n0, n0 + r, at::kLong);
-  const int64_t* idx = rows.data_ptr<int64_t>();
-  at::parallel_for(0, r, 8, [&](int64_t a, int64_t b) { impl.dequant(w, idx + a, b - a, out + a * w.K); });
-}
-
-// Rows of weights expanded at a time for torch's matmul: ~2 MB of fp32, so a slice stays in cache while used.
-int64_t slice_rows(int64_t K) { return std::max<int64_t>(64, ((int64_t(1) << 19) / K) / 16 * 16); }
-
 // x @ W^T for x fp32 or bf16 [M, K] (checked by the callers), W [N, K] described by w; y has x's dtype.
 at::Tensor qmatmul(const at::Tensor& x, const pipellm::QWeight& w, int64_t N, int64_t fused_max_rows, bool int8_acts,
                    int64_t integer_max_rows, const Isa& impl) {
   at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = w.K;
-  if (xc.scalar_type() == at::kBFloat16) {
-    if (M <= fused_max_rows || int8_acts)
-      return qmatmul(xc.to(at::kFloat), w, N, fused_max_rows, int8_acts, integer_max_rows, impl).to(at::kBFloat16);
-    // dtype="bfloat16", many rows: a slice of weights rounded to bf16 as a dense bf16 copy of them would be, then
-    // torch's bf16 matmul, which has bf16 dot products where the CPU does (our kernels multiply in fp32)
-    at::Tensor y = at::empty({M, N}, xc.options());
-    const int64_t chunk = slice_rows(K);
-    at::Tensor buf = at::empty({std::min(chunk, N), K}, xc.options().dtype(at::kFloat));
-    at::Tensor buf16 = at::empty({std::min(chunk, N), K}, xc.options());
-    for (int64_t n0 = 0; n0 < N; n0 += chunk) {
-      const int64_t r = std::min(chunk, N - n0);
-      dequant_slice(w, n0, r, buf.data_ptr<float>(), impl);
-      at::Tensor wb = buf16.narrow(0, 0, r).copy_(buf.narrow(0, 0, r));
-      y.narrow(1, n0, r).copy_(at::mm(xc, wb.t()));
-    }
-    return y;
-  }
+  const bool bf16 = xc.scalar_type() == at::kBFloat16;  // dtype="bfloat16"
+  if (bf16 && (M <= fused_max_rows || int8_acts))  // our kernels, which multiply in fp32
+    return qmatmul(xc.to(at::kFloat), w, N, fused_max_rows, int8_acts, integer_max_rows, impl).to(at::kBFloat16);
   at::Tensor y = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
   if (int8_acts) {
@@ -199,13 +175,21 @@ at::Tensor qmatmul(const at::Tensor& x, const pipellm::QWeight& w, int64_t N, in
     });
     return y;
   }
-  // many rows (prefill): expand a slice of weight rows at a time and let torch's matmul use it
-  const int64_t chunk = slice_rows(K);
-  at::Tensor buf = at::empty({std::min(chunk, N), K}, xc.options());
+  // many rows (prefill): expand a slice of weight rows at a time (~2 MB of fp32) and let torch's matmul use it.
+  // bf16 rows multiply the slice rounded to bf16, as a dense bf16 copy of the weights would be: torch's bf16 matmul
+  // has bf16 dot products where the CPU does.
+  const int64_t chunk = std::max<int64_t>(64, ((int64_t(1) << 19) / K) / 16 * 16);
+  at::Tensor buf = at::empty({std::min(chunk, N), K}, xc.options().dtype(at::kFloat));
+  at::Tensor buf16 = bf16 ? at::empty_like(buf, xc.options()) : at::Tensor();
+  at::Tensor rows = at::arange(N, at::kLong);
   for (int64_t n0 = 0; n0 < N; n0 += chunk) {
     const int64_t r = std::min(chunk, N - n0);
-    dequant_slice(w, n0, r, buf.data_ptr<float>(), impl);
-    y.narrow(1, n0, r).copy_(at::mm(xc, buf.narrow(0, 0, r).t()));
+    const int64_t* idx = rows.data_ptr<int64_t>() + n0;
+    float* out = buf.data_ptr<float>();
+    at::parallel_for(0, r, 8, [&](int64_t a, int64_t b) { impl.dequant(w, idx + a, b - a, out + a * K); });
+    at::Tensor slice = buf.narrow(0, 0, r);
+    if (bf16) slice = buf16.narrow(0, 0, r).copy_(slice);
+    y.narrow(1, n0, r).copy_(at::mm(xc, slice.t()));
   }
   return y;
 }
