@@ -17,7 +17,29 @@ from pipellm.quant.rtn import quantize_linears
 needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="the kernels do not build on this platform "
                                    "(tests/test_quant.py::test_kernels_build_here fails then)")
 BLOCK = 4
-PROMPTS = [[(5 * i + 7 * s + 1) % 384 for i in range(n)] for s, n in enumerate((9, 3, 14))]  # ragged
+# ragged, and two longer than the sliding layers' window (24) of the families that have one
+PROMPTS = [[(5 * i + 7 * s + 1) % 384 for i in range(n)] for s, n in enumerate((29, 3, 41))]
+WIDTH = 12  # blocks a sequence
+
+
+@pytest.fixture(scope="module")
+def folders(checkpoints, tmp_path_factory):
+    """arch -> checkpoint folder: conftest's, and families with q/k norms (qwen3), Gemma's norms, GeGLU and sliding
+    layers of their own rotary (gemma3), or soft-capped scores (gemma2); built on first use."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_families import family_config
+
+    built = {arch: folder for arch, (folder, _) in checkpoints.items()}
+
+    def get(arch: str) -> str:
+        if arch not in built:
+            torch.manual_seed(0)
+            folder = str(tmp_path_factory.mktemp(arch))
+            AutoModelForCausalLM.from_config(family_config(arch), attn_implementation="eager").save_pretrained(folder)
+            built[arch] = folder
+        return built[arch]
+    return get
 
 
 def _stage(folder: str, quantization: str | None):
@@ -31,8 +53,8 @@ def _stage(folder: str, quantization: str | None):
 
 
 def _tables(seed: int) -> torch.Tensor:
-    """[3, 6] block ids, every sequence's blocks scattered over the cache, none in order."""
-    return torch.randperm(3 * 6, generator=torch.Generator().manual_seed(seed)).view(3, 6).int()
+    """[3, WIDTH] block ids, every sequence's blocks scattered over the cache, none in order."""
+    return torch.randperm(3 * WIDTH, generator=torch.Generator().manual_seed(seed)).view(3, WIDTH).int()
 
 
 def _step(model, ids: list[list[int]], starts: list[int], tables: torch.Tensor, caches) -> torch.Tensor:
@@ -50,7 +72,7 @@ def _step(model, ids: list[list[int]], starts: list[int], tables: torch.Tensor, 
 
 
 def _decode_run(model, cfg, kv_dtype, decodes: int) -> tuple[list[torch.Tensor], list[KVCache]]:
-    caches = [KVCache.allocate(18, BLOCK, cfg.num_kv_heads, cfg.head_dim, kv_dtype) for _ in model.layers]
+    caches = [KVCache.allocate(3 * WIDTH, BLOCK, cfg.num_kv_heads, cfg.head_dim, kv_dtype) for _ in model.layers]
     tables = _tables(0)
     _step(model, PROMPTS, [0, 0, 0], tables, caches)  # a prefill step: the layers' own path
     outs, lens = [], [len(p) for p in PROMPTS]
@@ -63,10 +85,11 @@ def _decode_run(model, cfg, kv_dtype, decodes: int) -> tuple[list[torch.Tensor],
 @needs_kernels
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fused_decode_equals_the_layers(checkpoints, monkeypatch, arch, quantization, kv):
-    """Same kernels in the same order: the same bits, in the outputs and in every cache."""
-    cfg, model = _stage(checkpoints[arch][0], quantization)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3"])
+def test_fused_decode_equals_the_layers(folders, monkeypatch, arch, quantization, kv):
+    """Same kernels in the same order: the same bits, in the outputs and in every cache. Mistral's layers all slide
+    (window 24, shorter than the contexts), Gemma 3's mix sliding and full ones."""
+    cfg, model = _stage(folders(arch), quantization)
     dtype = getattr(torch, kv) if kv != "int8" else torch.int8
     outs, caches = _decode_run(model, cfg, dtype, 3)
     assert model._fused[1] is not None  # the decodes took the fused path
@@ -84,7 +107,7 @@ def test_fused_decode_equals_the_layers(checkpoints, monkeypatch, arch, quantiza
 def test_fused_decode_logits_match_hf(checkpoints, arch):
     folder, hf = checkpoints[arch]
     cfg, model = _stage(folder, None)
-    caches = [KVCache.allocate(18, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32) for _ in model.layers]
+    caches = [KVCache.allocate(3 * WIDTH, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32) for _ in model.layers]
     tables = _tables(1)
     _step(model, [p[:-1] for p in PROMPTS], [0, 0, 0], tables, caches)
     hidden = _step(model, [p[-1:] for p in PROMPTS], [len(p) - 1 for p in PROMPTS], tables, caches)
@@ -96,9 +119,9 @@ def test_fused_decode_logits_match_hf(checkpoints, arch):
             torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=0)
 
 
-def test_layers_without_a_fused_path_keep_their_own(checkpoints):
-    """Sliding windows (Mistral) take the layers' forward, and still decode."""
-    cfg, model = _stage(checkpoints["mistral"][0], None)
+def test_layers_without_a_fused_path_keep_their_own(folders):
+    """Soft-capped attention scores (Gemma 2) take the layers' forward, and still decode."""
+    cfg, model = _stage(folders("gemma2"), None)
     outs, _ = _decode_run(model, cfg, torch.float32, 1)
     assert model._fused is None or model._fused[1] is None
     assert torch.isfinite(outs[0]).all()
@@ -133,7 +156,7 @@ def test_int8_activations_switched_on_reach_the_fused_path(checkpoints, monkeypa
     from pipellm.quant.linear import set_int8_activations
 
     cfg, model = _stage(checkpoints["llama"][0], "int8")
-    caches = [KVCache.allocate(18, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32) for _ in model.layers]
+    caches = [KVCache.allocate(3 * WIDTH, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32) for _ in model.layers]
     tables, lens = _tables(0), [len(p) for p in PROMPTS]
     _step(model, PROMPTS, [0, 0, 0], tables, caches)
     _step(model, [[1], [2], [3]], lens, tables, caches)  # builds the stack for these caches, fp32 activations

@@ -1,7 +1,7 @@
 // A decode step through a stack of Llama-family layers in one call: the kernels and torch ops that
-// models/llama.py's layers run, in the same order on the same values, without ~15 Python calls a layer (a decode
-// step of the default model spent more time in them than in its matmuls: BENCHMARKS.md). The Python layers stay
-// the reference, and the path of every step that is not all decodes.
+// models/llama.py's and models/gemma.py's layers run, in the same order on the same values, without ~15 Python
+// calls a layer (a decode step of the default model spent more time in them than in its matmuls: BENCHMARKS.md).
+// The Python layers stay the reference, and the path of every step that is not all decodes.
 #include <ATen/ATen.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
@@ -11,22 +11,35 @@
 namespace pipellm {
 namespace {
 
+// What a decode step gives the layers of one kind (full or sliding attention): cos/sin [T, 1, rotated], the new
+// tokens' slots [T], the sequences' block tables [T, width] and lengths [T] (new token included), the window (0: none).
+using StepArgs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t>;
+
 struct DecoderLayer {
-  at::Tensor input_norm, post_norm;  // RMSNorm weights [hidden]
+  at::Tensor input_norm, post_norm;  // RMSNorm weights [hidden] before attention and before the MLP (Gemma: 1 + w)
   Linear qkv, o, gate_up, down;
   double eps, scale;
   int64_t heads, kv_heads, head_dim;
   at::Tensor k_cache, v_cache;  // [blocks, block_size, KV, D]
   c10::optional<at::Tensor> k_scale, v_scale;  // int8 caches only
+  c10::optional<at::Tensor> q_norm, k_norm;    // over each head's D values (Qwen3, Gemma 3)
+  c10::optional<at::Tensor> attn_out_norm, mlp_out_norm;  // Gemma's norms of the attention's and the MLP's output
+  bool gelu_tanh = false;  // GeGLU (Gemma) instead of SwiGLU
+  bool sliding = false;    // takes the sliding layers' StepArgs
 
-  // x [T, hidden]: one new token per sequence, cos/sin [T, 1, rotated], the step's slots [T], the sequences' block
-  // tables [T, width] and lengths [T] (new token included). Returns the layer's output [T, hidden].
-  at::Tensor decode(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
-                    const at::Tensor& tables, const at::Tensor& lens) const {
+  static at::Tensor head_norm(const at::Tensor& x, const c10::optional<at::Tensor>& w, double eps) {
+    if (!w.has_value()) return x;
+    const int64_t T = x.size(0), n = x.size(1), D = x.size(2);
+    return rms_norm(x.reshape({T * n, D}), *w, eps).view({T, n, D});  // [T * heads, D], as the layer's reshape
+  }
+
+  // x [T, hidden]: one new token per sequence. Returns the layer's output [T, hidden].
+  at::Tensor decode(const at::Tensor& x, const StepArgs& step) const {
+    const auto& [cos, sin, slots, tables, lens, window] = step;
     const int64_t T = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
     at::Tensor qkv_out = qkv(rms_norm(x, input_norm, eps));                      // [T, (H + 2 KV) * D]
-    at::Tensor q = qkv_out.narrow(1, 0, q_size).view({T, heads, head_dim});
-    at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim});
+    at::Tensor q = head_norm(qkv_out.narrow(1, 0, q_size).view({T, heads, head_dim}), q_norm, eps);
+    at::Tensor k = head_norm(qkv_out.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim}), k_norm, eps);
     at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
     const int64_t rotated = cos.size(-1);
     rotary_(q.narrow(2, 0, rotated), k.narrow(2, 0, rotated), cos, sin);
@@ -37,24 +50,29 @@ struct DecoderLayer {
       const auto type = k_cache.scalar_type();
       kv_cache_write(k_cache, v_cache, slots, k.to(type), v.to(type));
     }
-    at::Tensor attn = paged_decode_attention(q.contiguous(), k_cache, v_cache, k_scale, v_scale, tables, lens, 0,
+    at::Tensor attn = paged_decode_attention(q.contiguous(), k_cache, v_cache, k_scale, v_scale, tables, lens, window,
                                              scale, "");                         // [T, H, D]
-    at::Tensor h = x + o(attn.view({T, q_size}));
+    at::Tensor a = o(attn.view({T, q_size}));
+    at::Tensor h = x + (attn_out_norm.has_value() ? rms_norm(a, *attn_out_norm, eps) : a);
     at::Tensor gu = gate_up(rms_norm(h, post_norm, eps));                        // [T, 2 * intermediate]
     const int64_t inter = gu.size(1) / 2;
-    return h + down(at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter));
+    at::Tensor gate = gu.narrow(1, 0, inter);
+    at::Tensor m = down((gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate)) * gu.narrow(1, inter, inter));
+    return h + (mlp_out_norm.has_value() ? rms_norm(m, *mlp_out_norm, eps) : m);
   }
 };
 
 struct DecoderStack {
   std::vector<DecoderLayer> layers;
 
-  at::Tensor decode(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
-                    const at::Tensor& tables, const at::Tensor& lens) const {
+  at::Tensor decode(at::Tensor x, const StepArgs& full, const StepArgs& local) const {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be fp32 [T, hidden]");
-    TORCH_CHECK(slots.numel() == x.size(0) && lens.numel() == x.size(0) && tables.size(0) == x.size(0),
-                "one slot, length and block table a token: every row must be a decode");
-    for (const DecoderLayer& layer : layers) x = layer.decode(x, cos, sin, slots, tables, lens);
+    for (const StepArgs* s : {&full, &local}) {
+      const auto& [cos, sin, slots, tables, lens, window] = *s;
+      TORCH_CHECK(slots.numel() == x.size(0) && lens.numel() == x.size(0) && tables.size(0) == x.size(0),
+                  "one slot, length and block table a token: every row must be a decode");
+    }
+    for (const DecoderLayer& layer : layers) x = layer.decode(x, layer.sliding ? local : full);
     return x;
   }
 };
@@ -67,21 +85,30 @@ void bind_layers(pybind11::module_& m) {
       .def(pybind11::init([](at::Tensor input_norm, at::Tensor post_norm, Linear qkv, Linear o, Linear gate_up,
                              Linear down, double eps, double scale, int64_t heads, int64_t kv_heads, int64_t head_dim,
                              at::Tensor k_cache, at::Tensor v_cache, c10::optional<at::Tensor> k_scale,
-                             c10::optional<at::Tensor> v_scale) {
+                             c10::optional<at::Tensor> v_scale, c10::optional<at::Tensor> q_norm,
+                             c10::optional<at::Tensor> k_norm, c10::optional<at::Tensor> attn_out_norm,
+                             c10::optional<at::Tensor> mlp_out_norm, bool gelu_tanh, bool sliding) {
              const int64_t hidden = input_norm.numel();
              TORCH_CHECK(post_norm.numel() == hidden && qkv.K == hidden && gate_up.K == hidden &&
                          qkv.out_features() == (heads + 2 * kv_heads) * head_dim && o.K == heads * head_dim &&
                          o.out_features() == hidden && gate_up.out_features() == 2 * down.K &&
                          down.out_features() == hidden, "the layer's weights disagree on their sizes");
+             for (const auto* w : {&q_norm, &k_norm})
+               TORCH_CHECK(!w->has_value() || (*w)->numel() == head_dim, "q/k norms must be [head_dim]");
+             for (const auto* w : {&attn_out_norm, &mlp_out_norm})
+               TORCH_CHECK(!w->has_value() || (*w)->numel() == hidden, "output norms must be [hidden]");
              return DecoderLayer{input_norm, post_norm, qkv, o, gate_up, down, eps, scale, heads, kv_heads, head_dim,
-                                 k_cache, v_cache, k_scale, v_scale};
+                                 k_cache, v_cache, k_scale, v_scale, q_norm, k_norm, attn_out_norm, mlp_out_norm,
+                                 gelu_tanh, sliding};
            }),
            "input_norm"_a, "post_norm"_a, "qkv"_a, "o"_a, "gate_up"_a, "down"_a, "eps"_a, "scale"_a, "heads"_a,
-           "kv_heads"_a, "head_dim"_a, "k_cache"_a, "v_cache"_a, "k_scale"_a, "v_scale"_a);
+           "kv_heads"_a, "head_dim"_a, "k_cache"_a, "v_cache"_a, "k_scale"_a, "v_scale"_a, "q_norm"_a = pybind11::none(),
+           "k_norm"_a = pybind11::none(), "attn_out_norm"_a = pybind11::none(), "mlp_out_norm"_a = pybind11::none(),
+           "gelu_tanh"_a = false, "sliding"_a = false);
   pybind11::class_<DecoderStack>(m, "DecoderStack", "a stage's layers, run on a decode step in one call")
       .def(pybind11::init([](const std::vector<DecoderLayer>& layers) { return DecoderStack{layers}; }), "layers"_a)
-      .def("decode", &DecoderStack::decode, pybind11::call_guard<pybind11::gil_scoped_release>(), "x"_a, "cos"_a,
-           "sin"_a, "slots"_a, "block_tables"_a, "seq_lens"_a);
+      .def("decode", &DecoderStack::decode, pybind11::call_guard<pybind11::gil_scoped_release>(), "x"_a, "full"_a,
+           "local"_a, "each: (cos, sin, slots, block_tables, seq_lens, window) of the full or the sliding layers");
 }
 
 }  // namespace pipellm

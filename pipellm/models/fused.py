@@ -1,7 +1,9 @@
-"""Decode steps of a Llama-family stage in one call to our kernels (kernels/layer.cpp's DecoderStack): the same
-kernels and torch ops as the layers' forward, in the same order, without the ~15 Python calls a layer that cost
-more than the step's matmuls on small models (BENCHMARKS.md). The layers' forward stays the reference, and the path
-of every step that is not all decodes, and of every layer this file does not know."""
+"""Decode steps of a Llama-family stage (Gemma's layers too) in one call to our kernels (kernels/layer.cpp's
+DecoderStack): the same kernels and torch ops as the layers' forward, in the same order, without the ~15 Python calls
+a layer that cost more than the step's matmuls on small models (BENCHMARKS.md). The layers' forward stays the
+reference, and the path of every step that is not all decodes, and of every layer this file does not know."""
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,41 +11,68 @@ from torch import nn
 from pipellm import kernels
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache
-from pipellm.models.layers import GatedMLP, RMSNorm, TransposedLinear
+from pipellm.models.layers import GatedMLP, GemmaRMSNorm, RMSNorm, TransposedLinear
 from pipellm.quant.linear import CompactLinear
 
 
 def applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Whether this step can take the fused path: fp32 rows on the CPU, each the one new token of its sequence, in
-    order, with full attention and nothing recorded per layer."""
-    d = meta.decode
-    return (x.dtype == torch.float32 and x.is_cpu and d is not None and d.token_idx is None and not meta.prefills
-            and d.window == 0 and meta.local is None and meta.probe is None)
+    order, for the full and the sliding layers alike, with nothing recorded per layer."""
+    return x.dtype == torch.float32 and x.is_cpu and all(
+        m.decode is not None and m.decode.token_idx is None and not m.prefills and m.probe is None
+        for m in (meta, meta.local or meta))
+
+
+def step_args(meta: AttentionMetadata, rope: tuple, rope_local: tuple) -> tuple[tuple, tuple]:
+    """DecoderStack.decode's arguments for the full and the sliding layers (their own rotary tables, and with rings
+    of blocks their own slots and tables)."""
+    local = meta.local or meta
+    return tuple((*r, m.slot_mapping, m.decode.block_tables, m.decode.seq_lens, m.decode.window)
+                 for m, r in ((meta, rope), (local, rope_local)))
+
+
+def _norm(module: nn.Module, eps: float) -> torch.Tensor | None:
+    """The weight the kernels' rms_norm takes for this norm (Gemma's: 1 + w, as its forward passes), or None for a
+    norm it cannot run."""
+    if type(module) not in (RMSNorm, GemmaRMSNorm) or module.weight.dtype != torch.float32 or module.eps != eps:
+        return None
+    return 1.0 + module.weight.detach() if type(module) is GemmaRMSNorm else module.weight.detach()
+
+
+def _is_gelu_tanh(act) -> bool:
+    return isinstance(act, partial) and act.func is F.gelu and act.keywords == {"approximate": "tanh"}
 
 
 def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
     """The kernels' DecoderStack over these layers and their caches, or None where a layer has parts it lacks
-    (qk-norm, soft-capping, sliding windows, experts, GeGLU, other norms) or the kernels are not built."""
-    from pipellm.models.llama import LlamaLayer  # llama.py imports this file
+    (soft-capping, experts, other norms or activations) or the kernels are not built."""
+    from pipellm.models.gemma import GemmaLayer  # gemma.py and llama.py import this file
+    from pipellm.models.llama import LlamaLayer
 
     ops = kernels.load()
     if ops is None:
         return None
     fused = []
     for layer, cache in zip(layers, kv_caches):
-        if type(layer) is not LlamaLayer:
+        if type(layer) not in (LlamaLayer, GemmaLayer):
             return None
-        attn, mlp = layer.self_attn, layer.mlp
-        if (hasattr(attn, "q_norm") or attn.softcap is not None or attn.is_sliding or type(mlp) is not GatedMLP
-                or mlp.act is not F.silu or any(type(n) is not RMSNorm or n.weight.dtype != torch.float32
-                                                for n in (layer.input_layernorm, layer.post_attention_layernorm))):
+        attn, mlp, eps = layer.self_attn, layer.mlp, layer.input_layernorm.eps
+        if attn.softcap is not None or type(mlp) is not GatedMLP or not (mlp.act is F.silu or _is_gelu_tanh(mlp.act)):
             return None
+        gemma = type(layer) is GemmaLayer
+        names = (["input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
+                  "post_feedforward_layernorm"] if gemma else ["input_layernorm", "post_attention_layernorm"])
+        norms = [_norm(getattr(layer, n), eps) for n in names]
+        head_norms = [_norm(getattr(attn, n), eps) for n in ("q_norm", "k_norm") if hasattr(attn, "q_norm")]
         linears = [_linear(ops, m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if None in linears:
+        if None in norms + head_norms + linears:
             return None
-        fused.append(ops.DecoderLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *linears,
-                                      layer.input_layernorm.eps, attn.scale, attn.num_heads, attn.num_kv_heads,
-                                      attn.head_dim, cache.k, cache.v, cache.k_scale, cache.v_scale))
+        q_norm, k_norm = head_norms or (None, None)
+        attn_out_norm, mlp_out_norm = norms[2:] or (None, None)
+        fused.append(ops.DecoderLayer(norms[0], norms[1], *linears, eps, attn.scale, attn.num_heads,
+                                      attn.num_kv_heads, attn.head_dim, cache.k, cache.v, cache.k_scale, cache.v_scale,
+                                      q_norm, k_norm, attn_out_norm, mlp_out_norm, mlp.act is not F.silu,
+                                      attn.is_sliding))
     return ops.DecoderStack(fused)
 
 

@@ -104,13 +104,12 @@ class LlamaStage(nn.Module):
                    kv_caches: list[KVCache]) -> torch.Tensor:
         seq_ends = meta.token_rope_lens if self.rotary.scaled_from is not None else None
         rope = self.rotary.tables(positions, x.dtype, seq_ends)  # once per step, for every layer
+        ropes = (rope, rope if self.rotary_local is None else self.rotary_local.tables(positions, x.dtype))
         if fused.applies(x, meta):
             if self._fused is None or self._fused[0] is not kv_caches:
                 self._fused = (kv_caches, fused.build_stack(self.layers, kv_caches))
             if self._fused[1] is not None:
-                d = meta.decode
-                return self._fused[1].decode(x, *rope, meta.slot_mapping, d.block_tables, d.seq_lens)
-        ropes = (rope, rope if self.rotary_local is None else self.rotary_local.tables(positions, x.dtype))
+                return self._fused[1].decode(x, *fused.step_args(meta, *ropes))
         for layer, cache in zip(self.layers, kv_caches):
             x = layer(x, ropes, meta, cache)
         return x
