@@ -49,7 +49,7 @@ def main() -> None:
         times = []
         for _ in range(30 if seqs * context > 8000 else 200):
             start = time.perf_counter()
-            o = ops.paged_decode_attention(q, k, v, *scales, tables, lens, 0, DIM ** -0.5, "")
+            o = ops.paged_decode_attention(q, k, v, *scales, tables, lens, 0, DIM ** -0.5, 0.0, "")
             times.append(time.perf_counter() - start)
         quarter = sorted(times)[len(times) // 4]  # the best quarter's edge: steadier than the minimum here
         gb = 2 * k.nbytes / 1e9

@@ -23,12 +23,15 @@ def decode_path(request, monkeypatch):
         assert kernels.load() is not None
 
 
-def _dense(q, keys, values, q_pos, window):
-    """q [q, H, D] at positions q_pos; keys/values [S, KV, D] for positions 0..S-1. Softmax over allowed keys."""
+def _dense(q, keys, values, q_pos, window, softcap=None):
+    """q [q, H, D] at positions q_pos; keys/values [S, KV, D] for positions 0..S-1. Softmax over allowed keys;
+    softcap: scores capped to softcap * tanh(scores / softcap) first (Gemma 2)."""
     heads, kv = q.shape[1], keys.shape[1]
     keys = keys.repeat_interleave(heads // kv, dim=1)           # [S, H, D]
     values = values.repeat_interleave(heads // kv, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys.double()) / math.sqrt(q.shape[-1])
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     key_pos = torch.arange(len(keys))
     allowed = key_pos[None, :] <= q_pos[:, None]
     if window is not None:
@@ -38,7 +41,8 @@ def _dense(q, keys, values, q_pos, window):
 
 
 def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | None, seed: int,
-         kv_dtype: torch.dtype = torch.float32, dim: int = 8, act_dtype: torch.dtype = torch.float32):
+         kv_dtype: torch.dtype = torch.float32, dim: int = 8, act_dtype: torch.dtype = torch.float32,
+         softcap: float | None = None):
     """steps: (cached tokens, new tokens) per sequence. Returns paged and dense outputs of the step. act_dtype: the
     activations' (q and the new K/V); the reference sees the same values, rounded to it."""
     gen = torch.Generator().manual_seed(seed)
@@ -70,8 +74,8 @@ def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | 
     q = torch.cat(qs)
     meta = AttentionMetadata.build(torch.tensor(positions), torch.tensor([n for _, n in steps]),
                                    torch.tensor([c + n for c, n in steps]), tables, torch.tensor(slots), BLOCK, window)
-    out = paged_attention(*(x.to(act_dtype) for x in (q, new_k, new_v)), cache, meta, dim ** -0.5)
-    dense = torch.cat([_dense(qi, k, v, torch.arange(c, c + n), window)
+    out = paged_attention(*(x.to(act_dtype) for x in (q, new_k, new_v)), cache, meta, dim ** -0.5, softcap)
+    dense = torch.cat([_dense(qi, k, v, torch.arange(c, c + n), window, softcap)
                        for qi, k, v, (c, n) in zip(qs, full_k, full_v, steps)])
     return out, dense
 
@@ -98,6 +102,15 @@ def test_paged_attention_equals_dense_reference(name, heads, kv_heads, window, k
     """The dense reference sees the exact K/V; bf16 and int8 caches hold them rounded (values ~N(0, 1))."""
     out, dense = _run(STEPS[name], heads, kv_heads, window, seed=len(name), kv_dtype=kv_dtype)
     assert out.shape == dense.shape
+    torch.testing.assert_close(out, dense, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("name", list(STEPS))
+@pytest.mark.parametrize("kv_dtype, atol", KV_DTYPES)
+def test_paged_attention_with_soft_capped_scores(name, window, kv_dtype, atol):
+    """Gemma 2's soft-capped scores (a cap of 0.5 bends every score of this data), grouped-query heads."""
+    out, dense = _run(STEPS[name], 6, 2, window, seed=len(name), kv_dtype=kv_dtype, softcap=0.5)
     torch.testing.assert_close(out, dense, atol=atol, rtol=0)
 
 

@@ -25,7 +25,7 @@ WIDTH = 12  # blocks a sequence
 @pytest.fixture(scope="module")
 def folders(checkpoints, tmp_path_factory):
     """arch -> checkpoint folder: conftest's, and families with q/k norms (qwen3), Gemma's norms, GeGLU and sliding
-    layers of their own rotary (gemma3), or soft-capped scores (gemma2); built on first use."""
+    layers of their own rotary (gemma3), soft-capped scores (gemma2) or experts (mixtral); built on first use."""
     from transformers import AutoModelForCausalLM
 
     from tests.test_families import family_config
@@ -85,10 +85,11 @@ def _decode_run(model, cfg, kv_dtype, decodes: int) -> tuple[list[torch.Tensor],
 @needs_kernels
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3"])
 def test_fused_decode_equals_the_layers(folders, monkeypatch, arch, quantization, kv):
     """Same kernels in the same order: the same bits, in the outputs and in every cache. Mistral's layers all slide
-    (window 24, shorter than the contexts), Gemma 3's mix sliding and full ones."""
+    (window 24, shorter than the contexts), Gemma 2's and 3's mix sliding and full ones, Gemma 2's scores are
+    soft-capped."""
     cfg, model = _stage(folders(arch), quantization)
     dtype = getattr(torch, kv) if kv != "int8" else torch.int8
     outs, caches = _decode_run(model, cfg, dtype, 3)
@@ -120,8 +121,8 @@ def test_fused_decode_logits_match_hf(checkpoints, arch):
 
 
 def test_layers_without_a_fused_path_keep_their_own(folders):
-    """Soft-capped attention scores (Gemma 2) take the layers' forward, and still decode."""
-    cfg, model = _stage(folders("gemma2"), None)
+    """Experts (Mixtral) take the layers' forward, and still decode."""
+    cfg, model = _stage(folders("mixtral"), None)
     outs, _ = _decode_run(model, cfg, torch.float32, 1)
     assert model._fused is None or model._fused[1] is None
     assert torch.isfinite(outs[0]).all()

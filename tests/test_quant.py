@@ -133,9 +133,9 @@ def test_kernel_refuses_bad_input():
     # decode attention reads only blocks that exist, and no further than the block table reaches
     q, cache = torch.randn(1, 4, 16), torch.zeros(3, 4, 2, 16)
     with pytest.raises(RuntimeError, match="block id out of range"):
-        ops.paged_decode_attention(q, cache, cache, None, None, torch.tensor([[0, 3]]), torch.tensor([5]), 0, 0.25, "")
+        ops.paged_decode_attention(q, cache, cache, None, None, torch.tensor([[0, 3]]), torch.tensor([5]), 0, 0.25, 0.0, "")
     with pytest.raises(RuntimeError, match="seq_lens out of range"):
-        ops.paged_decode_attention(q, cache, cache, None, None, torch.tensor([[0, 1]]), torch.tensor([9]), 0, 0.25, "")
+        ops.paged_decode_attention(q, cache, cache, None, None, torch.tensor([[0, 1]]), torch.tensor([9]), 0, 0.25, 0.0, "")
 
 
 def test_compact_linear_mixed_layouts_and_bias():

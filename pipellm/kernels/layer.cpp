@@ -26,6 +26,7 @@ struct DecoderLayer {
   c10::optional<at::Tensor> attn_out_norm, mlp_out_norm;  // Gemma's norms of the attention's and the MLP's output
   bool gelu_tanh = false;  // GeGLU (Gemma) instead of SwiGLU
   bool sliding = false;    // takes the sliding layers' StepArgs
+  double softcap = 0;      // > 0: soft-capped attention scores (Gemma 2)
 
   static at::Tensor head_norm(const at::Tensor& x, const c10::optional<at::Tensor>& w, double eps) {
     if (!w.has_value()) return x;
@@ -51,7 +52,7 @@ struct DecoderLayer {
       kv_cache_write(k_cache, v_cache, slots, k.to(type), v.to(type));
     }
     at::Tensor attn = paged_decode_attention(q.contiguous(), k_cache, v_cache, k_scale, v_scale, tables, lens, window,
-                                             scale, "");                         // [T, H, D]
+                                             scale, softcap, "");                         // [T, H, D]
     at::Tensor a = o(attn.view({T, q_size}));
     at::Tensor h = x + (attn_out_norm.has_value() ? rms_norm(a, *attn_out_norm, eps) : a);
     at::Tensor gu = gate_up(rms_norm(h, post_norm, eps));                        // [T, 2 * intermediate]
@@ -87,7 +88,7 @@ void bind_layers(pybind11::module_& m) {
                              at::Tensor k_cache, at::Tensor v_cache, c10::optional<at::Tensor> k_scale,
                              c10::optional<at::Tensor> v_scale, c10::optional<at::Tensor> q_norm,
                              c10::optional<at::Tensor> k_norm, c10::optional<at::Tensor> attn_out_norm,
-                             c10::optional<at::Tensor> mlp_out_norm, bool gelu_tanh, bool sliding) {
+                             c10::optional<at::Tensor> mlp_out_norm, bool gelu_tanh, bool sliding, double softcap) {
              const int64_t hidden = input_norm.numel();
              TORCH_CHECK(post_norm.numel() == hidden && qkv.K == hidden && gate_up.K == hidden &&
                          qkv.out_features() == (heads + 2 * kv_heads) * head_dim && o.K == heads * head_dim &&
@@ -99,12 +100,12 @@ void bind_layers(pybind11::module_& m) {
                TORCH_CHECK(!w->has_value() || (*w)->numel() == hidden, "output norms must be [hidden]");
              return DecoderLayer{input_norm, post_norm, qkv, o, gate_up, down, eps, scale, heads, kv_heads, head_dim,
                                  k_cache, v_cache, k_scale, v_scale, q_norm, k_norm, attn_out_norm, mlp_out_norm,
-                                 gelu_tanh, sliding};
+                                 gelu_tanh, sliding, softcap};
            }),
            "input_norm"_a, "post_norm"_a, "qkv"_a, "o"_a, "gate_up"_a, "down"_a, "eps"_a, "scale"_a, "heads"_a,
            "kv_heads"_a, "head_dim"_a, "k_cache"_a, "v_cache"_a, "k_scale"_a, "v_scale"_a, "q_norm"_a = pybind11::none(),
            "k_norm"_a = pybind11::none(), "attn_out_norm"_a = pybind11::none(), "mlp_out_norm"_a = pybind11::none(),
-           "gelu_tanh"_a = false, "sliding"_a = false);
+           "gelu_tanh"_a = false, "sliding"_a = false, "softcap"_a = 0.0);
   pybind11::class_<DecoderStack>(m, "DecoderStack", "a stage's layers, run on a decode step in one call")
       .def(pybind11::init([](const std::vector<DecoderLayer>& layers) { return DecoderStack{layers}; }), "layers"_a)
       .def("decode", &DecoderStack::decode, pybind11::call_guard<pybind11::gil_scoped_release>(), "x"_a, "full"_a,

@@ -341,7 +341,7 @@ void kv_cache_write_int8(const at::Tensor& cache, const at::Tensor& scale, const
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t window,
-                                  double scale, const std::string& isa) {
+                                  double scale, double softcap, const std::string& isa) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous fp32 [B, H, D]");
   const auto type = k_cache.scalar_type();
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -379,7 +379,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                         int8 ? k_scale->data_ptr<float>() : nullptr, int8 ? v_scale->data_ptr<float>() : nullptr, kind,
                         block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
                         width, bs, window, H, KV, D, float(scale), chunk_keys, num_chunks,
-                        num_chunks > 1 ? partial.data_ptr<float>() : nullptr};
+                        num_chunks > 1 ? partial.data_ptr<float>() : nullptr, float(softcap)};
   const Isa& impl = pick(isa);
   at::parallel_for(0, B * num_chunks, 1, [&](int64_t u0, int64_t u1) { impl.decode_attention(a, u0, u1); });
   if (num_chunks > 1)  // a sequence over several chunks: its chunks' results, each rescaled to the common max

@@ -875,6 +875,9 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
         const float vs = C == pipellm::CACHE_I8 ? a.v_scale[id * KV + g] : 1.0f;
         const float* q = a.q + (b * H + g * G) * D;
         for (int64_t j = 0; j < G; j++) block_scores(q + j * D, krows.data(), n, D, ks, s.data() + j * span, g * D);
+        if (a.softcap > 0)  // as the layers' torch path: scaled scores / cap, tanh, * cap
+          for (int64_t j = 0; j < G; j++)
+            for (float* x = s.data() + j * span; x < s.data() + j * span + n; x++) *x = a.softcap * std::tanh(*x / a.softcap);
         for (int64_t j = 0; j < G; j++) {
           float* sj = s.data() + j * span;
           const int64_t h = g * G + j;

@@ -58,6 +58,7 @@ struct DecodeArgs {
   // H, D + 2] (the weighted values, then the running max and sum per head), which ops.cpp then merges.
   int64_t chunk_keys, num_chunks;
   float* partial;
+  float softcap;               // > 0: scores become softcap * tanh(scores / softcap) (Gemma 2)
 };
 
 // Keys per chunk: a multiple of every span the kernel takes (the online softmax's spans of blocks, aligned to

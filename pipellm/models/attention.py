@@ -161,11 +161,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         d = meta.decode
         rows = q if d.token_idx is None else q[d.token_idx]
         num_seqs = len(rows)
-        ops = kernels.for_tensor(q) if q.dtype in (torch.float32, torch.bfloat16) and softcap is None else None
+        ops = kernels.for_tensor(q) if q.dtype in (torch.float32, torch.bfloat16) else None
         if ops is not None:  # reads K/V in place through the block tables: no gathered copy. It computes in fp32:
             # bf16 rows are widened (a few KB), which costs far less than torch's SDPA on gathered bf16 K/V
             o = ops.paged_decode_attention(rows.float().contiguous(), cache.k, cache.v, cache.k_scale, cache.v_scale,
-                                           d.block_tables, d.seq_lens, d.window, scale, "").to(q.dtype)  # [Bd, H, D]
+                                           d.block_tables, d.seq_lens, d.window, scale, softcap or 0.0,
+                                           "").to(q.dtype)                                     # [Bd, H, D]
         else:
             queries = rows.view(num_seqs, 1, num_heads, head_dim).transpose(1, 2)      # [Bd, H, 1, D]
             ids = d.block_ids

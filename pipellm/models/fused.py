@@ -45,7 +45,7 @@ def _is_gelu_tanh(act) -> bool:
 
 def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
     """The kernels' DecoderStack over these layers and their caches, or None where a layer has parts it lacks
-    (soft-capping, experts, other norms or activations) or the kernels are not built."""
+    (experts, other norms or activations) or the kernels are not built."""
     from pipellm.models.gemma import GemmaLayer  # gemma.py and llama.py import this file
     from pipellm.models.llama import LlamaLayer
 
@@ -57,7 +57,7 @@ def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
         if type(layer) not in (LlamaLayer, GemmaLayer):
             return None
         attn, mlp, eps = layer.self_attn, layer.mlp, layer.input_layernorm.eps
-        if attn.softcap is not None or type(mlp) is not GatedMLP or not (mlp.act is F.silu or _is_gelu_tanh(mlp.act)):
+        if type(mlp) is not GatedMLP or not (mlp.act is F.silu or _is_gelu_tanh(mlp.act)):
             return None
         gemma = type(layer) is GemmaLayer
         names = (["input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
@@ -72,7 +72,7 @@ def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
         fused.append(ops.DecoderLayer(norms[0], norms[1], *linears, eps, attn.scale, attn.num_heads,
                                       attn.num_kv_heads, attn.head_dim, cache.k, cache.v, cache.k_scale, cache.v_scale,
                                       q_norm, k_norm, attn_out_norm, mlp_out_norm, mlp.act is not F.silu,
-                                      attn.is_sliding))
+                                      attn.is_sliding, attn.softcap or 0.0))
     return ops.DecoderStack(fused)
 
 
