@@ -6,6 +6,8 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <variant>
+
 #include "ops.h"
 
 namespace pipellm {
@@ -15,16 +17,57 @@ namespace {
 // tokens' slots [T], the sequences' block tables [T, width] and lengths [T] (new token included), the window (0: none).
 using StepArgs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t>;
 
+// down(act(gate(x)) * up(x)), gate and up in one matmul, as models/layers.py's GatedMLP
+struct GatedMlp {
+  Linear gate_up, down;
+  bool gelu_tanh = false;  // GeGLU (Gemma) instead of SwiGLU
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor gu = gate_up(x);                                                  // [T, 2 * intermediate]
+    const int64_t inter = gu.size(1) / 2;
+    at::Tensor gate = gu.narrow(1, 0, inter);
+    return down((gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate)) * gu.narrow(1, inter, inter));
+  }
+};
+
+// A mixture of experts (Mixtral, Qwen3-MoE), as models/moe.py's SparseMoE with fp32 rows: the router's top k
+// experts a token, the tokens batched per expert, each expert's output weighted and added to its tokens' rows.
+struct Experts {
+  Linear router;
+  std::vector<GatedMlp> experts;
+  int64_t top_k;
+  bool norm_topk_prob;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor probs = at::softmax(router(x), -1, at::kFloat);                  // [T, E]
+    auto [weights, chosen] = at::topk(probs, top_k, -1);                        // [T, k]
+    if (norm_topk_prob) weights = weights / weights.sum({-1}, true);
+    const at::Tensor flat = chosen.flatten();
+    const at::Tensor order = at::argsort(flat, /*stable=*/true);                // [T * k] (token, slot) by expert
+    const at::Tensor counts = at::bincount(flat, {}, int64_t(experts.size()));
+    const at::Tensor tokens = at::div(order, top_k, "floor");
+    const at::Tensor w = weights.flatten().index_select(0, order);
+    at::Tensor out = at::zeros_like(x);
+    const int64_t* count = counts.data_ptr<int64_t>();
+    for (int64_t e = 0, start = 0; e < int64_t(experts.size()); start += count[e], e++) {
+      if (!count[e]) continue;
+      const at::Tensor rows = tokens.narrow(0, start, count[e]);
+      out.index_add_(0, rows, experts[e](x.index_select(0, rows)) * w.narrow(0, start, count[e]).unsqueeze(1));
+    }
+    return out;
+  }
+};
+
 struct DecoderLayer {
   at::Tensor input_norm, post_norm;  // RMSNorm weights [hidden] before attention and before the MLP (Gemma: 1 + w)
-  Linear qkv, o, gate_up, down;
+  Linear qkv, o;
+  std::variant<GatedMlp, Experts> mlp;
   double eps, scale;
   int64_t heads, kv_heads, head_dim;
   at::Tensor k_cache, v_cache;  // [blocks, block_size, KV, D]
   c10::optional<at::Tensor> k_scale, v_scale;  // int8 caches only
   c10::optional<at::Tensor> q_norm, k_norm;    // over each head's D values (Qwen3, Gemma 3)
   c10::optional<at::Tensor> attn_out_norm, mlp_out_norm;  // Gemma's norms of the attention's and the MLP's output
-  bool gelu_tanh = false;  // GeGLU (Gemma) instead of SwiGLU
   bool sliding = false;    // takes the sliding layers' StepArgs
   double softcap = 0;      // > 0: soft-capped attention scores (Gemma 2)
 
@@ -52,13 +95,10 @@ struct DecoderLayer {
       kv_cache_write(k_cache, v_cache, slots, k.to(type), v.to(type));
     }
     at::Tensor attn = paged_decode_attention(q.contiguous(), k_cache, v_cache, k_scale, v_scale, tables, lens, window,
-                                             scale, softcap, "");                         // [T, H, D]
+                                             scale, softcap, "");                // [T, H, D]
     at::Tensor a = o(attn.view({T, q_size}));
     at::Tensor h = x + (attn_out_norm.has_value() ? rms_norm(a, *attn_out_norm, eps) : a);
-    at::Tensor gu = gate_up(rms_norm(h, post_norm, eps));                        // [T, 2 * intermediate]
-    const int64_t inter = gu.size(1) / 2;
-    at::Tensor gate = gu.narrow(1, 0, inter);
-    at::Tensor m = down((gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate)) * gu.narrow(1, inter, inter));
+    at::Tensor m = std::visit([&](const auto& f) { return f(rms_norm(h, post_norm, eps)); }, mlp);
     return h + (mlp_out_norm.has_value() ? rms_norm(m, *mlp_out_norm, eps) : m);
   }
 };
@@ -82,30 +122,50 @@ struct DecoderStack {
 
 void bind_layers(pybind11::module_& m) {
   using namespace pybind11::literals;
+  pybind11::class_<GatedMlp>(m, "GatedMlp", "an MLP of a gated activation, for decode steps")
+      .def(pybind11::init([](Linear gate_up, Linear down, bool gelu_tanh) {
+             TORCH_CHECK(gate_up.out_features() == 2 * down.K && down.out_features() == gate_up.K,
+                         "the MLP's weights disagree on their sizes");
+             return GatedMlp{gate_up, down, gelu_tanh};
+           }),
+           "gate_up"_a, "down"_a, "gelu_tanh"_a = false);
+  pybind11::class_<Experts>(m, "Experts", "a mixture of experts, for decode steps")
+      .def(pybind11::init([](Linear router, std::vector<GatedMlp> experts, int64_t top_k, bool norm_topk_prob) {
+             TORCH_CHECK(router.out_features() == int64_t(experts.size()) && top_k >= 1 &&
+                         top_k <= int64_t(experts.size()), "a router's output a expert, top_k of them at most");
+             for (const GatedMlp& e : experts)
+               TORCH_CHECK(e.gate_up.K == router.K, "the experts and the router disagree on the hidden size");
+             return Experts{router, experts, top_k, norm_topk_prob};
+           }),
+           "router"_a, "experts"_a, "top_k"_a, "norm_topk_prob"_a);
   pybind11::class_<DecoderLayer>(m, "DecoderLayer", "a Llama-family layer's weights and caches, for decode steps")
-      .def(pybind11::init([](at::Tensor input_norm, at::Tensor post_norm, Linear qkv, Linear o, Linear gate_up,
-                             Linear down, double eps, double scale, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                             at::Tensor k_cache, at::Tensor v_cache, c10::optional<at::Tensor> k_scale,
-                             c10::optional<at::Tensor> v_scale, c10::optional<at::Tensor> q_norm,
-                             c10::optional<at::Tensor> k_norm, c10::optional<at::Tensor> attn_out_norm,
-                             c10::optional<at::Tensor> mlp_out_norm, bool gelu_tanh, bool sliding, double softcap) {
+      .def(pybind11::init([](at::Tensor input_norm, at::Tensor post_norm, Linear qkv, Linear o,
+                             std::variant<GatedMlp, Experts> mlp, double eps, double scale, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, at::Tensor k_cache, at::Tensor v_cache,
+                             c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale,
+                             c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+                             c10::optional<at::Tensor> attn_out_norm, c10::optional<at::Tensor> mlp_out_norm,
+                             bool sliding, double softcap) {
              const int64_t hidden = input_norm.numel();
-             TORCH_CHECK(post_norm.numel() == hidden && qkv.K == hidden && gate_up.K == hidden &&
+             const int64_t mlp_in = std::visit([](const auto& f) {
+               if constexpr (std::is_same_v<std::decay_t<decltype(f)>, GatedMlp>) return f.gate_up.K;
+               else return f.router.K;
+             }, mlp);
+             TORCH_CHECK(post_norm.numel() == hidden && qkv.K == hidden && mlp_in == hidden &&
                          qkv.out_features() == (heads + 2 * kv_heads) * head_dim && o.K == heads * head_dim &&
-                         o.out_features() == hidden && gate_up.out_features() == 2 * down.K &&
-                         down.out_features() == hidden, "the layer's weights disagree on their sizes");
+                         o.out_features() == hidden, "the layer's weights disagree on their sizes");
              for (const auto* w : {&q_norm, &k_norm})
                TORCH_CHECK(!w->has_value() || (*w)->numel() == head_dim, "q/k norms must be [head_dim]");
              for (const auto* w : {&attn_out_norm, &mlp_out_norm})
                TORCH_CHECK(!w->has_value() || (*w)->numel() == hidden, "output norms must be [hidden]");
-             return DecoderLayer{input_norm, post_norm, qkv, o, gate_up, down, eps, scale, heads, kv_heads, head_dim,
-                                 k_cache, v_cache, k_scale, v_scale, q_norm, k_norm, attn_out_norm, mlp_out_norm,
-                                 gelu_tanh, sliding, softcap};
+             return DecoderLayer{input_norm, post_norm, qkv, o, std::move(mlp), eps, scale, heads, kv_heads,
+                                 head_dim, k_cache, v_cache, k_scale, v_scale, q_norm, k_norm, attn_out_norm,
+                                 mlp_out_norm, sliding, softcap};
            }),
-           "input_norm"_a, "post_norm"_a, "qkv"_a, "o"_a, "gate_up"_a, "down"_a, "eps"_a, "scale"_a, "heads"_a,
-           "kv_heads"_a, "head_dim"_a, "k_cache"_a, "v_cache"_a, "k_scale"_a, "v_scale"_a, "q_norm"_a = pybind11::none(),
+           "input_norm"_a, "post_norm"_a, "qkv"_a, "o"_a, "mlp"_a, "eps"_a, "scale"_a, "heads"_a, "kv_heads"_a,
+           "head_dim"_a, "k_cache"_a, "v_cache"_a, "k_scale"_a, "v_scale"_a, "q_norm"_a = pybind11::none(),
            "k_norm"_a = pybind11::none(), "attn_out_norm"_a = pybind11::none(), "mlp_out_norm"_a = pybind11::none(),
-           "gelu_tanh"_a = false, "sliding"_a = false, "softcap"_a = 0.0);
+           "sliding"_a = false, "softcap"_a = 0.0);
   pybind11::class_<DecoderStack>(m, "DecoderStack", "a stage's layers, run on a decode step in one call")
       .def(pybind11::init([](const std::vector<DecoderLayer>& layers) { return DecoderStack{layers}; }), "layers"_a)
       .def("decode", &DecoderStack::decode, pybind11::call_guard<pybind11::gil_scoped_release>(), "x"_a, "full"_a,

@@ -45,9 +45,10 @@ def _is_gelu_tanh(act) -> bool:
 
 def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
     """The kernels' DecoderStack over these layers and their caches, or None where a layer has parts it lacks
-    (experts, other norms or activations) or the kernels are not built."""
+    (other norms or activations, other layers) or the kernels are not built."""
     from pipellm.models.gemma import GemmaLayer  # gemma.py and llama.py import this file
     from pipellm.models.llama import LlamaLayer
+    from pipellm.models.moe import SparseMoE
 
     ops = kernels.load()
     if ops is None:
@@ -56,24 +57,38 @@ def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
     for layer, cache in zip(layers, kv_caches):
         if type(layer) not in (LlamaLayer, GemmaLayer):
             return None
-        attn, mlp, eps = layer.self_attn, layer.mlp, layer.input_layernorm.eps
-        if type(mlp) is not GatedMLP or not (mlp.act is F.silu or _is_gelu_tanh(mlp.act)):
-            return None
+        attn, eps = layer.self_attn, layer.input_layernorm.eps
+        if type(layer.mlp) is SparseMoE:
+            moe = layer.mlp
+            experts = [_mlp(ops, e) for e in moe.experts]
+            router = _linear(ops, moe.gate)
+            mlp = None if None in experts or router is None else ops.Experts(router, experts, moe.top_k,
+                                                                             moe.norm_topk_prob)
+        else:
+            mlp = _mlp(ops, layer.mlp)
         gemma = type(layer) is GemmaLayer
         names = (["input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
                   "post_feedforward_layernorm"] if gemma else ["input_layernorm", "post_attention_layernorm"])
         norms = [_norm(getattr(layer, n), eps) for n in names]
         head_norms = [_norm(getattr(attn, n), eps) for n in ("q_norm", "k_norm") if hasattr(attn, "q_norm")]
-        linears = [_linear(ops, m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if None in norms + head_norms + linears:
+        linears = [_linear(ops, m) for m in (attn.qkv_proj, attn.o_proj)]
+        if None in norms + head_norms + linears or mlp is None:
             return None
         q_norm, k_norm = head_norms or (None, None)
         attn_out_norm, mlp_out_norm = norms[2:] or (None, None)
-        fused.append(ops.DecoderLayer(norms[0], norms[1], *linears, eps, attn.scale, attn.num_heads,
+        fused.append(ops.DecoderLayer(norms[0], norms[1], *linears, mlp, eps, attn.scale, attn.num_heads,
                                       attn.num_kv_heads, attn.head_dim, cache.k, cache.v, cache.k_scale, cache.v_scale,
-                                      q_norm, k_norm, attn_out_norm, mlp_out_norm, mlp.act is not F.silu,
-                                      attn.is_sliding, attn.softcap or 0.0))
+                                      q_norm, k_norm, attn_out_norm, mlp_out_norm, attn.is_sliding,
+                                      attn.softcap or 0.0))
     return ops.DecoderStack(fused)
+
+
+def _mlp(ops, mlp: nn.Module):
+    """The kernels' GatedMlp for a GatedMLP of SwiGLU or GeGLU, or None."""
+    if type(mlp) is not GatedMLP or not (mlp.act is F.silu or _is_gelu_tanh(mlp.act)):
+        return None
+    gate_up, down = _linear(ops, mlp.gate_up_proj), _linear(ops, mlp.down_proj)
+    return None if gate_up is None or down is None else ops.GatedMlp(gate_up, down, mlp.act is not F.silu)
 
 
 def _linear(ops, module: nn.Module):
