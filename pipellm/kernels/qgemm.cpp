@@ -877,7 +877,7 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
         for (int64_t j = 0; j < G; j++) block_scores(q + j * D, krows.data(), n, D, ks, s.data() + j * span, g * D);
         if (a.softcap > 0)  // as the layers' torch path: scaled scores / cap, tanh, * cap
           for (int64_t j = 0; j < G; j++)
-            for (float* x = s.data() + j * span; x < s.data() + j * span + n; x++) *x = a.softcap * std::tanh(*x / a.softcap);
+            for (int64_t i = 0; i < n; i++) s[j * span + i] = a.softcap * std::tanh(s[j * span + i] / a.softcap);
         for (int64_t j = 0; j < G; j++) {
           float* sj = s.data() + j * span;
           const int64_t h = g * G + j;
