@@ -2,8 +2,6 @@
 DecoderStack): the same kernels and torch ops as the layers' forward, in the same order, without the ~15 Python calls
 a layer that cost more than the step's matmuls on small models (BENCHMARKS.md). The layers' forward stays the
 reference, and the path of every step that is not all decodes, and of every layer this file does not know."""
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,10 +35,6 @@ def _norm(module: nn.Module, eps: float) -> torch.Tensor | None:
     if type(module) not in (RMSNorm, GemmaRMSNorm) or module.weight.dtype != torch.float32 or module.eps != eps:
         return None
     return 1.0 + module.weight.detach() if type(module) is GemmaRMSNorm else module.weight.detach()
-
-
-def _is_gelu_tanh(act) -> bool:
-    return isinstance(act, partial) and act.func is F.gelu and act.keywords == {"approximate": "tanh"}
 
 
 def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
@@ -84,8 +78,8 @@ def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
 
 
 def _mlp(ops, mlp: nn.Module):
-    """The kernels' GatedMlp for a GatedMLP of SwiGLU or GeGLU, or None."""
-    if type(mlp) is not GatedMLP or not (mlp.act is F.silu or _is_gelu_tanh(mlp.act)):
+    """The kernels' GatedMlp for a GatedMLP (SwiGLU, or else GeGLU: the two it makes), or None."""
+    if type(mlp) is not GatedMLP:
         return None
     gate_up, down = _linear(ops, mlp.gate_up_proj), _linear(ops, mlp.down_proj)
     return None if gate_up is None or down is None else ops.GatedMlp(gate_up, down, mlp.act is not F.silu)
