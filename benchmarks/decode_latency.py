@@ -1,5 +1,5 @@
-"""Single-stream decode speed of the default model: pipellm at P=1 (with async scheduling, its default there, and
-without) and P=2 against HF transformers, in one run.
+"""Single-stream decode speed of the default model: pipellm at P=1 (the stage in the driver's process, the default
+there, and in a process of its own with async scheduling) and P=2 against HF transformers, in one run.
 
 Decode tok/s = (N - 1) / (time(max_tokens=N) - time(max_tokens=1)).
     python benchmarks/decode_latency.py [--new-tokens 128] [--repeats 3] [--json out.json]
@@ -80,8 +80,8 @@ def main():
     # The systems are measured in turns, round after round, so that the machine's drifting load hits
     # each the same; the median round is reported. Idle engines use no CPU.
     with LLM(model_dir, pipeline_parallel_size=1) as pp1, LLM(model_dir, pipeline_parallel_size=2) as pp2, \
-            LLM(model_dir, pipeline_parallel_size=1, async_scheduling=False) as pp1_sync:
-        engines = {"pipellm_pp1": pipellm_generator(pp1), "pipellm_pp1_sync": pipellm_generator(pp1_sync),
+            LLM(model_dir, pipeline_parallel_size=1, distributed_executor_backend="mp") as pp1_mp:
+        engines = {"pipellm_pp1": pipellm_generator(pp1), "pipellm_pp1_mp": pipellm_generator(pp1_mp),
                    "pipellm_pp2": pipellm_generator(pp2)}
         rates = {name: [] for name in list(engines) + ["hf_generate_2_threads"]}
         for gen in engines.values():
@@ -98,7 +98,7 @@ def main():
     hf = results["hf_generate_2_threads"]
     print(f"ratio pp1/hf {results['pipellm_pp1'] / hf:.2f}, pp2/hf {results['pipellm_pp2'] / hf:.2f}, "
           f"pp2/pp1 {results['pipellm_pp2'] / results['pipellm_pp1']:.2f}, "
-          f"pp1/pp1_sync {results['pipellm_pp1'] / results['pipellm_pp1_sync']:.2f}")
+          f"pp1/pp1_mp {results['pipellm_pp1'] / results['pipellm_pp1_mp']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results | vars(args), f, indent=2)

@@ -1,5 +1,6 @@
 """Decode scheduling on the default model, in one run: several decode steps a batch (num_scheduler_steps) against one,
-and one step with async scheduling (the default at PP=1) against one without ("steps1_sync"). Measures
+and, at one step, the stage in the driver's process (the default at PP=1) against a stage process with async
+scheduling ("steps1_mp") and without ("steps1_sync"). Measures
 single-stream decode (as decode_latency.py: 127 / (t(128) - t(1))), with fp32 and 8-bit activations, and at PP=2;
 llama.cpp on the same GGUF file and threads when given a Python that has llama-cpp-python; and the 32-request
 throughput workload at PP=1.
@@ -35,7 +36,8 @@ def main():
     systems = [(f"steps{k}" + ("_int8" if int8 else ""), dict(num_scheduler_steps=k, int8_activations=int8))
                for k in steps for int8 in (False, True)]
     if 1 in steps:
-        systems.append(("steps1_sync", dict(num_scheduler_steps=1, int8_activations=False, async_scheduling=False)))
+        mp = dict(num_scheduler_steps=1, int8_activations=False, distributed_executor_backend="mp")
+        systems += [("steps1_mp", mp), ("steps1_sync", mp | dict(async_scheduling=False))]
     systems += [(f"pp2_steps{k}", dict(num_scheduler_steps=k, pipeline_parallel_size=2)) for k in steps]
     if args.llama_cpp_python:
         systems.append(("llama_cpp", None))

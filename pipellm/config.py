@@ -242,8 +242,10 @@ class EngineConfig:
     nnodes: int = 1                     # hosts the stages run on; node k > 0 runs `pipellm stage --node-rank k`
     master_addr: str = "127.0.0.1"      # the driver's rendezvous address (this host's, reachable from the others)
     master_port: int = 0                # its port; 0 = any free port (one host only)
-    distributed_executor_backend: str = "mp"  # "mp": the driver starts this host's stages; "external_launcher":
-    #                                           torchrun started every process (RANK, MASTER_ADDR, MASTER_PORT)
+    distributed_executor_backend: str | None = None  # "uni": one stage, run in the driver's own process; "mp": the
+    #                                           driver starts this host's stages as processes; "external_launcher":
+    #                                           torchrun started every process (RANK, MASTER_ADDR, MASTER_PORT).
+    #                                           None: "uni" for one stage on one host, unless restart_on_failure
     token_file: str | None = None       # the run's shared secret, for stages on other hosts (or PIPELLM_TOKEN);
     #                                     made with a new token if missing. One host needs none: a fresh one per run
     quantization: str | None = None     # "int8" | "int4": an HF checkpoint's linear weights, quantized on load
@@ -317,8 +319,22 @@ class EngineConfig:
             bad("master_port", "must be a port number (0 = any free port)")
         if self.nnodes > 1 and self.master_port == 0:
             bad("master_port", "must be set when nnodes > 1: the other hosts connect to it")
-        if self.distributed_executor_backend not in ("mp", "external_launcher"):
-            bad("distributed_executor_backend", 'must be "mp" or "external_launcher" (torchrun)')
+        if self.distributed_executor_backend is None:
+            one_process = self.pipeline_parallel_size == 1 and self.nnodes == 1 and not self.restart_on_failure
+            self.distributed_executor_backend = "uni" if one_process else "mp"
+        if self.distributed_executor_backend not in ("uni", "mp", "external_launcher"):
+            bad("distributed_executor_backend", 'must be "uni" (the stage in this process), "mp" or '
+                                                '"external_launcher" (torchrun), or None')
+        if self.distributed_executor_backend == "uni":
+            if self.pipeline_parallel_size != 1:
+                bad("distributed_executor_backend", "runs one stage, in this process: use \"mp\" for "
+                                                    f"pipeline_parallel_size={self.pipeline_parallel_size}")
+            if self.restart_on_failure:
+                bad("restart_on_failure", 'needs stages in processes of their own: a stage that dies in this process '
+                                          'takes it along; use distributed_executor_backend="mp"')
+            if self.async_scheduling:
+                bad("async_scheduling", "overlaps the driver's work with a stage process's; with the stage in this "
+                                        'process there is none to overlap: use distributed_executor_backend="mp"')
         if self.restart_on_failure and self.distributed_executor_backend == "external_launcher":
             bad("restart_on_failure", "needs stages that pipellm starts; under torchrun, use its --max-restarts")
 
@@ -334,7 +350,8 @@ class EngineConfig:
     @property
     def is_async_scheduling(self) -> bool:
         if self.async_scheduling is None:
-            return self._one_batch_stage and self.num_scheduler_steps == 1
+            return (self._one_batch_stage and self.num_scheduler_steps == 1
+                    and self.distributed_executor_backend != "uni")
         return self.async_scheduling
 
     @property

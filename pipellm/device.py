@@ -51,7 +51,7 @@ def check_gpu_options(config, resolved: str) -> None:
             raise ValueError(f"{name}={getattr(config, name)!r}: compact weights on a GPU are dequantized to the "
                              f"activations' dtype at load (our compact kernels are CPU code); leave {name} unset "
                              "with a GPU device")
-    if config.nnodes == 1 and config.distributed_executor_backend == "mp":
+    if config.nnodes == 1 and config.distributed_executor_backend in ("uni", "mp"):
         stage_device(resolved, 0, config.pipeline_parallel_size)
 
 

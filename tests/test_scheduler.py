@@ -312,7 +312,8 @@ def test_async_scheduling_runs_ahead_only_while_few_requests_run():
 
 
 def test_async_scheduling_needs_one_stage_and_one_step_a_batch():
-    assert EngineConfig("m").is_async_scheduling  # on by default where it applies
+    assert EngineConfig("m", distributed_executor_backend="mp").is_async_scheduling  # on by default where it applies
+    assert not EngineConfig("m").is_async_scheduling  # the stage in this process: no round trip to overlap
     assert not EngineConfig("m", pipeline_parallel_size=2).is_async_scheduling
     assert not EngineConfig("m", num_scheduler_steps=4).is_async_scheduling
     assert not EngineConfig("m", async_scheduling=False).is_async_scheduling
@@ -325,8 +326,8 @@ def test_async_scheduling_needs_one_stage_and_one_step_a_batch():
 
 @pytest.fixture(scope="module")
 def llm_async(llama_dir):
-    """One stage with async scheduling (the default there), each batch it was sent recorded."""
-    with LLM(llama_dir, dtype=FP32) as llm:
+    """One stage process with async scheduling (the default there), each batch it was sent recorded."""
+    with LLM(llama_dir, dtype=FP32, distributed_executor_backend="mp") as llm:
         assert llm.engine.config.is_async_scheduling
         sent, submit = [], llm.engine.executor.submit
         llm.engine.executor.submit = lambda batch: (sent.append(batch), submit(batch))[1]

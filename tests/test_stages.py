@@ -173,3 +173,55 @@ def test_stage_that_stops_answering_is_named(llama_dir):
     _fails_mid_generation(LLM(llama_dir, pipeline_parallel_size=2, heartbeat_timeout_s=2.0), 0.5,
                           lambda pids: os.kill(pids[1], signal.SIGSTOP),  # alive, but frozen
                           r"stage 1 \(pid \d+\) stopped answering: no heartbeat for 2 s")
+
+
+def _children() -> set[int]:
+    me = str(os.getpid())
+    kids = set()
+    for task in os.listdir(f"/proc/{me}/task"):
+        with open(f"/proc/{me}/task/{task}/children") as f:
+            kids |= {int(p) for p in f.read().split()}
+    return kids
+
+
+def test_one_stage_runs_in_this_process_without_a_port(checkpoints):
+    from pipellm.config import EngineConfig
+    from tests.conftest import hf_greedy_ids
+
+    before = _children()
+    prompt = [(3 * i + 2) % 300 for i in range(21)]
+    with LLM(checkpoints["llama"][0], dtype="float32") as llm:
+        engine = llm.engine
+        assert engine.config.distributed_executor_backend == "uni"
+        assert engine.store is None  # no rendezvous store: nothing listens on a port
+        assert _children() == before  # no stage process
+        assert [s["pid"] for s in engine.executor.stage_status()] == [os.getpid()]
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=10, temperature=0.0,
+                                                                        ignore_eos=True), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == hf_greedy_ids(checkpoints["llama"][1], [prompt], 10)[0]
+        assert llm.describe_stages()[0].startswith("stage 0: embed + layers 0-")
+    # where the stage must be a process of its own, or there are several: processes, as before
+    assert EngineConfig("m", restart_on_failure=True).distributed_executor_backend == "mp"
+    assert EngineConfig("m", pipeline_parallel_size=2).distributed_executor_backend == "mp"
+    for bad, match in ((dict(pipeline_parallel_size=2), 'use "mp" for'), (dict(restart_on_failure=True),
+                       "restart_on_failure"), (dict(async_scheduling=True), "async_scheduling")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig("m", distributed_executor_backend="uni", **bad)
+
+
+def test_a_failure_of_the_stage_in_this_process_is_named_and_ends_the_llm(llama_dir):
+    llm = LLM(llama_dir)
+    step, calls = llm.engine.executor.worker.step, []
+
+    def fails_on_the_third(batch):
+        calls.append(batch.batch_id)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return step(batch)
+    llm.engine.executor.worker.step = fails_on_the_third
+    with pytest.raises(PipelineError, match=r"stage 0 \(in the driver's process\) failed while running a batch: "
+                                            r"RuntimeError: injected"):
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=8), use_tqdm=False)
+    with pytest.raises(RuntimeError, match="create a new LLM"):
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=False)
+    llm.shutdown()

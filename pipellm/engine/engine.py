@@ -21,6 +21,7 @@ from pipellm.observe.trace import TraceRecorder
 from pipellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pipellm.pipeline import comm, wire
 from pipellm.pipeline.executor import PipelineError, PipelineExecutor
+from pipellm.pipeline.local import LocalExecutor
 from pipellm.pipeline.messages import SampledBatch
 from pipellm.pipeline.partition import make_partition
 from pipellm.sampling_params import SamplingParams
@@ -123,8 +124,9 @@ class LLMEngine:
         self.failures: list[float] = []   # monotonic times of pipeline failures, for the restart limit
         self.restarts: list[dict] = []    # per restart: its cause, and how long the new pipeline took to start
         self.restarting: str | None = None  # the cause, while a restart is under way
-        self.token = self._token()
-        self.store = comm.SignedStore(self._make_store(), self.token)
+        # the stage in this process needs no rendezvous: no store, no port open
+        self.store = None if config.distributed_executor_backend == "uni" else \
+            comm.SignedStore(self._make_store(), self._token())
         if config.distributed_executor_backend == "mp":
             self.store.set(comm.NNODES_KEY, str(config.nnodes))  # node agents check it, and their token
         self.executor = self._start_pipeline()
@@ -190,7 +192,10 @@ class LLMEngine:
             return comm.make_store(cfg.master_addr, cfg.master_port, is_master=not agent_store)
         return comm.make_store(cfg.master_addr, cfg.master_port, is_master=True)
 
-    def _start_pipeline(self) -> PipelineExecutor:
+    def _start_pipeline(self) -> PipelineExecutor | LocalExecutor:
+        if self.store is None:
+            return LocalExecutor(self.model_dir, self.model_config, self.config, self.stages, self.num_blocks,
+                                 self.num_window_blocks, generation=len(self.restarts))
         return PipelineExecutor(self.model_dir, self.model_config, self.config, self.stages, self.num_blocks,
                                 self.store, generation=len(self.restarts), num_window_blocks=self.num_window_blocks)
 
@@ -483,6 +488,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.store is None:
+            return
         try:
             self.store.set(comm.SHUTDOWN_KEY, "1")  # node agents on other hosts exit...
             if self.config.nnodes > 1 and self.config.distributed_executor_backend == "mp":

@@ -85,8 +85,10 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
                    help="when a stage fails, start a new pipeline and re-run unfinished requests "
                         "(default: on for serve on one host, off otherwise)")
     _multinode_args(p)
-    p.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "external_launcher"],
-                   help="external_launcher: torchrun started every process (RANK 0 is the driver, 1.. the stages)")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "external_launcher"],
+                   help="uni: one stage, in this process (the default for one stage on one host, except `serve`); "
+                        "mp: stages in processes this one starts; external_launcher: torchrun started every process "
+                        "(RANK 0 is the driver, 1.. the stages)")
 
 
 def _multinode_args(p: argparse.ArgumentParser) -> None:
