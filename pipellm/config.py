@@ -246,6 +246,7 @@ class EngineConfig:
     #                                           driver starts this host's stages as processes; "external_launcher":
     #                                           torchrun started every process (RANK, MASTER_ADDR, MASTER_PORT).
     #                                           None: "uni" for one stage on one host, unless restart_on_failure
+    #                                           or async_scheduling
     token_file: str | None = None       # the run's shared secret, for stages on other hosts (or PIPELLM_TOKEN);
     #                                     made with a new token if missing. One host needs none: a fresh one per run
     quantization: str | None = None     # "int8" | "int4": an HF checkpoint's linear weights, quantized on load
@@ -320,7 +321,8 @@ class EngineConfig:
         if self.nnodes > 1 and self.master_port == 0:
             bad("master_port", "must be set when nnodes > 1: the other hosts connect to it")
         if self.distributed_executor_backend is None:
-            one_process = self.pipeline_parallel_size == 1 and self.nnodes == 1 and not self.restart_on_failure
+            one_process = self.pipeline_parallel_size == 1 and self.nnodes == 1 and not self.restart_on_failure \
+                and not self.async_scheduling  # both need a stage process
             self.distributed_executor_backend = "uni" if one_process else "mp"
         if self.distributed_executor_backend not in ("uni", "mp", "external_launcher"):
             bad("distributed_executor_backend", 'must be "uni" (the stage in this process), "mp" or '

@@ -203,6 +203,7 @@ def test_one_stage_runs_in_this_process_without_a_port(checkpoints):
         assert llm.describe_stages()[0].startswith("stage 0: embed + layers 0-")
     # where the stage must be a process of its own, or there are several: processes, as before
     assert EngineConfig("m", restart_on_failure=True).distributed_executor_backend == "mp"
+    assert EngineConfig("m", async_scheduling=True).distributed_executor_backend == "mp"
     assert EngineConfig("m", pipeline_parallel_size=2).distributed_executor_backend == "mp"
     for bad, match in ((dict(pipeline_parallel_size=2), 'use "mp" for'), (dict(restart_on_failure=True),
                        "restart_on_failure"), (dict(async_scheduling=True), "async_scheduling")):
