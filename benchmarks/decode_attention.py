@@ -5,6 +5,7 @@ To compare two builds of the kernels, run this once per build, alternating: `--k
 pipellm_kernels .so (copy one aside before rebuilding); the default is this checkout's own build.
 
     python benchmarks/decode_attention.py [--kernels PATH] [--threads 2] [--huge-pages] [--int8] [--shapes 8x4096,8x256]
+        [--softcap 50]
 """
 import argparse
 import importlib.util
@@ -25,6 +26,7 @@ def main() -> None:
     parser.add_argument("--huge-pages", action="store_true", help="the caches on 2 MB pages, as a stage holds them")
     parser.add_argument("--int8", action="store_true", help="an int8 cache (kv_cache_dtype='int8', a scale per block)")
     parser.add_argument("--shapes", default="8x4096,8x256", help="sequences x context, comma-separated")
+    parser.add_argument("--softcap", type=float, default=0.0, help="soft-capped scores (Gemma 2: 50)")
     args = parser.parse_args()
     ops = kernels.load()
     if args.kernels:
@@ -49,7 +51,8 @@ def main() -> None:
         times = []
         for _ in range(30 if seqs * context > 8000 else 200):
             start = time.perf_counter()
-            o = ops.paged_decode_attention(q, k, v, *scales, tables, lens, 0, DIM ** -0.5, 0.0, "")
+            o = ops.paged_decode_attention(q, k, v, *scales, tables, lens, 0, DIM ** -0.5, args.softcap,
+                                           "")
             times.append(time.perf_counter() - start)
         quarter = sorted(times)[len(times) // 4]  # the best quarter's edge: steadier than the minimum here
         gb = 2 * k.nbytes / 1e9
