@@ -377,17 +377,20 @@ def test_sigterm_ends_in_flight_request_and_leaves_no_stage(server):
     assert os.path.getsize(os.path.join(trace_dir, "pipeline.png")) > 0
 
 
-@pytest.mark.parametrize("flags", [["--num-scheduler-steps", "6"], ["--async-scheduling"]])
+@pytest.mark.parametrize("flags", [["--num-scheduler-steps", "6"], ["--async-scheduling"],
+                                   ["--no-restart-on-failure"]])
 def test_streams_of_one_stage_equal_the_engine_output(llama_dir, llm_pp2, tmp_path, flags):
-    """One stage with --num-scheduler-steps (tokens reach the server in bursts) or async scheduling (its default:
-    a step sent before the last one's token is back): the stream, the usage and the stop string's cut are what
-    two stages give."""
+    """One stage with --num-scheduler-steps (tokens reach the server in bursts), async scheduling (its default:
+    a step sent before the last one's token is back) or in the server's own process (without restarts): the stream,
+    the usage and the stop string's cut are what two stages give."""
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     expected = llm_pp2.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
     stop = expected.text[len(expected.text) // 2:][:3]  # a stop string inside the output
     cut = llm_pp2.generate(PROMPT, SamplingParams(max_tokens=20, temperature=0.0, stop=[stop]),
                            use_tqdm=False)[0].outputs[0]
     with serve(llama_dir, tmp_path, "-pp", "1", *flags) as srv:
+        if "--no-restart-on-failure" in flags:
+            assert srv.stage_pids() == [srv.proc.pid]
         client = srv.client()
         model = client.models.list().data[0].id
         chunks = list(client.completions.create(model=model, prompt=PROMPT,
