@@ -27,6 +27,7 @@ struct Isa {
   decltype(&generic::quantize_acts) quantize_acts;
   decltype(&generic::gemm_q8) gemm_q8;
   decltype(&generic::decode_attention) decode_attention;
+  decltype(&generic::dense_row) dense_row;
 };
 
 bool has(const char* isa) {
@@ -41,7 +42,8 @@ bool has(const char* isa) {
   return !std::strcmp(isa, "generic");
 }
 
-#define PIPELLM_ISA_ENTRY(NS) {#NS, NS::gemm, NS::dequant, NS::quantize_acts, NS::gemm_q8, NS::decode_attention}
+#define PIPELLM_ISA_ENTRY(NS) \
+  {#NS, NS::gemm, NS::dequant, NS::quantize_acts, NS::gemm_q8, NS::decode_attention, NS::dense_row}
 const Isa kIsas[] = {PIPELLM_ISA_ENTRY(avx512), PIPELLM_ISA_ENTRY(avx2), PIPELLM_ISA_ENTRY(generic)};
 
 const Isa& pick(const std::string& isa) {
@@ -416,7 +418,20 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
       continue;
     }
     const at::Tensor xf = x.to(at::kFloat);  // dense parts are fp32
-    ys.push_back((p.dense_bias.has_value() ? at::addmm(*p.dense_bias, xf, p.dense)  // as TransposedLinear does
+    if (xf.size(0) == 1 && p.dense.is_contiguous()) {  // one row: our kernel, columns over the threads by 16
+      const int64_t N = p.N;
+      at::Tensor y = at::zeros({1, N}, xf.options());
+      const at::Tensor xc = xf.contiguous();
+      const float *xp = xc.data_ptr<float>(), *wp = p.dense.data_ptr<float>();
+      float* yp = y.data_ptr<float>();
+      const auto row = kIsas[p.isa].dense_row;
+      at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t u0, int64_t u1) {
+        row(xp, wp, K, N, yp, u0 * 16, std::min(N, u1 * 16));
+      });
+      ys.push_back((p.dense_bias.has_value() ? y + *p.dense_bias : y).to(type));
+      continue;
+    }
+    ys.push_back((p.dense_bias.has_value() ? at::addmm(*p.dense_bias, xf, p.dense)  // as TransposedLinear did
                                            : at::mm(xf, p.dense)).to(type));
   }
   at::Tensor y = ys.size() == 1 ? ys[0] : at::cat(ys, 1);
@@ -466,12 +481,13 @@ void check_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
               "bias must be fp32 [", N, "]");
 }
 
-Linear dense_linear(const at::Tensor& weight_t, const c10::optional<at::Tensor>& bias) {
+Linear dense_linear(const at::Tensor& weight_t, const c10::optional<at::Tensor>& bias, const std::string& isa) {
   TORCH_CHECK(weight_t.dim() == 2 && weight_t.scalar_type() == at::kFloat, "a dense weight must be fp32 [K, N]");
   check_bias(bias, weight_t.size(1));
   Linear::Part p;
   p.dense = weight_t;
   p.dense_bias = bias;
+  p.isa = int(&pick(isa) - kIsas);
   p.N = weight_t.size(1);
   Linear l;
   l.K = weight_t.size(0);
@@ -512,7 +528,7 @@ PYBIND11_MODULE(pipellm_kernels, m) {
   pybind11::class_<Linear>(m, "Linear", "y = x @ W^T + b, the weight's arguments checked and bound once")
       .def(pybind11::init(&compact_linear), "qs"_a, "scale"_a, "min"_a, "kind"_a, "group"_a, "super_scale"_a,
            "super_min"_a, "high"_a, "offset"_a, "fused_max_rows"_a, "int8_acts"_a, "integer_max_rows"_a, "isa"_a)
-      .def_static("dense", &dense_linear, "weight_t"_a, "bias"_a = pybind11::none())
+      .def_static("dense", &dense_linear, "weight_t"_a, "bias"_a = pybind11::none(), "isa"_a = "")
       .def_static("concat", &concat_linear, "blocks"_a, "bias"_a = pybind11::none())
       .def("__call__", &Linear::operator(), nogil);
   pipellm::bind_layers(m);
