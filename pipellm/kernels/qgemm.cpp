@@ -905,9 +905,9 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
 }
 
 // ---- one fp32 row times a dense [K, N] weight (single-stream decode with fp32 weights) ----
-// y[n0:n1] += x @ w[:, n0:n1], four weight rows a pass. MKL's sgemm reads a one-row product's weights at ~55% of the
-// bandwidth here, this at ~80%. Each output sums its products in k order in both paths (the vector loop and the
-// tail), so a column's result does not depend on which thread's range holds it.
+// y[n0:n1] += x @ w[:, n0:n1], four weight rows a pass: ~1.5x the rate at which MKL's sgemm reads a one-row
+// product's weights here (BENCHMARKS.md). Each output sums its products in k order in both paths (the vector loop
+// and the tail), so a column's result does not depend on which thread's range holds it.
 void dense_row(const float* x, const float* w, int64_t K, int64_t N, float* y, int64_t n0, int64_t n1) {
   int64_t k = 0;
   for (; k + 4 <= K; k += 4) {
@@ -924,7 +924,8 @@ void dense_row(const float* x, const float* w, int64_t K, int64_t N, float* y, i
     }
 #endif
     for (; n < n1; n++)
-      y[n] = std::fma(x[k + 3], r3[n], std::fma(x[k + 2], r2[n], std::fma(x[k + 1], r1[n], std::fma(x[k], r0[n], y[n]))));
+      y[n] = std::fma(x[k + 3], r3[n],
+                      std::fma(x[k + 2], r2[n], std::fma(x[k + 1], r1[n], std::fma(x[k], r0[n], y[n]))));
   }
   for (; k < K; k++)
     for (int64_t n = n0; n < n1; n++) y[n] = std::fma(x[k], w[k * N + n], y[n]);
