@@ -905,30 +905,32 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
 }
 
 // ---- one fp32 row times a dense [K, N] weight (single-stream decode with fp32 weights) ----
-// y[n0:n1] += x @ w[:, n0:n1], four weight rows a pass: ~1.5x the rate at which MKL's sgemm reads a one-row
-// product's weights here (BENCHMARKS.md). Each output sums its products in k order in both paths (the vector loop
-// and the tail), so a column's result does not depend on which thread's range holds it.
+// y[n0:n1] += x @ w[:, n0:n1], eight weight rows a pass (then one at a time): ~1.5x the rate at which MKL's sgemm
+// reads a one-row product's weights here (BENCHMARKS.md). Each output sums its products in k order in both paths
+// (the vector loop and the scalar tail), so a column's result does not depend on which thread's range holds it.
+template <int R>
+static inline void dense_rows(const float* x, const float* w, int64_t N, float* y, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+#ifdef PIPELLM_AVX2
+  __m256 a[R];
+  for (int i = 0; i < R; i++) a[i] = _mm256_set1_ps(x[i]);
+  for (; n + 8 <= n1; n += 8) {
+    __m256 s = _mm256_loadu_ps(y + n);
+    for (int i = 0; i < R; i++) s = _mm256_fmadd_ps(a[i], _mm256_loadu_ps(w + i * N + n), s);
+    _mm256_storeu_ps(y + n, s);
+  }
+#endif
+  for (; n < n1; n++) {
+    float s = y[n];
+    for (int i = 0; i < R; i++) s = std::fma(x[i], w[i * N + n], s);
+    y[n] = s;
+  }
+}
+
 void dense_row(const float* x, const float* w, int64_t K, int64_t N, float* y, int64_t n0, int64_t n1) {
   int64_t k = 0;
-  for (; k + 4 <= K; k += 4) {
-    const float *r0 = w + k * N, *r1 = r0 + N, *r2 = r1 + N, *r3 = r2 + N;
-    int64_t n = n0;
-#ifdef PIPELLM_AVX2
-    const __m256 a0 = _mm256_set1_ps(x[k]), a1 = _mm256_set1_ps(x[k + 1]), a2 = _mm256_set1_ps(x[k + 2]),
-                 a3 = _mm256_set1_ps(x[k + 3]);
-    for (; n + 8 <= n1; n += 8) {
-      __m256 s = _mm256_fmadd_ps(a0, _mm256_loadu_ps(r0 + n), _mm256_loadu_ps(y + n));
-      s = _mm256_fmadd_ps(a1, _mm256_loadu_ps(r1 + n), s);
-      s = _mm256_fmadd_ps(a2, _mm256_loadu_ps(r2 + n), s);
-      _mm256_storeu_ps(y + n, _mm256_fmadd_ps(a3, _mm256_loadu_ps(r3 + n), s));
-    }
-#endif
-    for (; n < n1; n++)
-      y[n] = std::fma(x[k + 3], r3[n],
-                      std::fma(x[k + 2], r2[n], std::fma(x[k + 1], r1[n], std::fma(x[k], r0[n], y[n]))));
-  }
-  for (; k < K; k++)
-    for (int64_t n = n0; n < n1; n++) y[n] = std::fma(x[k], w[k * N + n], y[n]);
+  for (; k + 8 <= K; k += 8) dense_rows<8>(x + k, w + k * N, N, y, n0, n1);
+  for (; k < K; k++) dense_rows<1>(x + k, w + k * N, N, y, n0, n1);
 }
 
 void decode_attention(const DecodeArgs& a, int64_t u0, int64_t u1) {
