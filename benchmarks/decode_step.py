@@ -21,6 +21,26 @@ from pipellm.pipeline.partition import StageLayers
 BLOCK = 16
 
 
+def default_model_stage() -> tuple[ModelConfig, torch.nn.Module]:
+    """The default model's whole stack as one stage, its compact weights loaded and laid out as a stage holds them."""
+    folder = cached_gguf_folder(default_model_path())
+    cfg = ModelConfig.from_pretrained(folder)
+    model = build_stage_model(cfg, StageLayers(0, 0, cfg.num_layers, True, True), meta=True)
+    load_gguf_stage_weights(model, folder, torch.float32)
+    transpose_linears(model)
+    return cfg, model.eval()
+
+
+def random_caches(cfg: ModelConfig, num_blocks: int, gen: torch.Generator) -> list[KVCache]:
+    """An fp32 KV cache a layer, filled with random values."""
+    caches = [KVCache.allocate(num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+              for _ in range(cfg.num_layers)]
+    for c in caches:
+        c.k.normal_(generator=gen)
+        c.v.normal_(generator=gen)
+    return caches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqs", type=int, default=1)
@@ -30,19 +50,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    folder = cached_gguf_folder(default_model_path())
-    cfg = ModelConfig.from_pretrained(folder)
-    model = build_stage_model(cfg, StageLayers(0, 0, cfg.num_layers, True, True), meta=True)
-    load_gguf_stage_weights(model, folder, torch.float32)
-    transpose_linears(model)
-    model.eval()
+    cfg, model = default_model_stage()
     width = args.context // BLOCK + 1
     gen = torch.Generator().manual_seed(0)
-    caches = [KVCache.allocate(args.seqs * width, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32)
-              for _ in range(cfg.num_layers)]
-    for c in caches:
-        c.k.normal_(generator=gen)
-        c.v.normal_(generator=gen)
+    caches = random_caches(cfg, args.seqs * width, gen)
     tables = torch.randperm(args.seqs * width, generator=gen).int().view(args.seqs, width)
     positions = torch.full((args.seqs,), args.context)
     slots = tables[:, args.context // BLOCK].long() * BLOCK + args.context % BLOCK

@@ -8,17 +8,12 @@ import statistics
 import time
 
 import torch
+from decode_step import BLOCK, default_model_stage, random_caches
 
 from pipellm.config import ModelConfig
-from pipellm.loader.default_model import default_model_path
-from pipellm.loader.gguf import cached_gguf_folder, load_gguf_stage_weights
 from pipellm.models.attention import AttentionMetadata
-from pipellm.models.kv_cache import KVCache
-from pipellm.models.layers import transpose_linears
-from pipellm.models.registry import build_stage_model
-from pipellm.pipeline.partition import StageLayers
 
-BLOCK, CHUNK, DECODES, CONTEXT = 16, 512, 15, 256
+CHUNK, DECODES, CONTEXT = 512, 15, 256
 
 
 def step_inputs(cfg: ModelConfig, chunk: bool, decodes: bool, tables: torch.Tensor, gen: torch.Generator):
@@ -44,20 +39,11 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    folder = cached_gguf_folder(default_model_path())
-    cfg = ModelConfig.from_pretrained(folder)
-    model = build_stage_model(cfg, StageLayers(0, 0, cfg.num_layers, True, True), meta=True)
-    load_gguf_stage_weights(model, folder, torch.float32)
-    transpose_linears(model)
-    model.eval()
+    cfg, model = default_model_stage()
     width = CHUNK // BLOCK
     gen = torch.Generator().manual_seed(0)
     tables = torch.randperm((DECODES + 1) * width, generator=gen).int().view(DECODES + 1, width)
-    caches = [KVCache.allocate((DECODES + 1) * width, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32)
-              for _ in range(cfg.num_layers)]
-    for c in caches:
-        c.k.normal_(generator=gen)
-        c.v.normal_(generator=gen)
+    caches = random_caches(cfg, (DECODES + 1) * width, gen)
     kinds = {"together": (True, True), "chunk": (True, False), "decodes": (False, True)}
     inputs = {kind: step_inputs(cfg, *flags, tables, gen) for kind, flags in kinds.items()}
     times = {kind: [] for kind in kinds}

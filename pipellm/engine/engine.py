@@ -193,7 +193,7 @@ class LLMEngine:
         return comm.make_store(cfg.master_addr, cfg.master_port, is_master=True)
 
     def _start_pipeline(self) -> PipelineExecutor | LocalExecutor:
-        if self.store is None:
+        if self.config.distributed_executor_backend == "uni":
             return LocalExecutor(self.model_dir, self.model_config, self.config, self.stages, self.num_blocks,
                                  self.num_window_blocks, generation=len(self.restarts))
         return PipelineExecutor(self.model_dir, self.model_config, self.config, self.stages, self.num_blocks,

@@ -10,14 +10,11 @@ import os
 import socket
 import traceback
 
-import torch
-
-from pipellm import device
 from pipellm.config import EngineConfig, ModelConfig
 from pipellm.pipeline.executor import PipelineError
 from pipellm.pipeline.messages import ProbeReport, SampledBatch, StageArgs, StageBatch, StageReport
 from pipellm.pipeline.partition import StageLayers
-from pipellm.pipeline.stage import ONEDNN_CACHE_VARS, StageWorker
+from pipellm.pipeline.stage import StageWorker, set_up_process
 
 
 class _Outbox:
@@ -36,13 +33,8 @@ class LocalExecutor:
         assert len(stages) == 1, "one stage in the driver's process"
         self.stages, self.generation, self.procs = stages, generation, {}
         self.failed: PipelineError | None = None
-        for name, value in ONEDNN_CACHE_VARS.items():
-            os.environ.setdefault(name, value)  # a user's own setting wins
         # this process's torch threads are the stage's; it is not pinned to cores: it may be the user's own program
-        torch.set_num_threads(engine_config.threads_per_stage or len(os.sched_getaffinity(0)))
-        self.device = device.stage_device(device.resolve(engine_config.device), 0, 1)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = set_up_process(engine_config, pin=False)
         args = StageArgs(stages[0], 1, model_dir, model_config, engine_config, num_blocks, num_window_blocks)
         self.worker = StageWorker(args, self.device)
         self.outbox = self.worker.chan = _Outbox()

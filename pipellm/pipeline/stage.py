@@ -291,6 +291,21 @@ def stage_cores(local_rank: int, local_world_size: int, threads: int) -> list[in
     return [cores[(local_rank * threads + i) % len(cores)] for i in range(threads)]
 
 
+def set_up_process(ecfg, local_rank: int = 0, local_world_size: int = 1, pin: bool = True) -> torch.device:
+    """What a stage sets for its whole process before loading: oneDNN's caches bounded, its torch threads (pinned to
+    its own cores when pin), its device. Returns the device."""
+    for name, value in ONEDNN_CACHE_VARS.items():
+        os.environ.setdefault(name, value)  # a user's own setting wins; read at the first matmul
+    threads = ecfg.threads_per_stage or max(1, len(os.sched_getaffinity(0)) // local_world_size)
+    if pin:
+        os.sched_setaffinity(0, stage_cores(local_rank, local_world_size, threads))
+    torch.set_num_threads(threads)
+    dev = device.stage_device(device.resolve(ecfg.device), local_rank, local_world_size)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
+
+
 def _generation(store: comm.SignedStore) -> int:
     """The pipeline this stage belongs to: from its parent, or (under torchrun) the newest the driver signed."""
     if os.environ.get(comm.GENERATION_ENV, "").isdigit():
@@ -307,8 +322,6 @@ def stage_main(world_rank: int, master_addr: str, master_port: int, token: bytes
                local_world_size: int = 1, model_dir: str | None = None) -> None:
     """Entry point of a stage process: world rank r >= 1 runs stage r - 1 of the newest generation's plan."""
     _die_with_parent()
-    for name, value in ONEDNN_CACHE_VARS.items():
-        os.environ.setdefault(name, value)  # a user's own setting wins
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; it shuts us down
     rank = world_rank - 1
     store = None
@@ -320,12 +333,7 @@ def stage_main(world_rank: int, master_addr: str, master_port: int, token: bytes
         args = wire.decode(store.get(comm.args_key(rank)), (StageArgs,))
         if model_dir is not None:
             args.model_dir = model_dir  # this host's own copy of the checkpoint
-        threads = args.engine_config.threads_per_stage or max(1, len(os.sched_getaffinity(0)) // local_world_size)
-        os.sched_setaffinity(0, stage_cores(local_rank, local_world_size, threads))
-        torch.set_num_threads(threads)
-        dev = device.stage_device(device.resolve(args.engine_config.device), local_rank, local_world_size)
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
+        dev = set_up_process(args.engine_config, local_rank, local_world_size)
         worker = StageWorker(args, dev)
         _release_free_heap()
         store.set(comm.device_key(rank), device.identity(dev))
