@@ -8,7 +8,7 @@ pipellm_kernels .so (copy one aside before rebuilding); the default is this chec
         [--softcap 50]
 """
 import argparse
-import importlib.util
+import os
 import time
 
 import torch
@@ -28,11 +28,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="8x4096,8x256", help="sequences x context, comma-separated")
     parser.add_argument("--softcap", type=float, default=0.0, help="soft-capped scores (Gemma 2: 50)")
     args = parser.parse_args()
+    if args.kernels:  # before the first load: a process holds one build
+        os.environ["PIPELLM_KERNELS"] = args.kernels
     ops = kernels.load()
-    if args.kernels:
-        spec = importlib.util.spec_from_file_location("pipellm_kernels", args.kernels)
-        ops = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(ops)
     torch.set_num_threads(args.threads)
     out = []
     for seqs, context in (map(int, shape.split("x")) for shape in args.shapes.split(",")):

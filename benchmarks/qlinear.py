@@ -12,7 +12,7 @@ To compare two builds, run this once per build, alternating: `--kernels PATH` lo
 (copy one aside before rebuilding).
 """
 import argparse
-import importlib.util
+import os
 import time
 
 import torch
@@ -37,11 +37,9 @@ def main():
                         "(comma-separated): the fused kernels of each, in turns, best of --rounds")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
+    if args.kernels:  # before the first load: a process holds one build
+        os.environ["PIPELLM_KERNELS"] = args.kernels
     ops = load()
-    if args.kernels:
-        spec = importlib.util.spec_from_file_location("pipellm_kernels", args.kernels)
-        ops = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(ops)
     isa = args.isa
     if "," in isa:
         return compare_isas(ops, isa.split(","), [int(r) for r in args.rows.split(",")], args.rounds)

@@ -105,6 +105,16 @@ def test_paged_attention_equals_dense_reference(name, heads, kv_heads, window, k
     torch.testing.assert_close(out, dense, atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 2), (8, 2)])
+@pytest.mark.parametrize("name", ["decode, ragged", "decode, long contexts", "mixed"])
+@pytest.mark.parametrize("kv_dtype, atol", KV_DTYPES)
+def test_paged_attention_at_a_real_head_size(name, heads, kv_heads, kv_dtype, atol):
+    """head_dim 64, as the default model's: the kernel's vector paths, with 1 to 4 query heads a KV head (it takes
+    them in groups of up to three)."""
+    out, dense = _run(STEPS[name], heads, kv_heads, None, seed=len(name), kv_dtype=kv_dtype, dim=64)
+    torch.testing.assert_close(out, dense, atol=atol, rtol=0)
+
+
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("name", list(STEPS))
 @pytest.mark.parametrize("kv_dtype, atol", KV_DTYPES)

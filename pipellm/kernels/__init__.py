@@ -7,15 +7,18 @@ log = logging.getLogger("pipellm")
 
 @functools.cache
 def load():
-    """The kernels' Python module, built first if needed, or None with one warning."""
+    """The kernels' Python module, built first if needed, or None with one warning. PIPELLM_KERNELS names a built
+    library to load instead (to compare two builds: a process holds one, since Python keeps an extension module by
+    its name)."""
     import importlib.util
+    import os
 
     import torch  # noqa: F401  (the module links against the torch libraries this import loads)
 
     from pipellm.kernels.build import build
 
     try:
-        spec = importlib.util.spec_from_file_location("pipellm_kernels", build(quiet=True))
+        spec = importlib.util.spec_from_file_location("pipellm_kernels", os.environ.get("PIPELLM_KERNELS") or build(quiet=True))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except Exception as e:  # no compiler, or a platform the sources do not build on

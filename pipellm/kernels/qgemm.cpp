@@ -755,77 +755,114 @@ template <typename T> static inline void row_axpy(float* acc, float e, const T* 
 }
 
 #ifdef PIPELLM_AVX2
-// [sum(a[0]), ..., sum(a[7])]: a transpose-and-add tree, ~1 instruction a sum where hsum takes ~5
-static inline __m256 hsum8(const __m256* a) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+// [sum(a[0]), sum(a[1]), sum(a[2]), sum(a[3])]: a transpose-and-add tree, ~1 instruction a sum where hsum takes ~5
+static inline __m128 hsum4(const __m256* a) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
 }
 #endif
 
-// out[r] = q . rows[r] * scale for the n rows of a block: 8 rows at a time in independent FMA chains
-template <typename T>
-static inline void block_scores(const float* q, const T* const* rows, int64_t n, int64_t D, float scale, float* out,
-                                int64_t col) {
+// The query heads of one KV head in groups of up to HEAD_GROUP, each cached row's values loaded once for all heads
+// of a group. A span's rows come from L2 (the stream below puts them there); loading them once per query head made
+// the L2-to-L1 traffic, three times the span's bytes at the default model's 3 heads a KV head, the limit.
+constexpr int64_t HEAD_GROUP = 3;
+
+// s[j * ld + r] = q[j] . rows[r] * scale for the HG heads j of a group and the n rows of a span: 4 rows at a time
+template <int HG, typename T>
+static inline void group_scores(const float* q, const T* const* rows, int64_t n, int64_t D, float scale, float* s,
+                                int64_t ld, int64_t col) {
   int64_t r = 0;
 #ifdef PIPELLM_AVX2
   if (D % 8 == 0)
-    for (; r + 8 <= n; r += 8) {
-      __m256 acc[8];
-      for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+    for (; r + 4 <= n; r += 4) {
+      __m256 acc[HG][4];  // HG x 4 independent FMA chains
+      for (int j = 0; j < HG; j++)
+        for (int c = 0; c < 4; c++) acc[j][c] = _mm256_setzero_ps();
       for (int64_t i = 0; i < D; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + i);
-        for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(qv, load8(rows[r + c] + col + i), acc[c]);
+        __m256 k[4];
+        for (int c = 0; c < 4; c++) k[c] = load8(rows[r + c] + col + i);
+        for (int j = 0; j < HG; j++) {
+          const __m256 qv = _mm256_loadu_ps(q + j * D + i);
+          for (int c = 0; c < 4; c++) acc[j][c] = _mm256_fmadd_ps(qv, k[c], acc[j][c]);
+        }
       }
-      _mm256_storeu_ps(out + r, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+      for (int j = 0; j < HG; j++) _mm_storeu_ps(s + j * ld + r, _mm_mul_ps(hsum4(acc[j]), _mm_set1_ps(scale)));
     }
 #endif
-  for (; r < n; r++) out[r] = row_dot(q, rows[r] + col, D) * scale;
+  for (; r < n; r++)
+    for (int j = 0; j < HG; j++) s[j * ld + r] = row_dot(q + j * D, rows[r] + col, D) * scale;
 }
 
-// acc = acc * corr + sum_r e[r] * scale * rows[r]: with D a multiple of 64, acc stays in registers across the
-// block's rows
-template <typename T>
-static inline void block_axpy(float* acc, float corr, const float* e, const T* const* rows, int64_t n, float scale,
-                              int64_t D, int64_t col) {
+// acc[j] = acc[j] * corr[j] + sum_r e[j * ld + r] * scale * rows[r] for the HG heads j of a group (acc[j] at
+// acc + j * D): a quarter of the row (32 values) at a time, held in registers across the span's rows
+template <int HG, typename T>
+static inline void group_axpy(float* acc, const float* corr, const float* e, int64_t ld, const T* const* rows,
+                              int64_t n, float scale, int64_t D, int64_t col) {
 #ifdef PIPELLM_AVX2
-  if (D % 64 == 0) {
-    const __m256 cv = _mm256_set1_ps(corr);
-    for (int64_t i0 = 0; i0 < D; i0 += 64) {
-      __m256 a[8];
-      for (int c = 0; c < 8; c++) a[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + i0 + 8 * c), cv);
+  if (D % 32 == 0) {
+    for (int64_t i0 = 0; i0 < D; i0 += 32) {
+      __m256 a[HG][4];
+      for (int j = 0; j < HG; j++)
+        for (int c = 0; c < 4; c++)
+          a[j][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + j * D + i0 + 8 * c), _mm256_set1_ps(corr[j]));
       for (int64_t r = 0; r < n; r++) {
-        const __m256 ev = _mm256_set1_ps(e[r] * scale);
-        for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(ev, load8(rows[r] + col + i0 + 8 * c), a[c]);
+        __m256 v[4];
+        for (int c = 0; c < 4; c++) v[c] = load8(rows[r] + col + i0 + 8 * c);
+        for (int j = 0; j < HG; j++) {
+          const __m256 ev = _mm256_set1_ps(e[j * ld + r] * scale);
+          for (int c = 0; c < 4; c++) a[j][c] = _mm256_fmadd_ps(ev, v[c], a[j][c]);
+        }
       }
-      for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + i0 + 8 * c, a[c]);
+      for (int j = 0; j < HG; j++)
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(acc + j * D + i0 + 8 * c, a[j][c]);
     }
     return;
   }
 #endif
-  for (int64_t i = 0; i < D; i++) acc[i] *= corr;
-  for (int64_t r = 0; r < n; r++) row_axpy(acc, e[r] * scale, rows[r] + col, D);
+  for (int j = 0; j < HG; j++) {
+    for (int64_t i = 0; i < D; i++) acc[j * D + i] *= corr[j];
+    for (int64_t r = 0; r < n; r++) row_axpy(acc + j * D, e[j * ld + r] * scale, rows[r] + col, D);
+  }
+}
+
+// f(hg, j0) for j0 = 0, HEAD_GROUP, ... and hg = min(HEAD_GROUP, G - j0), the group's size as a constant
+template <typename F> static inline void for_head_groups(int64_t G, F&& f) {
+  static_assert(HEAD_GROUP == 3, "one branch per group size");
+  for (int64_t j0 = 0; j0 < G; j0 += HEAD_GROUP) {
+    const int64_t hg = std::min(HEAD_GROUP, G - j0);
+    if (hg == 3) f(std::integral_constant<int, 3>{}, j0);
+    else if (hg == 2) f(std::integral_constant<int, 2>{}, j0);
+    else f(std::integral_constant<int, 1>{}, j0);
+  }
 }
 
 constexpr int64_t SPAN_BLOCKS = 4;  // blocks of keys per online-softmax update (fp32 and bf16 caches)
 static_assert(pipellm::DECODE_CHUNK_BLOCKS % SPAN_BLOCKS == 0, "chunks must hold whole spans");
 
-// Reads n cache blocks of `bytes` each, front to back, before the kernel reads them row by row and head by head. A
-// plain stream of loads is what the hardware prefetchers follow: reading the rows where the dot products need them
-// reached ~8 GB/s from memory on one core, a stream ~25 GB/s (BENCHMARKS.md; software prefetches of the same lines
-// gained nothing).
-static inline void stream_blocks(const char* const* blocks, int64_t n, int64_t bytes) {
+// Reads n cache blocks of `bytes` each before the kernel reads them row by row and head by head, and prefetches the
+// nn blocks of the span after into L2. A plain stream of loads is what the hardware prefetchers follow: reading the
+// rows where the dot products need them reached ~8 GB/s from memory on one core, a stream ~25 GB/s. The blocks are
+// read side by side, a line of each in turn, so that a span's 8 blocks (K and V) are 8 streams in flight, and the
+// next span's lines are on their way while this span is computed: one layer at 8 x 4,096 tokens 2.0 ms against 3.1
+// with the blocks one after another (BENCHMARKS.md).
+static inline void stream_blocks(const char* const* blocks, int64_t n, const char* const* next, int64_t nn,
+                                 int64_t bytes) {
 #ifdef PIPELLM_AVX2
   __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0;
-  for (int64_t j = 0; j < n; j++)
-    for (int64_t i = 0; i + 128 <= bytes; i += 128) {
+  for (int64_t i = 0; i + 128 <= bytes; i += 128) {
+    for (int64_t j = 0; j < n; j++) {
       acc0 = _mm256_or_si256(acc0, _mm256_loadu_si256((const __m256i*)(blocks[j] + i)));
       acc1 = _mm256_or_si256(acc1, _mm256_loadu_si256((const __m256i*)(blocks[j] + i + 64)));
     }
+    for (int64_t j = 0; j < nn; j++) {
+      _mm_prefetch(next[j] + i, _MM_HINT_T1);
+      _mm_prefetch(next[j] + i + 64, _MM_HINT_T1);
+    }
+  }
   volatile int sink = _mm256_testz_si256(acc0, acc1);  // keeps the loads
   (void)sink;
 #else
-  (void)blocks, (void)n, (void)bytes;
+  (void)blocks, (void)n, (void)next, (void)nn, (void)bytes;
 #endif
 }
 
@@ -841,27 +878,46 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
   const int64_t H = a.H, KV = a.KV, G = H / KV, D = a.D, bs = a.block_size, row = KV * D;
   // Keys go through the online softmax a span of blocks at a time (an int8 cache's scales are per block: one)
   const int64_t span_blocks = C == pipellm::CACHE_I8 ? 1 : SPAN_BLOCKS, span = span_blocks * bs;
-  std::vector<float> acc(H * D), s(G * span), m(H), l(H);
+  std::vector<float> acc(H * D), s(G * span), m(H), l(H), corr(G);
   std::vector<const T*> krows(span), vrows(span);
-  std::vector<const char*> blocks(2 * span_blocks);
-  for (int64_t u = u0; u < u1; u++) {
+  std::vector<const char*> blocks(4 * span_blocks);
+  struct Unit {
+    int64_t lo, hi;  // the positions it reads: [lo, hi)
+    const int64_t* table;
+  };
+  auto unit = [&](int64_t u) {
     const int64_t b = u / a.num_chunks, c = u % a.num_chunks, len = a.seq_lens[b];
     const int64_t start = pipellm::first_key(len, a.window);
-    const int64_t lo = std::max(start, c * a.chunk_keys), hi = std::min(len, (c + 1) * a.chunk_keys);
+    return Unit{std::max(start, c * a.chunk_keys), std::min(len, (c + 1) * a.chunk_keys),
+                a.block_tables + b * a.table_width};
+  };
+  // the K and V blocks of positions [q0, q1) (one span at most) into out; returns how many
+  auto span_blocks_of = [&](const int64_t* table, int64_t q0, int64_t q1, const char** out) {
+    const int64_t first = q0 / bs, nb = q1 > q0 ? (q1 - 1) / bs - first + 1 : 0;
+    for (int64_t j = 0; j < nb; j++) {
+      out[2 * j] = (const char*)(k_cache + table[first + j] * bs * row);
+      out[2 * j + 1] = (const char*)(v_cache + table[first + j] * bs * row);
+    }
+    return 2 * nb;
+  };
+  for (int64_t u = u0; u < u1; u++) {
+    const auto [lo, hi, table] = unit(u);
     if (lo >= hi) continue;
+    const int64_t b = u / a.num_chunks, len = a.seq_lens[b], start = pipellm::first_key(len, a.window);
     const bool whole = start / a.chunk_keys == (len - 1) / a.chunk_keys;  // this chunk is the sequence's only one
-    const int64_t* table = a.block_tables + b * a.table_width;
     std::fill(acc.begin(), acc.end(), 0.0f);
     std::fill(m.begin(), m.end(), -INFINITY);
     std::fill(l.begin(), l.end(), 0.0f);
     for (int64_t p0 = lo; p0 < hi;) {
       const int64_t p1 = std::min(hi, (p0 / span + 1) * span), n = p1 - p0;
-      const int64_t first = p0 / bs, nblocks = (p1 - 1) / bs - first + 1;
-      for (int64_t j = 0; j < nblocks; j++) {
-        blocks[2 * j] = (const char*)(k_cache + table[first + j] * bs * row);
-        blocks[2 * j + 1] = (const char*)(v_cache + table[first + j] * bs * row);
+      const char** next = blocks.data() + 2 * span_blocks;
+      const int64_t nb = span_blocks_of(table, p0, p1, blocks.data());
+      int64_t nn = span_blocks_of(table, p1, std::min(hi, p1 + span), next);
+      for (int64_t w = u + 1; nn == 0 && w < u1; w++) {  // this unit's last span: the next unit's first
+        const Unit x = unit(w);
+        nn = span_blocks_of(x.table, x.lo, std::min(x.hi, (x.lo / span + 1) * span), next);
       }
-      stream_blocks(blocks.data(), 2 * nblocks, bs * row * int64_t(sizeof(T)));
+      stream_blocks(blocks.data(), nb, next, nn, bs * row * int64_t(sizeof(T)));
       for (int64_t p = p0; p < p1;) {  // where row p of the span starts, head 0: a block at a time, no division a key
         const int64_t blk = p / bs, end = std::min(p1, (blk + 1) * bs);
         for (int64_t off = (table[blk] * bs + p - blk * bs) * row; p < end; p++, off += row) {
@@ -869,12 +925,14 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
           vrows[p - p0] = v_cache + off;
         }
       }
-      const int64_t id = table[first];
+      const int64_t id = table[p0 / bs];
       for (int64_t g = 0; g < KV; g++) {
         const float ks = C == pipellm::CACHE_I8 ? a.k_scale[id * KV + g] * a.scale : a.scale;
         const float vs = C == pipellm::CACHE_I8 ? a.v_scale[id * KV + g] : 1.0f;
         const float* q = a.q + (b * H + g * G) * D;
-        for (int64_t j = 0; j < G; j++) block_scores(q + j * D, krows.data(), n, D, ks, s.data() + j * span, g * D);
+        for_head_groups(G, [&](auto hg, int64_t j0) {
+          group_scores<decltype(hg)::value>(q + j0 * D, krows.data(), n, D, ks, s.data() + j0 * span, span, g * D);
+        });
         if (a.softcap > 0)  // as the layers' torch path: scaled scores / cap, tanh, * cap
           for (int64_t j = 0; j < G; j++)
             for (int64_t i = 0; i < n; i++) s[j * span + i] = a.softcap * std::tanh(s[j * span + i] / a.softcap);
@@ -882,11 +940,14 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
           float* sj = s.data() + j * span;
           const int64_t h = g * G + j;
           const float mx = max_of(sj, n, m[h]);
-          const float corr = std::exp(m[h] - mx);  // 0 on the first span (m = -inf)
+          corr[j] = std::exp(m[h] - mx);  // 0 on the first span (m = -inf)
           m[h] = mx;
-          l[h] = l[h] * corr + exp_shifted(sj, n, mx);
-          block_axpy(acc.data() + h * D, corr, sj, vrows.data(), n, vs, D, g * D);
+          l[h] = l[h] * corr[j] + exp_shifted(sj, n, mx);
         }
+        for_head_groups(G, [&](auto hg, int64_t j0) {
+          group_axpy<decltype(hg)::value>(acc.data() + (g * G + j0) * D, corr.data() + j0, s.data() + j0 * span,
+                                          span, vrows.data(), n, vs, D, g * D);
+        });
       }
       p0 = p1;
     }
