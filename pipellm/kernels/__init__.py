@@ -18,7 +18,8 @@ def load():
     from pipellm.kernels.build import build
 
     try:
-        spec = importlib.util.spec_from_file_location("pipellm_kernels", os.environ.get("PIPELLM_KERNELS") or build(quiet=True))
+        path = os.environ.get("PIPELLM_KERNELS") or build(quiet=True)
+        spec = importlib.util.spec_from_file_location("pipellm_kernels", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except Exception as e:  # no compiler, or a platform the sources do not build on

@@ -763,8 +763,8 @@ static inline __m128 hsum4(const __m256* a) {
 #endif
 
 // The query heads of one KV head in groups of up to HEAD_GROUP, each cached row's values loaded once for all heads
-// of a group. A span's rows come from L2 (the stream below puts them there); loading them once per query head made
-// the L2-to-L1 traffic, three times the span's bytes at the default model's 3 heads a KV head, the limit.
+// of a group: a span's rows come from L2 (the stream below puts them there), and loading them once per query head
+// tripled that traffic at the default model's 3 heads a KV head.
 constexpr int64_t HEAD_GROUP = 3;
 
 // s[j * ld + r] = q[j] . rows[r] * scale for the HG heads j of a group and the n rows of a span: 4 rows at a time
@@ -882,14 +882,15 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
   std::vector<const T*> krows(span), vrows(span);
   std::vector<const char*> blocks(4 * span_blocks);
   struct Unit {
-    int64_t lo, hi;  // the positions it reads: [lo, hi)
+    int64_t b, lo, hi;  // its sequence, and the positions it reads: [lo, hi)
+    bool whole;         // the sequence's only chunk
     const int64_t* table;
   };
   auto unit = [&](int64_t u) {
     const int64_t b = u / a.num_chunks, c = u % a.num_chunks, len = a.seq_lens[b];
     const int64_t start = pipellm::first_key(len, a.window);
-    return Unit{std::max(start, c * a.chunk_keys), std::min(len, (c + 1) * a.chunk_keys),
-                a.block_tables + b * a.table_width};
+    return Unit{b, std::max(start, c * a.chunk_keys), std::min(len, (c + 1) * a.chunk_keys),
+                start / a.chunk_keys == (len - 1) / a.chunk_keys, a.block_tables + b * a.table_width};
   };
   // the K and V blocks of positions [q0, q1) (one span at most) into out; returns how many
   auto span_blocks_of = [&](const int64_t* table, int64_t q0, int64_t q1, const char** out) {
@@ -901,10 +902,8 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
     return 2 * nb;
   };
   for (int64_t u = u0; u < u1; u++) {
-    const auto [lo, hi, table] = unit(u);
+    const auto [b, lo, hi, whole, table] = unit(u);
     if (lo >= hi) continue;
-    const int64_t b = u / a.num_chunks, len = a.seq_lens[b], start = pipellm::first_key(len, a.window);
-    const bool whole = start / a.chunk_keys == (len - 1) / a.chunk_keys;  // this chunk is the sequence's only one
     std::fill(acc.begin(), acc.end(), 0.0f);
     std::fill(m.begin(), m.end(), -INFINITY);
     std::fill(l.begin(), l.end(), 0.0f);
