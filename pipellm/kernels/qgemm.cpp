@@ -969,7 +969,7 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
 // reads a one-row product's weights here (BENCHMARKS.md). Each output sums its products in k order in both paths
 // (the vector loop and the scalar tail), so a column's result does not depend on which thread's range holds it.
 // A pass reads a thread's columns of 8 rows, short streams for the hardware prefetchers (~3 KB a row at N = 1536),
-// so it prefetches into L2 the same columns of `ahead`'s R rows, two passes on: 1.1-1.4x the read rate alone.
+// so it prefetches into L2 the same columns of `ahead`'s R rows, two passes on: 1.0-1.3x the read rate without.
 template <int R>
 static inline void dense_rows(const float* x, const float* w, int64_t N, float* y, int64_t n0, int64_t n1,
                               const float* ahead) {
