@@ -111,6 +111,14 @@ static inline void expand(const QWeight& w, int64_t n, int64_t b, float* __restr
 }
 
 constexpr int MR = 8;  // activation rows per weight expansion: 8 accumulators + 4 weights fit in 16 registers
+constexpr int NC = 32;  // weight rows a chunk (gemm_t)
+#ifdef __AVX512F__
+constexpr int NJ = 2;         // weight rows a tile: 2 x 8 accumulators + 8 weight vectors fit in 32 registers
+constexpr int KB = 1 << 20;   // K in one slice: with NJ = 2 the tile's rows stream from L2 fast enough
+#else
+constexpr int NJ = 1;
+constexpr int KB = 24;  // at most this many blocks of K a slice: a tile's 8 rows x 768 floats fill 24 KB of L1
+#endif
 
 #ifdef PIPELLM_AVX2
 struct Block {
@@ -231,27 +239,43 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int KIND, int GROUP, int SK, bool MIN, int P, int R>
-static inline void gemm_tile(const QWeight& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t n) {
-  // A chain of FMAs into one register waits ~4 cycles a link: with few rows, each row keeps several partial sums
+// Weight rows n .. n+J-1 against activation rows 0 .. R-1, blocks b0 .. b1-1 (added to y unless b0 is 0): one
+// expansion of each weight block serves R rows, one load of an activation vector serves J weight rows.
+template <int KIND, int GROUP, int SK, bool MIN, int P, int R, int J>
+static inline void gemm_tile(const QWeight& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t n,
+                             int64_t b0, int64_t b1) {
+  // A chain of FMAs into one register waits ~4 cycles a link: with few chains, each keeps several partial sums
   // so that independent FMAs fill the pipeline (3x faster for one row).
-  constexpr int A = R == 1 ? 4 : (R == 2 ? 2 : 1);
-  __m256 acc[R][A];
-  for (int r = 0; r < R; r++)
-    for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
-  const int64_t nb = w.K / 32;
-  for (int64_t b = 0; b < nb; b++) {
-    const Block wb = expand_vec<KIND, GROUP, SK, MIN, P>(w, n, b);
+  constexpr int A = R * J == 1 ? 4 : (R * J == 2 ? 2 : 1);
+  __m256 acc[J][R][A];
+  for (int j = 0; j < J; j++)
+    for (int r = 0; r < R; r++)
+      for (int a = 0; a < A; a++) acc[j][r][a] = _mm256_setzero_ps();
+  for (int64_t b = b0; b < b1; b++) {
+    Block wb[J];
+    for (int j = 0; j < J; j++) wb[j] = expand_vec<KIND, GROUP, SK, MIN, P>(w, n + j, b);
     for (int r = 0; r < R; r++) {
       const float* xr = x + r * ldx + b * 32;
-      for (int c = 0; c < 4; c++)
-        acc[r][c % A] = _mm256_fmadd_ps(wb.v[c], _mm256_loadu_ps(xr + 8 * c), acc[r][c % A]);
+      for (int c = 0; c < 4; c++) {
+        const __m256 xv = _mm256_loadu_ps(xr + 8 * c);
+        for (int j = 0; j < J; j++) acc[j][r][c % A] = _mm256_fmadd_ps(wb[j].v[c], xv, acc[j][r][c % A]);
+      }
     }
   }
-  for (int r = 0; r < R; r++) {
-    for (int a = 1; a < A; a++) acc[r][0] = _mm256_add_ps(acc[r][0], acc[r][a]);
-    y[r * ldy + n] = hsum(acc[r][0]);
-  }
+  for (int j = 0; j < J; j++)
+    for (int r = 0; r < R; r++) {
+      for (int a = 1; a < A; a++) acc[j][r][0] = _mm256_add_ps(acc[j][r][0], acc[j][r][a]);
+      y[r * ldy + n + j] = (b0 ? y[r * ldy + n + j] : 0.0f) + hsum(acc[j][r][0]);
+    }
+}
+
+// Weight rows n0 .. n1-1 against R activation rows, NJ weight rows a tile.
+template <int KIND, int GROUP, int SK, bool MIN, int P, int R>
+static inline void gemm_tiles(const QWeight& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t n0,
+                              int64_t n1, int64_t b0, int64_t b1) {
+  int64_t n = n0;
+  for (; n + NJ <= n1; n += NJ) gemm_tile<KIND, GROUP, SK, MIN, P, R, NJ>(w, x, ldx, y, ldy, n, b0, b1);
+  for (; n < n1; n++) gemm_tile<KIND, GROUP, SK, MIN, P, R, 1>(w, x, ldx, y, ldy, n, b0, b1);
 }
 
 template <int KIND, int GROUP, int SK, bool MIN, int P>
@@ -262,19 +286,27 @@ static void gemm_t(const QWeight& w, const float* x, int64_t M, int64_t ldx, flo
                    int64_t n1) {
   if constexpr (KIND == pipellm::Q4 || KIND == pipellm::Q8)
     if (M == 1) return gemm_row_t<KIND, GROUP, SK, MIN, P>(w, x, y, n0, n1);
-  for (int64_t n = n0; n < n1; n++) {
-    int64_t m = 0;
-    for (; m + MR <= M; m += MR) gemm_tile<KIND, GROUP, SK, MIN, P, MR>(w, x + m * ldx, ldx, y + m * ldy, ldy, n);
-    const float* xm = x + m * ldx;
-    float* ym = y + m * ldy;
-    switch (M - m) {
-      case 7: gemm_tile<KIND, GROUP, SK, MIN, P, 7>(w, xm, ldx, ym, ldy, n); break;
-      case 6: gemm_tile<KIND, GROUP, SK, MIN, P, 6>(w, xm, ldx, ym, ldy, n); break;
-      case 5: gemm_tile<KIND, GROUP, SK, MIN, P, 5>(w, xm, ldx, ym, ldy, n); break;
-      case 4: gemm_tile<KIND, GROUP, SK, MIN, P, 4>(w, xm, ldx, ym, ldy, n); break;
-      case 3: gemm_tile<KIND, GROUP, SK, MIN, P, 3>(w, xm, ldx, ym, ldy, n); break;
-      case 2: gemm_tile<KIND, GROUP, SK, MIN, P, 2>(w, xm, ldx, ym, ldy, n); break;
-      case 1: gemm_tile<KIND, GROUP, SK, MIN, P, 1>(w, xm, ldx, ym, ldy, n); break;
+  // Weight rows a chunk at a time, each tile of MR activation rows passing over the chunk: the chunk's codes stay
+  // in cache for every tile, and a tile's rows stay in L1 across the chunk (weight row by weight row, the tiles of
+  // 16 or 32 rows together overflow L1: 1.4x slower). A long K is taken in slices that keep a tile's rows in L1.
+  const int64_t nb = w.K / 32, slices = (nb + KB - 1) / KB, kb = (nb + slices - 1) / slices;
+  for (int64_t c0 = n0; c0 < n1; c0 += NC) {
+    for (int64_t b0 = 0; b0 < nb; b0 += kb) {
+      const int64_t c1 = std::min(c0 + NC, n1), b1 = std::min(b0 + kb, nb);
+      for (int64_t m = 0; m < M; m += MR) {
+        const float* xm = x + m * ldx;
+        float* ym = y + m * ldy;
+        switch (std::min<int64_t>(M - m, MR)) {
+          case 8: gemm_tiles<KIND, GROUP, SK, MIN, P, 8>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
+          case 7: gemm_tiles<KIND, GROUP, SK, MIN, P, 7>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
+          case 6: gemm_tiles<KIND, GROUP, SK, MIN, P, 6>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
+          case 5: gemm_tiles<KIND, GROUP, SK, MIN, P, 5>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
+          case 4: gemm_tiles<KIND, GROUP, SK, MIN, P, 4>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
+          case 3: gemm_tiles<KIND, GROUP, SK, MIN, P, 3>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
+          case 2: gemm_tiles<KIND, GROUP, SK, MIN, P, 2>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
+          case 1: gemm_tiles<KIND, GROUP, SK, MIN, P, 1>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
+        }
+      }
     }
   }
 }
