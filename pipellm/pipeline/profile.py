@@ -46,8 +46,21 @@ def profile_costs(model_config: ModelConfig, engine_config: EngineConfig, repeat
 def _profile_raw(model_config: ModelConfig, engine_config: EngineConfig, repeats: int, compact: bool) -> dict:
     num_tokens = max(1, min(engine_config.max_num_seqs, 32) // engine_config.pipeline_parallel_size)
     key = ["v4", asdict(model_config), engine_config.dtype, engine_config.kv_cache_dtype, engine_config.num_threads,
-           num_tokens, engine_config.max_num_batched_tokens, compact, engine_config.int8_activations]
+           num_tokens, engine_config.max_num_batched_tokens, compact, engine_config.int8_activations,
+           *_machine_key(), _kernels_build()]
     return _cached(key, lambda: _measure(model_config, engine_config, num_tokens, repeats, compact))
+
+
+def _machine_key() -> list:
+    """What the timings depend on besides the settings: a VM may give every CPU kind the same model name."""
+    isa = sorted(kernels.cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"})
+    return [torch.__version__, kernels.cpuinfo("model name"), isa]
+
+
+def _kernels_build() -> str:
+    """Which build of our kernels a stage runs: a rebuilt kernel times differently."""
+    from pipellm.kernels.build import library_path
+    return os.path.basename(os.environ.get("PIPELLM_KERNELS") or library_path())
 
 
 def _cached(key: list, measure) -> dict:
@@ -73,7 +86,7 @@ def auto_dtype(num_threads: int, compact: bool) -> tuple[str, str]:
         return "float32", "compact weights: the kernels take fp32 activations"
     if not kernels.has_bf16_matmul():
         return "float32", "this CPU has no bf16 instructions"
-    key = ["dtype-v1", torch.__version__, kernels.cpuinfo("model name"), num_threads]
+    key = ["dtype-v1", *_machine_key(), num_threads]
     ratio = _cached(key, lambda: _bf16_speedup(num_threads))["ratio"]
     return ("bfloat16" if ratio > 1.1 else "float32"), f"bf16 matmul measured at {ratio:.2f}x the speed of fp32"
 
