@@ -58,9 +58,9 @@ def _machine_key() -> list:
 
 
 def _kernels_build() -> str:
-    """Which build of our kernels a stage runs: a rebuilt kernel times differently."""
+    """Which build of our kernels a stage runs, and which of its instruction sets: each times differently."""
     from pipellm.kernels.build import library_path
-    return os.path.basename(os.environ.get("PIPELLM_KERNELS") or library_path())
+    return os.path.basename(os.environ.get("PIPELLM_KERNELS") or library_path()) + os.environ.get("PIPELLM_ISA", "")
 
 
 def _cached(key: list, measure) -> dict:
