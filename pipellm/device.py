@@ -3,6 +3,7 @@
 "cpu"; "cuda": the stage with local rank i on its host takes that host's i-th visible GPU; "cuda:N": every stage
 of the host on GPU N (several stages may share one); "auto": cuda where the host has a GPU, else cpu. Each stage
 resolves the name on its own host, so a pipeline over hosts with and without GPUs mixes both kinds."""
+import os
 import re
 import socket
 
@@ -10,6 +11,17 @@ import torch
 
 DEVICE_PATTERN = re.compile(r"cpu|auto|cuda(:\d+)?")
 GPU_RESERVE_BYTES = 1 << 30  # a stage's CUDA context, cuBLAS workspace and activations, besides weights and KV cache
+# oneDNN, which runs torch's bf16 matmuls on CPUs with bf16 instructions, keeps a compiled kernel (~0.5-0.9 MB) for
+# every matmul shape it meets, up to 1,024 in each of two caches: batches of ever-changing token counts grew a stage
+# by ~1 GB. A step needs a few shapes a layer; 32 bounds the growth at ~40 MB. Read at the first matmul.
+ONEDNN_CACHE_VARS = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "32", "LRU_CACHE_CAPACITY": "32"}
+
+
+def bound_onednn_caches() -> None:
+    """Before this process's first bf16 matmul: a stage's, or the driver's (dtype="auto" times one there, and a
+    one-stage pipeline's stage runs there). oneDNN reads these once. A user's own setting wins."""
+    for name, value in ONEDNN_CACHE_VARS.items():
+        os.environ.setdefault(name, value)
 
 
 def check_name(device: str) -> None:

@@ -68,6 +68,7 @@ def warn_if_slow_dtype(dtype: str) -> None:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        device.bound_onednn_caches()  # before the matmuls that dtype/partition "auto" time here
         self.model_dir = resolve_model(config.model)
         gguf_file = gguf_source(self.model_dir)
         compact = gguf_file is not None or config.quantization is not None

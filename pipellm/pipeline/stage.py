@@ -32,10 +32,6 @@ from pipellm.sampler import Sampler, prompt_logprobs
 
 MAX_EVENTS = 200_000  # trace events a stage keeps between two reports
 START_TIMEOUT_S = 300.0  # how long a stage waits for the driver to publish its work
-# oneDNN, which runs torch's bf16 matmuls on CPUs with bf16 instructions, keeps a compiled kernel (~0.5-0.9 MB) for
-# every matmul shape it meets, up to 1,024 in each of two caches: batches of ever-changing token counts grew a stage
-# by ~1 GB. A step needs a few shapes a layer; 32 bounds the growth at ~40 MB. Read at the first matmul.
-ONEDNN_CACHE_VARS = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "32", "LRU_CACHE_CAPACITY": "32"}
 
 
 def _heartbeat(store_addr: tuple[str, int], token: bytes, generation: int, rank: int) -> None:
@@ -294,8 +290,7 @@ def stage_cores(local_rank: int, local_world_size: int, threads: int) -> list[in
 def set_up_process(ecfg, local_rank: int = 0, local_world_size: int = 1, pin: bool = True) -> torch.device:
     """What a stage sets for its whole process before loading: oneDNN's caches bounded, its torch threads (pinned to
     its own cores when pin), its device. Returns the device."""
-    for name, value in ONEDNN_CACHE_VARS.items():
-        os.environ.setdefault(name, value)  # a user's own setting wins; read at the first matmul
+    device.bound_onednn_caches()
     threads = ecfg.threads_per_stage or max(1, len(os.sched_getaffinity(0)) // local_world_size)
     if pin:
         os.sched_setaffinity(0, stage_cores(local_rank, local_world_size, threads))
