@@ -208,7 +208,16 @@ class PipelineExecutor:
 
     def _exit_code(self, rank: int) -> int | None:
         if rank in self.procs:
-            return self.procs[rank].poll()
+            proc = self.procs[rank]
+            code = proc.poll()
+            if code is None and self.first_death is not None:
+                # The watchdog is stopping the stages: while it waits on this process, poll() says None whatever
+                # the process did; wait(timeout) waits for that wait to end.
+                try:
+                    code = proc.wait(1.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            return code
         code = self.store.trusted(comm.exit_key(rank))
         return None if code is None else int(code)
 
