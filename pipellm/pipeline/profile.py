@@ -58,9 +58,10 @@ def _machine_key() -> list:
 
 
 def _kernels_build() -> str:
-    """Which build of our kernels a stage runs, and which of its instruction sets: each times differently."""
-    from pipellm.kernels.build import library_path
-    return os.path.basename(os.environ.get("PIPELLM_KERNELS") or library_path()) + os.environ.get("PIPELLM_ISA", "")
+    """Which build of our kernels a stage runs (the one this process loaded), and which of its instruction sets:
+    each times differently."""
+    ops = kernels.load()
+    return (os.path.basename(ops.__file__) if ops else "none") + os.environ.get("PIPELLM_ISA", "")
 
 
 def _cached(key: list, measure) -> dict:
