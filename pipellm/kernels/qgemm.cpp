@@ -269,12 +269,30 @@ static inline void gemm_tile(const QWeight& w, const float* x, int64_t ldx, floa
     }
 }
 
-// Weight rows n0 .. n1-1 against R activation rows, NJ weight rows a tile.
+// Weight rows n .. n+J-1 (codes, and fp16 scales and mins) on their way to L2. A weight matrix comes from memory
+// once a step, so the first tile pass over a chunk asks for the next chunk's rows: with two weight rows a tile
+// (AVX-512) the hardware prefetchers alone left the tiles waiting (the LM head's 28 MB of Q8 codes at 16 rows: 70
+// -> 80 GFLOP/s, as fast as the AVX2 code's one row a tile; BENCHMARKS.md).
+template <int SK, bool MIN>
+static inline void prefetch_rows(const QWeight& w, int64_t n, int J) {
+  const char* codes = reinterpret_cast<const char*>(w.qs + n * w.qs_stride);
+  for (int64_t i = 0; i < J * w.qs_stride; i += 64) _mm_prefetch(codes + i, _MM_HINT_T1);
+  if constexpr (SK == pipellm::SCALE_F16)
+    for (int64_t i = 0; i < J * w.s_stride * 2; i += 64) {
+      _mm_prefetch(static_cast<const char*>(w.scale) + n * w.s_stride * 2 + i, _MM_HINT_T1);
+      if (MIN) _mm_prefetch(static_cast<const char*>(w.min) + n * w.s_stride * 2 + i, _MM_HINT_T1);
+    }
+}
+
+// Weight rows n0 .. n1-1 against R activation rows, NJ weight rows a tile; rows up to n_end a chunk ahead prefetched.
 template <int KIND, int GROUP, int SK, bool MIN, int P, int R>
 static inline void gemm_tiles(const QWeight& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t n0,
-                              int64_t n1, int64_t b0, int64_t b1) {
+                              int64_t n1, int64_t b0, int64_t b1, int64_t n_end) {
   int64_t n = n0;
-  for (; n + NJ <= n1; n += NJ) gemm_tile<KIND, GROUP, SK, MIN, P, R, NJ>(w, x, ldx, y, ldy, n, b0, b1);
+  for (; n + NJ <= n1; n += NJ) {
+    if (n + NC + NJ <= n_end) prefetch_rows<SK, MIN>(w, n + NC, NJ);
+    gemm_tile<KIND, GROUP, SK, MIN, P, R, NJ>(w, x, ldx, y, ldy, n, b0, b1);
+  }
   for (; n < n1; n++) gemm_tile<KIND, GROUP, SK, MIN, P, R, 1>(w, x, ldx, y, ldy, n, b0, b1);
 }
 
@@ -296,15 +314,16 @@ static void gemm_t(const QWeight& w, const float* x, int64_t M, int64_t ldx, flo
       for (int64_t m = 0; m < M; m += MR) {
         const float* xm = x + m * ldx;
         float* ym = y + m * ldy;
+        const int64_t n_end = m == 0 && b0 == 0 ? n1 : 0;  // the first tile pass over the chunk prefetches
         switch (std::min<int64_t>(M - m, MR)) {
-          case 8: gemm_tiles<KIND, GROUP, SK, MIN, P, 8>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
-          case 7: gemm_tiles<KIND, GROUP, SK, MIN, P, 7>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
-          case 6: gemm_tiles<KIND, GROUP, SK, MIN, P, 6>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
-          case 5: gemm_tiles<KIND, GROUP, SK, MIN, P, 5>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
-          case 4: gemm_tiles<KIND, GROUP, SK, MIN, P, 4>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
-          case 3: gemm_tiles<KIND, GROUP, SK, MIN, P, 3>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
-          case 2: gemm_tiles<KIND, GROUP, SK, MIN, P, 2>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
-          case 1: gemm_tiles<KIND, GROUP, SK, MIN, P, 1>(w, xm, ldx, ym, ldy, c0, c1, b0, b1); break;
+          case 8: gemm_tiles<KIND, GROUP, SK, MIN, P, 8>(w, xm, ldx, ym, ldy, c0, c1, b0, b1, n_end); break;
+          case 7: gemm_tiles<KIND, GROUP, SK, MIN, P, 7>(w, xm, ldx, ym, ldy, c0, c1, b0, b1, n_end); break;
+          case 6: gemm_tiles<KIND, GROUP, SK, MIN, P, 6>(w, xm, ldx, ym, ldy, c0, c1, b0, b1, n_end); break;
+          case 5: gemm_tiles<KIND, GROUP, SK, MIN, P, 5>(w, xm, ldx, ym, ldy, c0, c1, b0, b1, n_end); break;
+          case 4: gemm_tiles<KIND, GROUP, SK, MIN, P, 4>(w, xm, ldx, ym, ldy, c0, c1, b0, b1, n_end); break;
+          case 3: gemm_tiles<KIND, GROUP, SK, MIN, P, 3>(w, xm, ldx, ym, ldy, c0, c1, b0, b1, n_end); break;
+          case 2: gemm_tiles<KIND, GROUP, SK, MIN, P, 2>(w, xm, ldx, ym, ldy, c0, c1, b0, b1, n_end); break;
+          case 1: gemm_tiles<KIND, GROUP, SK, MIN, P, 1>(w, xm, ldx, ym, ldy, c0, c1, b0, b1, n_end); break;
         }
       }
     }
