@@ -191,7 +191,8 @@ at::Tensor qmatmul(const at::Tensor& x, const pipellm::QWeight& w, int64_t N, in
     at::parallel_for(0, r, 8, [&](int64_t a, int64_t b) { impl.dequant(w, idx + a, b - a, out + a * K); });
     at::Tensor slice = buf.narrow(0, 0, r);
     if (bf16) slice = buf16.narrow(0, 0, r).copy_(slice);
-    y.narrow(1, n0, r).copy_(at::mm(xc, slice.t()));
+    at::Tensor out_cols = y.narrow(1, n0, r);  // written in place: rows of stride N, as BLAS takes them
+    at::mm_out(out_cols, xc, slice.t());
   }
   return y;
 }
