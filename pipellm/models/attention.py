@@ -46,6 +46,7 @@ class PrefillChunk:
     end: int
     block_ids: torch.Tensor         # [N] its blocks
     mask: torch.Tensor              # [1, 1, q, K] True where a new token may attend
+    num_cached: int = -1            # tokens before the chunk, all visible to it (-1: a sliding window's chunk)
 
 
 @dataclass
@@ -106,7 +107,7 @@ class AttentionMetadata:
             if sliding_window is not None:
                 mask &= key_pos[None, :] > q_pos[:, None] - sliding_window
             prefills.append(PrefillChunk(start, start + q_len, block_tables[i, first:num_blocks].long(),
-                                         mask[None, None]))
+                                         mask[None, None], -1 if sliding_window else seq_len - q_len))
         return cls(slot_mapping, decode, prefills, query_lens, seq_lens)
 
     @classmethod
@@ -178,10 +179,33 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         out[d.token_idx] = o
     for p in meta.prefills:
         queries = q[p.start:p.end].transpose(0, 1)[None]                                # [1, H, q, D]
-        o = _attend(queries, cache.keys(p.block_ids, 1, q.dtype), cache.values(p.block_ids, 1, q.dtype), p.mask,
-                    scale, softcap)                                                    # [1, H, q, D]
+        if p.num_cached >= 0 and softcap is None and q.is_cpu and q.dtype == cache.k.dtype == torch.float32:
+            o = _attend_causal(queries, k[p.start:p.end], v[p.start:p.end], cache, p, scale)
+        else:
+            o = _attend(queries, cache.keys(p.block_ids, 1, q.dtype), cache.values(p.block_ids, 1, q.dtype), p.mask,
+                        scale, softcap)                                                # [1, H, q, D]
         out[p.start:p.end] = o[0].transpose(0, 1)
     return out
+
+
+def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, p: PrefillChunk,
+                   scale: float) -> torch.Tensor:
+    """A chunk without a window in an fp32 cache: its own keys (k/v [q, KV, D], the values it wrote) causally, where
+    SDPA skips the masked half and needs no gather or mask, and the cached prefix's keys unmasked; the two parts
+    merged by their log-sum-exp. q [1, H, q, D] -> [1, H, q, D]."""
+    own_k, own_v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]                   # [1, KV, q, D]
+    if p.num_cached == 0:
+        return F.scaled_dot_product_attention(q, own_k, own_v, is_causal=True, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # SDPA's CPU kernel, with its log-sum-exp
+    o_own, lse_own = flash(q, own_k, own_v, 0.0, True, scale=scale)                   # [1, H, q, D], [1, H, q]
+    blocks = p.block_ids[:-(-p.num_cached // cache.k.shape[1])]
+    prefix_k = cache.keys(blocks, 1, q.dtype)[:, :, :p.num_cached]                   # [1, KV, cached, D]
+    prefix_v = cache.values(blocks, 1, q.dtype)[:, :, :p.num_cached]
+    o_pre, lse_pre = flash(q, prefix_k, prefix_v, 0.0, False, scale=scale)
+    top = torch.maximum(lse_own, lse_pre)
+    w_own, w_pre = (lse_own - top).exp()[..., None], (lse_pre - top).exp()[..., None]   # [1, H, q, 1]
+    return (o_own * w_own + o_pre * w_pre) / (w_own + w_pre)
 
 
 def decode_attention_weights(q: torch.Tensor, cache: KVCache, d: DecodeGroup, scale: float,
