@@ -15,6 +15,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 import pipellm.loader.gguf as gguf_loader
 from pipellm.config import ModelConfig
+from pipellm.engine.engine import load_tokenizer
 from pipellm.loader.default_model import default_model_path
 from pipellm.loader.gguf import cached_gguf_folder, convert_gguf, unpermute_qk
 
@@ -202,6 +203,22 @@ def test_tiny_tokenizer(tiny):
         "<|im_start|>user\nhi<|im_end|>\n"
 
 
+def _same_tokenizer(folder: str) -> None:
+    ours, theirs = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    assert type(ours) is type(theirs)
+    for text in ["The capital of France is", "the is the<|im_end|>", " two  spaces\nand é"]:
+        assert ours(text).input_ids == theirs(text).input_ids
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(chat, tokenize=False)
+    assert (ours.eos_token_id, ours.bos_token_id) == (theirs.eos_token_id, theirs.bos_token_id)
+
+
+def test_gguf_folder_tokenizer_is_autotokenizers(tiny, tmp_path, monkeypatch):
+    # the engine loads a GGUF folder's tokenizer without AutoTokenizer (faster): it must be the same tokenizer
+    monkeypatch.setenv("PIPELLM_CACHE_DIR", str(tmp_path))
+    _same_tokenizer(cached_gguf_folder(str(tiny[1])))
+
+
 def test_unpermute_undoes_llama_cpp_permute():
     rng = np.random.default_rng(0)
     for n_head, head_dim in [(9, 64), (3, 64), (4, 16), (1, 2)]:
@@ -369,6 +386,10 @@ def test_smollm2_tokenizer(smollm2):
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert json.loads(open(os.path.join(smollm2, "generation_config.json")).read())["eos_token_id"] == 2
+
+
+def test_smollm2_folder_tokenizer_is_autotokenizers(smollm2):
+    _same_tokenizer(smollm2)
 
 
 def test_smollm2_matches_golden_greedy(smollm2_fp32):

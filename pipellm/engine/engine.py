@@ -28,6 +28,7 @@ from pipellm.sampling_params import SamplingParams
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads per-completion seeds apart
 ASYNC_CPU_MAX_SEQS = 8  # running requests up to which a CPU stage runs decodes ahead (async scheduling)
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers' one fast tokenizer class
 RESTART_LIMIT, RESTART_WINDOW_S = 3, 60.0  # this many failures within the window: a stage keeps dying, stop
 log = logging.getLogger("pipellm")
 
@@ -56,8 +57,21 @@ def load_tokenizer(folder: str):
     """The model's tokenizer, or None when the folder has none (then prompts must be token ids)."""
     if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
+    if gguf_source(folder) is not None and _tokenizer_class(folder) in GENERIC_TOKENIZERS:
+        # our folder from a GGUF file, its tokenizer saved as transformers' generic fast one: the class AutoTokenizer
+        # gives it too, but only after importing the model's config classes and more (~1.2 s of a start)
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+
+
+def _tokenizer_class(folder: str) -> str | None:
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            return json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
 
 
 def warn_if_slow_dtype(dtype: str) -> None:
