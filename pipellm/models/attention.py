@@ -44,9 +44,25 @@ class PrefillChunk:
     """One sequence with several new tokens: rows start:end of the step, its own blocks and causal mask."""
     start: int
     end: int
-    block_ids: torch.Tensor         # [N] its blocks
-    mask: torch.Tensor              # [1, 1, q, K] True where a new token may attend
+    block_ids: torch.Tensor         # [N] its blocks, the first holding position first_key
+    first_key: int
+    seq_len: int                    # keys in its context, the new tokens' included
+    window: int                     # sliding window, 0 for none
+    block_size: int
     num_cached: int = -1            # tokens before the chunk, all visible to it (-1: a sliding window's chunk)
+    built_mask: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[1, 1, q, K] True where a new token may attend. Built on first use: the causal path never needs it."""
+        if self.built_mask is None:
+            key_pos = torch.arange(self.first_key, self.first_key + len(self.block_ids) * self.block_size)
+            q_pos = torch.arange(self.seq_len - (self.end - self.start), self.seq_len)  # after its cached prefix
+            mask = key_pos[None, :] <= q_pos[:, None]                                    # [q, K]
+            if self.window:
+                mask &= key_pos[None, :] > q_pos[:, None] - self.window
+            self.built_mask = mask[None, None]
+        return self.built_mask
 
 
 @dataclass
@@ -74,6 +90,8 @@ class AttentionMetadata:
         for m in (self, self.local):  # masks built here, on the CPU (no device sync), and moved with the rest
             if m is not None and m.decode is not None:
                 m.decode.mask
+            for p in [] if m is None else m.prefills:
+                p.mask
         moved = _moved(dataclasses.replace(self, local=None), device)
         moved.local = None if self.local is None else moved if self.local is self else self.local.to(device)
         return moved
@@ -101,13 +119,9 @@ class AttentionMetadata:
             num_blocks = -(-seq_len // block_size)
             # with a window, the blocks before the first query's window are skipped, not masked
             first = max(0, seq_len - q_len - sliding_window + 1) // block_size if sliding_window else 0
-            key_pos = torch.arange(first * block_size, num_blocks * block_size)
-            q_pos = torch.arange(seq_len - q_len, seq_len)                               # after its cached prefix
-            mask = key_pos[None, :] <= q_pos[:, None]                                    # [q, K]
-            if sliding_window is not None:
-                mask &= key_pos[None, :] > q_pos[:, None] - sliding_window
             prefills.append(PrefillChunk(start, start + q_len, block_tables[i, first:num_blocks].long(),
-                                         mask[None, None], -1 if sliding_window else seq_len - q_len))
+                                         first * block_size, seq_len, sliding_window or 0, block_size,
+                                         -1 if sliding_window else seq_len - q_len))
         return cls(slot_mapping, decode, prefills, query_lens, seq_lens)
 
     @classmethod
