@@ -99,6 +99,25 @@ def uses_nccl(mine: str, peer: str) -> bool:
     return mine.startswith("cuda/") and peer.startswith("cuda/") and mine != peer
 
 
+def host_memory_available() -> int | None:
+    """Bytes of memory this host can give a new allocation without swapping (Linux's MemAvailable, within the
+    container's cgroup limit), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, StopIteration):
+        return None
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f, open(usage_file) as g:
+                avail = min(avail, int(f.read()) - int(g.read()))  # "max" (no limit) fails int(): skipped
+        except (OSError, ValueError):
+            continue
+    return avail
+
+
 def kv_cache_bytes(total_bytes: int, utilization: float, weight_bytes: int, stages_on_gpu: int) -> int:
     """A stage's KV cache budget on a GPU: its share of total_bytes * utilization, less its weights and a reserve
     for the context and activations (vLLM's gpu_memory_utilization: the share of the GPU this engine may use)."""

@@ -1,7 +1,9 @@
 """The vLLM-style API: inputs, outputs, sampling options, and errors that leave the engine usable."""
+import re
+
 import pytest
 
-from pipellm import LLM, CompletionOutput, RequestOutput, SamplingParams
+from pipellm import LLM, CompletionOutput, RequestOutput, SamplingParams, device
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -148,3 +150,20 @@ def test_output_is_capped_by_max_model_len(llama_dir):
 def test_bad_engine_arguments(llama_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(llama_dir, **kwargs)
+
+
+def test_kv_caches_past_the_hosts_memory_are_refused_with_a_size_that_fits(llama_dir, monkeypatch):
+    monkeypatch.setattr(device, "host_memory_available", lambda: 8 << 20)  # 8 MiB
+    # each of the 5 layers' caches: 2048 blocks of 16 tokens, K and V, 2 KV heads of 16 values in fp32 = 8 MiB
+    with pytest.raises(ValueError, match=r"num_kv_blocks=2048: the KV caches of this host's 2 stage\(s\) would take "
+                                         r"0.039 GiB, more than the 0.008 GiB.*give num_kv_blocks=\d+ or fewer") as e:
+        LLM(llama_dir, pipeline_parallel_size=2, num_kv_blocks=2048, dtype="float32")
+    blocks = int(re.search(r"num_kv_blocks=(\d+) or fewer", str(e.value)).group(1))
+    with LLM(llama_dir, pipeline_parallel_size=2, num_kv_blocks=blocks, dtype="float32") as llm:
+        assert sum(r.kv_cache_bytes for r in llm.engine.inspect()) <= 8 << 20
+
+
+def test_host_memory_available_is_within_the_hosts_memory():
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    assert 0 < device.host_memory_available() <= total

@@ -252,7 +252,28 @@ class LLMEngine:
         elif num_blocks < needed:
             raise ValueError(f"{source} holds {num_blocks * cfg.block_size} tokens, fewer than one sequence of "
                              f"max_model_len={self.max_model_len}; give more KV cache or lower max_model_len")
+        if self.device == "cpu" and cfg.nnodes == 1:
+            self._check_host_memory(source, num_blocks, ring_blocks)
         return ring, num_blocks, ring_blocks
+
+    def _check_host_memory(self, source: str, num_blocks: int, ring_blocks: int) -> None:
+        """Refuses KV caches larger than the memory this host has available, before any stage fills them."""
+        mc, cfg = self.model_config, self.config
+        avail = device.host_memory_available()
+        size = block_bytes(cache_dtype(cfg.kv_cache_dtype, cfg.torch_dtype), cfg.block_size, mc.num_kv_heads,
+                           mc.head_dim)
+        need = 0
+        for s in self.stages:  # with rings, a sliding layer's cache holds ring_blocks
+            sliding = sum(mc.is_sliding(i) for i in range(s.start, s.end)) if ring_blocks else 0
+            need += size * ((s.num_layers - sliding) * num_blocks + sliding * ring_blocks)
+        if avail is None or need <= avail:
+            return
+        room = 0.8 * avail  # the rest for weights and activations
+        fix = (f"give num_kv_blocks={int(room / need * num_blocks)} or fewer" if source.startswith("num_kv_blocks")
+               else f"give kv_cache_gib={room / len(self.stages) / 2 ** 30:.3f} or less (a stage's)")
+        raise ValueError(f"{source}: the KV caches of this host's {len(self.stages)} stage(s) would take "
+                         f"{need / 2 ** 30:.3f} GiB, more than the {avail / 2 ** 30:.3f} GiB of memory it has "
+                         f"available; {fix}, or lower max_num_seqs or max_model_len")
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
