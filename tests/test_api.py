@@ -1,4 +1,5 @@
 """The vLLM-style API: inputs, outputs, sampling options, and errors that leave the engine usable."""
+import os
 import re
 
 import pytest
@@ -167,3 +168,20 @@ def test_host_memory_available_is_within_the_hosts_memory():
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
     assert 0 < device.host_memory_available() <= total
+
+
+def test_more_threads_than_cores_warns_with_a_count_that_fits(caplog):
+    from pipellm.config import EngineConfig
+    from pipellm.engine.engine import warn_if_oversubscribed
+
+    cores = len(os.sched_getaffinity(0))
+    for kwargs, fix in [(dict(threads_per_stage=cores + 1), f"threads_per_stage={cores} or fewer"),
+                        (dict(pipeline_parallel_size=cores + 1), f"at most {cores} stage(s) a host")]:
+        caplog.clear()
+        warn_if_oversubscribed(EngineConfig(model="m", **kwargs))
+        assert fix in caplog.text
+    caplog.clear()
+    warn_if_oversubscribed(EngineConfig(model="m", threads_per_stage=cores))  # what fits: quiet
+    warn_if_oversubscribed(EngineConfig(model="m", pipeline_parallel_size=2, nnodes=2, master_port=29500,
+                                         threads_per_stage=cores))
+    assert caplog.text == ""
