@@ -1,10 +1,13 @@
 """The offline API: LLM(...).generate(prompts) and LLM(...).chat(messages), as in vLLM."""
+import contextlib
 import itertools
 import weakref
+from collections.abc import Iterator
 
 from tqdm import tqdm
 
 from pipellm.config import EngineConfig, generation_defaults
+from pipellm.engine.detokenizer import StreamText
 from pipellm.engine.engine import LLMEngine
 from pipellm.outputs import RequestOutput
 from pipellm.sampling_params import SamplingParams
@@ -104,28 +107,55 @@ class LLM:
         request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
         for rid, (_, ids), params in zip(request_ids, encoded, params_list):
             self.engine.add_request(rid, ids, params)
+        with self._running(request_ids):
+            with tqdm(total=sum(p.n for p in params_list), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished_requests():
+                    bar.update(sum(r.is_finished for r in self.engine.step()))
+            self._drain()
+        return [self.engine.pop_output(rid, prompt) for rid, (prompt, _) in zip(request_ids, encoded)]
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """One prompt's completion (n=1) as it is generated: yields the new text of each step. The pieces add up to
+        the text generate() gives; a tail that could still become a stop string waits until it cannot."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"stream() yields one completion; got n={params.n}")
+        if self._dead:
+            raise RuntimeError(self._dead)
+        text, ids = self._to_token_ids(prompt)
+        self.engine.validate(ids, params)
+        rid = f"gen-{next(self._ids)}"
+        self.engine.add_request(rid, ids, params)
+        req, shown = self.engine.requests[rid], StreamText(params.stop)
+        with self._running([rid]):
+            while not req.is_finished:
+                self.engine.step()
+                stop_text = req.text if isinstance(req.stop_reason, str) else None
+                if piece := shown.add(self.engine.text(req)[len(shown.text):], req.is_finished, stop_text):
+                    yield piece
+            self._drain()
+        self.engine.pop_output(rid, text)
+
+    @contextlib.contextmanager
+    def _running(self, request_ids: list[str]):
+        """Around the steps of these requests: on an error they are aborted; on Ctrl-C (a batch may be half
+        received, so the pipeline cannot be trusted) the engine shuts down."""
         try:
-            self._run(sum(p.n for p in params_list), use_tqdm)
+            yield
         except KeyboardInterrupt:
-            # A batch may be half received: the pipeline cannot be trusted any more.
             self._dead = "the engine was shut down by KeyboardInterrupt; create a new LLM"
             self.engine.executor.shutdown(timeout_s=1.0)  # the user is waiting: a second's grace, then stages are killed
             self.shutdown()
             raise
-        except BaseException:
+        except BaseException:  # GeneratorExit too: a stream its reader dropped
             for rid in request_ids:
                 self.engine.abort_request(rid)
             if not self.engine.executor.is_alive():
                 self._dead = "the pipeline failed earlier; create a new LLM"
                 self.shutdown()
             raise
-        return [self.engine.pop_output(rid, prompt) for rid, (prompt, _) in zip(request_ids, encoded)]
 
-    def _run(self, total: int, use_tqdm: bool) -> None:
-        with tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                finished = sum(r.is_finished for r in self.engine.step())
-                bar.update(finished)
+    def _drain(self) -> None:
         while self.engine.in_flight:  # async scheduling: a batch sent ahead for a request that has since stopped
             self.engine.step(fill=False)
 
@@ -133,19 +163,22 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None) -> list[RequestOutput]:
         """chat_template: a Jinja template to use instead of the tokenizer's."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.chat_prompt(conv, add_generation_prompt, chat_template) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> dict:
+        """One conversation through the chat template: {"prompt": text, "prompt_token_ids": ids}."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conv in conversations:
-            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
-                raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template)
-            # The template already holds any BOS token, so don't add special tokens again.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template)
+        # The template already holds any BOS token, so don't add special tokens again.
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
 def _close(engine: LLMEngine, trace_dir: str | None) -> None:

@@ -48,6 +48,29 @@ def test_default_model_says_paris(smollm2_dir):
         assert chat.outputs[0].finish_reason == "stop"  # stopped at <|im_end|>
 
 
+def test_stream_adds_up_to_generate_and_a_dropped_stream_frees_its_request(smollm2_dir):
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompt = "The capital of France is"
+    with LLM(smollm2_dir, pipeline_parallel_size=2, kv_cache_gib=0.05, max_model_len=512) as llm:
+        whole = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text
+        pieces = list(llm.stream(prompt, greedy))
+        assert "".join(pieces) == whole and len(pieces) > 5
+        # a stop string that spans what several steps bring: nothing of it, or past it, is ever shown
+        stop = SamplingParams(max_tokens=24, temperature=0.0, stop=[whole[len(whole) // 2:len(whole) // 2 + 4]])
+        cut = llm.generate(prompt, stop, use_tqdm=False)[0].outputs[0].text
+        assert len(cut) < len(whole) and "".join(llm.stream(prompt, stop)) == cut
+        chat = llm.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in "".join(llm.stream(chat, SamplingParams(max_tokens=16, temperature=0.0)))
+        dropped = llm.stream(prompt, greedy)
+        next(dropped)
+        dropped.close()  # the reader stops: its request is aborted, its blocks freed once back
+        assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text == whole
+        assert not llm.engine.has_unfinished_requests()
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+        with pytest.raises(ValueError, match="n=2"):
+            next(llm.stream(prompt, SamplingParams(n=2)))
+
+
 def test_int8_activations_keep_perplexity_within_one_percent(smollm2_dir):
     # 8-bit activations against fp32 ones, same weights: every prompt token's log-probability through the engine,
     # in chunks of 32 tokens so that the integer kernel (up to 32 rows) computes them. Measured: 28.12 against 27.96

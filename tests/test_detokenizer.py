@@ -5,8 +5,7 @@ import random
 
 import pytest
 
-from pipellm.engine.async_engine import StreamText
-from pipellm.engine.detokenizer import IncrementalDetokenizer
+from pipellm.engine.detokenizer import IncrementalDetokenizer, StreamText
 from pipellm.engine.engine import load_tokenizer
 
 TEXT = ("Paris, la capitale de la France — « 巴黎 » 🇫🇷 naïve café; tabs\tand  double spaces,\nnew lines, "

@@ -31,3 +31,31 @@ class IncrementalDetokenizer:
         self.text += delta
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return delta
+
+
+class StreamText:
+    """A completion's text as its client sees it: the engine's text deltas, less any tail that could still grow into
+    a stop string (the engine cuts the text there if it does). The streamed text adds up to the final text exactly."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.text = ""
+        self.num_sent_chars = 0
+
+    def add(self, text: str, finished: bool, stop_text: str | None = None) -> str:
+        self.text = stop_text if stop_text is not None else self.text + text
+        end = len(self.text) if finished else len(self.text) - _stop_prefix_len(self.text, self.stops)
+        delta = self.text[self.num_sent_chars:end]
+        self.num_sent_chars = max(self.num_sent_chars, end)
+        return delta
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of text that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest

@@ -126,8 +126,11 @@ def cmd_chat(args) -> None:
             if not user.strip():
                 break
             messages.append({"role": "user", "content": user})
-            reply = llm.chat(messages, params, use_tqdm=False, chat_template=template)[0].outputs[0].text
-            print(reply)
+            reply = ""
+            for piece in llm.stream(llm.chat_prompt(messages, chat_template=template), params):  # as it comes
+                print(piece, end="", flush=True)
+                reply += piece
+            print()
             messages.append({"role": "assistant", "content": reply})
 
 
