@@ -280,14 +280,15 @@ class LLMEngine:
         for s in self.stages:  # with rings, a sliding layer's cache holds ring_blocks
             sliding = sum(mc.is_sliding(i) for i in range(s.start, s.end)) if ring_blocks else 0
             need += size * ((s.num_layers - sliding) * num_blocks + sliding * ring_blocks)
-        if avail is None or need <= avail:
+        if avail is None or need <= 0.9 * avail:  # the rest for weights and activations
             return
-        room = 0.8 * avail  # the rest for weights and activations
+        room = 0.8 * avail
         fix = (f"give num_kv_blocks={int(room / need * num_blocks)} or fewer" if source.startswith("num_kv_blocks")
                else f"give kv_cache_gib={room / len(self.stages) / 2 ** 30:.3f} or less (a stage's)")
         raise ValueError(f"{source}: the KV caches of this host's {len(self.stages)} stage(s) would take "
-                         f"{need / 2 ** 30:.3f} GiB, more than the {avail / 2 ** 30:.3f} GiB of memory it has "
-                         f"available; {fix}, or lower max_num_seqs or max_model_len")
+                         f"{need / 2 ** 30:.3f} GiB, more than 90% of the {avail / 2 ** 30:.3f} GiB of memory it has "
+                         f"available (the rest is for weights and activations); {fix}, or lower max_num_seqs or "
+                         "max_model_len")
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
