@@ -118,7 +118,7 @@ class LLMEngine:
         elif config.quantization:
             raise ValueError(f"quantization={config.quantization!r}: a GGUF file's weights are quantized already "
                              "and stay in their own formats; leave quantization unset")
-        else:
+        elif not on_gpu:  # (a GPU stage dequantizes at load: our kernels are CPU code)
             kernels.load()  # build the compact-weight kernels once, here, rather than in every stage
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_context

@@ -243,12 +243,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
             softcap: float | None) -> torch.Tensor:
     """q [B, H, q, D], k/v [B, KV, K, D], mask [B, 1, q, K] or None. Returns [B, H, q, D]."""
     gqa = k.shape[1] != q.shape[1]
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    # SDPA has no soft-capping: the scores by hand, in HF Gemma 2's order
-    if gqa:
+    # CUDA's fused kernels take a mask (memory-efficient) or grouped heads (flash), not both: SDPA would fall back to
+    # its unfused math, so the heads are repeated instead; SDPA has no soft-capping: its scores by hand
+    if gqa and (softcap is not None or mask is not None and q.is_cuda):
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)                       # [B, H, K, D]
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        gqa = False
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    # in HF Gemma 2's order
     scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap          # [B, H, q, K]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
