@@ -205,4 +205,5 @@ def describe_choice(num_layers: int, num_stages: int, costs: LayerCosts) -> str:
     auto = balanced_partition(num_layers, num_stages, costs)
     fmt = lambda sizes: f"{sizes} (stage ms: " + ", ".join(  # noqa: E731
         f"{t * 1e3:.1f}" for t in stage_times(sizes, costs)) + ")"
-    return f"auto partition {fmt(auto)}; even {fmt(even)}; per decode micro-batch of {costs.num_tokens} tokens"
+    return (f"auto partition {fmt(auto)}; even {fmt(even)}; per {costs.num_tokens} generated tokens, their prompts' "
+            "prefill included")
