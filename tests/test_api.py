@@ -156,8 +156,9 @@ def test_bad_engine_arguments(llama_dir, kwargs, message):
 def test_kv_caches_past_the_hosts_memory_are_refused_with_a_size_that_fits(llama_dir, monkeypatch):
     monkeypatch.setattr(device, "host_memory_available", lambda: 8 << 20)  # 8 MiB
     # each of the 5 layers' caches: 2048 blocks of 16 tokens, K and V, 2 KV heads of 16 values in fp32 = 8 MiB
-    with pytest.raises(ValueError, match=r"num_kv_blocks=2048: the KV caches of this host's 2 stage\(s\) would take "
-                                         r"0.039 GiB, more than 90% of the 0.008 GiB.*give num_kv_blocks=\d+ or fewer") as e:
+    refused = (r"num_kv_blocks=2048: the KV caches of this host's 2 stage\(s\) would take 0.039 GiB, more than 90% "
+               r"of the 0.008 GiB.*give num_kv_blocks=\d+ or fewer")
+    with pytest.raises(ValueError, match=refused) as e:
         LLM(llama_dir, pipeline_parallel_size=2, num_kv_blocks=2048, dtype="float32")
     blocks = int(re.search(r"num_kv_blocks=(\d+) or fewer", str(e.value)).group(1))
     with LLM(llama_dir, pipeline_parallel_size=2, num_kv_blocks=blocks, dtype="float32") as llm:
