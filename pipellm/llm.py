@@ -100,19 +100,13 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
                              "give one, or one per prompt")
-        # Check every prompt before queueing any, so a bad one leaves the engine untouched.
-        encoded = [self._to_token_ids(p) for p in prompts]
-        for (_, ids), params in zip(encoded, params_list):
-            self.engine.validate(ids, params)
-        request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for rid, (_, ids), params in zip(request_ids, encoded, params_list):
-            self.engine.add_request(rid, ids, params)
-        with self._running(request_ids):
+        queued = self._queue(prompts, params_list)
+        with self._running([rid for rid, _ in queued]):
             with tqdm(total=sum(p.n for p in params_list), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished_requests():
                     bar.update(sum(r.is_finished for r in self.engine.step()))
             self._drain()
-        return [self.engine.pop_output(rid, prompt) for rid, (prompt, _) in zip(request_ids, encoded)]
+        return [self.engine.pop_output(rid, prompt) for rid, prompt in queued]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """One prompt's completion (n=1) as it is generated: yields the new text of each step. The pieces add up to
@@ -122,10 +116,7 @@ class LLM:
             raise ValueError(f"stream() yields one completion; got n={params.n}")
         if self._dead:
             raise RuntimeError(self._dead)
-        text, ids = self._to_token_ids(prompt)
-        self.engine.validate(ids, params)
-        rid = f"gen-{next(self._ids)}"
-        self.engine.add_request(rid, ids, params)
+        [(rid, text)] = self._queue([prompt], [params])
         req, shown = self.engine.requests[rid], StreamText(params.stop)
         with self._running([rid]):
             while not req.is_finished:
@@ -135,6 +126,17 @@ class LLM:
                     yield piece
             self._drain()
         self.engine.pop_output(rid, text)
+
+    def _queue(self, prompts: list[PromptType], params_list: list[SamplingParams]) -> list[tuple[str, str | None]]:
+        """Adds the prompts' requests, every prompt checked before any is added (a bad one leaves the engine
+        untouched). Returns (request id, prompt text) each."""
+        encoded = [self._to_token_ids(p) for p in prompts]
+        for (_, ids), params in zip(encoded, params_list):
+            self.engine.validate(ids, params)
+        queued = [(f"gen-{next(self._ids)}", text) for text, _ in encoded]
+        for (rid, _), (_, ids), params in zip(queued, encoded, params_list):
+            self.engine.add_request(rid, ids, params)
+        return queued
 
     @contextlib.contextmanager
     def _running(self, request_ids: list[str]):

@@ -236,21 +236,18 @@ class LLMEngine:
         mc, cfg = self.model_config, self.config
         needed = -(-self.max_model_len // cfg.block_size)  # one full-length sequence
         ring, ring_blocks = self._window_ring(), 0
+        size = block_bytes(cache_dtype(cfg.kv_cache_dtype, cfg.torch_dtype), cfg.block_size, mc.num_kv_heads,
+                           mc.head_dim)
         if cfg.num_kv_blocks is not None:
             num_blocks, source, ring = cfg.num_kv_blocks, f"num_kv_blocks={cfg.num_kv_blocks}", 0
         else:
-            size = block_bytes(cache_dtype(cfg.kv_cache_dtype, cfg.torch_dtype), cfg.block_size, mc.num_kv_heads,
-                               mc.head_dim)
             gib = (cfg.kv_cache_gib if cfg.kv_cache_gib is not None else DEFAULT_KV_CACHE_GIB if self.device == "cpu"
                    else device.gpu_kv_cache_gib(self.device, mc, self.stages, cfg.torch_dtype.itemsize,
                                                 cfg.gpu_memory_utilization, cfg.nnodes))
             budget = int(gib * 2 ** 30) // size  # blocks of one layer
             num_blocks, source = min(budget // s.num_layers for s in self.stages), f"kv_cache_gib={gib:g}"
             if ring and num_blocks < needed:  # full-length sequences that fit with rings, on every stage
-                per_seq = []
-                for s in self.stages:
-                    sliding = sum(mc.is_sliding(i) for i in range(s.start, s.end))
-                    per_seq.append((s.num_layers - sliding) * needed + sliding * ring)
+                per_seq = [self._stage_blocks(s, needed, ring) for s in self.stages]
                 num_seqs = min(min(budget // n for n in per_seq), cfg.max_num_seqs)
                 if num_seqs:
                     num_blocks, ring_blocks = num_seqs * needed, num_seqs * ring
@@ -267,19 +264,20 @@ class LLMEngine:
             raise ValueError(f"{source} holds {num_blocks * cfg.block_size} tokens, fewer than one sequence of "
                              f"max_model_len={self.max_model_len}; give more KV cache or lower max_model_len")
         if self.device == "cpu" and cfg.nnodes == 1:
-            self._check_host_memory(source, num_blocks, ring_blocks)
+            # without rings a sliding layer's cache holds num_blocks too
+            need = size * sum(self._stage_blocks(s, num_blocks, ring_blocks or num_blocks) for s in self.stages)
+            self._check_host_memory(source, need, num_blocks)
         return ring, num_blocks, ring_blocks
 
-    def _check_host_memory(self, source: str, num_blocks: int, ring_blocks: int) -> None:
-        """Refuses KV caches larger than the memory this host has available, before any stage fills them."""
-        mc, cfg = self.model_config, self.config
+    def _stage_blocks(self, stage, full: int, ring: int) -> int:
+        """Blocks of all of a stage's layers' caches: full blocks a full-attention layer, ring a sliding one."""
+        sliding = sum(self.model_config.is_sliding(i) for i in range(stage.start, stage.end))
+        return (stage.num_layers - sliding) * full + sliding * ring
+
+    def _check_host_memory(self, source: str, need: int, num_blocks: int) -> None:
+        """Refuses KV caches of `need` bytes on this host past the memory it has available, before any stage fills
+        them."""
         avail = device.host_memory_available()
-        size = block_bytes(cache_dtype(cfg.kv_cache_dtype, cfg.torch_dtype), cfg.block_size, mc.num_kv_heads,
-                           mc.head_dim)
-        need = 0
-        for s in self.stages:  # with rings, a sliding layer's cache holds ring_blocks
-            sliding = sum(mc.is_sliding(i) for i in range(s.start, s.end)) if ring_blocks else 0
-            need += size * ((s.num_layers - sliding) * num_blocks + sliding * ring_blocks)
         if avail is None or need <= 0.9 * avail:  # the rest for weights and activations
             return
         room = 0.8 * avail

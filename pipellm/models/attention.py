@@ -88,9 +88,11 @@ class AttentionMetadata:
         if device.type == "cpu":
             return self
         for m in (self, self.local):  # masks built here, on the CPU (no device sync), and moved with the rest
-            if m is not None and m.decode is not None:
+            if m is None:
+                continue
+            if m.decode is not None:
                 m.decode.mask
-            for p in [] if m is None else m.prefills:
+            for p in m.prefills:
                 p.mask
         moved = _moved(dataclasses.replace(self, local=None), device)
         moved.local = None if self.local is None else moved if self.local is self else self.local.to(device)
