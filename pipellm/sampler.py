@@ -89,11 +89,16 @@ class _History:
 
 
 class _Request:
-    __slots__ = ("params", "seed", "generator", "history")
+    __slots__ = ("params", "seed", "generator", "history", "num_output", "stop_ids", "bias_ids", "bias")
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int], seed: int):
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], seed: int, min_tokens_stop_ids: list[int]):
         self.params = params
         self.seed = seed
+        self.num_output = 0                             # tokens sampled for it so far
+        self.stop_ids = torch.tensor(min_tokens_stop_ids, dtype=torch.long)   # masked before min_tokens
+        bias = params.logit_bias or {}
+        self.bias_ids = torch.tensor(list(bias), dtype=torch.long)
+        self.bias = torch.tensor(list(bias.values()), dtype=torch.float32)
         self.generator: torch.Generator | None = None   # made on first draw; on the CPU whatever the logits' device,
         #                                                 so a seed draws the same numbers on a GPU
         p = params
@@ -103,6 +108,14 @@ class _Request:
     @property
     def greedy(self) -> bool:
         return self.params.temperature < _GREEDY_BELOW
+
+    @property
+    def masks_stops(self) -> bool:
+        return self.num_output < self.params.min_tokens and len(self.stop_ids) > 0
+
+    @property
+    def changes_logits(self) -> bool:
+        return self.history is not None or len(self.bias_ids) > 0 or self.masks_stops
 
     @property
     def gen(self) -> torch.Generator:
@@ -131,12 +144,14 @@ class Sampler:
         self._scratch = _Scratch()
 
     def add_request(self, req_id: str, params: SamplingParams, prompt_token_ids: list[int], seed: int,
-                    output_token_ids: list[int] = ()) -> None:
+                    output_token_ids: list[int] = (), min_tokens_stop_ids: list[int] = ()) -> None:
         """output_token_ids: tokens this request generated before (in a pipeline that failed). The state is rebuilt
-        as if they had been sampled here, so the rest of the output is what it would have been."""
+        as if they had been sampled here, so the rest of the output is what it would have been.
+        min_tokens_stop_ids: the tokens that would end it (EOS, stop tokens), never drawn before params.min_tokens."""
         if req_id in self._reqs:
             raise ValueError(f"request {req_id!r} already added")
-        req = self._reqs[req_id] = _Request(params, prompt_token_ids, seed)
+        req = self._reqs[req_id] = _Request(params, prompt_token_ids, seed, list(min_tokens_stop_ids))
+        req.num_output = len(output_token_ids)
         for t in output_token_ids:
             if req.history is not None:
                 req.history.add(t)
@@ -158,10 +173,13 @@ class Sampler:
         reqs = [self._reqs[r] for r in req_ids]
         dev = logits.device
 
-        pen_rows = [i for i, r in enumerate(reqs) if r.history is not None]
-        if pen_rows or logits.dtype != torch.float32:
-            # Penalties write in place, so never into the caller's logits.
+        changed = [i for i, r in enumerate(reqs) if r.changes_logits]
+        if changed or logits.dtype != torch.float32:
+            # Biases, masks and penalties write in place, so never into the caller's logits.
             x = self._scratch.get("x", logits.shape, device=dev).copy_(logits)
+            if changed:
+                _apply_bias_and_stops(x, changed, [reqs[i] for i in changed])
+            pen_rows = [i for i in changed if reqs[i].history is not None]
             if pen_rows:
                 _apply_penalties(x, pen_rows, [reqs[i] for i in pen_rows])
         else:
@@ -187,9 +205,20 @@ class Sampler:
             _fill_logprobs(out, logits, token_ids, lp_rows, ks, self._scratch)
 
         for r, t in zip(reqs, ids):  # output history, kept only where a penalty reads it
+            r.num_output += 1
             if r.history is not None:
                 r.history.add(t)
         return out
+
+
+def _apply_bias_and_stops(x: torch.Tensor, rows: list[int], reqs: list[_Request]) -> None:
+    """logit_bias added, then (before min_tokens) the stop tokens at -inf: first of all, as vLLM, so the
+    penalties see the biased logits."""
+    for i, r in zip(rows, reqs):
+        if len(r.bias_ids):  # ids below the vocabulary size: the engine checked them
+            x[i, r.bias_ids.to(x.device)] += r.bias.to(x.device)
+        if r.masks_stops:
+            x[i, r.stop_ids.to(x.device)] = float("-inf")
 
 
 def _apply_penalties(x: torch.Tensor, rows: list[int], reqs: list[_Request]) -> None:

@@ -12,7 +12,10 @@ class SamplingParams:
     seed: int | None = None             # per-request seed; same seed, same output
     stop: str | list[str] | None = None         # stop strings, not included in the output
     stop_token_ids: list[int] | None = None     # extra stop tokens besides EOS
+    include_stop_str_in_output: bool = False    # keep the stop string that ended the output in its text
     ignore_eos: bool = False            # keep going past EOS
+    min_tokens: int = 0                 # new tokens before EOS, a stop token or a stop string may end the output
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
     repetition_penalty: float = 1.0     # >1 discourages tokens seen in prompt or output
     presence_penalty: float = 0.0       # subtracted once from every token already generated
     frequency_penalty: float = 0.0      # subtracted per occurrence in the generated tokens
@@ -25,6 +28,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {t: float(b) if type(b) is int else b for t, b in self.logit_bias.items()}
         if self.top_k == 0:
             self.top_k = -1
         self._check()
@@ -63,6 +68,15 @@ class SamplingParams:
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative token ids")
+        if type(self.min_tokens) is not int or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be at most max_tokens={self.max_tokens}")
+        if self.logit_bias is not None and (
+                not isinstance(self.logit_bias, dict)
+                or any(type(t) is not int or t < 0 for t in self.logit_bias)
+                or any(type(b) is not float or not -100.0 <= b <= 100.0 for b in self.logit_bias.values())):
+            bad("logit_bias", "must map token ids (integers >= 0) to numbers in [-100, 100]")
 
     @property
     def is_greedy(self) -> bool:

@@ -3,6 +3,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from pipellm import LLM, CompletionOutput, RequestOutput, SamplingParams, device
 
@@ -55,6 +56,33 @@ def test_stop_string_is_cut_from_text(llm_pp2):
                            use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == full.text[:full.text.find(stop)]
+    kept = llm_pp2.generate("Once upon", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=stop,
+                                                        include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == full.text[:full.text.find(stop) + len(stop)] and kept.token_ids == out.token_ids
+
+
+def test_min_tokens_and_logit_bias_match_hf(llm_pp2, checkpoints):
+    """HF transformers' own processors are the reference: min_new_tokens masks the EOS ids, sequence_bias adds to
+    single tokens' logits."""
+    model = checkpoints["llama"][1]
+
+    def hf(prompt, **kwargs):
+        with torch.no_grad():
+            return model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                  **kwargs)[0, len(prompt):].tolist()
+
+    for prompt in ([5, 6, 7], [(7 * i + 3) % 300 for i in range(19)]):
+        plain = _ids(llm_pp2, prompt)
+        stop = plain[1]  # would end the output at its second token
+        params = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=5, stop_token_ids=[stop])
+        out = llm_pp2.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == hf(prompt, min_new_tokens=5, eos_token_id=[0, stop])
+        assert len(out.token_ids) >= 5 and not {0, stop} & set(out.token_ids[:5])
+        bias = {plain[0]: -100.0, plain[3]: 2.5}
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias=bias)
+        out = llm_pp2.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == hf(prompt, eos_token_id=None, sequence_bias={(t,): b for t, b in bias.items()})
+        assert out.token_ids[0] != plain[0]
 
 
 def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples(llm_pp2):
@@ -101,6 +129,9 @@ def test_chat_applies_the_template(llm_pp2):
     (dict(presence_penalty=3), "presence_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(repetition_penalty=5e-324), "repetition_penalty"), (dict(repetition_penalty=1e9), "repetition_penalty"),
     (dict(top_k=2 ** 108), "top_k"),  # found by the fuzz: too big for the sampler's int64
+    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=9, max_tokens=8), "min_tokens"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias"), (dict(logit_bias={5: 101}), "logit_bias"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"), (dict(logit_bias=[5]), "logit_bias"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
@@ -118,6 +149,8 @@ def test_bad_prompts_raise_and_the_engine_keeps_working(llm_pp2):
         llm_pp2.generate({"prompt_token_ids": []}, use_tqdm=False)
     with pytest.raises(ValueError, match="outside"):
         llm_pp2.generate({"prompt_token_ids": [10 ** 6]}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"logit_bias has token ids outside \[0, 384\): \[384\]"):
+        llm_pp2.generate("a", SamplingParams(logit_bias={384: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="must be a string"):
         llm_pp2.generate([123], use_tqdm=False)
     with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):

@@ -266,6 +266,35 @@ def test_penalties_only_touch_their_own_rows():
     assert [x[1] for x in seqs] == [0, 0, 0]
 
 
+# --- min_tokens and logit_bias -----------------------------------------------------------------
+
+def test_min_tokens_keeps_stop_ids_out_counting_tokens_from_before_a_restart():
+    logits = torch.zeros(2, 10)
+    logits[:, 3], logits[:, 9], logits[:, 5] = 5.0, 4.0, 3.0    # the stop ids 3 and 9 lead, then 5
+    s = Sampler()
+    # min_tokens=4 with one token generated before a restart: three more draws without 3 or 9.
+    s.add_request("a", SP(temperature=0.0, min_tokens=4), [], 0, [7], min_tokens_stop_ids=[3, 9])
+    s.add_request("b", SP(temperature=0.0), [], 1)
+    got = [[t.token_id for t in s.sample(logits, ["a", "b"])] for _ in range(4)]
+    assert got == [[5, 3], [5, 3], [5, 3], [3, 3]]
+    assert logits[0, 3] == 5.0   # the caller's logits untouched
+    # Drawn: the masked tokens never come up, even at high temperature.
+    s.add_request("c", SP(temperature=5.0, min_tokens=50, max_tokens=None, seed=1), [], 2, min_tokens_stop_ids=[3, 9])
+    drawn = {s.sample(logits[:1], ["c"])[0].token_id for _ in range(49)}
+    assert not drawn & {3, 9} and len(drawn) > 3
+
+
+def test_logit_bias_moves_greedy_and_drawn_tokens_in_its_own_row_only():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0]] * 2)
+    s, ids = make([SP(temperature=0.0, logit_bias={0: -1.5, 2: 1.2}), SP(temperature=0.0)])
+    assert [t.token_id for t in s.sample(logits, ids)] == [2, 0]   # 0.5 + 1.2 beats 2.0 - 1.5 and 1.0
+    # +100 on one token: every draw takes it; -100 on the leader: it is never drawn.
+    tokens = draw_many(logits[0], SP(temperature=1.0, logit_bias={3: 100.0}), 200)
+    assert set(tokens.tolist()) == {3}
+    tokens = draw_many(logits[0], SP(temperature=1.0, logit_bias={0: -100.0}), 1000)
+    assert 0 not in tokens.tolist() and set(tokens.tolist()) == {1, 2, 3}
+
+
 # --- logprobs -----------------------------------------------------------------------------------
 
 def test_logprobs_come_from_raw_logits():

@@ -134,6 +134,45 @@ def test_stop_string_cuts_text_in_both_modes(server, llm_pp2):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_logit_bias_min_tokens_and_stop_options_match_llm(server, llm_pp2):
+    tok = llm_pp2.get_tokenizer()
+    plain = _greedy(llm_pp2, PROMPT, max_tokens=8, ignore_eos=True).outputs[0]
+    bias = {plain.token_ids[0]: -100.0, plain.token_ids[2]: 3.0}
+    expected = _greedy(llm_pp2, PROMPT, max_tokens=8, ignore_eos=True, logit_bias=bias).outputs[0]
+    assert expected.token_ids != plain.token_ids
+    client = server.client()
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    logit_bias={str(t): b for t, b in bias.items()}, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == expected.text
+    out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=8, temperature=0,
+                                         logit_bias={str(t): b for t, b in bias.items()})
+    assert out.choices[0].message.content == llm_pp2.chat(MESSAGES, SamplingParams(
+        temperature=0.0, max_tokens=8, logit_bias=bias), use_tqdm=False)[0].outputs[0].text
+    # vLLM's extra parameters: a stop token held off by min_tokens, a stop string kept in the text.
+    stop_id, stop = plain.token_ids[1], tok.decode(plain.token_ids[3:5])
+    expected = _greedy(llm_pp2, PROMPT, max_tokens=8, min_tokens=3, stop_token_ids=[stop_id]).outputs[0]
+    assert len(expected.token_ids) >= 3
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"min_tokens": 3, "stop_token_ids": [stop_id]})
+    assert out.choices[0].text == expected.text and out.usage.completion_tokens == len(expected.token_ids)
+    expected = _greedy(llm_pp2, PROMPT, max_tokens=8, ignore_eos=True, stop=[stop],
+                       include_stop_str_in_output=True).outputs[0]
+    assert expected.text.endswith(stop)
+    for stream in (False, True):
+        out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop],
+                                        stream=stream,
+                                        extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+        text = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+        assert text == expected.text
+    for bad, why in (({"x": 1}, "keys must be token ids"), ({"-3": 1}, "logit_bias"), ({"5": 500}, "logit_bias"),
+                     ({"100000": 1}, "outside")):
+        with pytest.raises(openai.BadRequestError, match=why):
+            client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, logit_bias=bad)
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, extra_body={"min_tokens": 3})
+    _still_serves(server)
+
+
 def test_logprobs(server, llm_pp2):
     expected = _greedy(llm_pp2, PROMPT, max_tokens=6, logprobs=3).outputs[0]
     out = server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)

@@ -30,8 +30,9 @@ def _batch(num_seqs: int = 3) -> StageBatch:
     T = int(q.sum())
     return StageBatch(9, np.arange(T, dtype=np.int64) % 50, np.arange(T, dtype=np.int64), np.arange(T, dtype=np.int64),
                       q, seq_lens, tables, np.cumsum(q) - 1, [f"req-{i}" for i in range(num_seqs)],
-                      [NewRequest("req-0", SamplingParams(temperature=0.7, top_k=5, stop=["\n"], seed=3), [1, 2, 3],
-                                  17, [4, 5])], ["old"])
+                      [NewRequest("req-0", SamplingParams(temperature=0.7, top_k=5, stop=["\n"], seed=3, min_tokens=2,
+                                                          logit_bias={7: -1.5, 2: 100.0}), [1, 2, 3], 17, [4, 5],
+                                  [0, 9])], ["old"])
 
 
 MESSAGES = [
@@ -140,6 +141,10 @@ def test_class_checks_run_on_arrival():
     batch = _batch()
     batch.new_requests[0].params.top_p = 5.0   # set after the constructor's check, as a hostile sender would
     with pytest.raises(wire.WireError, match="top_p"):
+        wire.decode(wire.encode(batch))
+    batch.new_requests[0].params.top_p = 1.0
+    batch.new_requests[0].params.logit_bias = {"7": 1.0}
+    with pytest.raises(wire.WireError, match="logit_bias"):
         wire.decode(wire.encode(batch))
     assert wire.decode(params).tokens == []
 

@@ -318,13 +318,16 @@ class LLMEngine:
                              f"{self.max_model_len} (prompt plus at least one new token); shorten the prompt")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"SamplingParams.logit_bias has token ids outside [0, {vocab}): {bad[:5]}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queues one prompt (params.n completions). Call validate() first."""
         rids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         if request_id in self.groups or any(rid in self.requests for rid in rids):
             raise ValueError(f"request id {request_id!r} is already in use")
-        counter = next(self._request_counter)
+        counter, vocab = next(self._request_counter), self.model_config.vocab_size
         base_seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + counter
         max_tokens = self.max_model_len - len(prompt_token_ids)
         if params.max_tokens is not None:
@@ -337,6 +340,9 @@ class LLMEngine:
                           use_prefix_cache=params.prompt_logprobs is None)
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None] * len(prompt_token_ids)
+            if params.min_tokens:
+                eos = set() if params.ignore_eos else self.eos_token_ids
+                req.min_tokens_stop_ids = sorted(t for t in eos | set(params.stop_token_ids) if t < vocab)
             self.requests[rid] = req
             self.scheduler.add(req)
 
@@ -475,12 +481,17 @@ class LLMEngine:
 
     def _check_stop(self, req: Request) -> None:
         params, token = req.params, req.output_token_ids[-1]
-        if token in self.eos_token_ids and not params.ignore_eos:
+        if len(req.output_token_ids) < params.min_tokens:
+            # The sampler kept EOS and the stop tokens out. Stop strings wait too (as in vLLM): the text is read as
+            # it comes, so that the search below later starts at the text after min_tokens.
+            if params.stop:
+                self.text(req)
+        elif token in self.eos_token_ids and not params.ignore_eos:
             return self.scheduler.finish(req, "stop")
-        if token in params.stop_token_ids:
+        elif token in params.stop_token_ids:
             req.stop_reason = token
             return self.scheduler.finish(req, "stop")
-        if params.stop:
+        elif params.stop:
             before = len(req.detok.text) if req.detok is not None else 0
             text = self.text(req)
             # a stop string can span tokens: search the new text and the tail before it that could start one
@@ -488,7 +499,7 @@ class LLMEngine:
             for stop in params.stop:
                 at = text.find(stop, start)
                 if at != -1:
-                    req.text, req.stop_reason = text[:at], stop
+                    req.text, req.stop_reason = text[:at + len(stop) * params.include_stop_str_in_output], stop
                     return self.scheduler.finish(req, "stop")
         if len(req.output_token_ids) >= req.max_tokens:
             self.scheduler.finish(req, "length")

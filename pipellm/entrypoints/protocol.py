@@ -37,10 +37,13 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
+    min_tokens: int | None = None                   # vLLM's extra parameters, beside OpenAI's
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logit_bias: dict | None = None
+    logit_bias: dict[str, float] | None = None      # token id (a string, as JSON keys are) -> bias
 
 
 class CompletionRequest(SamplingFields):
@@ -94,8 +97,13 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         value = getattr(req, name)
         return (defaults or {}).get(name, default) if value is None else value
 
+    bias = None
     if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        try:
+            bias = {int(t): b for t, b in req.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias: its keys must be token ids, such as {\"50256\": -100}",
+                           param="logit_bias") from None
     if get("n", 1) > MAX_N:
         raise APIError(400, f"n={req.n}: at most {MAX_N} completions per prompt", param="n")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -104,6 +112,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         return SamplingParams(n=get("n", 1), max_tokens=max_tokens, temperature=get("temperature", 1.0),
                               top_p=get("top_p", 1.0), top_k=get("top_k", -1), min_p=get("min_p", 0.0),
                               seed=req.seed, stop=req.stop, ignore_eos=get("ignore_eos", False),
+                              min_tokens=get("min_tokens", 0), stop_token_ids=req.stop_token_ids, logit_bias=bias,
+                              include_stop_str_in_output=get("include_stop_str_in_output", False),
                               repetition_penalty=get("repetition_penalty", 1.0),
                               presence_penalty=get("presence_penalty", 0.0),
                               frequency_penalty=get("frequency_penalty", 0.0), logprobs=logprobs,

@@ -33,6 +33,8 @@ class NewRequest:
     prompt_token_ids: list[int]
     seed: int
     output_token_ids: list[int] = field(default_factory=list)  # tokens generated before a pipeline restart
+    min_tokens_stop_ids: list[int] = field(default_factory=list)  # EOS and stop tokens, masked before
+    #                                                                params.min_tokens new tokens
 
 
 @dataclass

@@ -124,6 +124,8 @@ def _to_json(value, arrays: list):
         return value
     if kind is list or kind is tuple:
         return value if all(type(v) in _PLAIN for v in value) else [_to_json(v, arrays) for v in value]
+    if kind is dict:  # a list of [key, value] pairs (JSON keys would be strings)
+        return [[_to_json(k, arrays), _to_json(v, arrays)] for k, v in value.items()]
     if kind is np.ndarray:
         arrays.append(np.ascontiguousarray(value))
         return len(arrays) - 1
@@ -212,6 +214,14 @@ def _make_converter(tp) -> typing.Callable:
                 _fail(f"expected a list, got {type(v).__name__}")
             return make([item(x, arrays) for x in v])
         return seq
+    if origin is dict:
+        key, val = _converter(args[0]), _converter(args[1])
+
+        def pairs(v, arrays):
+            if type(v) is not list or any(type(kv) is not list or len(kv) != 2 for kv in v):
+                _fail("expected a list of [key, value] pairs")
+            return {key(k, arrays): val(x, arrays) for k, x in v}
+        return pairs
     if origin is tuple:
         convs = [_converter(t) for t in args]
 
