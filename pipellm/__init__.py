@@ -1,7 +1,7 @@
 """pipellm: pipeline-parallel LLM inference."""
 from pipellm.llm import LLM
 from pipellm.outputs import CompletionOutput, RequestOutput
-from pipellm.sampling_params import SamplingParams
+from pipellm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

@@ -5,11 +5,13 @@ on the unnormalised probabilities (tokens tied with the cut-off are kept), so a 
 multiplied by ones and comes out unchanged.
 """
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from pipellm import structured
 from pipellm.sampling_params import SamplingParams
 
 _TOP_P_HEAD = 128    # first guess at how many tokens top-p keeps (most rows of a peaked model)
@@ -89,7 +91,7 @@ class _History:
 
 
 class _Request:
-    __slots__ = ("params", "seed", "generator", "history", "num_output", "stop_ids", "bias_ids", "bias")
+    __slots__ = ("params", "seed", "generator", "history", "num_output", "stop_ids", "bias_ids", "bias", "matcher")
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], seed: int, min_tokens_stop_ids: list[int]):
         self.params = params
@@ -99,6 +101,7 @@ class _Request:
         bias = params.logit_bias or {}
         self.bias_ids = torch.tensor(list(bias), dtype=torch.long)
         self.bias = torch.tensor(list(bias.values()), dtype=torch.float32)
+        self.matcher: structured.Matcher | None = None   # its place in its grammar (structured outputs)
         self.generator: torch.Generator | None = None   # made on first draw; on the CPU whatever the logits' device,
         #                                                 so a seed draws the same numbers on a GPU
         p = params
@@ -115,7 +118,7 @@ class _Request:
 
     @property
     def changes_logits(self) -> bool:
-        return self.history is not None or len(self.bias_ids) > 0 or self.masks_stops
+        return self.history is not None or len(self.bias_ids) > 0 or self.masks_stops or self.matcher is not None
 
     @property
     def gen(self) -> torch.Generator:
@@ -139,9 +142,11 @@ class _Scratch:
 
 
 class Sampler:
-    def __init__(self):
+    def __init__(self, structured_tokenizer: Callable | None = None):
+        """structured_tokenizer: () -> llguidance's tokenizer, called on the first request with structured outputs."""
         self._reqs: dict[str, _Request] = {}
         self._scratch = _Scratch()
+        self._make_tokenizer, self._tokenizer = structured_tokenizer, None
 
     def add_request(self, req_id: str, params: SamplingParams, prompt_token_ids: list[int], seed: int,
                     output_token_ids: list[int] = (), min_tokens_stop_ids: list[int] = ()) -> None:
@@ -152,6 +157,14 @@ class Sampler:
             raise ValueError(f"request {req_id!r} already added")
         req = self._reqs[req_id] = _Request(params, prompt_token_ids, seed, list(min_tokens_stop_ids))
         req.num_output = len(output_token_ids)
+        if params.structured_outputs is not None:
+            if self._tokenizer is None:
+                if self._make_tokenizer is None:
+                    raise ValueError("this sampler has no tokenizer for structured outputs")
+                self._tokenizer = self._make_tokenizer()
+            req.matcher = structured.Matcher(self._tokenizer, params.structured_outputs)
+            for t in output_token_ids:
+                req.matcher.consume(t)
         for t in output_token_ids:
             if req.history is not None:
                 req.history.add(t)
@@ -178,7 +191,7 @@ class Sampler:
             # Biases, masks and penalties write in place, so never into the caller's logits.
             x = self._scratch.get("x", logits.shape, device=dev).copy_(logits)
             if changed:
-                _apply_bias_and_stops(x, changed, [reqs[i] for i in changed])
+                _apply_processors(x, changed, [reqs[i] for i in changed])
             pen_rows = [i for i in changed if reqs[i].history is not None]
             if pen_rows:
                 _apply_penalties(x, pen_rows, [reqs[i] for i in pen_rows])
@@ -208,13 +221,17 @@ class Sampler:
             r.num_output += 1
             if r.history is not None:
                 r.history.add(t)
+            if r.matcher is not None:
+                r.matcher.consume(t)
         return out
 
 
-def _apply_bias_and_stops(x: torch.Tensor, rows: list[int], reqs: list[_Request]) -> None:
-    """logit_bias added, then (before min_tokens) the stop tokens at -inf: first of all, as vLLM, so the
-    penalties see the biased logits."""
+def _apply_processors(x: torch.Tensor, rows: list[int], reqs: list[_Request]) -> None:
+    """The grammar's mask, logit_bias, and (before min_tokens) the stop tokens at -inf: first of all, as vLLM, so
+    the penalties see their result."""
     for i, r in zip(rows, reqs):
+        if r.matcher is not None:
+            x[i].masked_fill_(~r.matcher.allowed(x.shape[1]).to(x.device), float("-inf"))
         if len(r.bias_ids):  # ids below the vocabulary size: the engine checked them
             x[i, r.bias_ids.to(x.device)] += r.bias.to(x.device)
         if r.masks_stops:

@@ -1,4 +1,40 @@
+import json
 from dataclasses import dataclass
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """The shape the output must take (vLLM's structured outputs): give exactly one."""
+    json: str | None = None              # a JSON schema (a dict is kept as its JSON text)
+    regex: str | None = None             # a regular expression the whole output matches
+    choice: list[str] | None = None      # the output is one of these strings
+    grammar: str | None = None           # a Lark or GBNF (llama.cpp) grammar
+    json_object: bool = False            # any JSON object
+
+    def __post_init__(self):
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json)
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"SamplingParams.structured_outputs: give exactly one of {', '.join(_STRUCTURED_KINDS)}"
+                             f"{' (got ' + ', '.join(given) + ')' if given else ''}")
+        for name in ("json", "regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"SamplingParams.structured_outputs.{name}: must be a string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError("SamplingParams.structured_outputs.choice: must be a list of non-empty strings")
+
+    @property
+    def kind(self) -> tuple[str, str]:
+        """(kind, its grammar text): json_object as the schema of any object, choice as a JSON list."""
+        if self.json_object:
+            return "json_object", '{"type": "object"}'
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        return next((k, getattr(self, k)) for k in ("json", "regex", "grammar") if getattr(self, k) is not None)
 
 
 @dataclass
@@ -22,6 +58,7 @@ class SamplingParams:
     logprobs: int | None = None         # top-k log-probabilities returned per generated token
     prompt_logprobs: int | None = None  # top-k log-probabilities returned per prompt token (after the first)
     skip_special_tokens: bool = True    # drop special tokens from the text
+    structured_outputs: StructuredOutputsParams | None = None  # hold the output to a schema, regex or grammar
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -77,6 +114,11 @@ class SamplingParams:
                 or any(type(t) is not int or t < 0 for t in self.logit_bias)
                 or any(type(b) is not float or not -100.0 <= b <= 100.0 for b in self.logit_bias.values())):
             bad("logit_bias", "must map token ids (integers >= 0) to numbers in [-100, 100]")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be a StructuredOutputsParams")
+            if self.min_tokens:
+                bad("min_tokens", "must be 0 with structured_outputs: the grammar decides where the output ends")
 
     @property
     def is_greedy(self) -> bool:

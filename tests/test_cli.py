@@ -98,6 +98,21 @@ def test_generation_config_under_the_flags(llama_dir, tmp_path):
     assert params("--generation-config", llama_dir) == (0.0, -1, 1.0, 64)  # a file without sampling settings
 
 
+def test_structured_output_flags(llama_dir, tmp_path):
+    def spec(*flags):
+        args = parse_args(["generate", llama_dir, "hi", *flags])
+        args.model_dir = llama_dir
+        return _sampling_params(args).structured_outputs
+
+    (tmp_path / "s.json").write_text('{"type": "integer"}')
+    (tmp_path / "g.gbnf").write_text('root ::= "a"')
+    assert spec() is None
+    assert spec("--json-schema", str(tmp_path / "s.json")).json == '{"type": "integer"}'
+    assert spec("--json-schema", '{"type": "string"}').json == '{"type": "string"}'
+    assert spec("--grammar", str(tmp_path / "g.gbnf")).grammar == 'root ::= "a"'
+    assert spec("--regex", "[0-9]+").regex == "[0-9]+"
+
+
 def test_chat_template_is_a_file_or_the_template(tmp_path):
     (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
     assert _chat_template(str(tmp_path / "t.jinja")) == "{{ messages[0]['content'] }}"
@@ -156,6 +171,9 @@ def broken_models(llama_dir, tmp_path_factory):
     (["generate", "{llama}", "hi", "--max-num-seqs", "x"], "argument --max-num-seqs: invalid int value: 'x'"),
     (["generate", "{llama}", "hi", "--temperature", "-1"], "--temperature -1.0: must be >= 0"),
     (["generate", "{llama}", "hi", "--max-tokenz", "3"], "unrecognized arguments: --max-tokenz"),
+    (["generate", "{llama}", "hi", "--grammar", "{root}/missing.gbnf"], "--grammar {root}/missing.gbnf: no such file"),
+    (["generate", "{llama}", "hi", "--regex", "a(b"], "structured_outputs.regex: at 1(8): invalid regex"),
+    (["generate", "{llama}", "hi", "--regex", "a", "--json-schema", "{{}}"], "not allowed with argument --regex"),
     (["generate", "{llama}"], "no prompt: give prompts after the model, or with --prompt TEXT"),
     (["chat", "{llama}", "--model", "{root}/arch"], "two models given"),
     (["chat", "{llama}", "--chat-template", "{root}/missing.jinja"], "--chat-template {root}/missing.jinja: "

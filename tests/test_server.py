@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.soak import free_port
-from pipellm import SamplingParams
+from pipellm import SamplingParams, StructuredOutputsParams
 from tests.serving import KEY, Server, is_running, serve, wait_until
 
 
@@ -170,6 +170,34 @@ def test_logit_bias_min_tokens_and_stop_options_match_llm(server, llm_pp2):
             client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, logit_bias=bad)
     with pytest.raises(openai.BadRequestError, match="min_tokens"):
         client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, extra_body={"min_tokens": 3})
+    _still_serves(server)
+
+
+def test_response_format_and_structured_outputs(server, llm_pp2):
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "colour"],
+              "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green", "blue"]}}}
+    expected = llm_pp2.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=32, structured_outputs=(
+        StructuredOutputsParams(json=schema))), use_tqdm=False)[0].outputs[0].text
+    assert set(json.loads(expected)) == {"ok", "colour"}
+    client = server.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=32, temperature=0,
+                                         response_format=fmt)
+    assert out.choices[0].message.content == expected and out.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=32, temperature=0,
+                                            response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=16, n=3, temperature=1.0, seed=2,
+                                    extra_body={"structured_outputs": {"choice": ["Paris", "Rome"]}})
+    assert {c.text for c in out.choices} <= {"Paris", "Rome"}
+    for body, why in (({"response_format": {"type": "xml"}}, "response_format: give"),
+                      ({"structured_outputs": {"regex": "a(b"}}, "unclosed group"),
+                      ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
+                      ({"structured_outputs": {"jsonn": "{}"}}, "unexpected keyword"),
+                      ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+                       "not both")):
+        with pytest.raises(openai.BadRequestError, match=why):
+            client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, extra_body=body)
     _still_serves(server)
 
 

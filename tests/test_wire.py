@@ -17,7 +17,7 @@ from pipellm.pipeline.messages import (AHEAD_TOKEN, BlockTableChanges, Inspect, 
                                        SampledBatch, Shutdown, StageArgs, StageBatch, StageReport)
 from pipellm.pipeline.partition import make_partition
 from pipellm.sampler import PromptLogprobs, SampledToken
-from pipellm.sampling_params import SamplingParams
+from pipellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 KEY = b"k" * 32
 CTX = b"pipellm/0/1>2#5"
@@ -32,7 +32,9 @@ def _batch(num_seqs: int = 3) -> StageBatch:
                       q, seq_lens, tables, np.cumsum(q) - 1, [f"req-{i}" for i in range(num_seqs)],
                       [NewRequest("req-0", SamplingParams(temperature=0.7, top_k=5, stop=["\n"], seed=3, min_tokens=2,
                                                           logit_bias={7: -1.5, 2: 100.0}), [1, 2, 3], 17, [4, 5],
-                                  [0, 9])], ["old"])
+                                  [0, 9]),
+                       NewRequest("req-1", SamplingParams(structured_outputs=StructuredOutputsParams(json={"a": 1})),
+                                  [1], 18)], ["old"])
 
 
 MESSAGES = [

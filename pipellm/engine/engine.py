@@ -8,7 +8,7 @@ import time
 from collections import deque
 from datetime import timedelta
 
-from pipellm import device, kernels
+from pipellm import device, kernels, structured
 from pipellm.config import DEFAULT_KV_CACHE_GIB, EngineConfig, ModelConfig
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.detokenizer import IncrementalDetokenizer
@@ -137,6 +137,7 @@ class LLMEngine:
         self.window_ring, self.num_blocks, self.num_window_blocks = self._num_kv_blocks()
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = self._eos_token_ids()
+        self._structured_tokenizer = None  # llguidance's, made on the first request with structured outputs
         self.block_manager = self._block_manager()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" else None,
@@ -321,6 +322,16 @@ class LLMEngine:
         bad = [t for t in params.logit_bias or () if t >= vocab]
         if bad:
             raise ValueError(f"SamplingParams.logit_bias has token ids outside [0, {vocab}): {bad[:5]}")
+        if params.structured_outputs is not None:  # a bad grammar is refused here, before any stage compiles it
+            structured.grammar(params.structured_outputs, self.structured_tokenizer)
+
+    @property
+    def structured_tokenizer(self):
+        if self._structured_tokenizer is None:
+            if self.tokenizer is None:
+                raise ValueError(f"structured outputs need a tokenizer, and the model at {self.model_dir} has none")
+            self._structured_tokenizer = structured.ll_tokenizer(self.tokenizer, self.model_config.vocab_size)
+        return self._structured_tokenizer
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queues one prompt (params.n completions). Call validate() first."""

@@ -109,6 +109,12 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                                                                    "else 0")
     p.add_argument("--top-p", type=float, default=None, help="default: the generation config's, else 1")
     p.add_argument("--top-k", type=int, default=None, help="default: the generation config's, else -1 (all)")
+    shape = p.add_mutually_exclusive_group()  # structured outputs, as llama.cpp's flags
+    shape.add_argument("--json-schema", default=None, help="hold the output to this JSON schema (a file, or the "
+                                                           "schema itself)")
+    shape.add_argument("--grammar", default=None, help="hold the output to this GBNF or Lark grammar (a file, or the "
+                                                       "grammar itself)")
+    shape.add_argument("--regex", default=None, help="hold the output to this regular expression")
     p.add_argument("--generation-config", default="auto",
                    help="sampling defaults for the flags not given: auto (default) = the model folder's "
                         "generation_config.json; vllm = none; or a folder holding a generation_config.json")

@@ -66,7 +66,27 @@ def _sampling_params(args):
     from pipellm.config import sampling_defaults
     values = CLI_SAMPLING_DEFAULTS | sampling_defaults(args.generation_config, args.model_dir)
     values.update({k: v for k in SAMPLING_FLAGS if (v := getattr(args, k)) is not None})
-    return SamplingParams(**values)
+    return SamplingParams(**values, structured_outputs=_structured_outputs(args))
+
+
+def _structured_outputs(args):
+    from pipellm import StructuredOutputsParams
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    for flag, kind in (("json_schema", "json"), ("grammar", "grammar")):
+        if (value := getattr(args, flag)) is not None:
+            return StructuredOutputsParams(**{kind: _file_or_text(value, f"--{flag.replace('_', '-')}")})
+    return None
+
+
+def _file_or_text(value: str, flag: str) -> str:
+    """A flag that takes a file's text or the text itself: the file when it exists."""
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if not any(c in value for c in "{}:=\"'"):
+        raise ValueError(f"{flag} {value}: no such file, and it does not look like a schema or grammar")
+    return value
 
 
 def cmd_generate(args) -> None:

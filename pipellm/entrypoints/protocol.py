@@ -4,7 +4,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pipellm.sampling_params import SamplingParams
+from pipellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128                 # completions per prompt
 MAX_LOGPROBS = 20           # top log-probabilities per token
@@ -44,6 +44,8 @@ class SamplingFields(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None      # token id (a string, as JSON keys are) -> bias
+    response_format: dict | None = None             # OpenAI's: {"type": "text" | "json_object" | "json_schema"}
+    structured_outputs: dict | None = None          # vLLM's: {"json" | "regex" | "choice" | "grammar": ...}
 
 
 class CompletionRequest(SamplingFields):
@@ -104,6 +106,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         except ValueError:
             raise APIError(400, "logit_bias: its keys must be token ids, such as {\"50256\": -100}",
                            param="logit_bias") from None
+    structured_outputs = _structured_outputs(req)
     if get("n", 1) > MAX_N:
         raise APIError(400, f"n={req.n}: at most {MAX_N} completions per prompt", param="n")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -114,6 +117,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
                               seed=req.seed, stop=req.stop, ignore_eos=get("ignore_eos", False),
                               min_tokens=get("min_tokens", 0), stop_token_ids=req.stop_token_ids, logit_bias=bias,
                               include_stop_str_in_output=get("include_stop_str_in_output", False),
+                              structured_outputs=structured_outputs,
                               repetition_penalty=get("repetition_penalty", 1.0),
                               presence_penalty=get("presence_penalty", 0.0),
                               frequency_penalty=get("frequency_penalty", 0.0), logprobs=logprobs,
@@ -121,6 +125,26 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     except ValueError as e:  # "SamplingParams.<field>=<value>: <why>"
         field = re.match(r"SamplingParams\.(\w+)=", str(e))
         raise APIError(400, str(e), param=field and field.group(1)) from None
+
+
+def _structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    fmt, spec = req.response_format, req.structured_outputs
+    if fmt is not None and spec is not None:
+        raise APIError(400, "give response_format or structured_outputs, not both", param="response_format")
+    if spec is not None:
+        try:
+            return StructuredOutputsParams(**spec)
+        except (TypeError, ValueError) as e:  # an unknown key, or not exactly one kind
+            raise APIError(400, f"structured_outputs: {e}", param="structured_outputs") from None
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+    if fmt.get("type") == "json_schema" and isinstance(schema, dict):
+        return StructuredOutputsParams(json=schema)
+    raise APIError(400, 'response_format: give {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                   '"json_schema": {"name": ..., "schema": {...}}}', param="response_format")
 
 
 def usage(prompts: list[list[int]], num_completion_tokens: int) -> dict:

@@ -11,10 +11,11 @@ import threading
 import time
 import traceback
 from collections import deque
+from functools import partial
 
 import torch
 
-from pipellm import device
+from pipellm import device, structured
 from pipellm.loader.gguf import gguf_source, load_gguf_stage_weights
 from pipellm.loader.safetensors import load_stage_weights
 from pipellm.models.attention import AttentionMetadata
@@ -71,7 +72,8 @@ class StageWorker:
         self.kv_caches = [KVCache.allocate(args.num_window_blocks if sliding and args.num_window_blocks
                                            else args.num_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim,
                                            kv_dtype, device) for sliding in self.is_sliding]
-        self.sampler = Sampler() if self.stage.is_last else None
+        tokenizer = partial(structured.ll_tokenizer_of_folder, args.model_dir, cfg.vocab_size)
+        self.sampler = Sampler(tokenizer) if self.stage.is_last else None
         self.last_tokens: dict[str, int] = {}  # request id -> the token sampled for it in the last batch
         self.steps = self.bytes_sent = self.tokens_sent = 0
         self.busy_s = 0.0  # time computing, not waiting for input
