@@ -60,8 +60,9 @@ def _holds_quietly(holds, text: str) -> bool:
 def test_json_of_the_default_model(smollm2_dir):
     """A schema whose every output is short: each completion, greedy or drawn hot, ends and parses to it. Any JSON
     object: the real model closes it (a random one writes strings without end)."""
+    short = {"type": "string", "maxLength": 24}
     schema = {"type": "object", "additionalProperties": False, "required": ["name", "country", "population"],
-              "properties": {"name": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24},
+              "properties": {"name": short, "country": short,
                              "population": {"type": "integer", "minimum": 0, "maximum": 10 ** 10}}}
     spec = StructuredOutputsParams(json=schema)
     ask = [{"role": "user", "content": "Describe Paris (name, country, population) as a JSON object."}]
@@ -121,6 +122,16 @@ def test_bad_grammars_are_refused_before_they_run(llm_pp2, kwargs, message):
         llm_pp2.generate("Hello", params, use_tqdm=False)
     assert not llm_pp2.engine.has_unfinished_requests()
     assert llm_pp2.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_prompts_that_share_a_grammar_compile_it_once_in_the_driver(llm_pp2, monkeypatch):
+    import pipellm.engine.engine as engine_module
+    calls = []
+    compile_ = engine_module.structured.grammar
+    monkeypatch.setattr(engine_module.structured, "grammar", lambda *a: calls.append(a) or compile_(*a))
+    spec = StructuredOutputsParams(regex=r"[a-z]{3}[0-9]")
+    outs = llm_pp2.generate(["a", "b", "c"], SamplingParams(max_tokens=8, structured_outputs=spec), use_tqdm=False)
+    assert len(calls) == 1 and all(re.fullmatch(r"[a-z]{3}[0-9]", o.outputs[0].text) for o in outs)
 
 
 @pytest.mark.parametrize("make,message", [

@@ -138,6 +138,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = self._eos_token_ids()
         self._structured_tokenizer = None  # llguidance's, made on the first request with structured outputs
+        self._grammars_checked: set[tuple[str, str]] = set()  # (kind, text) that compiled, for prompts that share one
         self.block_manager = self._block_manager()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" else None,
@@ -322,8 +323,12 @@ class LLMEngine:
         bad = [t for t in params.logit_bias or () if t >= vocab]
         if bad:
             raise ValueError(f"SamplingParams.logit_bias has token ids outside [0, {vocab}): {bad[:5]}")
-        if params.structured_outputs is not None:  # a bad grammar is refused here, before any stage compiles it
-            structured.grammar(params.structured_outputs, self.structured_tokenizer)
+        spec = params.structured_outputs
+        if spec is not None and spec.kind not in self._grammars_checked:  # refused here, before a stage compiles it
+            structured.grammar(spec, self.structured_tokenizer)
+            if len(self._grammars_checked) >= 1024:
+                self._grammars_checked.clear()
+            self._grammars_checked.add(spec.kind)
 
     @property
     def structured_tokenizer(self):
