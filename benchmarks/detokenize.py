@@ -9,7 +9,7 @@ import os
 import time
 
 from pipellm.engine.detokenizer import IncrementalDetokenizer
-from pipellm.engine.engine import load_tokenizer
+from pipellm.loader.model_folder import load_tokenizer
 from pipellm.loader.default_model import default_model_path
 from pipellm.loader.gguf import cached_gguf_folder
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 from pipellm.config import ModelConfig
-from pipellm.engine.engine import load_tokenizer
+from pipellm.loader.model_folder import load_tokenizer
 from pipellm.loader.default_model import default_model_path
 from pipellm.loader.gguf import cached_gguf_folder, convert_gguf, load_gguf_stage_weights
 from pipellm.loader.safetensors import load_stage_weights

@@ -27,7 +27,7 @@ def ll_tokenizer(hf_tokenizer, vocab_size: int):
 
 def ll_tokenizer_of_folder(model_dir: str, vocab_size: int):
     """The same, from the model folder's tokenizer: what the last stage builds on its first structured request."""
-    from pipellm.engine.engine import load_tokenizer
+    from pipellm.loader.model_folder import load_tokenizer
 
     hf_tokenizer = load_tokenizer(model_dir)
     if hf_tokenizer is None:

@@ -75,7 +75,7 @@ def test_int8_activations_keep_perplexity_within_one_percent(smollm2_dir):
     # 8-bit activations against fp32 ones, same weights: every prompt token's log-probability through the engine,
     # in chunks of 32 tokens so that the integer kernel (up to 32 rows) computes them. Measured: 28.12 against 27.96
     # (1.006x) on these 512 tokens; over the whole text, 28.09 against 27.94 (benchmarks/perplexity.py).
-    from pipellm.engine.engine import load_tokenizer
+    from pipellm.loader.model_folder import load_tokenizer
 
     text = open(os.path.join(os.path.dirname(__file__), "data", "perplexity.txt")).read()
     ids = load_tokenizer(smollm2_dir)(text).input_ids[:512]

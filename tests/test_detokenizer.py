@@ -6,7 +6,7 @@ import random
 import pytest
 
 from pipellm.engine.detokenizer import IncrementalDetokenizer, StreamText
-from pipellm.engine.engine import load_tokenizer
+from pipellm.loader.model_folder import load_tokenizer
 
 TEXT = ("Paris, la capitale de la France — « 巴黎 » 🇫🇷 naïve café; tabs\tand  double spaces,\nnew lines, "
         "<b>tags</b>, numbers 3.14159 and emoji 👩‍👩‍👧 end.")

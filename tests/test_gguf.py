@@ -15,7 +15,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 import pipellm.loader.gguf as gguf_loader
 from pipellm.config import ModelConfig
-from pipellm.engine.engine import load_tokenizer
+from pipellm.loader.model_folder import load_tokenizer
 from pipellm.loader.default_model import default_model_path
 from pipellm.loader.gguf import cached_gguf_folder, convert_gguf, unpermute_qk
 

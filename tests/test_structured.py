@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipellm import LLM, SamplingParams, StructuredOutputsParams
-from pipellm.engine.engine import load_tokenizer
+from pipellm.loader.model_folder import load_tokenizer
 from pipellm.sampler import Sampler
 from pipellm.structured import ll_tokenizer
 from tests.conftest import FP32, VOCAB

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pipellm.engine.detokenizer import StreamText
-from pipellm.engine.engine import LLMEngine, load_tokenizer
+from pipellm.engine.engine import LLMEngine
+from pipellm.loader.model_folder import load_tokenizer
 from pipellm.outputs import Logprob
 from pipellm.pipeline.executor import describe_exit
 from pipellm.sampling_params import SamplingParams

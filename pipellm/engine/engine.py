@@ -15,6 +15,7 @@ from pipellm.engine.detokenizer import IncrementalDetokenizer
 from pipellm.engine.scheduler import ScheduledBatch, Scheduler
 from pipellm.engine.sequence import Request
 from pipellm.loader.gguf import gguf_source
+from pipellm.loader.model_folder import load_tokenizer, resolve_model
 from pipellm.loader.safetensors import checkpoint_files
 from pipellm.models.kv_cache import block_bytes, cache_dtype
 from pipellm.observe.trace import TraceRecorder
@@ -28,50 +29,8 @@ from pipellm.sampling_params import SamplingParams
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads per-completion seeds apart
 ASYNC_CPU_MAX_SEQS = 8  # running requests up to which a CPU stage runs decodes ahead (async scheduling)
-GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers' one fast tokenizer class
 RESTART_LIMIT, RESTART_WINDOW_S = 3, 60.0  # this many failures within the window: a stage keeps dying, stop
 log = logging.getLogger("pipellm")
-
-
-def resolve_model(model: str | None) -> str:
-    """A model folder with config.json and safetensors, converting a GGUF file (cached) when given one."""
-    from pipellm.loader.default_model import MODEL_NAMES, default_model_path, named_model_path
-    from pipellm.loader.gguf import cached_gguf_folder
-
-    if model in MODEL_NAMES and not os.path.exists(model):
-        path = named_model_path(model)
-    else:
-        path = default_model_path() if model is None else os.path.expanduser(model)
-    if not os.path.exists(path):
-        raise ValueError(f"model {path!r} does not exist; pass a folder with config.json and *.safetensors, "
-                         f"a .gguf file, one of the names {', '.join(MODEL_NAMES)}, or None for the default model")
-    if os.path.isfile(path):
-        if path.endswith(".gguf"):
-            return cached_gguf_folder(path)
-        raise ValueError(f"model {path!r} is a file but not .gguf; pass a model folder or a .gguf file "
-                         "(pickle checkpoints such as .bin/.pt are refused)")
-    return path
-
-
-def load_tokenizer(folder: str):
-    """The model's tokenizer, or None when the folder has none (then prompts must be token ids)."""
-    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    if gguf_source(folder) is not None and _tokenizer_class(folder) in GENERIC_TOKENIZERS:
-        # our folder from a GGUF file, its tokenizer saved as transformers' generic fast one: the class AutoTokenizer
-        # gives it too, but only after importing the model's config classes and more (~1.2 s of a start)
-        from transformers import PreTrainedTokenizerFast
-        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-
-
-def _tokenizer_class(folder: str) -> str | None:
-    try:
-        with open(os.path.join(folder, "tokenizer_config.json")) as f:
-            return json.load(f).get("tokenizer_class")
-    except (OSError, ValueError):
-        return None
 
 
 def warn_if_oversubscribed(config: EngineConfig) -> None:

@@ -155,7 +155,7 @@ def run_hf(model: str | None, prompts: list[list[int]], output_len: int, dtype: 
            device: str = "cpu") -> dict:
     """HF transformers generate on the same requests, as one padded batch, in a process of its own
     (its OpenMP threads must not share a process, or cores, with a running engine), on device."""
-    from pipellm.engine.engine import resolve_model
+    from pipellm.loader.model_folder import resolve_model
     from pipellm.loader.gguf import convert_gguf, gguf_source
 
     folder = resolve_model(model)

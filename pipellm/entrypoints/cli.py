@@ -43,7 +43,7 @@ def _check_model(model: str | None) -> str:
     """The model's folder. Fails in one line on a model that is missing, not installed or malformed, before any
     process starts (the engine reads the same files again; that is cheap)."""
     from pipellm.config import ModelConfig
-    from pipellm.engine.engine import resolve_model
+    from pipellm.loader.model_folder import resolve_model
     try:
         folder = resolve_model(model)
         ModelConfig.from_pretrained(folder)
@@ -226,7 +226,7 @@ def cmd_serve(args) -> None:
 
 
 def cmd_stage(args) -> None:
-    from pipellm.engine.engine import resolve_model
+    from pipellm.loader.model_folder import resolve_model
     from pipellm.pipeline import wire
     from pipellm.pipeline.node import NodeAgent
     model_dir = None if args.model is None else resolve_model(args.model)

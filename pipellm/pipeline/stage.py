@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("pipellm stage: RANK 0 is the driver (pipellm serve / generate); stages have RANK 1 and up")
     model_dir = None
     if args.model is not None:
-        from pipellm.engine.engine import resolve_model
+        from pipellm.loader.model_folder import resolve_model
         model_dir = resolve_model(args.model)
     stage_main(rank, os.environ.get("MASTER_ADDR", "127.0.0.1"), _env_int("MASTER_PORT"), token,
                int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), model_dir)
