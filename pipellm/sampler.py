@@ -91,9 +91,11 @@ class _History:
 
 
 class _Request:
-    __slots__ = ("params", "seed", "generator", "history", "num_output", "stop_ids", "bias_ids", "bias", "matcher")
+    __slots__ = ("params", "seed", "generator", "history", "num_output", "stop_ids", "bias_ids", "bias", "matcher",
+                 "allowed", "bad_words", "tail")
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int], seed: int, min_tokens_stop_ids: list[int]):
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], seed: int, min_tokens_stop_ids: list[int],
+                 bad_words: list[list[int]]):
         self.params = params
         self.seed = seed
         self.num_output = 0                             # tokens sampled for it so far
@@ -101,6 +103,9 @@ class _Request:
         bias = params.logit_bias or {}
         self.bias_ids = torch.tensor(list(bias), dtype=torch.long)
         self.bias = torch.tensor(list(bias.values()), dtype=torch.float32)
+        self.allowed = None if params.allowed_token_ids is None else torch.tensor(params.allowed_token_ids)
+        self.bad_words = bad_words                      # token sequences whose last token never completes them
+        self.tail = list(prompt_ids[-self.tail_len:]) if self.tail_len else []  # the tokens they may follow
         self.matcher: structured.Matcher | None = None   # its place in its grammar (structured outputs)
         self.generator: torch.Generator | None = None   # made on first draw; on the CPU whatever the logits' device,
         #                                                 so a seed draws the same numbers on a GPU
@@ -117,8 +122,22 @@ class _Request:
         return self.num_output < self.params.min_tokens and len(self.stop_ids) > 0
 
     @property
+    def tail_len(self) -> int:  # the tokens a bad word's last token may follow
+        return max(map(len, self.bad_words), default=1) - 1
+
+    @property
     def changes_logits(self) -> bool:
-        return self.history is not None or len(self.bias_ids) > 0 or self.masks_stops or self.matcher is not None
+        return (self.history is not None or len(self.bias_ids) > 0 or self.masks_stops or self.matcher is not None
+                or self.allowed is not None or bool(self.bad_words))
+
+    def add_output(self, token: int) -> None:
+        self.num_output += 1
+        if self.history is not None:
+            self.history.add(token)
+        if self.matcher is not None:
+            self.matcher.consume(token)
+        if self.tail_len:
+            self.tail = (self.tail + [token])[-self.tail_len:]
 
     @property
     def gen(self) -> torch.Generator:
@@ -149,25 +168,24 @@ class Sampler:
         self._make_tokenizer, self._tokenizer = structured_tokenizer, None
 
     def add_request(self, req_id: str, params: SamplingParams, prompt_token_ids: list[int], seed: int,
-                    output_token_ids: list[int] = (), min_tokens_stop_ids: list[int] = ()) -> None:
+                    output_token_ids: list[int] = (), min_tokens_stop_ids: list[int] = (),
+                    bad_words_token_ids: list[list[int]] = ()) -> None:
         """output_token_ids: tokens this request generated before (in a pipeline that failed). The state is rebuilt
         as if they had been sampled here, so the rest of the output is what it would have been.
-        min_tokens_stop_ids: the tokens that would end it (EOS, stop tokens), never drawn before params.min_tokens."""
+        min_tokens_stop_ids: the tokens that would end it (EOS, stop tokens), never drawn before params.min_tokens.
+        bad_words_token_ids: params.bad_words as token sequences."""
         if req_id in self._reqs:
             raise ValueError(f"request {req_id!r} already added")
-        req = self._reqs[req_id] = _Request(params, prompt_token_ids, seed, list(min_tokens_stop_ids))
-        req.num_output = len(output_token_ids)
+        req = self._reqs[req_id] = _Request(params, prompt_token_ids, seed, list(min_tokens_stop_ids),
+                                            [list(w) for w in bad_words_token_ids])
         if params.structured_outputs is not None:
             if self._tokenizer is None:
                 if self._make_tokenizer is None:
                     raise ValueError("this sampler has no tokenizer for structured outputs")
                 self._tokenizer = self._make_tokenizer()
             req.matcher = structured.Matcher(self._tokenizer, params.structured_outputs)
-            for t in output_token_ids:
-                req.matcher.consume(t)
         for t in output_token_ids:
-            if req.history is not None:
-                req.history.add(t)
+            req.add_output(t)
             if not req.greedy:  # one uniform per draw, as _draw takes it
                 torch.rand(1, generator=req.gen, dtype=torch.float64)
 
@@ -217,21 +235,24 @@ class Sampler:
             ks = [reqs[i].params.logprobs for i in lp_rows]
             _fill_logprobs(out, logits, token_ids, lp_rows, ks, self._scratch)
 
-        for r, t in zip(reqs, ids):  # output history, kept only where a penalty reads it
-            r.num_output += 1
-            if r.history is not None:
-                r.history.add(t)
-            if r.matcher is not None:
-                r.matcher.consume(t)
+        for r, t in zip(reqs, ids):
+            r.add_output(t)
         return out
 
 
 def _apply_processors(x: torch.Tensor, rows: list[int], reqs: list[_Request]) -> None:
-    """The grammar's mask, logit_bias, and (before min_tokens) the stop tokens at -inf: first of all, as vLLM, so
-    the penalties see their result."""
+    """The grammar's mask, allowed_token_ids, bad_words, logit_bias, and (before min_tokens) the stop tokens at
+    -inf: first of all, as vLLM, so the penalties see their result."""
     for i, r in zip(rows, reqs):
         if r.matcher is not None:
             x[i].masked_fill_(~r.matcher.allowed(x.shape[1]).to(x.device), float("-inf"))
+        if r.allowed is not None:
+            keep = torch.zeros(x.shape[1], dtype=torch.bool, device=x.device)
+            keep[r.allowed.to(x.device)] = True
+            x[i].masked_fill_(~keep, float("-inf"))
+        if r.bad_words:  # a word's last token, where the tokens before it end the text so far
+            banned = [w[-1] for w in r.bad_words if w[:-1] == r.tail[len(r.tail) - len(w) + 1:]]
+            x[i, banned] = float("-inf")
         if len(r.bias_ids):  # ids below the vocabulary size: the engine checked them
             x[i, r.bias_ids.to(x.device)] += r.bias.to(x.device)
         if r.masks_stops:

@@ -52,6 +52,9 @@ class SamplingParams:
     ignore_eos: bool = False            # keep going past EOS
     min_tokens: int = 0                 # new tokens before EOS, a stop token or a stop string may end the output
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these tokens may be drawn
+    bad_words: list[str] | None = None  # words never generated (as the tokenizer encodes each, with and without
+    #                                     a leading space)
     repetition_penalty: float = 1.0     # >1 discourages tokens seen in prompt or output
     presence_penalty: float = 0.0       # subtracted once from every token already generated
     frequency_penalty: float = 0.0      # subtracted per occurrence in the generated tokens
@@ -114,6 +117,13 @@ class SamplingParams:
                 or any(type(t) is not int or t < 0 for t in self.logit_bias)
                 or any(type(b) is not float or not -100.0 <= b <= 100.0 for b in self.logit_bias.values())):
             bad("logit_bias", "must map token ids (integers >= 0) to numbers in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(type(t) is not int or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be None or a non-empty list of token ids (integers >= 0)")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            bad("bad_words", "must be None or a list of non-empty strings")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be a StructuredOutputsParams")

@@ -22,7 +22,12 @@ def _llguidance():
 
 def ll_tokenizer(hf_tokenizer, vocab_size: int):
     """llguidance's view of the tokenizer (~0.5 s to build): token bytes for vocab_size ids, the logits' width."""
-    return _llguidance().hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+    llg = _llguidance()
+    try:
+        return llg.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+    except Exception as e:  # a slow (Python) tokenizer, or one whose tokens llguidance cannot read
+        raise ValueError(f"structured outputs: llguidance cannot read this model's tokenizer "
+                         f"({type(hf_tokenizer).__name__}): {e}") from None
 
 
 def ll_tokenizer_of_folder(model_dir: str, vocab_size: int):

@@ -122,6 +122,27 @@ def test_chat_applies_the_template(llm_pp2):
     assert out.outputs[0].token_ids == _ids(llm_pp2, tok.encode(text, add_special_tokens=False))
 
 
+def test_bad_words_and_allowed_token_ids_match_hf(llm_pp2, checkpoints):
+    """HF transformers' bad_words_ids and prefix_allowed_tokens_fn are the reference."""
+    model, tok = checkpoints["llama"][1], llm_pp2.get_tokenizer()
+    prompt = tok.encode("Once upon a time")
+    plain = _ids(llm_pp2, prompt)
+    words = [tok.decode(plain[1:3]).strip(), tok.decode(plain[5:6]).strip()]
+    words_ids = [tok.encode(p + w, add_special_tokens=False) for w in words for p in ("", " ")]  # as documented
+    allowed = sorted(set(range(40, 300)) - {plain[0]})
+
+    def hf(**kwargs):
+        with torch.no_grad():
+            return model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                  eos_token_id=None, **kwargs)[0, len(prompt):].tolist()
+
+    out = _ids(llm_pp2, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, bad_words=words))
+    assert out == hf(bad_words_ids=words_ids) and out != plain
+    out = _ids(llm_pp2, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                               allowed_token_ids=allowed))
+    assert out == hf(prefix_allowed_tokens_fn=lambda batch, ids: allowed) and set(out) <= set(allowed)
+
+
 @pytest.mark.parametrize("kwargs,field", [
     (dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(temperature=-1), "temperature"), (dict(n=0), "n"), (dict(top_k=-5), "top_k"),
@@ -132,6 +153,8 @@ def test_chat_applies_the_template(llm_pp2):
     (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=9, max_tokens=8), "min_tokens"),
     (dict(logit_bias={"5": 1.0}), "logit_bias"), (dict(logit_bias={5: 101}), "logit_bias"),
     (dict(logit_bias={5: float("nan")}), "logit_bias"), (dict(logit_bias=[5]), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+    (dict(bad_words=[" "]), "bad_words"), (dict(bad_words="word"), "bad_words"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
@@ -151,6 +174,8 @@ def test_bad_prompts_raise_and_the_engine_keeps_working(llm_pp2):
         llm_pp2.generate({"prompt_token_ids": [10 ** 6]}, use_tqdm=False)
     with pytest.raises(ValueError, match=r"logit_bias has token ids outside \[0, 384\): \[384\]"):
         llm_pp2.generate("a", SamplingParams(logit_bias={384: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"allowed_token_ids has token ids outside \[0, 384\): \[400\]"):
+        llm_pp2.generate("a", SamplingParams(allowed_token_ids=[5, 400]), use_tqdm=False)
     with pytest.raises(ValueError, match="must be a string"):
         llm_pp2.generate([123], use_tqdm=False)
     with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):

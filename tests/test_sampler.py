@@ -295,6 +295,18 @@ def test_logit_bias_moves_greedy_and_drawn_tokens_in_its_own_row_only():
     assert 0 not in tokens.tolist() and set(tokens.tolist()) == {1, 2, 3}
 
 
+def test_bad_words_ban_the_token_that_would_complete_them_also_after_a_restart():
+    logits = torch.zeros(1, 10)
+    logits[0, 3], logits[0, 4] = 5.0, 4.0          # greedy: 3, then 3 again unless banned
+    s = Sampler()
+    s.add_request("a", SP(temperature=0.0), [1, 2], 0, bad_words_token_ids=[[3, 3], [2, 4, 4]])
+    assert [s.sample(logits, ["a"])[0].token_id for _ in range(3)] == [3, 4, 3]  # 3 3 banned; 4 then 3 fine
+    # After a restart: 4 was generated after the prompt's 2, so 4 would complete "2 4 4"; 9 is a one-token word.
+    s.add_request("b", SP(temperature=0.0), [2], 1, [4], bad_words_token_ids=[[2, 4, 4], [9]])
+    logits[0, 4], logits[0, 9] = 6.0, 9.0
+    assert [s.sample(logits, ["b"])[0].token_id for _ in range(2)] == [3, 4]
+
+
 # --- logprobs -----------------------------------------------------------------------------------
 
 def test_logprobs_come_from_raw_logits():

@@ -155,6 +155,12 @@ def test_logit_bias_min_tokens_and_stop_options_match_llm(server, llm_pp2):
     out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0,
                                     extra_body={"min_tokens": 3, "stop_token_ids": [stop_id]})
     assert out.choices[0].text == expected.text and out.usage.completion_tokens == len(expected.token_ids)
+    words = [tok.decode(plain.token_ids[1:2]).strip()]
+    expected = _greedy(llm_pp2, PROMPT, max_tokens=8, ignore_eos=True, bad_words=words,
+                       allowed_token_ids=list(range(300))).outputs[0]
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={
+        "ignore_eos": True, "bad_words": words, "allowed_token_ids": list(range(300))})
+    assert out.choices[0].text == expected.text != plain.text
     expected = _greedy(llm_pp2, PROMPT, max_tokens=8, ignore_eos=True, stop=[stop],
                        include_stop_str_in_output=True).outputs[0]
     assert expected.text.endswith(stop)

@@ -32,7 +32,7 @@ def _batch(num_seqs: int = 3) -> StageBatch:
                       q, seq_lens, tables, np.cumsum(q) - 1, [f"req-{i}" for i in range(num_seqs)],
                       [NewRequest("req-0", SamplingParams(temperature=0.7, top_k=5, stop=["\n"], seed=3, min_tokens=2,
                                                           logit_bias={7: -1.5, 2: 100.0}), [1, 2, 3], 17, [4, 5],
-                                  [0, 9]),
+                                  [0, 9], [[3, 4], [5]]),
                        NewRequest("req-1", SamplingParams(structured_outputs=StructuredOutputsParams(json={"a": 1})),
                                   [1], 18)], ["old"])
 

@@ -279,9 +279,12 @@ class LLMEngine:
                              f"{self.max_model_len} (prompt plus at least one new token); shorten the prompt")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
-        bad = [t for t in params.logit_bias or () if t >= vocab]
-        if bad:
-            raise ValueError(f"SamplingParams.logit_bias has token ids outside [0, {vocab}): {bad[:5]}")
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= vocab]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} has token ids outside [0, {vocab}): {bad[:5]}")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError(f"SamplingParams.bad_words needs a tokenizer, and the model at {self.model_dir} has none")
         spec = params.structured_outputs
         if spec is not None and spec.kind not in self._grammars_checked:  # refused here, before a stage compiles it
             structured.grammar(spec, self.structured_tokenizer)
@@ -308,6 +311,7 @@ class LLMEngine:
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         self.groups[request_id] = rids
+        bad_words = self._bad_words_token_ids(params.bad_words or [])
         for i, rid in enumerate(rids):
             req = Request(rid, list(prompt_token_ids), params, (base_seed + i * _SEED_STRIDE) % 2 ** 63,
                           max_tokens, index=i, parent_id=request_id if params.n > 1 else None,
@@ -318,8 +322,15 @@ class LLMEngine:
             if params.min_tokens:
                 eos = set() if params.ignore_eos else self.eos_token_ids
                 req.min_tokens_stop_ids = sorted(t for t in eos | set(params.stop_token_ids) if t < vocab)
+            req.bad_words_token_ids = bad_words
             self.requests[rid] = req
             self.scheduler.add(req)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens, at the start of a text and after a space (as vLLM), each token sequence once."""
+        ids = (self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+               for word in words for prefix in ("", " "))
+        return [list(t) for t in dict.fromkeys(tuple(t) for t in ids if t)]
 
     def abort_request(self, request_id: str) -> None:
         for rid in self.groups.pop(request_id, []):

@@ -202,7 +202,7 @@ class Scheduler:
         seq_lens = starts + counts
         sampled = [r for r, end in zip(reqs, seq_lens) if end == r.num_tokens]
         new = [NewRequest(r.request_id, r.params, r.prompt_token_ids, r.seed, list(r.output_token_ids),
-                          r.min_tokens_stop_ids)
+                          r.min_tokens_stop_ids, r.bad_words_token_ids)
                for r in sampled if not r.is_known_to_sampler]
         rope_lens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
         logits_indices = (np.cumsum(counts) - 1)[seq_lens == rope_lens]

@@ -40,6 +40,8 @@ class SamplingFields(BaseModel):
     min_tokens: int | None = None                   # vLLM's extra parameters, beside OpenAI's
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -117,7 +119,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
                               seed=req.seed, stop=req.stop, ignore_eos=get("ignore_eos", False),
                               min_tokens=get("min_tokens", 0), stop_token_ids=req.stop_token_ids, logit_bias=bias,
                               include_stop_str_in_output=get("include_stop_str_in_output", False),
-                              structured_outputs=structured_outputs,
+                              structured_outputs=structured_outputs, allowed_token_ids=req.allowed_token_ids,
+                              bad_words=req.bad_words,
                               repetition_penalty=get("repetition_penalty", 1.0),
                               presence_penalty=get("presence_penalty", 0.0),
                               frequency_penalty=get("frequency_penalty", 0.0), logprobs=logprobs,

@@ -35,6 +35,7 @@ class NewRequest:
     output_token_ids: list[int] = field(default_factory=list)  # tokens generated before a pipeline restart
     min_tokens_stop_ids: list[int] = field(default_factory=list)  # EOS and stop tokens, masked before
     #                                                                params.min_tokens new tokens
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
 
 
 @dataclass

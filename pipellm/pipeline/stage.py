@@ -179,7 +179,7 @@ class StageWorker:
             self.sampler.remove_request(req_id)
         for req in batch.new_requests:
             self.sampler.add_request(req.req_id, req.params, req.prompt_token_ids, req.seed, req.output_token_ids,
-                                     req.min_tokens_stop_ids)
+                                     req.min_tokens_stop_ids, req.bad_words_token_ids)
 
     def _decode_steps(self, batch: StageBatch) -> None:
         """batch.num_steps decode steps of its sequences, each step one position on, in the slots their block tables
