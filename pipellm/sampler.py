@@ -92,7 +92,7 @@ class _History:
 
 class _Request:
     __slots__ = ("params", "seed", "generator", "history", "num_output", "stop_ids", "bias_ids", "bias", "matcher",
-                 "allowed", "bad_words", "tail")
+                 "allowed", "bad_words", "tail_len", "tail")
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], seed: int, min_tokens_stop_ids: list[int],
                  bad_words: list[list[int]]):
@@ -105,6 +105,7 @@ class _Request:
         self.bias = torch.tensor(list(bias.values()), dtype=torch.float32)
         self.allowed = None if params.allowed_token_ids is None else torch.tensor(params.allowed_token_ids)
         self.bad_words = bad_words                      # token sequences whose last token never completes them
+        self.tail_len = max(map(len, bad_words), default=1) - 1  # the tokens a bad word's last token may follow
         self.tail = list(prompt_ids[-self.tail_len:]) if self.tail_len else []  # the tokens they may follow
         self.matcher: structured.Matcher | None = None   # its place in its grammar (structured outputs)
         self.generator: torch.Generator | None = None   # made on first draw; on the CPU whatever the logits' device,
@@ -120,10 +121,6 @@ class _Request:
     @property
     def masks_stops(self) -> bool:
         return self.num_output < self.params.min_tokens and len(self.stop_ids) > 0
-
-    @property
-    def tail_len(self) -> int:  # the tokens a bad word's last token may follow
-        return max(map(len, self.bad_words), default=1) - 1
 
     @property
     def changes_logits(self) -> bool:
