@@ -9,8 +9,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 CORPUS = ["The capital of France is Paris.", "Once upon a time, there was a little girl.",
           "Pipelines keep every stage busy while tokens flow from one stage to the next.",
           "def add(a, b):\n    return a + b\n", "1 2 3 4 5 6 7 8 9 10", "Hello world! How are you today?"] * 4
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = ("{% if tools %}<|tools|>{% for t in tools %}{{ t.function.name }} {% endfor %}<|end|>{% endif %}"
+                 "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                 "{% for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments }}{% endfor %}"
+                 "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 VOCAB = 384
 FP32 = "float32"  # the dtype of tests that compare two runs token for token (see llm_pp2)
 NUM_LAYERS = 5

@@ -181,6 +181,7 @@ def broken_models(llama_dir, tmp_path_factory):
     (["chat", "{llama}", "--generation-config", "{root}"], "--generation-config {root}: no generation_config.json"),
     (["serve", "{llama}", "--kv-cache-gib", "1", "--kv-cache-memory-bytes", "1Gi"], "not allowed with"),
     (["serve", "{llama}", "--port", "65536"], "give a port number from 0 to 65535"),
+    (["serve", "{llama}", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     (["serve", "{llama}", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype: invalid choice: 'fp8' (choose from"),
     (["generate", "--model", "{llama}", "--layer-partition", "2,2", "-pp", "2", "hi"],
      "sums to 4, but the model has 5 layers"),

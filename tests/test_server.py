@@ -207,6 +207,62 @@ def test_response_format_and_structured_outputs(server, llm_pp2):
     _still_serves(server)
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "additionalProperties": False,
+                                                           "required": ["city"],
+                                                           "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]}}}
+
+
+def test_a_named_tool_choice_gives_its_call(server):
+    """Its arguments held to its schema; the same call, whole, in the last chunk of a stream. ("required" and the
+    hermes parser: tests/test_tools.py.)"""
+    client, hi = server.client(), [{"role": "user", "content": "Hi"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(3):
+        out = client.chat.completions.create(model=NAME, messages=hi, max_tokens=48, temperature=1.0, seed=seed,
+                                             tools=[WEATHER, TIME], tool_choice=named)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id
+        assert json.loads(call.function.arguments) in ({"city": "Paris"}, {"city": "Rome"})
+        chunks = list(client.chat.completions.create(model=NAME, messages=hi, max_tokens=48, temperature=1.0,
+                                                     seed=seed, tools=[WEATHER, TIME], tool_choice=named,
+                                                     stream=True))
+        [streamed] = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+        assert (streamed.index, streamed.function.name, streamed.function.arguments) == \
+               (0, "get_weather", call.function.arguments)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tools_reach_the_chat_template_and_errors(server):
+    client = server.client()
+    plain = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=1)
+    # tool_choice "none": the model reads the tools (the template renders them) and answers in text.
+    out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4, tools=[WEATHER],
+                                         tool_choice="none")
+    assert out.usage.prompt_tokens > plain.usage.prompt_tokens + 3 and out.choices[0].message.tool_calls is None
+    # An earlier call and its answer go to the template too.
+    history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    longer = client.chat.completions.create(model=NAME, messages=history, max_tokens=1)
+    assert longer.usage.prompt_tokens > plain.usage.prompt_tokens + 10
+    for kwargs, why in ((dict(tools=[WEATHER]), "needs a server started with --enable-auto-tool-choice"),
+                        (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+                         "not among the tools"),
+                        (dict(tools=[{"type": "function"}], tool_choice="required"), "tools\\[0\\]"),
+                        (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice: give"),
+                        (dict(tool_choice="required"), "tool_choice needs tools"),
+                        (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+                         "give no response_format")):
+        with pytest.raises(openai.BadRequestError, match=why):
+            client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=2, **kwargs)
+    _still_serves(server)
+
+
 def test_logprobs(server, llm_pp2):
     expected = _greedy(llm_pp2, PROMPT, max_tokens=6, logprobs=3).outputs[0]
     out = server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)

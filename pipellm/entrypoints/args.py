@@ -198,6 +198,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="sampling defaults for fields a request leaves out: auto (default) = the model folder's "
                             "generation_config.json; vllm = none; or a folder holding a generation_config.json")
     serve.add_argument("--trace-dir", default=None, help="on shutdown, write the pipeline trace and pictures here")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)')
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                       help="how the model writes its tool calls: hermes = <tool_call>{json}</tool_call> (Qwen2.5/3, "
+                            "Hermes)")
     stage = sub.add_parser("stage", help="run this host's pipeline stages for a driver on another host")
     stage.add_argument("--model", default=None, help="this host's copy of the model (default: the driver's path)")
     _multinode_args(stage)

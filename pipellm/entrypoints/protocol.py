@@ -61,6 +61,9 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None     # an assistant's calls, earlier in the conversation
+    tool_call_id: str | None = None          # a tool message's answer to one of them
+    name: str | None = None
 
 
 class ChatRequest(SamplingFields):
@@ -69,6 +72,8 @@ class ChatRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(BaseModel):

@@ -26,6 +26,7 @@ from pipellm.engine.engine import LLMEngine
 from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, CompletionLogprobs, CompletionRequest,
                                           DetokenizeRequest, TokenizeRequest, chat_logprobs, parse_request,
                                           sampling_params, usage)
+from pipellm.entrypoints.tools import check_tools, choice_of, forced_output, parse as parse_tool_calls
 from pipellm.observe.metrics import CONTENT_TYPE, ServerMetrics
 from pipellm.sampling_params import SamplingParams
 
@@ -48,6 +49,7 @@ class ServerConfig:
     trace_dir: str | None = None        # on shutdown, write the pipeline trace and pictures here
     generation_config: str = "auto"     # sampling defaults for fields a request leaves out: "auto" (the model's
     #                                     generation_config.json, as vLLM), "vllm" (none), or a folder holding one
+    tool_call_parser: str | None = None  # tool_choice "auto": how the model's tool calls are read (tools.PARSERS)
 
     def __post_init__(self):
         check_generation_config(self.generation_config)  # before the engine starts
@@ -281,7 +283,7 @@ class _Endpoints:
         tokenizer = self.s.async_engine.tokenizer
         return "" if tokenizer is None else tokenizer.decode([token_id])
 
-    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+    def chat_prompt(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> list[int]:
         tokenizer = self.s.async_engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
@@ -294,9 +296,10 @@ class _Endpoints:
                 if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
                     raise APIError(400, "only text content parts are supported", param="messages")
                 content = "\n".join(part["text"] for part in content)
-            conversation.append({"role": m.role, "content": content or ""})
+            extra = {k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}
+            conversation.append({"role": m.role, "content": content or ""} | extra)
         try:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # a template may reject a conversation (roles out of order, ...)
             raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
         # The template already holds any BOS token, so don't add special tokens again (as LLM.chat does).
@@ -364,8 +367,8 @@ class _Endpoints:
         s.check_key(request)
         req = parse_request(ChatRequest, await s.read_json(request))
         s.check_model_and_engine(req.model)
-        if req.tools:
-            raise APIError(400, "tools are not supported", param="tools")
+        tools = check_tools(req.tools) if req.tools else None
+        tool_choice = choice_of(tools, req.tool_choice, s.config.tool_call_parser)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         top_k = (req.top_logprobs or 0) if req.logprobs else None
@@ -373,7 +376,12 @@ class _Endpoints:
         if max_tokens is None:  # the model's default, else up to max_model_len, as OpenAI's chat does
             max_tokens = s.sampling_defaults.get("max_tokens")
         params = sampling_params(req, max_tokens, top_k, defaults=s.sampling_defaults)
-        prompts = [self.chat_prompt(req.messages)]
+        if (forced := forced_output(tools, tool_choice, req.parallel_tool_calls) if tools else None) is not None:
+            if params.structured_outputs is not None:
+                raise APIError(400, f"tool_choice {req.tool_choice!r} holds the output to the tools' JSON: give no "
+                               "response_format or structured_outputs with it", param="tool_choice")
+            params.structured_outputs = forced
+        prompts = [self.chat_prompt(req.messages, tools)]
         await s.check_prompts(prompts, params, max_tokens is not None)
         s.check_size_and_room(prompts, params)
         base = self.base("chatcmpl", "chat.completion")
@@ -381,12 +389,27 @@ class _Endpoints:
         def lps(token_ids, entries):
             return chat_logprobs(token_ids, entries, top_k) if top_k is not None else None
 
+        def message(text: str) -> tuple[dict, bool]:  # the assistant's message, and whether it calls tools
+            content, calls = parse_tool_calls(text, tool_choice, req.parallel_tool_calls)
+            return {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {}), bool(calls)
+
         if req.stream:
             base["object"] = "chat.completion.chunk"
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(params.n)]
+            texts = [""] * params.n  # a reply that may call tools comes whole, in its last chunk
 
             def make_choice(index: int, d: StreamDelta) -> dict | None:
+                if tool_choice != "none":
+                    texts[index] += d.text
+                    if d.finish_reason is None:
+                        return None
+                    msg, calls = message(texts[index])
+                    delta = {k: v for k, v in msg.items() if k != "role" and v is not None}
+                    for i, call in enumerate(delta.get("tool_calls", [])):
+                        call["index"] = i
+                    return {"index": index, "delta": delta, "logprobs": None,
+                            "finish_reason": "tool_calls" if calls else d.finish_reason, "stop_reason": d.stop_reason}
                 if not d.text and d.finish_reason is None and not (d.logprobs and d.token_ids):
                     return None
                 return {"index": index, "delta": {"content": d.text} if d.text else {},
@@ -398,9 +421,11 @@ class _Endpoints:
         choices = await s.collect_unless_gone(request, base["id"], prompts, params)
         if choices is None:
             return Response(status_code=499)
-        return base | {"choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": lps(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason} for i, c in enumerate(choices)],
+        replies = [message(c.text) for c in choices]
+        return base | {"choices": [{"index": i, "message": msg, "logprobs": lps(c.token_ids, c.logprobs),
+                                    "finish_reason": "tool_calls" if calls else c.finish_reason,
+                                    "stop_reason": c.stop_reason} for i, (c, (msg, calls)) in
+                                   enumerate(zip(choices, replies))],
                        "usage": usage(prompts, sum(len(c.token_ids) for c in choices))}
 
     async def tokenize(self, request: Request):

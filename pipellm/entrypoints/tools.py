@@ -1,0 +1,91 @@
+"""Tool calls in chat completions, as vLLM's server makes them. The tools go to the model's chat template. With
+tool_choice "required" or a named function the output is held to the calls' JSON (structured outputs); with "auto"
+(`--enable-auto-tool-choice --tool-call-parser hermes`) the model's own <tool_call> markup is parsed out of its text."""
+import json
+import re
+import uuid
+
+from pipellm.entrypoints.protocol import APIError
+from pipellm.sampling_params import StructuredOutputsParams
+
+PARSERS = ("hermes",)  # <tool_call>{"name": ..., "arguments": {...}}</tool_call>: Qwen2.5/3, Hermes, and others
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def check_tools(tools: list) -> list[dict]:
+    """OpenAI's tools: [{"type": "function", "function": {"name", "description"?, "parameters"?}}]."""
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (tool.get("type") if isinstance(tool, dict) else None) != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str) or not isinstance(function.get("parameters", {}), dict):
+            raise APIError(400, f"tools[{i}]: give {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                           "\"parameters\": {...JSON schema...}}}}", param="tools")
+    return tools
+
+
+def choice_of(tools: list[dict] | None, tool_choice, parser: str | None) -> str | dict:
+    """"none", "auto", "required", or the named tool's function; 400 for what this server cannot do."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        return "none"
+    choice = "auto" if tool_choice is None else tool_choice
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        named = [t["function"] for t in tools if t["function"]["name"] == name]
+        if not named:
+            raise APIError(400, f"tool_choice names the function {name!r}, which is not among the tools",
+                           param="tool_choice")
+        return named[0]
+    if choice not in ("none", "auto", "required"):
+        raise APIError(400, 'tool_choice: give "none", "auto", "required" or {"type": "function", "function": '
+                       '{"name": ...}}', param="tool_choice")
+    if choice == "auto" and parser is None:
+        raise APIError(400, '"auto" tool choice needs a server started with --enable-auto-tool-choice '
+                       '--tool-call-parser hermes; or give tool_choice "required" or a named function',
+                       param="tool_choice")
+    return choice
+
+
+def forced_output(tools: list[dict], choice, parallel: bool = True) -> StructuredOutputsParams | None:
+    """The JSON a forced choice holds the output to: the named function's arguments, or for "required" a list of
+    calls (one, unless parallel), each a function's name and its arguments."""
+    if isinstance(choice, dict):
+        return StructuredOutputsParams(json=choice.get("parameters") or {"type": "object"})
+    if choice != "required":
+        return None
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+              "properties": {"name": {"const": t["function"]["name"]},
+                             "parameters": t["function"].get("parameters") or {"type": "object"}}} for t in tools]
+    return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+                                   | ({} if parallel else {"maxItems": 1}))
+
+
+def _call(name: str, arguments) -> dict:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def parse(text: str, choice, parallel: bool = True) -> tuple[str | None, list[dict]]:
+    """(the message's content, its tool calls) from a completion's text; one call at most unless parallel."""
+    if choice == "none":
+        return text, []
+    if isinstance(choice, dict) or choice == "required":  # JSON the grammar held it to (unless cut by max_tokens)
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text, []
+        calls = [_call(choice["name"], value)] if isinstance(choice, dict) else \
+            [_call(c["name"], c["parameters"]) for c in value]
+        return None, calls
+    calls = []
+    for match in _HERMES.finditer(text):  # "auto": the hermes markup; a call that is not JSON stays text
+        try:
+            call = json.loads(match.group(1))
+            calls.append(_call(call["name"], call.get("arguments", {})))
+        except (ValueError, KeyError, TypeError):
+            return text, []
+    if not calls:
+        return text, []
+    content = text[:text.find("<tool_call>")].strip()
+    return content or None, calls if parallel else calls[:1]

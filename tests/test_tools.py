@@ -1,0 +1,68 @@
+"""Tool calls: tool_choice "required" holds the output to a list of the tools' calls; the hermes parser reads a model's
+own <tool_call> markup ("auto"). The server's end of it: tests/test_server.py."""
+import json
+
+import pytest
+
+from pipellm import SamplingParams
+from pipellm.entrypoints.protocol import APIError
+from pipellm.entrypoints.tools import check_tools, choice_of, forced_output, parse
+
+TOOLS = check_tools([
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"enum": ["Paris", "Rome"]}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["utc"],
+        "properties": {"utc": {"type": "boolean"}}}}}])
+
+
+def test_required_gives_calls_of_the_tools_with_their_arguments(llm_pp2):
+    """One call each (parallel_tool_calls=false: a random model may list calls past max_tokens); several, parsed."""
+    params = SamplingParams(n=6, max_tokens=100, temperature=1.0, seed=3,
+                            structured_outputs=forced_output(TOOLS, "required", parallel=False))
+    outs = llm_pp2.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False)[0].outputs
+    two = '[{"name":"get_time","parameters":{"utc":true}},{"name":"get_weather","parameters":{"city":"Rome"}}]'
+    for text in [o.text for o in outs] + [two]:
+        content, calls = parse(text, "required")
+        assert content is None and len(calls) == (2 if text == two else 1), text
+        for call in calls:
+            args = json.loads(call["function"]["arguments"])
+            assert (call["function"]["name"], args) in [("get_weather", {"city": "Paris"}),
+                                                        ("get_weather", {"city": "Rome"}),
+                                                        ("get_time", {"utc": True}), ("get_time", {"utc": False})]
+            assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+
+
+def test_hermes_markup_is_parsed_and_anything_else_stays_text():
+    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {"utc": true}}</tool_call>')
+    content, calls = parse(text, "auto")
+    assert content == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Rome"}), ("get_time", {"utc": True})]
+    assert len({c["id"] for c in calls}) == 2
+    assert [c["function"]["name"] for c in parse(text, "auto", parallel=False)[1]] == ["get_weather"]
+    for text in ("No tools needed.", '<tool_call>{"name": "get_time", "arguments": {"utc": tr',  # cut off
+                 '<tool_call>{"arguments": {}}</tool_call>'):                                     # no name
+        assert parse(text, "auto") == (text, [])
+    assert parse('<tool_call>{"name": "x"}</tool_call>', "none")[1] == []
+
+
+@pytest.mark.parametrize("tools,choice,parser,message", [
+    (TOOLS, None, None, "needs a server started with --enable-auto-tool-choice"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, None, "not among the tools"),
+    (TOOLS, "sometimes", "hermes", "tool_choice: give"),
+    (None, "required", None, "tool_choice needs tools"),
+])
+def test_tool_choices_this_server_cannot_follow(tools, choice, parser, message):
+    with pytest.raises(APIError, match=message):
+        choice_of(tools, choice, parser)
+
+
+def test_tool_choices():
+    assert choice_of(TOOLS, None, "hermes") == "auto" and choice_of(None, None, None) == "none"
+    assert choice_of(TOOLS, {"type": "function", "function": {"name": "get_time"}}, None)["name"] == "get_time"
+    assert forced_output(TOOLS, "none") is None and forced_output(TOOLS, "auto") is None
+    with pytest.raises(APIError, match=r"tools\[1\]"):
+        check_tools([TOOLS[0], {"type": "function", "function": {"parameters": {}}}])
