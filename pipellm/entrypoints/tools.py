@@ -18,8 +18,8 @@ def check_tools(tools: list) -> list[dict]:
         function = tool.get("function") if isinstance(tool, dict) else None
         if (tool.get("type") if isinstance(tool, dict) else None) != "function" or not isinstance(function, dict) \
                 or not isinstance(function.get("name"), str) or not isinstance(function.get("parameters", {}), dict):
-            raise APIError(400, f"tools[{i}]: give {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                           "\"parameters\": {...JSON schema...}}}}", param="tools")
+            raise APIError(400, f"tools[{i}]: give " + '{"type": "function", "function": {"name": ..., "parameters": '
+                           '{...JSON schema...}}}', param="tools")
     return tools
 
 
@@ -31,7 +31,8 @@ def choice_of(tools: list[dict] | None, tool_choice, parser: str | None) -> str 
         return "none"
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         named = [t["function"] for t in tools if t["function"]["name"] == name]
         if not named:
             raise APIError(400, f"tool_choice names the function {name!r}, which is not among the tools",
@@ -70,13 +71,13 @@ def parse(text: str, choice, parallel: bool = True) -> tuple[str | None, list[di
     """(the message's content, its tool calls) from a completion's text; one call at most unless parallel."""
     if choice == "none":
         return text, []
-    if isinstance(choice, dict) or choice == "required":  # JSON the grammar held it to (unless cut by max_tokens)
-        try:
+    if isinstance(choice, dict) or choice == "required":
+        try:  # JSON the grammar held it to, unless max_tokens cut it
             value = json.loads(text)
-        except ValueError:
+            calls = [_call(choice["name"], value)] if isinstance(choice, dict) else \
+                [_call(c["name"], c["parameters"]) for c in value]
+        except (ValueError, KeyError, TypeError):
             return text, []
-        calls = [_call(choice["name"], value)] if isinstance(choice, dict) else \
-            [_call(c["name"], c["parameters"]) for c in value]
         return None, calls
     calls = []
     for match in _HERMES.finditer(text):  # "auto": the hermes markup; a call that is not JSON stays text
