@@ -34,6 +34,12 @@ def test_required_gives_calls_of_the_tools_with_their_arguments(llm_pp2):
             assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
 
 
+def test_llm_chat_shows_the_tools_to_the_template(llm_pp2):
+    hi = [{"role": "user", "content": "Hi"}]
+    prompt = llm_pp2.chat_prompt(hi, tools=TOOLS)["prompt"]
+    assert "<|tools|>get_weather get_time <|end|>" in prompt and prompt.endswith(llm_pp2.chat_prompt(hi)["prompt"])
+
+
 def test_hermes_markup_is_parsed_and_anything_else_stays_text():
     text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
             '<tool_call>{"name": "get_time", "arguments": {"utc": true}}</tool_call>')
