@@ -64,7 +64,7 @@ class Matcher:
     """One request's place in its grammar."""
 
     def __init__(self, tokenizer, params: StructuredOutputsParams):
-        self.m = _llguidance().LLMatcher(tokenizer, grammar(params, tokenizer))
+        self.m = _llguidance().LLMatcher(tokenizer, grammar(params, tokenizer), log_level=0)  # we log its errors
 
     def allowed(self, width: int) -> torch.Tensor:
         """[width] bool: the tokens that may come next (only EOS once the grammar is complete)."""
