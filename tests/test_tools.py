@@ -6,7 +6,7 @@ import pytest
 
 from pipellm import SamplingParams
 from pipellm.entrypoints.protocol import APIError
-from pipellm.entrypoints.tools import check_tools, choice_of, forced_output, parse
+from pipellm.entrypoints.tools import ReplyStream, check_tools, choice_of, forced_output, parse
 
 TOOLS = check_tools([
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -53,6 +53,34 @@ def test_hermes_markup_is_parsed_and_anything_else_stays_text():
                  '<tool_call>{"arguments": {}}</tool_call>'):                                     # no name
         assert parse(text, "auto") == (text, [])
     assert parse('<tool_call>{"name": "x"}</tool_call>', "none")[1] == []
+
+
+def _stream(text: str, choice, step: int) -> tuple[list[str], list[dict]]:
+    """The content pieces and the calls a reply streamed `step` characters at a time gives."""
+    reply, pieces, calls = ReplyStream(choice), [], []
+    for i in range(0, len(text), step):
+        content, calls = reply.add(text[i:i + step], i + step >= len(text))
+        pieces.append(content)
+    return pieces, calls
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_streamed_reply_sends_its_text_until_a_call_begins(step):
+    text = 'Let me look. <tool_call>{"name": "get_time", "arguments": {"utc": true}}</tool_call>'
+    pieces, calls = _stream(text, "auto", step)
+    assert "".join(pieces) == "Let me look. " and [c["function"]["name"] for c in calls] == ["get_time"]
+    if step == 1:  # each character as it comes, but for a tail that could begin the mark
+        assert pieces[:3] == ["L", "e", "t"] and pieces[13:24] == [""] * 11
+    plain = "No call: 1 < 2 and <tool is not a call."
+    pieces, calls = _stream(plain, "auto", step)
+    assert "".join(pieces) == plain and calls == []
+    if step == 1:
+        assert pieces[plain.index("<")] == "" and pieces[plain.index("<") + 1] == "< "  # held, then no mark
+    broken = 'Hm <tool_call>{"name": "get_t'  # cut by max_tokens: text after all
+    assert "".join(_stream(broken, "auto", step)[0]) == broken
+    forced = '[{"name":"get_time","parameters":{"utc":false}}]'
+    pieces, calls = _stream(forced, "required", step)
+    assert "".join(pieces) == "" and json.loads(calls[0]["function"]["arguments"]) == {"utc": False}
 
 
 @pytest.mark.parametrize("tools,choice,parser,message", [

@@ -26,7 +26,8 @@ from pipellm.engine.engine import LLMEngine
 from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, CompletionLogprobs, CompletionRequest,
                                           DetokenizeRequest, TokenizeRequest, chat_logprobs, parse_request,
                                           sampling_params, usage)
-from pipellm.entrypoints.tools import check_tools, choice_of, forced_output, parse as parse_tool_calls
+from pipellm.entrypoints.tools import ReplyStream, check_tools, choice_of, forced_output
+from pipellm.entrypoints.tools import parse as parse_tool_calls
 from pipellm.observe.metrics import CONTENT_TYPE, ServerMetrics
 from pipellm.sampling_params import SamplingParams
 
@@ -397,17 +398,15 @@ class _Endpoints:
             base["object"] = "chat.completion.chunk"
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(params.n)]
-            texts = [""] * params.n  # a reply that may call tools comes whole, in its last chunk
+            replies = [ReplyStream(tool_choice, req.parallel_tool_calls) for _ in range(params.n)]
 
             def make_choice(index: int, d: StreamDelta) -> dict | None:
-                if tool_choice != "none":
-                    texts[index] += d.text
-                    if d.finish_reason is None:
+                if tool_choice != "none":  # a reply that may call tools: its calls whole, in its last chunk
+                    content, calls = replies[index].add(d.text, d.finish_reason is not None)
+                    if not content and not calls and d.finish_reason is None:
                         return None
-                    msg, calls = message(texts[index])
-                    delta = {k: v for k, v in msg.items() if k != "role" and v is not None}
-                    for i, call in enumerate(delta.get("tool_calls", [])):
-                        call["index"] = i
+                    delta = ({"content": content} if content else {}) | (
+                        {"tool_calls": [call | {"index": i} for i, call in enumerate(calls)]} if calls else {})
                     return {"index": index, "delta": delta, "logprobs": None,
                             "finish_reason": "tool_calls" if calls else d.finish_reason, "stop_reason": d.stop_reason}
                 if not d.text and d.finish_reason is None and not (d.logprobs and d.token_ids):

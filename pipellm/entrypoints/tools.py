@@ -9,6 +9,7 @@ from pipellm.entrypoints.protocol import APIError
 from pipellm.sampling_params import StructuredOutputsParams
 
 PARSERS = ("hermes",)  # <tool_call>{"name": ..., "arguments": {...}}</tool_call>: Qwen2.5/3, Hermes, and others
+_MARK = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -88,5 +89,35 @@ def parse(text: str, choice, parallel: bool = True) -> tuple[str | None, list[di
             return text, []
     if not calls:
         return text, []
-    content = text[:text.find("<tool_call>")].strip()
+    content = text[:text.find(_MARK)].strip()
     return content or None, calls if parallel else calls[:1]
+
+
+class ReplyStream:
+    """A streamed reply that may call tools. With "auto" its text streams until a call begins (a tail that could
+    begin one waits for the next piece); a forced reply is all calls. The calls come whole, once it is finished."""
+
+    def __init__(self, choice, parallel: bool = True):
+        self.choice, self.parallel = choice, parallel
+        self.text, self.num_sent = "", 0
+
+    def add(self, piece: str, finished: bool) -> tuple[str, list[dict]]:
+        """(the content to send now, the tool calls: only once finished)"""
+        self.text += piece
+        end = 0  # a forced reply's text is its calls' JSON
+        if self.choice == "auto":
+            at = self.text.find(_MARK)
+            end = at if at != -1 else len(self.text) - (0 if finished else _mark_prefix_len(self.text))
+        calls = []
+        if finished:
+            _, calls = parse(self.text, self.choice, self.parallel)
+            if not calls:  # no call after all: the text is the content
+                end = len(self.text)
+        content = self.text[self.num_sent:end]
+        self.num_sent = max(self.num_sent, end)
+        return content, calls
+
+
+def _mark_prefix_len(text: str) -> int:
+    """The longest tail of text that begins the tool-call mark."""
+    return next((k for k in range(min(len(_MARK) - 1, len(text)), 0, -1) if text.endswith(_MARK[:k])), 0)
