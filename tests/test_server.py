@@ -237,6 +237,29 @@ def test_a_named_tool_choice_gives_its_call(server):
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_auto_tool_choice_reads_hermes_calls(llama_dir, tmp_path):
+    """`--enable-auto-tool-choice --tool-call-parser hermes`: a reply that writes a <tool_call> (here held to one by
+    structured outputs, which a random model would not write) comes back as the call, streamed or not; one that
+    does not, as text."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    hi = [{"role": "user", "content": "Hi"}]
+    with serve(llama_dir, tmp_path, "-pp", "1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as srv:
+        client = srv.client()
+        model = client.models.list().data[0].id
+        for text, calls in ((f"Sure. {call}", [("get_weather", {"city": "Rome"})]), ("It is noon.", [])):
+            kwargs = dict(model=model, messages=hi, max_tokens=120, tools=[WEATHER, TIME],
+                          extra_body={"structured_outputs": {"choice": [text]}})
+            out = client.chat.completions.create(**kwargs).choices[0]
+            chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+            streamed_calls = [tc for c in chunks for tc in c.delta.tool_calls or []]
+            for got_calls, content, finish in ((out.message.tool_calls or [], out.message.content, out.finish_reason),
+                                               (streamed_calls, "".join(c.delta.content or "" for c in chunks),
+                                                chunks[-1].finish_reason)):
+                assert [(c.function.name, json.loads(c.function.arguments)) for c in got_calls] == calls
+                assert finish == ("tool_calls" if calls else "stop")
+                assert content.strip() == ("Sure." if calls else text)
+
+
 def test_tools_reach_the_chat_template_and_errors(server):
     client = server.client()
     plain = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=1)
