@@ -44,13 +44,13 @@ class StreamText:
 
     def add(self, text: str, finished: bool, stop_text: str | None = None) -> str:
         self.text = stop_text if stop_text is not None else self.text + text
-        end = len(self.text) if finished else len(self.text) - _stop_prefix_len(self.text, self.stops)
+        end = len(self.text) if finished else len(self.text) - stop_prefix_len(self.text, self.stops)
         delta = self.text[self.num_sent_chars:end]
         self.num_sent_chars = max(self.num_sent_chars, end)
         return delta
 
 
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
+def stop_prefix_len(text: str, stops: list[str]) -> int:
     """Length of the longest tail of text that is a proper prefix of a stop string."""
     longest = 0
     for stop in stops:

@@ -73,7 +73,7 @@ class ChatRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(BaseModel):

@@ -50,7 +50,7 @@ class ServerConfig:
     trace_dir: str | None = None        # on shutdown, write the pipeline trace and pictures here
     generation_config: str = "auto"     # sampling defaults for fields a request leaves out: "auto" (the model's
     #                                     generation_config.json, as vLLM), "vllm" (none), or a folder holding one
-    tool_call_parser: str | None = None  # tool_choice "auto": how the model's tool calls are read (tools.PARSERS)
+    tool_call_parser: str | None = None  # tool_choice "auto": how the model writes its tool calls (hermes)
 
     def __post_init__(self):
         check_generation_config(self.generation_config)  # before the engine starts
@@ -370,6 +370,7 @@ class _Endpoints:
         s.check_model_and_engine(req.model)
         tools = check_tools(req.tools) if req.tools else None
         tool_choice = choice_of(tools, req.tool_choice, s.config.tool_call_parser)
+        parallel = req.parallel_tool_calls is not False
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         top_k = (req.top_logprobs or 0) if req.logprobs else None
@@ -377,7 +378,7 @@ class _Endpoints:
         if max_tokens is None:  # the model's default, else up to max_model_len, as OpenAI's chat does
             max_tokens = s.sampling_defaults.get("max_tokens")
         params = sampling_params(req, max_tokens, top_k, defaults=s.sampling_defaults)
-        if (forced := forced_output(tools, tool_choice, req.parallel_tool_calls) if tools else None) is not None:
+        if (forced := forced_output(tools, tool_choice, parallel) if tools else None) is not None:
             if params.structured_outputs is not None:
                 raise APIError(400, f"tool_choice {req.tool_choice!r} holds the output to the tools' JSON: give no "
                                "response_format or structured_outputs with it", param="tool_choice")
@@ -391,14 +392,14 @@ class _Endpoints:
             return chat_logprobs(token_ids, entries, top_k) if top_k is not None else None
 
         def message(text: str) -> tuple[dict, bool]:  # the assistant's message, and whether it calls tools
-            content, calls = parse_tool_calls(text, tool_choice, req.parallel_tool_calls)
+            content, calls = parse_tool_calls(text, tool_choice, parallel)
             return {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {}), bool(calls)
 
         if req.stream:
             base["object"] = "chat.completion.chunk"
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(params.n)]
-            replies = [ReplyStream(tool_choice, req.parallel_tool_calls) for _ in range(params.n)]
+            replies = [ReplyStream(tool_choice, parallel) for _ in range(params.n)]
 
             def make_choice(index: int, d: StreamDelta) -> dict | None:
                 if tool_choice != "none":  # a reply that may call tools: its calls whole, in its last chunk

@@ -5,11 +5,11 @@ import json
 import re
 import uuid
 
+from pipellm.engine.detokenizer import stop_prefix_len
 from pipellm.entrypoints.protocol import APIError
 from pipellm.sampling_params import StructuredOutputsParams
 
-PARSERS = ("hermes",)  # <tool_call>{"name": ..., "arguments": {...}}</tool_call>: Qwen2.5/3, Hermes, and others
-_MARK = "<tool_call>"
+_MARK = "<tool_call>"  # hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2.5/3, Hermes, ...)
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -107,7 +107,7 @@ class ReplyStream:
         end = 0  # a forced reply's text is its calls' JSON
         if self.choice == "auto":
             at = self.text.find(_MARK)
-            end = at if at != -1 else len(self.text) - (0 if finished else _mark_prefix_len(self.text))
+            end = at if at != -1 else len(self.text) - (0 if finished else stop_prefix_len(self.text, [_MARK]))
         calls = []
         if finished:
             _, calls = parse(self.text, self.choice, self.parallel)
@@ -117,7 +117,3 @@ class ReplyStream:
         self.num_sent = max(self.num_sent, end)
         return content, calls
 
-
-def _mark_prefix_len(text: str) -> int:
-    """The longest tail of text that begins the tool-call mark."""
-    return next((k for k in range(min(len(_MARK) - 1, len(text)), 0, -1) if text.endswith(_MARK[:k])), 0)
