@@ -106,7 +106,7 @@ class _Request:
         self.allowed = None if params.allowed_token_ids is None else torch.tensor(params.allowed_token_ids)
         self.bad_words = bad_words                      # token sequences whose last token never completes them
         self.tail_len = max(map(len, bad_words), default=1) - 1  # the tokens a bad word's last token may follow
-        self.tail = list(prompt_ids[-self.tail_len:]) if self.tail_len else []  # the tokens they may follow
+        self.tail = list(prompt_ids[-self.tail_len:]) if self.tail_len else []  # the last of prompt + output
         self.matcher: structured.Matcher | None = None   # its place in its grammar (structured outputs)
         self.generator: torch.Generator | None = None   # made on first draw; on the CPU whatever the logits' device,
         #                                                 so a seed draws the same numbers on a GPU
