@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipellm.config import generation_defaults
-from pipellm.entrypoints.cli import _chat_template, _engine_kwargs, _sampling_params, main, parse_args
+from pipellm.entrypoints.cli import _chat_template, _engine_kwargs, _reply, _sampling_params, main, parse_args
 from pipellm.llm import LLM
 
 CLI = [sys.executable, "-m", "pipellm.entrypoints.cli"]
@@ -111,6 +112,28 @@ def test_structured_output_flags(llama_dir, tmp_path):
     assert spec("--json-schema", '{"type": "string"}').json == '{"type": "string"}'
     assert spec("--grammar", str(tmp_path / "g.gbnf")).grammar == 'root ::= "a"'
     assert spec("--regex", "[0-9]+").regex == "[0-9]+"
+
+
+def test_ctrl_c_stops_a_chat_reply_and_the_chat_goes_on(capsys):
+    closed = []
+
+    def pieces(interrupts: int):
+        try:
+            yield "a"
+            for _ in range(interrupts):  # Ctrl-C while the next piece is made
+                os.kill(os.getpid(), signal.SIGINT)
+            yield "b"
+            yield "c"
+        finally:
+            closed.append(interrupts)
+
+    assert _reply(pieces(1)) == "ab" and closed == [1]  # the piece that came, then the stream closed
+    assert capsys.readouterr().out == "ab [stopped]\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):  # a second one interrupts as usual
+        _reply(pieces(2))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert _reply(pieces(0)) == "abc"
 
 
 def test_chat_template_is_a_file_or_the_template(tmp_path):

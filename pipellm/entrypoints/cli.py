@@ -1,7 +1,9 @@
 """pipellm generate | chat | bench | trace | inspect | serve | stage"""
 import os
 import re
+import signal
 import sys
+import threading
 import time
 
 from pipellm.entrypoints.args import SAMPLING_FLAGS, parse_args
@@ -137,7 +139,7 @@ def cmd_chat(args) -> None:
         _check_chat_template(llm.get_tokenizer(), messages, template)
         for line in llm.describe_stages():
             print(line)
-        print("Type a message; an empty line or Ctrl-D quits.")
+        print("Type a message; an empty line or Ctrl-D quits, Ctrl-C stops a reply.")
         while True:
             try:
                 user = input("> ")
@@ -146,12 +148,33 @@ def cmd_chat(args) -> None:
             if not user.strip():
                 break
             messages.append({"role": "user", "content": user})
-            reply = ""
-            for piece in llm.stream(llm.chat_prompt(messages, chat_template=template), params):  # as it comes
-                print(piece, end="", flush=True)
-                reply += piece
-            print()
+            reply = _reply(llm.stream(llm.chat_prompt(messages, chat_template=template), params))
             messages.append({"role": "assistant", "content": reply})
+
+
+def _reply(stream) -> str:
+    """Prints a reply as it comes. Ctrl-C stops it (closing the stream aborts its request) and the chat goes on; a
+    second Ctrl-C before the next piece interrupts as usual. The stages ignore SIGINT: the driver handles it."""
+    stop = threading.Event()
+
+    def on_sigint(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    reply, previous = "", signal.signal(signal.SIGINT, on_sigint)
+    try:
+        for piece in stream:
+            print(piece, end="", flush=True)
+            reply += piece
+            if stop.is_set():
+                stream.close()
+                print(" [stopped]", end="")
+                break
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    print()
+    return reply
 
 
 def cmd_bench(args) -> None:
