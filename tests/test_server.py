@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.soak import free_port
 from pipellm import SamplingParams, StructuredOutputsParams
+from pipellm.loader.model_folder import load_tokenizer
 from tests.serving import KEY, Server, is_running, serve, wait_until
 
 
@@ -243,9 +244,13 @@ def test_auto_tool_choice_reads_hermes_calls(llama_dir, tmp_path):
     does not, as text."""
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
     hi = [{"role": "user", "content": "Hi"}]
-    with serve(llama_dir, tmp_path, "-pp", "1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as srv:
+    template = "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}"  # --chat-template too
+    with serve(llama_dir, tmp_path, "-pp", "1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+               "--chat-template", template) as srv:
         client = srv.client()
         model = client.models.list().data[0].id
+        ids = httpx.post(f"{srv.url}/tokenize", json={"messages": hi}).json()["tokens"]
+        assert ids == load_tokenizer(llama_dir).encode("<<user>>Hi", add_special_tokens=False)
         for text, calls in ((f"Sure. {call}", [("get_weather", {"city": "Rome"})]), ("It is noon.", [])):
             kwargs = dict(model=model, messages=hi, max_tokens=120, tools=[WEATHER, TIME],
                           extra_body={"structured_outputs": {"choice": [text]}})

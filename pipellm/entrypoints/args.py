@@ -198,6 +198,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="sampling defaults for fields a request leaves out: auto (default) = the model folder's "
                             "generation_config.json; vllm = none; or a folder holding a generation_config.json")
     serve.add_argument("--trace-dir", default=None, help="on shutdown, write the pipeline trace and pictures here")
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template file, or the template itself, for /v1/chat/completions (default: "
+                            "the model's)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)')
     serve.add_argument("--tool-call-parser", default=None, choices=["hermes"],

@@ -241,13 +241,15 @@ def cmd_serve(args) -> None:
     from pipellm.loader.default_model import DEFAULT_MODEL_NAME
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+    template = _chat_template(args.chat_template)
     sock = _bind(args.host, args.port)
     config = ServerConfig(args.served_model_name or args.model or DEFAULT_MODEL_NAME, args.host, args.port,
                           args.api_key, metrics_public=args.metrics_public, max_request_bytes=args.max_request_bytes,
                           max_request_seqs=args.max_request_seqs, max_request_tokens=args.max_request_tokens,
                           max_waiting_seqs=args.max_waiting_seqs, log_level=args.log_level, trace_dir=args.trace_dir,
                           generation_config=args.generation_config,
-                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                          chat_template=template)
     run_server(args.model, _engine_kwargs(args, restart_default=True), config, sock)
 
 

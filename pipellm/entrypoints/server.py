@@ -51,6 +51,7 @@ class ServerConfig:
     generation_config: str = "auto"     # sampling defaults for fields a request leaves out: "auto" (the model's
     #                                     generation_config.json, as vLLM), "vllm" (none), or a folder holding one
     tool_call_parser: str | None = None  # tool_choice "auto": how the model writes its tool calls (hermes)
+    chat_template: str | None = None    # a Jinja template for chat completions instead of the tokenizer's
 
     def __post_init__(self):
         check_generation_config(self.generation_config)  # before the engine starts
@@ -285,9 +286,10 @@ class _Endpoints:
         return "" if tokenizer is None else tokenizer.decode([token_id])
 
     def chat_prompt(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> list[int]:
-        tokenizer = self.s.async_engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions")
+        tokenizer, template = self.s.async_engine.tokenizer, self.s.config.chat_template
+        if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
+            raise APIError(400, "this model has no chat template; use /v1/completions (or start the server with "
+                           "--chat-template)")
         if not messages:
             raise APIError(400, "messages is empty", param="messages")
         conversation = []
@@ -300,7 +302,8 @@ class _Endpoints:
             extra = {k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}
             conversation.append({"role": m.role, "content": content or ""} | extra)
         try:
-            text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                 chat_template=template)
         except Exception as e:  # a template may reject a conversation (roles out of order, ...)
             raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
         # The template already holds any BOS token, so don't add special tokens again (as LLM.chat does).
