@@ -244,13 +244,16 @@ def test_auto_tool_choice_reads_hermes_calls(llama_dir, tmp_path):
     does not, as text."""
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
     hi = [{"role": "user", "content": "Hi"}]
-    template = "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}"  # --chat-template too
+    # --chat-template too, with a variable for chat_template_kwargs
+    template = "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}{% if x %}[{{ x }}]{% endif %}"
     with serve(llama_dir, tmp_path, "-pp", "1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                "--chat-template", template) as srv:
         client = srv.client()
         model = client.models.list().data[0].id
-        ids = httpx.post(f"{srv.url}/tokenize", json={"messages": hi}).json()["tokens"]
-        assert ids == load_tokenizer(llama_dir).encode("<<user>>Hi", add_special_tokens=False)
+        tok = load_tokenizer(llama_dir)
+        for body, text in (({}, "<<user>>Hi"), ({"chat_template_kwargs": {"x": "y"}}, "<<user>>Hi[y]")):
+            ids = httpx.post(f"{srv.url}/tokenize", json={"messages": hi} | body).json()["tokens"]
+            assert ids == tok.encode(text, add_special_tokens=False)
         for text, calls in ((f"Sure. {call}", [("get_weather", {"city": "Rome"})]), ("It is noon.", [])):
             kwargs = dict(model=model, messages=hi, max_tokens=120, tools=[WEATHER, TIME],
                           extra_body={"structured_outputs": {"choice": [text]}})
@@ -265,7 +268,7 @@ def test_auto_tool_choice_reads_hermes_calls(llama_dir, tmp_path):
                 assert content.strip() == ("Sure." if calls else text)
 
 
-def test_tools_reach_the_chat_template_and_errors(server):
+def test_tools_and_chat_template_options_reach_the_template(server, llama_dir):
     client = server.client()
     plain = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=1)
     # tool_choice "none": the model reads the tools (the template renders them) and answers in text.
@@ -278,6 +281,19 @@ def test_tools_reach_the_chat_template_and_errors(server):
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
     longer = client.chat.completions.create(model=NAME, messages=history, max_tokens=1)
     assert longer.usage.prompt_tokens > plain.usage.prompt_tokens + 10
+    # The assistant's message continued: the prompt ends with its text, no end-of-turn after it.
+    prefix = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+    body = {"model": NAME, "messages": prefix, "add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(f"{server.url}/tokenize", json=body, headers=AUTH).json()["tokens"]
+    tok = load_tokenizer(llama_dir)
+    assert tok.decode(ids).endswith("<|assistant|>The answer is")
+    out = client.chat.completions.create(model=NAME, messages=prefix, max_tokens=3, temperature=0,
+                                         extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert out.usage.prompt_tokens == len(ids)
+    for extra, why in (({"continue_final_message": True}, "give add_generation_prompt=false"),
+                       ({"chat_template_kwargs": {"tokenize": True}}, "tokenize are the request's own fields")):
+        with pytest.raises(openai.BadRequestError, match=why):
+            client.chat.completions.create(model=NAME, messages=prefix, max_tokens=2, extra_body=extra)
     for kwargs, why in ((dict(tools=[WEATHER]), "needs a server started with --enable-auto-tool-choice"),
                         (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
                          "not among the tools"),

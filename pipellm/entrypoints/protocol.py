@@ -66,7 +66,15 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ChatRequest(SamplingFields):
+class ChatTemplateFields(BaseModel):
+    """vLLM's chat-template options: the assistant's turn opened (or the last message continued), and variables
+    for the template (Qwen3's enable_thinking, ...)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+
+
+class ChatRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -76,7 +84,7 @@ class ChatRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
     model_config = ConfigDict(extra="ignore")
     model: str | None = None

@@ -23,15 +23,19 @@ import pipellm
 from pipellm.config import check_generation_config, sampling_defaults
 from pipellm.engine.async_engine import AsyncEngine, EngineDeadError, StreamDelta
 from pipellm.engine.engine import LLMEngine
-from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, CompletionLogprobs, CompletionRequest,
-                                          DetokenizeRequest, TokenizeRequest, chat_logprobs, parse_request,
-                                          sampling_params, usage)
+from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, ChatTemplateFields, CompletionLogprobs,
+                                          CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs,
+                                          parse_request, sampling_params, usage)
 from pipellm.entrypoints.tools import ReplyStream, check_tools, choice_of, forced_output
 from pipellm.entrypoints.tools import parse as parse_tool_calls
 from pipellm.observe.metrics import CONTENT_TYPE, ServerMetrics
 from pipellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pipellm.server")
+# apply_chat_template's own arguments, which chat_template_kwargs may not set (they are not template variables)
+_TEMPLATE_ARGS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                  "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                  "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"}
 
 
 @dataclass
@@ -285,7 +289,8 @@ class _Endpoints:
         tokenizer = self.s.async_engine.tokenizer
         return "" if tokenizer is None else tokenizer.decode([token_id])
 
-    def chat_prompt(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> list[int]:
+    def chat_prompt(self, messages: list[ChatMessage], options: ChatTemplateFields,
+                    tools: list[dict] | None = None) -> list[int]:
         tokenizer, template = self.s.async_engine.tokenizer, self.s.config.chat_template
         if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
             raise APIError(400, "this model has no chat template; use /v1/completions (or start the server with "
@@ -301,9 +306,17 @@ class _Endpoints:
                 content = "\n".join(part["text"] for part in content)
             extra = {k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}
             conversation.append({"role": m.role, "content": content or ""} | extra)
+        if options.add_generation_prompt and options.continue_final_message:
+            raise APIError(400, "continue_final_message continues the last message: give add_generation_prompt=false "
+                           "with it", param="continue_final_message")
+        variables = options.chat_template_kwargs or {}
+        if taken := sorted(set(variables) & _TEMPLATE_ARGS):
+            raise APIError(400, f"chat_template_kwargs: {', '.join(taken)} are the request's own fields, not the "
+                           "template's variables", param="chat_template_kwargs")
         try:
-            text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True,
-                                                 chat_template=template)
+            text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, chat_template=template,
+                                                 add_generation_prompt=options.add_generation_prompt,
+                                                 continue_final_message=options.continue_final_message, **variables)
         except Exception as e:  # a template may reject a conversation (roles out of order, ...)
             raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
         # The template already holds any BOS token, so don't add special tokens again (as LLM.chat does).
@@ -386,7 +399,7 @@ class _Endpoints:
                 raise APIError(400, f"tool_choice {req.tool_choice!r} holds the output to the tools' JSON: give no "
                                "response_format or structured_outputs with it", param="tool_choice")
             params.structured_outputs = forced
-        prompts = [self.chat_prompt(req.messages, tools)]
+        prompts = [self.chat_prompt(req.messages, req, tools)]
         await s.check_prompts(prompts, params, max_tokens is not None)
         s.check_size_and_room(prompts, params)
         base = self.base("chatcmpl", "chat.completion")
@@ -442,7 +455,7 @@ class _Endpoints:
             raise APIError(400, "give a prompt or messages (one of them)", param="prompt")
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
-        ids = self.chat_prompt(req.messages) if req.messages is not None else \
+        ids = self.chat_prompt(req.messages, req) if req.messages is not None else \
             tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": s.engine.max_model_len, "tokens": ids, "token_strs": None}
 
