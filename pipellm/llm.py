@@ -163,23 +163,33 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
-        """chat_template: a Jinja template to use instead of the tokenizer's. tools: OpenAI's tool definitions, for
-        the template to show the model (as vLLM's LLM.chat; the output is text, its tool calls not parsed)."""
+             tools: list[dict] | None = None, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """As vLLM's LLM.chat. chat_template: a Jinja template to use instead of the tokenizer's. tools: OpenAI's
+        tool definitions, for the template to show the model (the output is text: its tool calls are not parsed).
+        continue_final_message: the model continues the last (assistant) message, with add_generation_prompt=False.
+        chat_template_kwargs: the template's own variables (Qwen3's enable_thinking, ...)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.chat_prompt(conv, add_generation_prompt, chat_template, tools) for conv in conversations]
+        prompts = [self.chat_prompt(conv, add_generation_prompt, chat_template, tools, continue_final_message,
+                                    chat_template_kwargs) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None, tools: list[dict] | None = None) -> dict:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
+                    tools: list[dict] | None = None, continue_final_message: bool = False,
+                    chat_template_kwargs: dict | None = None) -> dict:
         """One conversation through the chat template: {"prompt": text, "prompt_token_ids": ids}."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message continues the last message: give add_generation_prompt=False "
+                             "with it")
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template, tools=tools)
+                                             chat_template=chat_template, tools=tools,
+                                             continue_final_message=continue_final_message,
+                                             **(chat_template_kwargs or {}))
         # The template already holds any BOS token, so don't add special tokens again.
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 

@@ -143,6 +143,16 @@ def test_bad_words_and_allowed_token_ids_match_hf(llm_pp2, checkpoints):
     assert out == hf(prefix_allowed_tokens_fn=lambda batch, ids: allowed) and set(out) <= set(allowed)
 
 
+def test_llm_chat_continues_a_message_and_passes_template_variables(llm_pp2):
+    prefix = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+    prompt = llm_pp2.chat_prompt(prefix, add_generation_prompt=False, continue_final_message=True)["prompt"]
+    assert prompt.endswith("<|assistant|>The answer is")
+    template = "{{ messages[0]['content'] }}{% if x %}[{{ x }}]{% endif %}"
+    assert llm_pp2.chat_prompt(prefix, chat_template=template, chat_template_kwargs={"x": 1})["prompt"] == "Hi[1]"
+    with pytest.raises(ValueError, match="give add_generation_prompt=False"):
+        llm_pp2.chat(prefix, continue_final_message=True)
+
+
 @pytest.mark.parametrize("kwargs,field", [
     (dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(temperature=-1), "temperature"), (dict(n=0), "n"), (dict(top_k=-5), "top_k"),
