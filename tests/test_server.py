@@ -238,34 +238,41 @@ def test_a_named_tool_choice_gives_its_call(server):
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_auto_tool_choice_reads_hermes_calls(llama_dir, tmp_path):
-    """`--enable-auto-tool-choice --tool-call-parser hermes`: a reply that writes a <tool_call> (here held to one by
-    structured outputs, which a random model would not write) comes back as the call, streamed or not; one that
-    does not, as text."""
+def test_auto_tool_choice_and_reasoning_parsers(llama_dir, tmp_path):
+    """`--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3`: a reply that writes a
+    <tool_call> comes back as the call, a <think> block as reasoning_content, streamed or not; plain text as text.
+    The replies are held to those texts by structured outputs (a random model would write neither)."""
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
     hi = [{"role": "user", "content": "Hi"}]
     # --chat-template too, with a variable for chat_template_kwargs
     template = "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}{% endfor %}{% if x %}[{{ x }}]{% endif %}"
     with serve(llama_dir, tmp_path, "-pp", "1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-               "--chat-template", template) as srv:
+               "--reasoning-parser", "qwen3", "--chat-template", template) as srv:
         client = srv.client()
         model = client.models.list().data[0].id
         tok = load_tokenizer(llama_dir)
         for body, text in (({}, "<<user>>Hi"), ({"chat_template_kwargs": {"x": "y"}}, "<<user>>Hi[y]")):
             ids = httpx.post(f"{srv.url}/tokenize", json={"messages": hi} | body).json()["tokens"]
             assert ids == tok.encode(text, add_special_tokens=False)
-        for text, calls in ((f"Sure. {call}", [("get_weather", {"city": "Rome"})]), ("It is noon.", [])):
-            kwargs = dict(model=model, messages=hi, max_tokens=120, tools=[WEATHER, TIME],
+        weather = [("get_weather", {"city": "Rome"})]
+        for text, reasoning, content, calls in ((f"Sure. {call}", None, "Sure.", weather),
+                                                ("It is noon.", None, "It is noon.", []),
+                                                ("<think>Rome, then.</think>\n" + call, "Rome, then.", None, weather),
+                                                ("<think>Easy.</think>\n\nIt is noon.", "Easy.", "It is noon.", [])):
+            kwargs = dict(model=model, messages=hi, max_tokens=160, tools=[WEATHER, TIME],
                           extra_body={"structured_outputs": {"choice": [text]}})
             out = client.chat.completions.create(**kwargs).choices[0]
             chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
-            streamed_calls = [tc for c in chunks for tc in c.delta.tool_calls or []]
-            for got_calls, content, finish in ((out.message.tool_calls or [], out.message.content, out.finish_reason),
-                                               (streamed_calls, "".join(c.delta.content or "" for c in chunks),
-                                                chunks[-1].finish_reason)):
+            streamed = ([tc for c in chunks for tc in c.delta.tool_calls or []],
+                        "".join(c.delta.content or "" for c in chunks) or None,
+                        "".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks) or None,
+                        chunks[-1].finish_reason)
+            for got_calls, got_content, got_reasoning, finish in (
+                    (out.message.tool_calls or [], out.message.content, out.message.reasoning_content,
+                     out.finish_reason), streamed):
                 assert [(c.function.name, json.loads(c.function.arguments)) for c in got_calls] == calls
                 assert finish == ("tool_calls" if calls else "stop")
-                assert content.strip() == ("Sure." if calls else text)
+                assert (got_content and got_content.strip() or None, got_reasoning) == (content, reasoning)
 
 
 def test_tools_and_chat_template_options_reach_the_template(server, llama_dir):

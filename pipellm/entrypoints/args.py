@@ -201,6 +201,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja chat template file, or the template itself, for /v1/chat/completions (default: "
                             "the model's)")
+    serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                       help="a thinking model's <think>...</think>, as chat messages' reasoning_content")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)')
     serve.add_argument("--tool-call-parser", default=None, choices=["hermes"],

@@ -26,6 +26,8 @@ from pipellm.engine.engine import LLMEngine
 from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, ChatTemplateFields, CompletionLogprobs,
                                           CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs,
                                           parse_request, sampling_params, usage)
+from pipellm.entrypoints.reasoning import ReasoningStream
+from pipellm.entrypoints.reasoning import split as split_reasoning
 from pipellm.entrypoints.tools import ReplyStream, check_tools, choice_of, forced_output
 from pipellm.entrypoints.tools import parse as parse_tool_calls
 from pipellm.observe.metrics import CONTENT_TYPE, ServerMetrics
@@ -56,6 +58,7 @@ class ServerConfig:
     #                                     generation_config.json, as vLLM), "vllm" (none), or a folder holding one
     tool_call_parser: str | None = None  # tool_choice "auto": how the model writes its tool calls (hermes)
     chat_template: str | None = None    # a Jinja template for chat completions instead of the tokenizer's
+    reasoning_parser: str | None = None  # the thought in a message's reasoning_content (reasoning.PARSERS)
 
     def __post_init__(self):
         check_generation_config(self.generation_config)  # before the engine starts
@@ -407,30 +410,35 @@ class _Endpoints:
         def lps(token_ids, entries):
             return chat_logprobs(token_ids, entries, top_k) if top_k is not None else None
 
+        parser = s.config.reasoning_parser
+
         def message(text: str) -> tuple[dict, bool]:  # the assistant's message, and whether it calls tools
+            reasoning, text = split_reasoning(text, parser) if parser else (None, text)
             content, calls = parse_tool_calls(text, tool_choice, parallel)
-            return {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {}), bool(calls)
+            return {"role": "assistant", "content": content} | ({"reasoning_content": reasoning} if parser else {}) \
+                | ({"tool_calls": calls} if calls else {}), bool(calls)
 
         if req.stream:
             base["object"] = "chat.completion.chunk"
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(params.n)]
+            thoughts = [ReasoningStream(parser) for _ in range(params.n)] if parser else None
             replies = [ReplyStream(tool_choice, parallel) for _ in range(params.n)]
 
             def make_choice(index: int, d: StreamDelta) -> dict | None:
+                finished, calls = d.finish_reason is not None, []
+                reasoning, content = thoughts[index].add(d.text, finished) if thoughts else ("", d.text)
                 if tool_choice != "none":  # a reply that may call tools: its calls whole, in its last chunk
-                    content, calls = replies[index].add(d.text, d.finish_reason is not None)
-                    if not content and not calls and d.finish_reason is None:
-                        return None
-                    delta = ({"content": content} if content else {}) | (
-                        {"tool_calls": [call | {"index": i} for i, call in enumerate(calls)]} if calls else {})
-                    return {"index": index, "delta": delta, "logprobs": None,
-                            "finish_reason": "tool_calls" if calls else d.finish_reason, "stop_reason": d.stop_reason}
-                if not d.text and d.finish_reason is None and not (d.logprobs and d.token_ids):
+                    content, calls = replies[index].add(content, finished)
+                with_logprobs = tool_choice == "none" and d.logprobs and d.token_ids
+                if not (reasoning or content or calls or finished or with_logprobs):
                     return None
-                return {"index": index, "delta": {"content": d.text} if d.text else {},
-                        "logprobs": lps(d.token_ids, d.logprobs), "finish_reason": d.finish_reason,
-                        "stop_reason": d.stop_reason}
+                delta = ({"reasoning_content": reasoning} if reasoning else {}) | (
+                    {"content": content} if content else {}) | (
+                    {"tool_calls": [call | {"index": i} for i, call in enumerate(calls)]} if calls else {})
+                return {"index": index, "delta": delta,
+                        "logprobs": lps(d.token_ids, d.logprobs) if tool_choice == "none" else None,
+                        "finish_reason": "tool_calls" if calls else d.finish_reason, "stop_reason": d.stop_reason}
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(s.sse(base, prompts, params, include_usage, make_choice, first),
                                      media_type="text/event-stream")
