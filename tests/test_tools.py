@@ -83,6 +83,26 @@ def test_a_streamed_reply_sends_its_text_until_a_call_begins(step):
     assert "".join(pieces) == "" and json.loads(calls[0]["function"]["arguments"]) == {"utc": False}
 
 
+def test_llama3_json_replies_are_calls_from_their_start():
+    one = '{"name": "get_weather", "parameters": {"city": "Rome"}}'
+    two = '<|python_tag|>{"name": "get_time", "arguments": {"utc": true}}; ' + one
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parse(two, "auto",
+                                                                                          parser="llama3_json")[1]] \
+        == [("get_time", {"utc": True}), ("get_weather", {"city": "Rome"})]
+    assert parse(" " + one, "auto", parser="llama3_json")[0] is None
+    for text in ("It is {not} a call.", '{"name": "get_time", "parameters": {"utc": tr', '{"parameters": {}}'):
+        assert parse(text, "auto", parser="llama3_json") == (text, [])
+    for step in (1, 4):
+        reply, pieces = ReplyStream("auto", parser="llama3_json"), []
+        for i in range(0, len(two), step):
+            pieces.append(reply.add(two[i:i + step], i + step >= len(two)))
+        assert "".join(p[0] for p in pieces) == "" and len(pieces[-1][1]) == 2
+        reply = ReplyStream("auto", parser="llama3_json")
+        assert reply.add("<|py", False) == ("", []) and reply.add("thon is fun", True) == ("<|python is fun", [])
+        reply = ReplyStream("auto", parser="llama3_json")
+        assert reply.add("Sure", False) == ("Sure", []) and reply.add(" {x}", True) == (" {x}", [])
+
+
 @pytest.mark.parametrize("tools,choice,parser,message", [
     (TOOLS, None, None, "needs a server started with --enable-auto-tool-choice"),
     (TOOLS, {"type": "function", "function": {"name": "nope"}}, None, "not among the tools"),
@@ -100,3 +120,11 @@ def test_tool_choices():
     assert forced_output(TOOLS, "none") is None and forced_output(TOOLS, "auto") is None
     with pytest.raises(APIError, match=r"tools\[1\]"):
         check_tools([TOOLS[0], {"type": "function", "function": {"parameters": {}}}])
+
+
+def test_unknown_parsers_are_refused_with_the_known_ones():
+    from pipellm.entrypoints.server import ServerConfig
+    with pytest.raises(ValueError, match="--tool-call-parser mistral: give one of hermes, llama3_json"):
+        ServerConfig("m", tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="--reasoning-parser r2: give one of qwen3, deepseek_r1"):
+        ServerConfig("m", reasoning_parser="r2")

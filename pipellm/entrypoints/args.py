@@ -205,9 +205,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="a thinking model's <think>...</think>, as chat messages' reasoning_content")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)')
-    serve.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                        help="how the model writes its tool calls: hermes = <tool_call>{json}</tool_call> (Qwen2.5/3, "
-                            "Hermes)")
+                            "Hermes); llama3_json = the reply a JSON call (Llama 3.1-3.3)")
     stage = sub.add_parser("stage", help="run this host's pipeline stages for a driver on another host")
     stage.add_argument("--model", default=None, help="this host's copy of the model (default: the driver's path)")
     _multinode_args(stage)

@@ -26,9 +26,9 @@ from pipellm.engine.engine import LLMEngine
 from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, ChatTemplateFields, CompletionLogprobs,
                                           CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs,
                                           parse_request, sampling_params, usage)
-from pipellm.entrypoints.reasoning import ReasoningStream
+from pipellm.entrypoints.reasoning import PARSERS as reasoning_parsers, ReasoningStream
 from pipellm.entrypoints.reasoning import split as split_reasoning
-from pipellm.entrypoints.tools import ReplyStream, check_tools, choice_of, forced_output
+from pipellm.entrypoints.tools import PARSERS as tool_parsers, ReplyStream, check_tools, choice_of, forced_output
 from pipellm.entrypoints.tools import parse as parse_tool_calls
 from pipellm.observe.metrics import CONTENT_TYPE, ServerMetrics
 from pipellm.sampling_params import SamplingParams
@@ -56,12 +56,15 @@ class ServerConfig:
     trace_dir: str | None = None        # on shutdown, write the pipeline trace and pictures here
     generation_config: str = "auto"     # sampling defaults for fields a request leaves out: "auto" (the model's
     #                                     generation_config.json, as vLLM), "vllm" (none), or a folder holding one
-    tool_call_parser: str | None = None  # tool_choice "auto": how the model writes its tool calls (hermes)
+    tool_call_parser: str | None = None  # tool_choice "auto": how the model writes its calls (tools.PARSERS)
     chat_template: str | None = None    # a Jinja template for chat completions instead of the tokenizer's
     reasoning_parser: str | None = None  # the thought in a message's reasoning_content (reasoning.PARSERS)
 
     def __post_init__(self):
         check_generation_config(self.generation_config)  # before the engine starts
+        for name, known in (("tool_call_parser", tool_parsers), ("reasoning_parser", reasoning_parsers)):
+            if getattr(self, name) not in (None, *known):
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: give one of {', '.join(known)}")
         for name in ("max_request_bytes", "max_request_seqs", "max_request_tokens", "max_waiting_seqs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive integer")
@@ -414,7 +417,7 @@ class _Endpoints:
 
         def message(text: str) -> tuple[dict, bool]:  # the assistant's message, and whether it calls tools
             reasoning, text = split_reasoning(text, parser) if parser else (None, text)
-            content, calls = parse_tool_calls(text, tool_choice, parallel)
+            content, calls = parse_tool_calls(text, tool_choice, parallel, s.config.tool_call_parser)
             return {"role": "assistant", "content": content} | ({"reasoning_content": reasoning} if parser else {}) \
                 | ({"tool_calls": calls} if calls else {}), bool(calls)
 
@@ -423,7 +426,7 @@ class _Endpoints:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(params.n)]
             thoughts = [ReasoningStream(parser) for _ in range(params.n)] if parser else None
-            replies = [ReplyStream(tool_choice, parallel) for _ in range(params.n)]
+            replies = [ReplyStream(tool_choice, parallel, s.config.tool_call_parser) for _ in range(params.n)]
 
             def make_choice(index: int, d: StreamDelta) -> dict | None:
                 finished, calls = d.finish_reason is not None, []

@@ -1,6 +1,7 @@
 """Tool calls in chat completions, as vLLM's server makes them. The tools go to the model's chat template. With
 tool_choice "required" or a named function the output is held to the calls' JSON (structured outputs); with "auto"
-(`--enable-auto-tool-choice --tool-call-parser hermes`) the model's own <tool_call> markup is parsed out of its text."""
+(`--enable-auto-tool-choice --tool-call-parser hermes|llama3_json`) the model's own call markup is read from its
+text."""
 import json
 import re
 import uuid
@@ -9,8 +10,10 @@ from pipellm.engine.detokenizer import stop_prefix_len
 from pipellm.entrypoints.protocol import APIError
 from pipellm.sampling_params import StructuredOutputsParams
 
-_MARK = "<tool_call>"  # hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2.5/3, Hermes, ...)
+PARSERS = ("hermes", "llama3_json")  # how a model writes its calls: Qwen2.5/3 and Hermes; Llama 3.1-3.3
+_MARK = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_PYTHON_TAG = "<|python_tag|>"
 
 
 def check_tools(tools: list) -> list[dict]:
@@ -44,7 +47,7 @@ def choice_of(tools: list[dict] | None, tool_choice, parser: str | None) -> str 
                        '{"name": ...}}', param="tool_choice")
     if choice == "auto" and parser is None:
         raise APIError(400, '"auto" tool choice needs a server started with --enable-auto-tool-choice '
-                       '--tool-call-parser hermes; or give tool_choice "required" or a named function',
+                       '--tool-call-parser hermes (or llama3_json); or give tool_choice "required" or a named function',
                        param="tool_choice")
     return choice
 
@@ -68,52 +71,72 @@ def _call(name: str, arguments) -> dict:
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def parse(text: str, choice, parallel: bool = True) -> tuple[str | None, list[dict]]:
+def parse(text: str, choice, parallel: bool = True, parser: str = "hermes") -> tuple[str | None, list[dict]]:
     """(the message's content, its tool calls) from a completion's text; one call at most unless parallel."""
     if choice == "none":
         return text, []
-    if isinstance(choice, dict) or choice == "required":
-        try:  # JSON the grammar held it to, unless max_tokens cut it
+    try:
+        if isinstance(choice, dict) or choice == "required":  # JSON the grammar held it to, unless max_tokens cut it
             value = json.loads(text)
-            calls = [_call(choice["name"], value)] if isinstance(choice, dict) else \
-                [_call(c["name"], c["parameters"]) for c in value]
-        except (ValueError, KeyError, TypeError):
-            return text, []
-        return None, calls
-    calls = []
-    for match in _HERMES.finditer(text):  # "auto": the hermes markup; a call that is not JSON stays text
-        try:
-            call = json.loads(match.group(1))
-            calls.append(_call(call["name"], call.get("arguments", {})))
-        except (ValueError, KeyError, TypeError):
-            return text, []
-    if not calls:
+            content, calls = None, ([_call(choice["name"], value)] if isinstance(choice, dict) else
+                                    [_call(c["name"], c["parameters"]) for c in value])
+        else:
+            content, calls = (_hermes if parser == "hermes" else _llama3_json)(text)
+    except (ValueError, KeyError, TypeError, AttributeError):  # a call that is not what it should be stays text
         return text, []
-    content = text[:text.find(_MARK)].strip()
-    return content or None, calls if parallel else calls[:1]
+    return (content, calls if parallel else calls[:1]) if calls else (text, [])
+
+
+def _hermes(text: str) -> tuple[str | None, list[dict]]:
+    """<tool_call>{"name": ..., "arguments": {...}}</tool_call>, after any text."""
+    calls = [_call(c["name"], c.get("arguments", {})) for c in map(json.loads, _HERMES.findall(text))]
+    return text[:text.find(_MARK)].strip() or None, calls
+
+
+def _llama3_json(text: str) -> tuple[None, list[dict]]:
+    """The whole reply: {"name": ..., "parameters": {...}} (or "arguments"), several separated by ';', after an
+    optional <|python_tag|>. A reply that does not open so has no call."""
+    body = text.lstrip()
+    body = body[len(_PYTHON_TAG):] if body.startswith(_PYTHON_TAG) else body
+    if not body.startswith("{"):
+        return None, []
+    calls, decoder, at = [], json.JSONDecoder(), 0
+    while at < len(body):
+        call, at = decoder.raw_decode(body, at)
+        calls.append(_call(call["name"], call["arguments"] if "arguments" in call else call["parameters"]))
+        while at < len(body) and body[at] in "; \n\t":
+            at += 1
+    return None, calls
 
 
 class ReplyStream:
     """A streamed reply that may call tools. With "auto" its text streams until a call begins (a tail that could
     begin one waits for the next piece); a forced reply is all calls. The calls come whole, once it is finished."""
 
-    def __init__(self, choice, parallel: bool = True):
-        self.choice, self.parallel = choice, parallel
+    def __init__(self, choice, parallel: bool = True, parser: str = "hermes"):
+        self.choice, self.parallel, self.parser = choice, parallel, parser
         self.text, self.num_sent = "", 0
 
     def add(self, piece: str, finished: bool) -> tuple[str, list[dict]]:
         """(the content to send now, the tool calls: only once finished)"""
         self.text += piece
-        end = 0  # a forced reply's text is its calls' JSON
-        if self.choice == "auto":
-            at = self.text.find(_MARK)
-            end = at if at != -1 else len(self.text) - (0 if finished else stop_prefix_len(self.text, [_MARK]))
+        end = self._sendable(finished) if self.choice == "auto" else 0  # a forced reply's text is its calls' JSON
         calls = []
         if finished:
-            _, calls = parse(self.text, self.choice, self.parallel)
+            _, calls = parse(self.text, self.choice, self.parallel, self.parser)
             if not calls:  # no call after all: the text is the content
                 end = len(self.text)
         content = self.text[self.num_sent:end]
         self.num_sent = max(self.num_sent, end)
         return content, calls
 
+    def _sendable(self, finished: bool) -> int:
+        """How much of the text is content for sure."""
+        text = self.text
+        if self.parser == "hermes":
+            at = text.find(_MARK)
+            return at if at != -1 else len(text) - (0 if finished else stop_prefix_len(text, [_MARK]))
+        stripped = text.lstrip()  # llama3_json: a reply is a call, or none, from its start
+        if stripped.startswith(("{", _PYTHON_TAG)) or not finished and _PYTHON_TAG.startswith(stripped):
+            return 0
+        return len(text)
