@@ -19,9 +19,9 @@ _PYTHON_TAG = "<|python_tag|>"
 def check_tools(tools: list) -> list[dict]:
     """OpenAI's tools: [{"type": "function", "function": {"name", "description"?, "parameters"?}}]."""
     for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if (tool.get("type") if isinstance(tool, dict) else None) != "function" or not isinstance(function, dict) \
-                or not isinstance(function.get("name"), str) or not isinstance(function.get("parameters", {}), dict):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("parameters", {}), dict):
             raise APIError(400, f"tools[{i}]: give " + '{"type": "function", "function": {"name": ..., "parameters": '
                            '{...JSON schema...}}}', param="tools")
     return tools
