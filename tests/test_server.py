@@ -20,6 +20,7 @@ from tests.serving import KEY, Server, is_running, serve, wait_until
 
 
 NAME, MAX_MODEL_LEN = "tiny", 128
+UI = "http://localhost:3000"  # --allowed-origins
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world! How are you?"}]
@@ -29,6 +30,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 def server(llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     with serve(llama_dir, tmp, "--api-key", KEY, "--served-model-name", NAME, "--max-model-len", str(MAX_MODEL_LEN),
+               "--allowed-origins", UI,
                "--trace-dir", str(tmp / "trace")) as s:
         yield s
 
@@ -53,6 +55,19 @@ def _still_serves(server: Server) -> None:
 
 
 # ---- the OpenAI API ---------------------------------------------------------------------------------------------
+
+def test_only_the_allowed_origins_may_call_from_a_browser(server):
+    asks = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    ok = httpx.options(f"{server.url}/v1/chat/completions", headers={"Origin": UI} | asks)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == UI
+    assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+    other = httpx.options(f"{server.url}/v1/chat/completions", headers={"Origin": "http://evil.example"} | asks)
+    assert "access-control-allow-origin" not in other.headers
+    answer = httpx.get(f"{server.url}/v1/models", headers=AUTH | {"Origin": UI})
+    assert answer.headers["access-control-allow-origin"] == UI
+    assert "access-control-allow-origin" not in httpx.get(f"{server.url}/v1/models", headers=AUTH | {
+        "Origin": "http://evil.example"}).headers
+
 
 def test_models_health_version(server):
     assert [m.id for m in server.client().models.list().data] == [NAME]

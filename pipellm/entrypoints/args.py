@@ -198,6 +198,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="sampling defaults for fields a request leaves out: auto (default) = the model folder's "
                             "generation_config.json; vllm = none; or a folder holding a generation_config.json")
     serve.add_argument("--trace-dir", default=None, help="on shutdown, write the pipeline trace and pictures here")
+    serve.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
+                       help="web pages whose scripts may call the API (CORS), e.g. http://localhost:3000, or *; "
+                            "default: none")
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja chat template file, or the template itself, for /v1/chat/completions (default: "
                             "the model's)")

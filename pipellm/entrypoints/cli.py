@@ -249,7 +249,8 @@ def cmd_serve(args) -> None:
                           max_waiting_seqs=args.max_waiting_seqs, log_level=args.log_level, trace_dir=args.trace_dir,
                           generation_config=args.generation_config,
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                          chat_template=template, reasoning_parser=args.reasoning_parser)
+                          chat_template=template, reasoning_parser=args.reasoning_parser,
+                          allowed_origins=tuple(args.allowed_origins))
     run_server(args.model, _engine_kwargs(args, restart_default=True), config, sock)
 
 

@@ -15,6 +15,7 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -59,6 +60,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # tool_choice "auto": how the model writes its calls (tools.PARSERS)
     chat_template: str | None = None    # a Jinja template for chat completions instead of the tokenizer's
     reasoning_parser: str | None = None  # the thought in a message's reasoning_content (reasoning.PARSERS)
+    allowed_origins: tuple[str, ...] = ()  # web pages (origins) whose scripts may call the API (CORS); "*" any
 
     def __post_init__(self):
         check_generation_config(self.generation_config)  # before the engine starts
@@ -520,6 +522,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="pipellm", version=pipellm.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.server = server
+    if config.allowed_origins:  # none by default: a page the user visits may not call a local server
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     app.add_api_route("/v1/completions", ep.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", ep.chat, methods=["POST"])
     app.add_api_route("/v1/models", ep.models, methods=["GET"])
