@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from pipellm.config import generation_defaults
-from pipellm.entrypoints.cli import _chat_template, _engine_kwargs, _reply, _sampling_params, main, parse_args
+from pipellm.entrypoints.cli import (_chat_template, _engine_kwargs, _fitting_prompt, _reply, _sampling_params, main,
+                                     parse_args)
 from pipellm.llm import LLM
 
 CLI = [sys.executable, "-m", "pipellm.entrypoints.cli"]
@@ -134,6 +135,22 @@ def test_ctrl_c_stops_a_chat_reply_and_the_chat_goes_on(capsys):
         _reply(pieces(2))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert _reply(pieces(0)) == "abc"
+
+
+def test_a_chat_longer_than_max_model_len_loses_its_oldest_turns(llm_pp2, capsys):
+    limit = llm_pp2.engine.max_model_len
+    turns = [{"role": r, "content": f"turn {i}: " + "Hello world! How are you today? " * 4}
+             for i, r in enumerate(["user", "assistant"] * 5)]
+    messages = [{"role": "system", "content": "Be brief."}] + turns + [{"role": "user", "content": "Last one."}]
+    assert len(llm_pp2.chat_prompt(messages)["prompt_token_ids"]) > limit  # the test needs a long conversation
+    prompt = _fitting_prompt(llm_pp2, messages, None)
+    assert len(prompt["prompt_token_ids"]) < limit and prompt == llm_pp2.chat_prompt(messages)
+    assert messages[0]["content"] == "Be brief." and messages[1]["role"] == "user"
+    assert messages[-1]["content"] == "Last one." and len(messages) < len(turns) + 2
+    assert f"outgrew max_model_len={limit}" in capsys.readouterr().out
+    too_long = messages + [{"role": "user", "content": "x " * limit}]
+    kept = list(too_long)
+    assert _fitting_prompt(llm_pp2, too_long, None) is None and too_long == kept  # nothing dropped for nothing
 
 
 def test_chat_template_is_a_file_or_the_template(tmp_path):

@@ -148,8 +148,31 @@ def cmd_chat(args) -> None:
             if not user.strip():
                 break
             messages.append({"role": "user", "content": user})
-            reply = _reply(llm.stream(llm.chat_prompt(messages, chat_template=template), params))
+            prompt = _fitting_prompt(llm, messages, template)
+            if prompt is None:
+                print(f"(this message alone is longer than max_model_len={llm.engine.max_model_len} tokens: shorten "
+                      "it)")
+                messages.pop()
+                continue
+            reply = _reply(llm.stream(prompt, params))
             messages.append({"role": "assistant", "content": reply})
+
+
+def _fitting_prompt(llm, messages: list[dict], template: str | None) -> dict | None:
+    """The conversation's prompt, with as many of its oldest turns left out (from the list too) as it takes to leave
+    room for a reply; None, the list unchanged, when its last message alone does not fit."""
+    first = 1 if messages[0]["role"] == "system" else 0
+    for start in range(first, len(messages)):
+        if messages[start]["role"] != "user":  # a kept conversation starts with a user's turn, as templates expect
+            continue
+        prompt = llm.chat_prompt(messages[:first] + messages[start:], chat_template=template)
+        if len(prompt["prompt_token_ids"]) < llm.engine.max_model_len:
+            if start > first:
+                print(f"(the conversation outgrew max_model_len={llm.engine.max_model_len} tokens: its oldest "
+                      f"{start - first} message(s) left it)")
+                del messages[first:start]
+            return prompt
+    return None
 
 
 def _reply(stream) -> str:
