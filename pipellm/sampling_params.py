@@ -61,6 +61,7 @@ class SamplingParams:
     logprobs: int | None = None         # top-k log-probabilities returned per generated token
     prompt_logprobs: int | None = None  # top-k log-probabilities returned per prompt token (after the first)
     skip_special_tokens: bool = True    # drop special tokens from the text
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (left truncation)
     structured_outputs: StructuredOutputsParams | None = None  # hold the output to a schema, regex or grammar
 
     def __post_init__(self):
@@ -124,6 +125,9 @@ class SamplingParams:
         if self.bad_words is not None and (not isinstance(self.bad_words, list) or any(
                 not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             bad("bad_words", "must be None or a list of non-empty strings")
+        if self.truncate_prompt_tokens is not None and (type(self.truncate_prompt_tokens) is not int
+                                                        or self.truncate_prompt_tokens < 1):
+            bad("truncate_prompt_tokens", "must be None or an integer >= 1")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be a StructuredOutputsParams")

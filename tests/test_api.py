@@ -153,6 +153,16 @@ def test_llm_chat_continues_a_message_and_passes_template_variables(llm_pp2):
         llm_pp2.chat(prefix, continue_final_message=True)
 
 
+def test_truncate_prompt_tokens_keeps_the_end_of_a_long_prompt(llm_pp2):
+    limit = llm_pp2.engine.max_model_len
+    long = [(7 * i + 3) % 300 + 1 for i in range(limit + 50)]  # too long for the model as it is
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, truncate_prompt_tokens=40)
+    out = llm_pp2.generate({"prompt_token_ids": long}, params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == long[-40:] and out.outputs[0].token_ids == _ids(llm_pp2, long[-40:])
+    short = llm_pp2.generate({"prompt_token_ids": long[:10]}, params, use_tqdm=False)[0]
+    assert short.prompt_token_ids == long[:10]  # shorter prompts are left whole
+
+
 @pytest.mark.parametrize("kwargs,field", [
     (dict(max_tokens=-1), "max_tokens"), (dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(temperature=-1), "temperature"), (dict(n=0), "n"), (dict(top_k=-5), "top_k"),
@@ -165,6 +175,7 @@ def test_llm_chat_continues_a_message_and_passes_template_variables(llm_pp2):
     (dict(logit_bias={5: float("nan")}), "logit_bias"), (dict(logit_bias=[5]), "logit_bias"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
     (dict(bad_words=[" "]), "bad_words"), (dict(bad_words="word"), "bad_words"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):

@@ -186,6 +186,13 @@ def test_logit_bias_min_tokens_and_stop_options_match_llm(server, llm_pp2):
                                         extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
         text = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
         assert text == expected.text
+    ids = tok.encode("Once upon a time " * 40)  # longer than the server's max_model_len
+    expected = _greedy(llm_pp2, {"prompt_token_ids": ids[-30:]}, max_tokens=4, ignore_eos=True).outputs[0]
+    for echo in (False, True):
+        out = client.completions.create(model=NAME, prompt=ids, max_tokens=4, temperature=0, echo=echo,
+                                        extra_body={"ignore_eos": True, "truncate_prompt_tokens": 30})
+        assert out.usage.prompt_tokens == 30
+        assert out.choices[0].text == (tok.decode(ids[-30:]) if echo else "") + expected.text
     for bad, why in (({"x": 1}, "keys must be token ids"), ({"-3": 1}, "logit_bias"), ({"5": 500}, "logit_bias"),
                      ({"100000": 1}, "outside")):
         with pytest.raises(openai.BadRequestError, match=why):

@@ -267,7 +267,14 @@ class LLMEngine:
             raise ValueError(f"the model at {self.model_dir} has no tokenizer; pass {{'prompt_token_ids': [...]}}")
         return self.tokenizer.encode(prompt)
 
+    @staticmethod
+    def truncated(prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as it runs: its last params.truncate_prompt_tokens tokens, when that is set."""
+        k = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None
+        return list(prompt_token_ids[-k:]) if k else prompt_token_ids
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        prompt_token_ids = self.truncated(prompt_token_ids, params)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty; give at least one token")
         vocab = self.model_config.vocab_size
@@ -302,6 +309,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queues one prompt (params.n completions). Call validate() first."""
+        prompt_token_ids = self.truncated(prompt_token_ids, params)
         rids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         if request_id in self.groups or any(rid in self.requests for rid in rids):
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -42,6 +42,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -133,7 +134,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
                               min_tokens=get("min_tokens", 0), stop_token_ids=req.stop_token_ids, logit_bias=bias,
                               include_stop_str_in_output=get("include_stop_str_in_output", False),
                               structured_outputs=structured_outputs, allowed_token_ids=req.allowed_token_ids,
-                              bad_words=req.bad_words,
+                              bad_words=req.bad_words, truncate_prompt_tokens=req.truncate_prompt_tokens,
                               repetition_penalty=get("repetition_penalty", 1.0),
                               presence_penalty=get("presence_penalty", 0.0),
                               frequency_penalty=get("frequency_penalty", 0.0), logprobs=logprobs,

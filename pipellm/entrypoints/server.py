@@ -351,6 +351,9 @@ class _Endpoints:
         params = sampling_params(req, max_tokens or 1, req.logprobs, req.logprobs if echo else None,
                                   s.sampling_defaults)
         prompts, texts = self.completion_prompts(req.prompt)
+        if params.truncate_prompt_tokens:  # echo and usage speak of the prompt that runs
+            texts = [t if len(p) <= params.truncate_prompt_tokens else None for p, t in zip(prompts, texts)]
+            prompts = [s.engine.truncated(p, params) for p in prompts]
         await s.check_prompts(prompts, params, req.max_tokens is not None)
         s.check_size_and_room(prompts, params)
         base = self.base("cmpl", "text_completion")
@@ -407,7 +410,7 @@ class _Endpoints:
                 raise APIError(400, f"tool_choice {req.tool_choice!r} holds the output to the tools' JSON: give no "
                                "response_format or structured_outputs with it", param="tool_choice")
             params.structured_outputs = forced
-        prompts = [self.chat_prompt(req.messages, req, tools)]
+        prompts = [s.engine.truncated(self.chat_prompt(req.messages, req, tools), params)]
         await s.check_prompts(prompts, params, max_tokens is not None)
         s.check_size_and_room(prompts, params)
         base = self.base("chatcmpl", "chat.completion")
