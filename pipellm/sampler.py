@@ -1,4 +1,5 @@
-"""Token sampling in the last pipeline stage: penalties, temperature, top-k/p, min-p, seeded draws, logprobs.
+"""Token sampling in the last pipeline stage: temperature, top-k/p, min-p, seeded draws, logprobs (after each
+request's logits processors: logits_processors.py).
 
 Semantics follow vLLM. After temperature, every filter (top-k, top-p, min-p) is one per-row threshold
 on the unnormalised probabilities (tokens tied with the cut-off are kept), so a row without filters is
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 
 from pipellm import structured
+from pipellm.logits_processors import RequestProcessors, apply_processors
 from pipellm.sampling_params import SamplingParams
 
 _TOP_P_HEAD = 128    # first guess at how many tokens top-p keeps (most rows of a peaked model)
@@ -64,77 +66,17 @@ def _logprob_and_rank(lp: torch.Tensor, tokens: torch.Tensor, buffer: torch.Tens
     return tok_lp.squeeze(1), (above.sum(dim=-1) + 1).long()
 
 
-class _History:
-    """What penalties read: a request's distinct prompt+output token ids, with their output counts.
-
-    Kept sparse (CPU tensors with spare room), so penalties cost O(distinct tokens), not O(vocab).
-    """
-
-    def __init__(self, prompt_ids: list[int]):
-        distinct = list(dict.fromkeys(prompt_ids))
-        self.pos = {t: i for i, t in enumerate(distinct)}
-        self.n = len(distinct)
-        self.ids = torch.zeros(max(64, 2 * self.n), dtype=torch.long)
-        self.ids[:self.n] = torch.tensor(distinct, dtype=torch.long)
-        self.counts = torch.zeros(len(self.ids))   # output occurrences; 0 for prompt-only tokens
-
-    def add(self, token: int) -> None:
-        i = self.pos.get(token)
-        if i is None:
-            if self.n == len(self.ids):
-                self.ids = torch.cat([self.ids, torch.zeros_like(self.ids)])
-                self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
-            i = self.pos[token] = self.n
-            self.ids[i] = token
-            self.n += 1
-        self.counts[i] += 1
-
-
 class _Request:
-    __slots__ = ("params", "seed", "generator", "history", "num_output", "stop_ids", "bias_ids", "bias", "matcher",
-                 "allowed", "bad_words", "tail_len", "tail")
+    __slots__ = ("params", "seed", "generator", "processors")
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int], seed: int, min_tokens_stop_ids: list[int],
-                 bad_words: list[list[int]]):
-        self.params = params
-        self.seed = seed
-        self.num_output = 0                             # tokens sampled for it so far
-        self.stop_ids = torch.tensor(min_tokens_stop_ids, dtype=torch.long)   # masked before min_tokens
-        bias = params.logit_bias or {}
-        self.bias_ids = torch.tensor(list(bias), dtype=torch.long)
-        self.bias = torch.tensor(list(bias.values()), dtype=torch.float32)
-        self.allowed = None if params.allowed_token_ids is None else torch.tensor(params.allowed_token_ids)
-        self.bad_words = bad_words                      # token sequences whose last token never completes them
-        self.tail_len = max(map(len, bad_words), default=1) - 1  # the tokens a bad word's last token may follow
-        self.tail = list(prompt_ids[-self.tail_len:]) if self.tail_len else []  # the last of prompt + output
-        self.matcher: structured.Matcher | None = None   # its place in its grammar (structured outputs)
+    def __init__(self, params: SamplingParams, seed: int, processors: RequestProcessors):
+        self.params, self.seed, self.processors = params, seed, processors
         self.generator: torch.Generator | None = None   # made on first draw; on the CPU whatever the logits' device,
         #                                                 so a seed draws the same numbers on a GPU
-        p = params
-        penalized = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-        self.history = _History(prompt_ids) if penalized else None
 
     @property
     def greedy(self) -> bool:
         return self.params.temperature < _GREEDY_BELOW
-
-    @property
-    def masks_stops(self) -> bool:
-        return self.num_output < self.params.min_tokens and len(self.stop_ids) > 0
-
-    @property
-    def changes_logits(self) -> bool:
-        return (self.history is not None or len(self.bias_ids) > 0 or self.masks_stops or self.matcher is not None
-                or self.allowed is not None or bool(self.bad_words))
-
-    def add_output(self, token: int) -> None:
-        self.num_output += 1
-        if self.history is not None:
-            self.history.add(token)
-        if self.matcher is not None:
-            self.matcher.consume(token)
-        if self.tail_len:
-            self.tail = (self.tail + [token])[-self.tail_len:]
 
     @property
     def gen(self) -> torch.Generator:
@@ -173,16 +115,17 @@ class Sampler:
         bad_words_token_ids: params.bad_words as token sequences."""
         if req_id in self._reqs:
             raise ValueError(f"request {req_id!r} already added")
-        req = self._reqs[req_id] = _Request(params, prompt_token_ids, seed, list(min_tokens_stop_ids),
-                                            [list(w) for w in bad_words_token_ids])
+        matcher = None
         if params.structured_outputs is not None:
             if self._tokenizer is None:
                 if self._make_tokenizer is None:
                     raise ValueError("this sampler has no tokenizer for structured outputs")
                 self._tokenizer = self._make_tokenizer()
-            req.matcher = structured.Matcher(self._tokenizer, params.structured_outputs)
+            matcher = structured.Matcher(self._tokenizer, params.structured_outputs)
+        req = self._reqs[req_id] = _Request(params, seed, RequestProcessors(
+            params, prompt_token_ids, list(min_tokens_stop_ids), [list(w) for w in bad_words_token_ids], matcher))
         for t in output_token_ids:
-            req.add_output(t)
+            req.processors.add_output(t)
             if not req.greedy:  # one uniform per draw, as _draw takes it
                 torch.rand(1, generator=req.gen, dtype=torch.float64)
 
@@ -201,15 +144,12 @@ class Sampler:
         reqs = [self._reqs[r] for r in req_ids]
         dev = logits.device
 
-        changed = [i for i, r in enumerate(reqs) if r.changes_logits]
+        changed = [i for i, r in enumerate(reqs) if r.processors.is_active]
         if changed or logits.dtype != torch.float32:
-            # Biases, masks and penalties write in place, so never into the caller's logits.
+            # Processors write in place, so never into the caller's logits.
             x = self._scratch.get("x", logits.shape, device=dev).copy_(logits)
             if changed:
-                _apply_processors(x, changed, [reqs[i] for i in changed])
-            pen_rows = [i for i in changed if reqs[i].history is not None]
-            if pen_rows:
-                _apply_penalties(x, pen_rows, [reqs[i] for i in pen_rows])
+                apply_processors(x, changed, [reqs[i].processors for i in changed])
         else:
             x = logits
 
@@ -233,50 +173,8 @@ class Sampler:
             _fill_logprobs(out, logits, token_ids, lp_rows, ks, self._scratch)
 
         for r, t in zip(reqs, ids):
-            r.add_output(t)
+            r.processors.add_output(t)
         return out
-
-
-def _apply_processors(x: torch.Tensor, rows: list[int], reqs: list[_Request]) -> None:
-    """The grammar's mask, allowed_token_ids, bad_words, logit_bias, and (before min_tokens) the stop tokens at
-    -inf: first of all, as vLLM, so the penalties see their result."""
-    for i, r in zip(rows, reqs):
-        if r.matcher is not None:
-            x[i].masked_fill_(~r.matcher.allowed(x.shape[1]).to(x.device), float("-inf"))
-        if r.allowed is not None:
-            keep = torch.zeros(x.shape[1], dtype=torch.bool, device=x.device)
-            keep[r.allowed.to(x.device)] = True
-            x[i].masked_fill_(~keep, float("-inf"))
-        if r.bad_words:  # a word's last token, where the tokens before it end the text so far
-            banned = [w[-1] for w in r.bad_words if w[:-1] == r.tail[len(r.tail) - len(w) + 1:]]
-            x[i, banned] = float("-inf")
-        if len(r.bias_ids):  # ids below the vocabulary size: the engine checked them
-            x[i, r.bias_ids.to(x.device)] += r.bias.to(x.device)
-        if r.masks_stops:
-            x[i, r.stop_ids.to(x.device)] = float("-inf")
-
-
-def _apply_penalties(x: torch.Tensor, rows: list[int], reqs: list[_Request]) -> None:
-    hists = [r.history for r in reqs]
-    lengths = torch.tensor([h.n for h in hists])
-    which = torch.repeat_interleave(torch.arange(len(reqs)), lengths)   # request of each (row, token) entry
-    row = torch.tensor(rows)[which]
-    ids = torch.cat([h.ids[:h.n] for h in hists])
-    counts = torch.cat([h.counts[:h.n] for h in hists])
-    inside = ids < x.shape[1]
-    if not inside.all():  # prompt ids the logits don't cover
-        which, row, ids, counts = which[inside], row[inside], ids[inside], counts[inside]
-    rep, freq, pres = torch.tensor(
-        [[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty] for r in reqs]
-    )[which].to(x.device).unbind(1)
-    row, ids, counts = row.to(x.device), ids.to(x.device), counts.to(x.device)
-
-    vals = x[row, ids]
-    # Repetition: every listed token is in the prompt or output; pushes either sign toward "less likely".
-    vals = torch.where(vals > 0, vals / rep, vals * rep)
-    # Frequency/presence: output tokens only (prompt-only tokens have count 0), as in OpenAI/vLLM.
-    vals -= freq * counts + pres * (counts > 0)
-    x[row, ids] = vals
 
 
 def _sample_random(x: torch.Tensor, reqs: list[_Request], scratch: _Scratch) -> torch.Tensor:
