@@ -20,8 +20,11 @@ def _llguidance():
     return llguidance
 
 
-def ll_tokenizer(hf_tokenizer, vocab_size: int):
-    """llguidance's view of the tokenizer (~0.5 s to build): token bytes for vocab_size ids, the logits' width."""
+def ll_tokenizer(hf_tokenizer, vocab_size: int, model_dir: str):
+    """llguidance's view of the model's tokenizer (~0.5 s to build): token bytes for vocab_size ids, the logits'
+    width."""
+    if hf_tokenizer is None:
+        raise ValueError(f"structured outputs need a tokenizer, and the model at {model_dir} has none")
     llg = _llguidance()
     try:
         return llg.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
@@ -34,11 +37,8 @@ def ll_tokenizer_of_folder(model_dir: str, vocab_size: int):
     """The same, from the model folder's tokenizer: what the last stage builds on its first structured request."""
     from pipellm.loader.model_folder import load_tokenizer
 
-    hf_tokenizer = load_tokenizer(model_dir)
-    if hf_tokenizer is None:
-        raise ValueError(f"structured outputs need a tokenizer, and {model_dir} has none")
     log.info("building the tokenizer's token table for structured outputs")
-    return ll_tokenizer(hf_tokenizer, vocab_size)
+    return ll_tokenizer(load_tokenizer(model_dir), vocab_size, model_dir)
 
 
 def grammar(params: StructuredOutputsParams, tokenizer) -> str:

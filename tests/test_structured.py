@@ -99,7 +99,7 @@ def test_one_stage_and_mixed_batches(llama_dir, llm_pp2):
 def test_a_restarted_request_resumes_its_grammar(llama_dir):
     """The last stage rebuilds a request's place in its grammar from the tokens it had generated before a restart."""
     tok = load_tokenizer(llama_dir)
-    sampler = Sampler(lambda: ll_tokenizer(tok, VOCAB))
+    sampler = Sampler(lambda: ll_tokenizer(tok, VOCAB, llama_dir))
     spec = StructuredOutputsParams(choice=["Once upon a time", "Hello world"])
     before = tok.encode("Once")
     sampler.add_request("r", SamplingParams(temperature=1.0, structured_outputs=spec), [1, 2], 0, before)

@@ -270,10 +270,12 @@ class LLMEngine:
     @staticmethod
     def truncated(prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt as it runs: its last params.truncate_prompt_tokens tokens, when that is set."""
-        k = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None
+        k = params.truncate_prompt_tokens
         return list(prompt_token_ids[-k:]) if k else prompt_token_ids
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
         prompt_token_ids = self.truncated(prompt_token_ids, params)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty; give at least one token")
@@ -284,8 +286,6 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
                              f"{self.max_model_len} (prompt plus at least one new token); shorten the prompt")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
         for name in ("logit_bias", "allowed_token_ids"):
             bad = [t for t in getattr(params, name) or () if t >= vocab]
             if bad:
@@ -302,9 +302,8 @@ class LLMEngine:
     @property
     def structured_tokenizer(self):
         if self._structured_tokenizer is None:
-            if self.tokenizer is None:
-                raise ValueError(f"structured outputs need a tokenizer, and the model at {self.model_dir} has none")
-            self._structured_tokenizer = structured.ll_tokenizer(self.tokenizer, self.model_config.vocab_size)
+            self._structured_tokenizer = structured.ll_tokenizer(self.tokenizer, self.model_config.vocab_size,
+                                                                 self.model_dir)
         return self._structured_tokenizer
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -313,13 +312,14 @@ class LLMEngine:
         rids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         if request_id in self.groups or any(rid in self.requests for rid in rids):
             raise ValueError(f"request id {request_id!r} is already in use")
-        counter, vocab = next(self._request_counter), self.model_config.vocab_size
+        counter = next(self._request_counter)
         base_seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + counter
         max_tokens = self.max_model_len - len(prompt_token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         self.groups[request_id] = rids
         bad_words = self._bad_words_token_ids(params.bad_words or [])
+        stop_ids = self._min_tokens_stop_ids(params)
         for i, rid in enumerate(rids):
             req = Request(rid, list(prompt_token_ids), params, (base_seed + i * _SEED_STRIDE) % 2 ** 63,
                           max_tokens, index=i, parent_id=request_id if params.n > 1 else None,
@@ -327,12 +327,16 @@ class LLMEngine:
                           use_prefix_cache=params.prompt_logprobs is None)
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None] * len(prompt_token_ids)
-            if params.min_tokens:
-                eos = set() if params.ignore_eos else self.eos_token_ids
-                req.min_tokens_stop_ids = sorted(t for t in eos | set(params.stop_token_ids) if t < vocab)
-            req.bad_words_token_ids = bad_words
+            req.min_tokens_stop_ids, req.bad_words_token_ids = stop_ids, bad_words
             self.requests[rid] = req
             self.scheduler.add(req)
+
+    def _min_tokens_stop_ids(self, params: SamplingParams) -> list[int]:
+        """The tokens the sampler keeps out before params.min_tokens: EOS (unless ignored) and the stop tokens."""
+        if not params.min_tokens:
+            return []
+        eos = set() if params.ignore_eos else self.eos_token_ids
+        return sorted(t for t in eos | set(params.stop_token_ids) if t < self.model_config.vocab_size)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens, at the start of a text and after a space (as vLLM), each token sequence once."""

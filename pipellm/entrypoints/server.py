@@ -405,7 +405,7 @@ class _Endpoints:
         if max_tokens is None:  # the model's default, else up to max_model_len, as OpenAI's chat does
             max_tokens = s.sampling_defaults.get("max_tokens")
         params = sampling_params(req, max_tokens, top_k, defaults=s.sampling_defaults)
-        if (forced := forced_output(tools, tool_choice, parallel) if tools else None) is not None:
+        if (forced := forced_output(tools, tool_choice, parallel)) is not None:
             if params.structured_outputs is not None:
                 raise APIError(400, f"tool_choice {req.tool_choice!r} holds the output to the tools' JSON: give no "
                                "response_format or structured_outputs with it", param="tool_choice")
