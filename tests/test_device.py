@@ -208,3 +208,15 @@ def test_options_a_gpu_cannot_take_are_refused_naming_them():
     with pytest.raises(ValueError, match=rf"{gpus + 1} stages on this host but it has {gpus} GPU"):
         device.check_gpu_options(EngineConfig(None, pipeline_parallel_size=gpus + 1), "cuda")
     device.check_gpu_options(EngineConfig(None, pipeline_parallel_size=gpus + 1), "cuda:0")  # one GPU, shared
+
+
+def test_prefill_attention_on_a_gpu_leaves_cudnn_out():
+    """cuDNN's attention plans each new shape (each prefill chunk's): a GPU's prefills take the flash and memory-
+    efficient kernels, within the prefill loop only; a CPU's attention is untouched."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with device.prefill_attention_backends(torch.device("cuda", 0)):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with device.prefill_attention_backends(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before

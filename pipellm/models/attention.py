@@ -2,13 +2,14 @@
 each prefill chunk through a call of its own, so no query row is padding and no mask is bigger than one sequence's
 own [new tokens, context]. (One padded [sequences, longest chunk] call made a 512-token chunk beside 15 decodes cost
 14x the two apart: benchmarks/attention_step.py.)"""
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from pipellm import kernels
+from pipellm import device, kernels
 from pipellm.models.kv_cache import KVCache
 
 
@@ -193,14 +194,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         if out is None:
             return o
         out[d.token_idx] = o
-    for p in meta.prefills:
-        queries = q[p.start:p.end].transpose(0, 1)[None]                                # [1, H, q, D]
-        if p.num_cached >= 0 and softcap is None and q.is_cpu and q.dtype == cache.k.dtype == torch.float32:
-            o = _attend_causal(queries, k[p.start:p.end], v[p.start:p.end], cache, p, scale)
-        else:
-            o = _attend(queries, cache.keys(p.block_ids, 1, q.dtype), cache.values(p.block_ids, 1, q.dtype), p.mask,
-                        scale, softcap)                                                # [1, H, q, D]
-        out[p.start:p.end] = o[0].transpose(0, 1)
+    with device.prefill_attention_backends(q.device) if meta.prefills else contextlib.nullcontext():
+        for p in meta.prefills:
+            queries = q[p.start:p.end].transpose(0, 1)[None]                            # [1, H, q, D]
+            if p.num_cached >= 0 and softcap is None and q.is_cpu and q.dtype == cache.k.dtype == torch.float32:
+                o = _attend_causal(queries, k[p.start:p.end], v[p.start:p.end], cache, p, scale)
+            else:
+                o = _attend(queries, cache.keys(p.block_ids, 1, q.dtype), cache.values(p.block_ids, 1, q.dtype),
+                            p.mask, scale, softcap)                                    # [1, H, q, D]
+            out[p.start:p.end] = o[0].transpose(0, 1)
     return out
 
 
