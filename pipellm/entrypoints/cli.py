@@ -77,18 +77,23 @@ def _structured_outputs(args):
         return StructuredOutputsParams(regex=args.regex)
     for flag, kind in (("json_schema", "json"), ("grammar", "grammar")):
         if (value := getattr(args, flag)) is not None:
-            return StructuredOutputsParams(**{kind: _file_or_text(value, f"--{flag.replace('_', '-')}")})
+            text = _file_or_text(value, f"--{flag.replace('_', '-')}", "{}:=\"'", "a file or the text itself")
+            return StructuredOutputsParams(**{kind: text})
     return None
 
 
-def _file_or_text(value: str, flag: str) -> str:
-    """A flag that takes a file's text or the text itself: the file when it exists."""
-    if os.path.isfile(value):
+def _file_or_text(value: str | None, flag: str, marks: str, what: str) -> str | None:
+    """A flag that takes a file's text or the text itself (as vLLM's --chat-template): the file when it can be read,
+    else the value when it holds one of marks, so a mistyped path is an error and not a grammar or template."""
+    if value is None:
+        return None
+    try:
         with open(value) as f:
             return f.read()
-    if not any(c in value for c in "{}:=\"'"):
-        raise ValueError(f"{flag} {value}: no such file, and it does not look like a schema or grammar")
-    return value
+    except OSError as e:
+        if any(c in value for c in marks):
+            return value
+        raise ValueError(f"{flag} {value}: cannot read it ({e.strerror or e}); give {what}") from None
 
 
 def cmd_generate(args) -> None:
@@ -106,17 +111,7 @@ def cmd_generate(args) -> None:
 
 
 def _chat_template(value: str | None) -> str | None:
-    """--chat-template, as vLLM reads it: a file's text, or the template itself when it is no file and holds Jinja."""
-    if value is None:
-        return None
-    try:
-        with open(value) as f:
-            return f.read()
-    except OSError as e:
-        if any(c in value for c in "{}\n"):
-            return value
-        raise ValueError(f"--chat-template {value}: cannot read it ({e.strerror or e}); give a template file or "
-                         "the Jinja template itself") from None
+    return _file_or_text(value, "--chat-template", "{}\n", "a template file or the Jinja template itself")
 
 
 def _check_chat_template(tokenizer, messages: list[dict], template: str | None) -> None:
