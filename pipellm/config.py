@@ -209,6 +209,53 @@ class ModelConfig:
                    dense_layers=dense_layers)
 
 
+@dataclass
+class SpeculativeConfig:
+    """vLLM's speculative_config, its "ngram" method: each decoding request's last prompt_lookup_max down to
+    prompt_lookup_min tokens are looked up earlier in its prompt and output, and up to num_speculative_tokens of the
+    tokens that followed there are run with its next token in one step; greedy verification keeps those the model
+    itself picks. A token costs less where the output copies its context (quotes, code edits, extraction)."""
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int | None = None  # None: prompt_lookup_min, or 5 where both are None (vLLM's defaults)
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"speculative_config {name}={getattr(self, name)!r}: {why}")
+
+        if self.method != "ngram":
+            bad("method", 'pipellm speculates by n-gram lookup only: give "ngram" (draft models are not supported)')
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
+            bad("num_speculative_tokens", "must be an integer from 1 to 64")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                bad(name, "must be a positive integer or None")
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_max = self.prompt_lookup_min = 5
+        self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min
+        self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            bad("prompt_lookup_min", f"must be at most prompt_lookup_max={self.prompt_lookup_max}")
+
+    @classmethod
+    def of(cls, value) -> "SpeculativeConfig | None":
+        """A SpeculativeConfig, a dict of its fields (vLLM's form), or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config={value!r}: give a dict such as {{\"method\": \"ngram\", "
+                             "\"num_speculative_tokens\": 4}")
+        known = set(cls.__dataclass_fields__)
+        if unknown := sorted(set(value) - known):
+            raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; pipellm's are "
+                             f"{', '.join(sorted(known))}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        return cls(**value)
+
+
 DEFAULT_KV_CACHE_GIB = 1.0  # a stage's KV cache on a CPU when kv_cache_gib is unset
 MAX_SCHEDULER_STEPS = 1024  # decode steps a batch at most (EngineConfig.num_scheduler_steps)
 
@@ -261,6 +308,7 @@ class EngineConfig:
     #                                     tokens this one samples (vLLM's name): the driver's round trip overlaps
     #                                     the stage's compute (on a CPU while at most 8 requests run); a request that
     #                                     stops has computed one token more, dropped. One stage only; None: on there
+    speculative_config: SpeculativeConfig | None = None  # n-gram speculative decoding; a dict of its fields too
 
     def __post_init__(self):
         def bad(name, why):
@@ -309,6 +357,14 @@ class EngineConfig:
         if self.async_scheduling and self.num_scheduler_steps > 1:
             bad("async_scheduling", "and num_scheduler_steps > 1 are two ways to keep the stage from waiting on the "
                                     "driver; choose one")
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        if self.speculative_config is not None:
+            if self.num_scheduler_steps > 1:
+                bad("num_scheduler_steps", "and speculative_config both run several tokens a request a step; "
+                                           "choose one")
+            if self.async_scheduling:
+                bad("async_scheduling", "sends a request's next step before its tokens are back, and speculation "
+                                        "needs them to propose the next: leave one of them off")
         if not isinstance(self.enable_prefix_caching, bool):
             bad("enable_prefix_caching", "must be True or False")
         if not isinstance(self.restart_on_failure, bool):
@@ -353,7 +409,7 @@ class EngineConfig:
     def is_async_scheduling(self) -> bool:
         if self.async_scheduling is None:
             return (self._one_batch_stage and self.num_scheduler_steps == 1
-                    and self.distributed_executor_backend != "uni")
+                    and self.distributed_executor_backend != "uni" and self.speculative_config is None)
         return self.async_scheduling
 
     @property

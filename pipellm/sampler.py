@@ -17,7 +17,7 @@ from pipellm.logits_processors import RequestProcessors, apply_processors
 from pipellm.sampling_params import SamplingParams
 
 _TOP_P_HEAD = 128    # first guess at how many tokens top-p keeps (most rows of a peaked model)
-_GREEDY_BELOW = 1e-5  # as vLLM: tinier temperatures are greedy (dividing by them overflows to inf/nan)
+GREEDY_BELOW = 1e-5  # as vLLM: tinier temperatures are greedy (dividing by them overflows to inf/nan)
 
 
 @dataclass(slots=True)
@@ -76,7 +76,7 @@ class _Request:
 
     @property
     def greedy(self) -> bool:
-        return self.params.temperature < _GREEDY_BELOW
+        return self.params.temperature < GREEDY_BELOW
 
     @property
     def gen(self) -> torch.Generator:

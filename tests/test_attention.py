@@ -42,7 +42,7 @@ def _dense(q, keys, values, q_pos, window, softcap=None):
 
 def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | None, seed: int,
          kv_dtype: torch.dtype = torch.float32, dim: int = 8, act_dtype: torch.dtype = torch.float32,
-         softcap: float | None = None):
+         softcap: float | None = None, decode_chunks: int = 1):
     """steps: (cached tokens, new tokens) per sequence. Returns paged and dense outputs of the step. act_dtype: the
     activations' (q and the new K/V); the reference sees the same values, rounded to it."""
     gen = torch.Generator().manual_seed(seed)
@@ -73,7 +73,8 @@ def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | 
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, steps)])
     q = torch.cat(qs)
     meta = AttentionMetadata.build(torch.tensor(positions), torch.tensor([n for _, n in steps]),
-                                   torch.tensor([c + n for c, n in steps]), tables, torch.tensor(slots), BLOCK, window)
+                                   torch.tensor([c + n for c, n in steps]), tables, torch.tensor(slots), BLOCK, window,
+                                   decode_chunks)
     out = paged_attention(*(x.to(act_dtype) for x in (q, new_k, new_v)), cache, meta, dim ** -0.5, softcap)
     dense = torch.cat([_dense(qi, k, v, torch.arange(c, c + n), window, softcap)
                        for qi, k, v, (c, n) in zip(qs, full_k, full_v, steps)])
@@ -103,6 +104,25 @@ def test_paged_attention_equals_dense_reference(name, heads, kv_heads, window, k
     out, dense = _run(STEPS[name], heads, kv_heads, window, seed=len(name), kv_dtype=kv_dtype)
     assert out.shape == dense.shape
     torch.testing.assert_close(out, dense, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("steps", [[(9, 5), (20, 5), (3, 2)], [(9, 5), (0, 7), (4, 1), (13, 3), (2, 6)]],
+                         ids=["drafts only", "drafts, prompts and decodes"])
+@pytest.mark.parametrize("kv_dtype, atol", KV_DTYPES)
+def test_speculative_drafts_attend_as_decode_rows(steps, window, kv_dtype, atol):
+    """Chunks of up to decode_chunks tokens after a cached prefix (a token and its drafts) run in the decode batch,
+    a row a token over the keys up to its own position; longer chunks and new prompts stay prefills."""
+    out, dense = _run(steps, 6, 2, window, seed=3, kv_dtype=kv_dtype, decode_chunks=5)
+    torch.testing.assert_close(out, dense, atol=atol, rtol=0)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in steps])
+    tables, slots = torch.zeros(len(steps), 8, dtype=torch.int32), torch.zeros(len(positions), dtype=torch.long)
+    meta = AttentionMetadata.build(positions, torch.tensor([n for _, n in steps]),
+                                   torch.tensor([c + n for c, n in steps]), tables, slots, BLOCK, window, 5)
+    as_decodes = [c > 0 and n <= 5 or n == 1 for c, n in steps]
+    assert meta.decode.seq_lens.tolist() == [p + 1 for p, d in zip(positions.tolist(), torch.repeat_interleave(
+        torch.tensor(as_decodes), torch.tensor([n for _, n in steps])).tolist()) if d]
+    assert len(meta.prefills) == as_decodes.count(False)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 2), (8, 2)])

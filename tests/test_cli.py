@@ -163,8 +163,10 @@ def test_chat_template_is_a_file_or_the_template(tmp_path):
 def test_engine_flags_reach_the_engine(llama_dir):
     kwargs = _engine_kwargs(parse_args(["serve", llama_dir, "--block-size", "32", "--no-enable-prefix-caching",
                                         "--kv-cache-memory-bytes", "512Mi", "--max-num-seqs", "4",
-                                        "--kv-cache-dtype", "int8"]))
+                                        "--kv-cache-dtype", "int8", "--speculative-config",
+                                        '{"method": "ngram", "num_speculative_tokens": 3}']))
     assert kwargs["block_size"] == 32 and kwargs["enable_prefix_caching"] is False
+    assert kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
     assert kwargs["kv_cache_dtype"] == "int8"
     assert kwargs["kv_cache_gib"] == 0.5 and kwargs["max_num_seqs"] == 4
     kwargs = _engine_kwargs(parse_args(["chat", "--enable-prefix-caching", "--kv-cache-gib", "2"]))
@@ -224,6 +226,10 @@ def broken_models(llama_dir, tmp_path_factory):
     (["serve", "{llama}", "--port", "65536"], "give a port number from 0 to 65535"),
     (["serve", "{llama}", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     (["serve", "{llama}", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype: invalid choice: 'fp8' (choose from"),
+    (["serve", "{llama}", "--speculative-config", "ngram"], "--speculative-config: 'ngram': not JSON (Expecting "
+                                                             "value); give an object, e.g."),
+    (["generate", "{llama}", "hi", "--speculative-config", '{{"num_speculative_tokens": 99}}'],
+     "speculative_config num_speculative_tokens=99: must be an integer from 1 to 64"),
     (["generate", "--model", "{llama}", "--layer-partition", "2,2", "-pp", "2", "hi"],
      "sums to 4, but the model has 5 layers"),
     (["generate", "--model", "{llama}", "-pp", "2", "--nnodes", "2", "--node-rank", "1", "hi"],

@@ -43,6 +43,9 @@ MESSAGES = [
             table_changes=BlockTableChanges(np.array([4, 0, 7]), np.array([0, 2, 3]), np.array([2, 1, 0]),
                                             np.array([5, 9, 11], dtype=np.int32))),
     SampledBatch(9, [SampledToken(3, -0.25, 1, [(3, -0.25), (7, float("-inf"))]), SampledToken(4)]),
+    replace(_batch(), sample_req_ids=["req-0", "req-0", "req-1"], logits_indices=np.array([2, 3, 4]),
+            draft_token_ids=np.array([7, -1, -1])),  # speculative decoding: req-0's row 2 verifies a draft
+    SampledBatch(11, [SampledToken(5), SampledToken(2), SampledToken(8)], None, np.array([1, 0])),
     SampledBatch(10, [], PromptLogprobs(np.array([-0.5, -2.0], np.float32), np.array([1, 4]),
                                         np.array([[3, 5], [7, 1]]), np.array([[-0.5, -1.0], [-0.1, -0.9]], np.float32))),
     StageArgs(make_partition(5, 2, [3, 2])[1], 2, "/models/x",
@@ -122,13 +125,13 @@ def _header(kind, value, arrays=()) -> bytes:
 
 @pytest.mark.parametrize("payload, why", [
     (_header("os.system", []), "unexpected message kind"),
-    (_header("SampledBatch", [1, [[3, None, None, None], "x"], None]), "SampledBatch"),
-    (_header("SampledBatch", [1, [[True, None, None, None]], None]), "expected an integer"),
-    (_header("SampledBatch", {"batch_id": 1, "tokens": []}), "expected a list of its 3 fields"),
+    (_header("SampledBatch", [1, [[3, None, None, None], "x"], None, None]), "SampledBatch"),
+    (_header("SampledBatch", [1, [[True, None, None, None]], None, None]), "expected an integer"),
+    (_header("SampledBatch", {"batch_id": 1, "tokens": []}), "expected a list of its 4 fields"),
     (_header("StageBatch", [0] * 11, [["|O", [1]]]), "bad array description"),
     (_header("StageBatch", [0] * 11, [["<i8", [2 ** 40, 2 ** 40]]]), "runs past the end"),
     (_header("StageBatch", [0] * 11, [["<i8", [1]]]) + b"\0" * 9, "bytes left over"),
-    (_header("StageBatch", [None, 5] + [0] * 18, [["<i8", [1]]]) + b"\0" * 8, "batch_id"),
+    (_header("StageBatch", [None, 5] + [0] * 19, [["<i8", [1]]]) + b"\0" * 8, "batch_id"),
     (struct.pack("<I", 10 ** 6) + b"{}", "past the end"),
     (struct.pack("<I", 3) + b"[[[", "undecodable"),
     (struct.pack("<I", 20000) + b"[" * 20000, "undecodable"),  # deep nesting: RecursionError inside json

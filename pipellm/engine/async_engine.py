@@ -70,6 +70,8 @@ class EngineStats:
     num_generated_tokens: int = 0                   # all tokens the engine generated, aborted requests' too
     num_restarts: int = 0                           # pipelines started anew after a stage failed
     stage_reports: list = field(default_factory=list)  # list[StageReport]: every 2 s idle, 15 s under load
+    num_draft_tokens: int = 0                       # speculative decoding: drafts run
+    num_accepted_tokens: int = 0                    # and drafts kept
 
 
 @dataclass
@@ -275,7 +277,8 @@ class AsyncEngine:
         sched = engine.scheduler
         # Replaced whole, never mutated: the event loop reads it without a lock.
         self.stats = EngineStats(len(sched.running), len(sched.waiting), bm.usage,
-                                 bm.prefix_hit_rate, engine.num_generated_tokens, len(engine.restarts), reports)
+                                 bm.prefix_hit_rate, engine.num_generated_tokens, len(engine.restarts), reports,
+                                 engine.num_draft_tokens, engine.num_accepted_tokens)
 
     def _fail(self, message: str) -> None:
         self.error = message

@@ -104,11 +104,13 @@ class LLMEngine:
                                    send_rope_lens=mc.rope.rope_type in ("dynamic", "longrope"),
                                    num_scheduler_steps=config.num_scheduler_steps,
                                    steps_alone=config.batches_in_flight > 1,
-                                   run_ahead_max_seqs=self._run_ahead_max_seqs())
+                                   run_ahead_max_seqs=self._run_ahead_max_seqs(),
+                                   speculative_config=config.speculative_config)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # a user's request id -> its completions' ids, to find them by id
         self.in_flight: deque[ScheduledBatch] = deque()
         self.num_generated_tokens = 0     # every token applied to a request, aborted ones' included
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding: drafts run, and kept
         self._request_counter = itertools.count()
         self.tracer = TraceRecorder() if config.trace else None
         self.failures: list[float] = []   # monotonic times of pipeline failures, for the restart limit
@@ -439,21 +441,29 @@ class LLMEngine:
                 self.block_manager.free(req)
         if result.prompt_logprobs is not None:
             self._add_prompt_logprobs(batch, result.prompt_logprobs)
-        updated, now, n = [], time.monotonic(), len(batch.sampled)
-        for step in range(batch.stage_batch.num_steps):  # tokens come step by step
-            for req, tok in zip(batch.sampled, result.tokens[step * n:(step + 1) * n]):
-                if req.is_finished:  # the steps after the token that ended it are dropped
-                    continue
-                if req.num_ahead:  # the token a batch still out already took as input
-                    req.num_ahead -= 1
-                req.output_token_ids.append(tok.token_id)
-                req.token_times.append(now)
-                self.num_generated_tokens += 1
-                if req.params.logprobs is not None:
-                    self._add_logprobs(req, tok)
-                self._check_stop(req)
-                if step == 0:
-                    updated.append(req)
+        updated = [r for r in batch.sampled if not r.is_finished]
+        if result.num_accepted is None:  # step by step: each step's token of every request
+            owners = batch.sampled * batch.stage_batch.num_steps
+        else:  # a request's kept drafts, then its next token; K/V past the drafts it kept is not its own
+            owners = []
+            for req, kept in zip(batch.sampled, result.num_accepted.tolist()):
+                req.num_computed_tokens -= len(req.draft_token_ids) - kept
+                self.num_draft_tokens += len(req.draft_token_ids)
+                self.num_accepted_tokens += kept
+                req.draft_token_ids = []
+                owners += [req] * (kept + 1)
+        now = time.monotonic()
+        for req, tok in zip(owners, result.tokens):
+            if req.is_finished:  # the tokens after the one that ended it are dropped
+                continue
+            if req.num_ahead:  # the token a batch still out already took as input
+                req.num_ahead -= 1
+            req.output_token_ids.append(tok.token_id)
+            req.token_times.append(now)
+            self.num_generated_tokens += 1
+            if req.params.logprobs is not None:
+                self._add_logprobs(req, tok)
+            self._check_stop(req)
         return updated
 
     def _add_logprobs(self, req: Request, tok) -> None:

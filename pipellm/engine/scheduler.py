@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipellm.config import SpeculativeConfig
+from pipellm.engine import speculative
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.sequence import Request, RequestStatus
 from pipellm.pipeline.messages import BlockTableChanges, NewRequest, StageBatch
@@ -28,8 +30,10 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  recompute_past: int | None = None, send_rope_lens: bool = False, num_scheduler_steps: int = 1,
-                 steps_alone: bool = False, run_ahead_max_seqs: int = 0):
+                 steps_alone: bool = False, run_ahead_max_seqs: int = 0,
+                 speculative_config: SpeculativeConfig | None = None):
         self.block_manager = block_manager
+        self.speculative_config = speculative_config
         # async scheduling (one stage): while at most this many requests run, a decoding request whose batch is out
         # may join the next batch too, its input the token the stage samples for it in the batch before
         self.run_ahead_max_seqs = run_ahead_max_seqs
@@ -84,7 +88,7 @@ class Scheduler:
         for req in self.running + list(self.waiting):
             req.num_computed_tokens, req.block_ids, req.status = 0, [], RequestStatus.WAITING
             req.window_block_ids = []
-            req.in_flight, req.num_ahead, req.is_known_to_sampler = 0, 0, False
+            req.in_flight, req.num_ahead, req.is_known_to_sampler, req.draft_token_ids = 0, 0, False, []
             req.table_row, req.blocks_sent = -1, 0  # the new stages hold no rows
         self.waiting = deque(self.running + list(self.waiting))
         self.running, self.finished_ids = [], []
@@ -148,7 +152,29 @@ class Scheduler:
             budget -= n
         if not chosen:
             return None
+        if self.speculative_config is not None:
+            self._add_drafts(chosen)
         return self._build(chosen, self._num_steps(chosen))
+
+    def _add_drafts(self, chosen: list[tuple[Request, int]]) -> None:
+        """Drafts for the chosen requests that run their last token (speculative_config), within the step's token
+        limit and the free blocks: they never take a block or a token another request needs."""
+        spec, bm = self.speculative_config, self.block_manager
+        room = self.max_num_batched_tokens - sum(n for _, n in chosen)
+        if room <= 0 or bm.window_ring or self.send_rope_lens or self.recompute_past is not None:
+            return
+        for i, (req, n) in enumerate(chosen):
+            left = min(room, spec.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1)
+            if (n != req.num_pending_tokens or req.num_ahead or left < 1
+                    or not speculative.can_speculate(req.params, len(req.output_token_ids))):
+                continue
+            tokens = np.array(req.prompt_token_ids + req.output_token_ids, dtype=np.int64)
+            drafts = speculative.propose(tokens, left, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if drafts and bm.can_allocate(req, n + len(drafts)):
+                bm.allocate(req, n + len(drafts))
+                req.draft_token_ids = drafts
+                chosen[i] = (req, n + len(drafts))
+                room -= len(drafts)
 
     def _can_run_ahead(self, req: Request) -> bool:
         """Whether req may join the next batch while its batch is out: few requests run, that batch runs all its
@@ -181,8 +207,8 @@ class Scheduler:
         reqs = [r for r, _ in chosen]
         counts = np.array([n for _, n in chosen], dtype=np.int64)
         starts = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
-        ids = np.concatenate([np.asarray(r.token_ids(s, s + n), dtype=np.int64) for r, (s, n)
-                              in zip(reqs, zip(starts, counts))])
+        ids = np.concatenate([np.asarray(r.token_ids(s, s + n - len(r.draft_token_ids)) + r.draft_token_ids,
+                                         dtype=np.int64) for r, (s, n) in zip(reqs, zip(starts, counts))])
         # Positions of all new tokens at once: each sequence's start plus 0..n-1.
         offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         positions = np.repeat(starts, counts) + offsets
@@ -200,12 +226,20 @@ class Scheduler:
         rows = np.repeat(np.arange(len(reqs)), counts)
         slots = flat[base[rows] + positions // bs - first[rows]] * bs + positions % bs
         seq_lens = starts + counts
-        sampled = [r for r, end in zip(reqs, seq_lens) if end == r.num_tokens]
+        num_drafts = np.array([len(r.draft_token_ids) for r in reqs], dtype=np.int64)
+        sampled = [r for r, end, k in zip(reqs, seq_lens, num_drafts) if end == r.num_tokens + k]
         new = [NewRequest(r.request_id, r.params, r.prompt_token_ids, r.seed, list(r.output_token_ids),
                           r.min_tokens_stop_ids, r.bad_words_token_ids)
                for r in sampled if not r.is_known_to_sampler]
         rope_lens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
-        logits_indices = (np.cumsum(counts) - 1)[seq_lens == rope_lens]
+        is_sampled = seq_lens == rope_lens + num_drafts
+        # a sampled request's last row, and before it one row for each draft: the row that verifies it
+        last_rows, rows_each = (np.cumsum(counts) - 1)[is_sampled], num_drafts[is_sampled] + 1
+        logits_indices = np.repeat(last_rows - rows_each + 1, rows_each) + \
+            np.arange(int(rows_each.sum())) - np.repeat(np.cumsum(rows_each) - rows_each, rows_each)
+        drafts = None
+        if num_drafts.any():  # each logits row's draft to verify; -1 on a sampled request's last row
+            drafts = np.concatenate([np.array(r.draft_token_ids + [-1], dtype=np.int64) for r in sampled])
         spans, prompt_rows = self._prompt_rows(reqs, starts, counts)
         for r, n in chosen:
             r.num_computed_tokens += n if steps == 1 else steps
@@ -214,10 +248,11 @@ class Scheduler:
         for r in sampled:
             r.is_known_to_sampler = True
         batch = StageBatch(self.num_batches, ids, positions, slots, counts, seq_lens, None, logits_indices,
-                           [r.request_id for r in sampled], new, self.finished_ids,
+                           [r.request_id for r, k in zip(sampled, rows_each.tolist()) for _ in range(k)], new,
+                           self.finished_ids,
                            rope_lens if self.send_rope_lens else None, window_tables,
                            ahead_req_ids=[r.request_id for r in reqs if r.num_ahead], num_steps=steps,
-                           table_changes=self._table_changes(reqs))
+                           table_changes=self._table_changes(reqs), draft_token_ids=drafts)
         if spans:
             batch.prompt_rows, batch.prompt_targets = prompt_rows
             batch.prompt_top_k = max(r.params.prompt_logprobs for r, _, _ in spans)

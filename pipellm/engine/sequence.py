@@ -45,6 +45,7 @@ class Request:
     use_prefix_cache: bool = True    # False: compute every prompt position, even where a cached prefix holds it
     min_tokens_stop_ids: list[int] = field(default_factory=list)  # what the sampler masks before params.min_tokens
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
+    draft_token_ids: list[int] = field(default_factory=list)  # speculated after its next token, in its batch out
     rope_len: int = 0                # num_tokens when its K/V was last computed (longrope: short or long factors)
     text: str = ""                   # the output text cut before a stop string, once one ended the request
     detok: IncrementalDetokenizer | None = None  # its output's text, kept up to date by engine.text()

@@ -1,5 +1,6 @@
 """The command line's grammar: subcommands, their flags, and generate's model-or-prompt words. cli.py runs them."""
 import argparse
+import json
 import os
 import re
 
@@ -38,6 +39,17 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: not JSON ({e.msg}); give an object, e.g. "
+                                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a JSON object of the fields")
+    return value
+
+
 def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
     if positional_model:
         p.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="same as --model")
@@ -64,6 +76,9 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="send the next batch while the stage runs this one (default: on with one stage, where it "
                         "applies)")
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='n-gram speculative decoding of greedy requests, as vLLM\'s: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads-per-stage", type=int, default=None, help="default: cores // stages")
     p.add_argument("--seed", type=int, default=0)

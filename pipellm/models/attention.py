@@ -102,14 +102,25 @@ class AttentionMetadata:
     @classmethod
     def build(cls, positions: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor,
               block_tables: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
-              sliding_window: int | None = None) -> "AttentionMetadata":
+              sliding_window: int | None = None, decode_chunks: int = 1) -> "AttentionMetadata":
+        """decode_chunks: chunks of up to this many tokens that continue a cached prefix (speculative decoding's
+        drafts) attend as decodes, a row each over the keys up to its own position, in the decode batch."""
         # Vector ops for the decodes; a short loop over the prefill chunks (a step holds few).
         starts = torch.cumsum(query_lens, 0) - query_lens
         is_decode = query_lens == 1
+        if decode_chunks > 1:
+            is_decode |= (query_lens <= decode_chunks) & (seq_lens > query_lens)
         num_decodes = int(is_decode.sum())
         all_decode = num_decodes == len(query_lens)
         decode = None
-        if num_decodes:
+        if num_decodes and bool((query_lens[is_decode] > 1).any()):  # a row a token: its own context length
+            seqs = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)  # [T] each token's sequence
+            rows = None if all_decode else torch.nonzero(is_decode[seqs]).flatten()
+            lens = positions + 1 if all_decode else positions[rows] + 1
+            num_blocks = -(-int(lens.max()) // block_size)
+            decode = DecodeGroup(rows, block_tables[seqs if all_decode else seqs[rows], :num_blocks].long(),
+                                 lens.long().contiguous(), sliding_window or 0, block_size)
+        elif num_decodes:
             rows = None if all_decode else torch.nonzero(is_decode).flatten()
             lens = seq_lens if all_decode else seq_lens[rows]
             num_blocks = -(-int(lens.max()) // block_size)
@@ -129,14 +140,14 @@ class AttentionMetadata:
 
     @classmethod
     def for_layers(cls, is_sliding: list[bool], sliding_window: int | None, *args,
-                   window_tables: torch.Tensor | None = None) -> "AttentionMetadata":
+                   window_tables: torch.Tensor | None = None, decode_chunks: int = 1) -> "AttentionMetadata":
         """The metadata of full-attention layers, with that of the sliding ones in .local (itself when all slide).
         args: as build's, up to block_size. window_tables [S, ring]: the sliding layers' own block rings."""
-        full = cls.build(*args) if not all(is_sliding) or not is_sliding else None
+        full = cls.build(*args, decode_chunks=decode_chunks) if not all(is_sliding) or not is_sliding else None
         local = None
         if any(is_sliding):
             local_args = args if window_tables is None else _ring_view(window_tables, *args)
-            local = cls.build(*local_args, sliding_window)
+            local = cls.build(*local_args, sliding_window, decode_chunks=decode_chunks)
         meta = full or local
         meta.local = local
         return meta

@@ -82,10 +82,16 @@ class _EngineCollector:
                     stats.kv_cache_usage)
         yield gauge("pipellm:prefix_cache_hit_rate", "Fraction of looked-up prompt tokens found in the prefix cache.",
                     stats.prefix_cache_hit_rate)
-        generated = CounterMetricFamily("pipellm:generation_tokens", "Tokens generated, also for requests aborted "
-                                        "later.", labels=["model_name"])
-        generated.add_metric(m, stats.num_generated_tokens)
-        yield generated
+        for name, doc, value in (
+                ("pipellm:generation_tokens", "Tokens generated, also for requests aborted later.",
+                 stats.num_generated_tokens),
+                ("pipellm:spec_decode_num_draft_tokens", "Draft tokens run (speculative decoding).",
+                 stats.num_draft_tokens),
+                ("pipellm:spec_decode_num_accepted_tokens", "Draft tokens kept (speculative decoding).",
+                 stats.num_accepted_tokens)):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(m, value)
+            yield counter
         restarts = CounterMetricFamily("pipellm:pipeline_restarts", "Pipelines started anew after a stage failed.",
                                        labels=["model_name"])
         restarts.add_metric(m, stats.num_restarts)

@@ -19,7 +19,7 @@ from datetime import timedelta
 from pipellm.config import EngineConfig, ModelConfig
 from pipellm.pipeline import comm, wire
 from pipellm.pipeline.messages import (Inspect, ProbeReport, SampledBatch, Shutdown, StageArgs, StageBatch,
-                                       StageReport)
+                                       StageReport, num_drafts)
 from pipellm.pipeline.partition import StageLayers, node_of_stage
 
 STAGE_ENTRY = "from pipellm.pipeline.stage import main; main()"
@@ -293,7 +293,7 @@ class PipelineExecutor:
             part = replace(batch, input_ids=batch.input_ids if stage.is_first else None)
             if not stage.is_last:
                 part = replace(part, sample_req_ids=[], new_requests=[], finished_req_ids=[], prompt_rows=None,
-                               prompt_targets=None)
+                               prompt_targets=None, draft_token_ids=None)
             out.append(part)
         return out
 
@@ -305,7 +305,8 @@ class PipelineExecutor:
         self._guard("sending a batch", send)
         rows = None if batch.prompt_rows is None else len(batch.prompt_rows)
         # what its SampledBatch must hold
-        self.expected.append((len(batch.logits_indices) * batch.num_steps, rows, batch.prompt_top_k))
+        self.expected.append((len(batch.logits_indices) * batch.num_steps, rows, batch.prompt_top_k,
+                              num_drafts(batch.draft_token_ids)))
 
     def receive(self) -> SampledBatch:
         """The sampled tokens of the oldest batch in flight."""

@@ -78,6 +78,8 @@ class StageBatch:
     #                                  last stage sends them to the first); every row a decode; block_tables cover
     #                                  them all
     table_changes: BlockTableChanges | None = None
+    draft_token_ids: np.ndarray | None = None  # [S] int64 (speculative decoding): the draft each logits row
+    #                                  verifies, -1 on a sampled request's last row; its rows before that hold drafts
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +132,12 @@ class StageBatch:
         if is_last:
             need(len(self.sample_req_ids) == len(self.logits_indices) and
                  ((self.logits_indices >= 0) & (self.logits_indices < T)).all(), "logits_indices out of range")
+            d = self.draft_token_ids
+            need(d is None or (d.shape == self.logits_indices.shape and d.dtype.kind == "i" and len(d) > 0
+                               and d[-1] == -1 and ((d >= -1) & (d < vocab_size)).all() and self.num_steps == 1
+                               and all(self.sample_req_ids[i] == self.sample_req_ids[i + 1]
+                                       for i in np.flatnonzero(d >= 0).tolist())),
+                 "draft_token_ids must give each logits row's draft, -1 on each request's last row")
             need((self.prompt_rows is None) == (self.prompt_targets is None), "prompt_rows without prompt_targets")
             if self.prompt_rows is not None:
                 rows, targets = self.prompt_rows, self.prompt_targets
@@ -139,14 +147,33 @@ class StageBatch:
                      "prompt_rows or prompt_targets out of range")
 
 
+def num_drafts(draft_token_ids: np.ndarray | None) -> np.ndarray | None:
+    """[requests sampled] the drafts each verifies, from StageBatch.draft_token_ids (None: a batch without)."""
+    if draft_token_ids is None:
+        return None
+    ends = np.flatnonzero(draft_token_ids == -1)                                   # each request's last row
+    return np.diff(ends, prepend=-1) - 1
+
+
 @dataclass
 class SampledBatch:
-    """Last stage -> driver: one sampled token per entry of StageBatch.sample_req_ids, per step (step by step)."""
+    """Last stage -> driver: one sampled token per entry of StageBatch.sample_req_ids, per step (step by step). With
+    drafts, per sampled request its accepted drafts and the token after them."""
     batch_id: int
     tokens: list[SampledToken]
     prompt_logprobs: PromptLogprobs | None = None  # for StageBatch.prompt_rows, in their order
+    num_accepted: np.ndarray | None = None  # [requests sampled] int64: drafts kept, where the batch had drafts
 
-    def check(self, vocab_size: int, num_tokens: int, num_prompt_rows: int | None = None, top_k: int = 0) -> None:
+    def check(self, vocab_size: int, num_tokens: int, num_prompt_rows: int | None = None, top_k: int = 0,
+              num_drafts: np.ndarray | None = None) -> None:
+        if num_drafts is not None:  # num_tokens: one a request, and one more for each draft it keeps
+            a = self.num_accepted
+            if a is None or a.shape != num_drafts.shape or a.dtype.kind != "i" or not (
+                    (a >= 0) & (a <= num_drafts)).all():
+                raise ValueError(f"SampledBatch {self.batch_id}: num_accepted must give each request's drafts kept")
+            num_tokens = len(num_drafts) + int(a.sum())
+        elif self.num_accepted is not None:
+            raise ValueError(f"SampledBatch {self.batch_id}: num_accepted for a batch without drafts")
         if len(self.tokens) != num_tokens:
             raise ValueError(f"SampledBatch {self.batch_id}: {len(self.tokens)} tokens where the batch samples "
                              f"{num_tokens}")

@@ -13,6 +13,7 @@ import traceback
 from collections import deque
 from functools import partial
 
+import numpy as np
 import torch
 
 from pipellm import device, structured
@@ -50,6 +51,8 @@ class StageWorker:
         self.args, self.stage, self.device = args, args.stage, device
         cfg, ecfg = args.model_config, args.engine_config
         self.is_sliding = [cfg.is_sliding(i) for i in range(self.stage.start, self.stage.end)]
+        spec = ecfg.speculative_config  # a token and its drafts attend as decodes: the decode step's kernels
+        self.decode_chunks = 1 + spec.num_speculative_tokens if spec is not None else 1
         if gguf_source(args.model_dir):  # built without memory, then filled with compact weights from the file
             self.model = build_stage_model(cfg, self.stage, meta=True)
             self.checkpoint_tensors = load_gguf_stage_weights(self.model, args.model_dir, ecfg.torch_dtype)
@@ -118,7 +121,7 @@ class StageWorker:
         meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, t(batch.query_lens),
                                             t(batch.seq_lens), t(batch.block_tables), t(batch.slot_mapping),
                                             ecfg.block_size, window_tables=None if batch.window_block_tables is None
-                                            else t(batch.window_block_tables))
+                                            else t(batch.window_block_tables), decode_chunks=self.decode_chunks)
         if batch.rope_lens is not None:
             meta.rope_lens = t(batch.rope_lens)
         meta, positions = meta.to(dev), positions.to(dev)
@@ -140,10 +143,13 @@ class StageWorker:
                 self._finish_probe(batch, recorder, [])
             return
         self._update_sampler(batch)
-        tokens, prompt_lps = [], None
+        tokens, prompt_lps, accepted = [], None, None
         if len(batch.logits_indices):
             logits = self.model.compute_logits(hidden[t(batch.logits_indices).to(dev)])
-            tokens = self.sampler.sample(logits, batch.sample_req_ids)
+            if batch.draft_token_ids is None:
+                tokens = self.sampler.sample(logits, batch.sample_req_ids)
+            else:
+                tokens, accepted = self._verify(logits, batch)
         if self.stage.is_first:  # a one-stage pipeline: the next batch may take these tokens (async scheduling)
             self.last_tokens = {r: tok.token_id for r, tok in zip(batch.sample_req_ids, tokens)}
         if batch.prompt_rows is not None:
@@ -151,9 +157,26 @@ class StageWorker:
                                          t(batch.prompt_targets).to(dev), batch.prompt_top_k)
         self.busy_s += time.perf_counter() - start
         self._record("forward", batch, start)
-        self.chan.send_obj(SampledBatch(batch.batch_id, tokens, prompt_lps), comm.DRIVER)
+        self.chan.send_obj(SampledBatch(batch.batch_id, tokens, prompt_lps, accepted), comm.DRIVER)
         if recorder is not None:
             self._finish_probe(batch, recorder, tokens)
+
+    def _verify(self, logits: torch.Tensor, batch: StageBatch) -> tuple[list, np.ndarray]:
+        """Speculative decoding: each request keeps its drafts up to the first the model would not pick (greedy,
+        the only requests given drafts), and samples the rows up to it: the kept drafts, then its own next token.
+        logits [S, vocab], one row a draft and one more a request. Returns the tokens and the drafts kept."""
+        drafts = batch.draft_token_ids
+        picks = logits.argmax(dim=-1).tolist()
+        rows, accepted, first = [], [], 0
+        for last in np.flatnonzero(drafts == -1).tolist():  # each request's rows: first..last
+            kept = 0
+            while first + kept < last and picks[first + kept] == drafts[first + kept]:
+                kept += 1
+            rows.extend(range(first, first + kept + 1))
+            accepted.append(kept)
+            first = last + 1
+        ids = [batch.sample_req_ids[i] for i in rows]
+        return self.sampler.sample(logits[rows], ids), np.array(accepted, dtype=np.int64)
 
     def _input_ids(self, batch: StageBatch):
         if not batch.ahead_req_ids:

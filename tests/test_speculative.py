@@ -1,0 +1,122 @@
+"""N-gram speculative decoding (speculative_config): greedy output equals HF transformers' token for token while drafts
+are kept and thrown away, at PP=1 and PP=2; requests that cannot speculate are untouched; stops, max_tokens, the
+prefix cache and preemption hold."""
+import numpy as np
+import pytest
+import torch
+
+from pipellm import LLM, SamplingParams
+from pipellm.engine.speculative import propose
+from tests.conftest import FP32, make_checkpoint
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+PROMPTS = [[1, 5, 9, 13, 2, 7, 1, 5, 9, 13, 2, 7, 1, 5, 9], [7, 3], [3, 4, 5, 6, 7, 8, 9, 10] * 3]
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """A random llama over 24 tokens: its greedy output repeats itself, so n-gram drafts are often right."""
+    folder = str(tmp_path_factory.mktemp("spec"))
+    return folder, make_checkpoint("llama", folder, vocab_size=24)
+
+
+def hf_argmax_ids(model, prompt: list[int], n: int) -> list[int]:
+    """HF's forward, its top token appended n times (no EOS rule: the engine runs with ignore_eos)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def generate(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+
+
+def test_propose_finds_the_latest_longest_match():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        tokens = rng.integers(0, 4, size=int(rng.integers(1, 40)))
+        n_min = int(rng.integers(1, 4))
+        n_max = n_min + int(rng.integers(0, 3))
+        expected = []
+        for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):  # a plain search, longest n first
+            starts = [i for i in range(len(tokens) - n) if (tokens[i:i + n] == tokens[len(tokens) - n:]).all()]
+            if starts:
+                expected = tokens[starts[-1] + n:starts[-1] + n + 3].tolist()
+                break
+        assert propose(tokens, 3, n_min, n_max) == expected, (tokens.tolist(), n_min, n_max)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_greedy_output_equals_hf_with_drafts_kept_and_dropped(small_vocab, pp):
+    folder, hf = small_vocab
+    expected = [hf_argmax_ids(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+    with LLM(folder, pipeline_parallel_size=pp, dtype=FP32, speculative_config=SPEC) as llm:
+        assert generate(llm, PROMPTS, GREEDY) == expected
+        engine = llm.engine
+        assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens  # some kept, some thrown away
+        assert engine.num_generated_tokens == GREEDY.max_tokens * len(PROMPTS)
+
+
+def test_requests_that_cannot_speculate_are_untouched(small_vocab):
+    folder, _ = small_vocab
+    params = [SamplingParams(max_tokens=30, temperature=1.0, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0, min_tokens=30)]
+    prompts = PROMPTS[:1] * 3
+    runs = []
+    for spec in (None, SPEC):
+        with LLM(folder, dtype=FP32, speculative_config=spec) as llm:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)])
+            assert llm.engine.num_draft_tokens == 0
+    assert runs[0] == runs[1]
+
+
+def test_stop_tokens_and_max_tokens_cut_drafts(small_vocab):
+    folder, hf = small_vocab
+    reference = hf_argmax_ids(hf, PROMPTS[0], 40)
+    stop = reference[20]  # ends the output at its first occurrence, wherever a step's drafts put it
+    cut = reference[:reference.index(stop) + 1]
+    with LLM(folder, dtype=FP32, speculative_config=SPEC) as llm:
+        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2,
+                           [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[stop]),
+                            SamplingParams(max_tokens=23, temperature=0, ignore_eos=True)], use_tqdm=False)
+        assert llm.engine.num_accepted_tokens > 0
+    assert out[0].outputs[0].token_ids == cut and out[0].outputs[0].finish_reason == "stop"
+    assert out[1].outputs[0].token_ids == reference[:23] and out[1].outputs[0].finish_reason == "length"
+
+
+def test_prefix_cache_and_preemption_with_drafts(small_vocab):
+    folder, hf = small_vocab
+    prompts = PROMPTS + PROMPTS[:1]  # the last one's prompt blocks come from the cache
+    expected = [hf_argmax_ids(hf, p, 36) for p in prompts]
+    # 16 blocks of 4 tokens: one sequence of 64 fits, four of ~50 do not (preemption)
+    with LLM(folder, dtype=FP32, block_size=4, num_kv_blocks=16, max_model_len=64, speculative_config=SPEC) as llm:
+        out = generate(llm, prompts, SamplingParams(max_tokens=36, temperature=0, ignore_eos=True))
+        assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.num_accepted_tokens > 0
+    assert out == expected
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, 'method=\'eagle\': pipellm speculates by n-gram lookup only'),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens=0: must be an integer from 1 to 64"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "must be at most prompt_lookup_max"),
+    ({"num_speculative_tokens": 2, "lookahead": 1}, "unknown field(s) lookahead"),
+    ("ngram", "give a dict such as"),
+])
+def test_bad_speculative_configs_say_what_to_change(small_vocab, spec, message):
+    with pytest.raises(ValueError, match=None) as e:
+        LLM(small_vocab[0], speculative_config=spec)
+    assert message in str(e.value)
+
+
+def test_speculation_excludes_the_other_ways_of_running_ahead(small_vocab):
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(small_vocab[0], async_scheduling=True, distributed_executor_backend="mp", speculative_config=SPEC)
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        LLM(small_vocab[0], num_scheduler_steps=4, speculative_config=SPEC)
