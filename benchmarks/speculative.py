@@ -1,7 +1,8 @@
 """N-gram speculative decoding against plain decoding, on the default model, in alternating rounds of the same run:
 generated tok/s of one greedy chat request at a time (the latency case speculation is for), where the answer copies
 the prompt (a text to repeat, code to edit) and where it does not (free writing), plus the drafts kept.
-`python benchmarks/speculative.py [-pp 1] [--threads 2] [--rounds 3] [--tokens 4] [--lookup 3-4] [--json FILE]`"""
+`python benchmarks/speculative.py [--model PATH] [--dtype auto] [-pp 1] [--threads 2] [--rounds 3] [--tokens 4]
+[--lookup 3-4] [--json FILE]`"""
 import argparse
 import json
 import statistics
@@ -32,6 +33,8 @@ def run(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, int]:
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None, help="default: the default model")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("-pp", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="per stage (default: cores // stages)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -45,9 +48,8 @@ def main():
                    "prompt_lookup_max": high}
     figures = {kind: {"plain": [], "ngram": []} for kind in TASKS}
     accepted = {}
-    with LLM(None, pipeline_parallel_size=args.pp, threads_per_stage=args.threads) as plain, \
-            LLM(None, pipeline_parallel_size=args.pp, threads_per_stage=args.threads,
-                speculative_config=spec_config) as spec:
+    engine = dict(pipeline_parallel_size=args.pp, threads_per_stage=args.threads, dtype=args.dtype)
+    with LLM(args.model, **engine) as plain, LLM(args.model, speculative_config=spec_config, **engine) as spec:
         for llm in (plain, spec):
             run(llm, TASKS["copy"][:1], 16)  # warm-up
         for r in range(args.rounds):

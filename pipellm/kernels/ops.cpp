@@ -20,6 +20,9 @@
 
 namespace {
 
+// Rows of a dense fp32 product that take our kernel (more take sgemm): see dense_rows in qgemm.cpp
+constexpr int64_t kDenseMaxRows = 8;
+
 struct Isa {
   const char* name;
   decltype(&generic::gemm) gemm;
@@ -27,7 +30,7 @@ struct Isa {
   decltype(&generic::quantize_acts) quantize_acts;
   decltype(&generic::gemm_q8) gemm_q8;
   decltype(&generic::decode_attention) decode_attention;
-  decltype(&generic::dense_row) dense_row;
+  decltype(&generic::dense_rows) dense_rows;
 };
 
 bool has(const char* isa) {
@@ -43,7 +46,7 @@ bool has(const char* isa) {
 }
 
 #define PIPELLM_ISA_ENTRY(NS) \
-  {#NS, NS::gemm, NS::dequant, NS::quantize_acts, NS::gemm_q8, NS::decode_attention, NS::dense_row}
+  {#NS, NS::gemm, NS::dequant, NS::quantize_acts, NS::gemm_q8, NS::decode_attention, NS::dense_rows}
 const Isa kIsas[] = {PIPELLM_ISA_ENTRY(avx512), PIPELLM_ISA_ENTRY(avx2), PIPELLM_ISA_ENTRY(generic)};
 
 const Isa& pick(const std::string& isa) {
@@ -419,15 +422,16 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
       continue;
     }
     const at::Tensor xf = x.to(at::kFloat);  // dense parts are fp32
-    if (xf.size(0) == 1 && p.dense.is_contiguous()) {  // one row: our kernel, columns over the threads by 16
+    const int64_t M = xf.size(0);
+    if (M <= kDenseMaxRows && p.dense.is_contiguous()) {  // few rows: our kernel, columns over the threads by 16
       const int64_t N = p.N;
-      at::Tensor y = at::zeros({1, N}, xf.options());
+      at::Tensor y = at::zeros({M, N}, xf.options());
       const at::Tensor xc = xf.contiguous();
       const float *xp = xc.data_ptr<float>(), *wp = p.dense.data_ptr<float>();
       float* yp = y.data_ptr<float>();
-      const auto row = kIsas[p.isa].dense_row;
+      const auto rows = kIsas[p.isa].dense_rows;
       at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t u0, int64_t u1) {
-        row(xp, wp, K, N, yp, u0 * 16, std::min(N, u1 * 16));
+        rows(xp, K, M, wp, K, N, yp, N, u0 * 16, std::min(N, u1 * 16));
       });
       ys.push_back((p.dense_bias.has_value() ? y + *p.dense_bias : y).to(type));
       continue;

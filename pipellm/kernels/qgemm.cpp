@@ -1015,38 +1015,57 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
   }
 }
 
-// ---- one fp32 row times a dense [K, N] weight (single-stream decode with fp32 weights) ----
-// y[n0:n1] += x @ w[:, n0:n1], eight weight rows a pass (then one at a time): ~1.5x the rate at which MKL's sgemm
-// reads a one-row product's weights here (BENCHMARKS.md). Each output sums its products in k order in both paths
-// (the vector loop and the scalar tail), so a column's result does not depend on which thread's range holds it.
-// A pass reads a thread's columns of 8 rows, short streams for the hardware prefetchers (~3 KB a row at N = 1536),
-// so it prefetches into L2 the same columns of `ahead`'s R rows, two passes on: 1.0-1.3x the read rate without.
+// ---- a few fp32 rows times a dense [K, N] weight (decode steps of few sequences with fp32 weights) ----
+// y[:, n0:n1] += x @ w[:, n0:n1], eight weight rows a pass (then one at a time): one row at ~1.5x the rate at which
+// MKL's sgemm reads a one-row product's weights here; each weight vector loaded once serves every row, where sgemm
+// of 2-8 rows ran at 19-43 GFLOP/s on one thread (BENCHMARKS.md). Each output sums its products in k order in both
+// paths (the vector loop and the scalar tail), so a column's result depends neither on which thread's range holds
+// it nor on the other rows. A pass reads a thread's columns of 8 rows, short streams for the hardware prefetchers
+// (~3 KB a row at N = 1536), so it prefetches into L2 the same columns of `ahead`'s R rows, two passes on: 1.0-1.3x
+// the read rate without.
 template <int R>
-static inline void dense_rows(const float* x, const float* w, int64_t N, float* y, int64_t n0, int64_t n1,
-                              const float* ahead) {
+static inline void dense_rows_pass(const float* x, int64_t ldx, int64_t M, const float* w, int64_t N, float* y,
+                                   int64_t ldy, int64_t n0, int64_t n1, const float* ahead) {
   int64_t n = n0;
 #ifdef PIPELLM_AVX2
-  __m256 a[R];
-  for (int i = 0; i < R; i++) a[i] = _mm256_set1_ps(x[i]);
-  for (; n + 8 <= n1; n += 8) {
-    __m256 s = _mm256_loadu_ps(y + n);
-    if (ahead && n % 16 == 0)  // a 64-byte line a row
-      for (int i = 0; i < R; i++) _mm_prefetch((const char*)(ahead + i * N + n), _MM_HINT_T1);
-    for (int i = 0; i < R; i++) s = _mm256_fmadd_ps(a[i], _mm256_loadu_ps(w + i * N + n), s);
-    _mm256_storeu_ps(y + n, s);
+  if (M == 1) {  // the row's R values stay in registers
+    __m256 a[R];
+    for (int i = 0; i < R; i++) a[i] = _mm256_set1_ps(x[i]);
+    for (; n + 8 <= n1; n += 8) {
+      __m256 s = _mm256_loadu_ps(y + n);
+      if (ahead && n % 16 == 0)  // a 64-byte line a row
+        for (int i = 0; i < R; i++) _mm_prefetch((const char*)(ahead + i * N + n), _MM_HINT_T1);
+      for (int i = 0; i < R; i++) s = _mm256_fmadd_ps(a[i], _mm256_loadu_ps(w + i * N + n), s);
+      _mm256_storeu_ps(y + n, s);
+    }
+  } else {  // the weights' R vectors stay in registers, each row's values broadcast from memory
+    for (; n + 8 <= n1; n += 8) {
+      __m256 wv[R];
+      if (ahead && n % 16 == 0)
+        for (int i = 0; i < R; i++) _mm_prefetch((const char*)(ahead + i * N + n), _MM_HINT_T1);
+      for (int i = 0; i < R; i++) wv[i] = _mm256_loadu_ps(w + i * N + n);
+      for (int64_t m = 0; m < M; m++) {
+        __m256 s = _mm256_loadu_ps(y + m * ldy + n);
+        for (int i = 0; i < R; i++) s = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * ldx + i), wv[i], s);
+        _mm256_storeu_ps(y + m * ldy + n, s);
+      }
+    }
   }
 #endif
-  for (; n < n1; n++) {
-    float s = y[n];
-    for (int i = 0; i < R; i++) s = std::fma(x[i], w[i * N + n], s);
-    y[n] = s;
-  }
+  for (; n < n1; n++)
+    for (int64_t m = 0; m < M; m++) {
+      float s = y[m * ldy + n];
+      for (int i = 0; i < R; i++) s = std::fma(x[m * ldx + i], w[i * N + n], s);
+      y[m * ldy + n] = s;
+    }
 }
 
-void dense_row(const float* x, const float* w, int64_t K, int64_t N, float* y, int64_t n0, int64_t n1) {
+void dense_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, int64_t N, float* y,
+                int64_t ldy, int64_t n0, int64_t n1) {
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) dense_rows<8>(x + k, w + k * N, N, y, n0, n1, k + 24 <= K ? w + (k + 16) * N : nullptr);
-  for (; k < K; k++) dense_rows<1>(x + k, w + k * N, N, y, n0, n1, nullptr);
+  for (; k + 8 <= K; k += 8)
+    dense_rows_pass<8>(x + k, ldx, M, w + k * N, N, y, ldy, n0, n1, k + 24 <= K ? w + (k + 16) * N : nullptr);
+  for (; k < K; k++) dense_rows_pass<1>(x + k, ldx, M, w + k * N, N, y, ldy, n0, n1, nullptr);
 }
 
 void decode_attention(const DecodeArgs& a, int64_t u0, int64_t u1) {

@@ -80,7 +80,8 @@ inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len
   void gemm_q8(const pipellm::QWeight& w, const pipellm::QActs& a, float* y, int64_t ldy, int64_t n0,       \
                int64_t n1);                                                                                \
   void decode_attention(const pipellm::DecodeArgs& a, int64_t u0, int64_t u1);                            \
-  void dense_row(const float* x, const float* w, int64_t K, int64_t N, float* y, int64_t n0, int64_t n1);   \
+  void dense_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, int64_t N, float* y,   \
+                  int64_t ldy, int64_t n0, int64_t n1);                                                     \
   }
 
 PIPELLM_DECLARE_ISA(generic)

@@ -93,5 +93,5 @@ def _linear(ops, module: nn.Module):
     if isinstance(module, CompactLinear):  # the blocks' products, then the bias
         return ops.Linear.concat([p.matmul_fn() for p in module.parts], bias)
     if isinstance(module, TransposedLinear) and module.weight_t.dtype == torch.float32:
-        return ops.Linear.dense(module.weight_t, bias)  # one addmm
+        return ops.Linear.dense(module.weight_t, bias)  # our kernel for few rows, else one addmm
     return None
