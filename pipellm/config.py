@@ -213,8 +213,9 @@ class ModelConfig:
 class SpeculativeConfig:
     """vLLM's speculative_config, its "ngram" method: each decoding request's last prompt_lookup_max down to
     prompt_lookup_min tokens are looked up earlier in its prompt and output, and up to num_speculative_tokens of the
-    tokens that followed there are run with its next token in one step; greedy verification keeps those the model
-    itself picks. A token costs less where the output copies its context (quotes, code edits, extraction)."""
+    tokens that followed there are run with its next token in one step; the last stage keeps them up to the first
+    that differs from its own pick. A token costs less where the output copies its context (quotes, code edits,
+    extraction)."""
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_max: int | None = None  # None: prompt_lookup_min, or 5 where both are None (vLLM's defaults)

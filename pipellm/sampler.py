@@ -17,7 +17,7 @@ from pipellm.logits_processors import RequestProcessors, apply_processors
 from pipellm.sampling_params import SamplingParams
 
 _TOP_P_HEAD = 128    # first guess at how many tokens top-p keeps (most rows of a peaked model)
-GREEDY_BELOW = 1e-5  # as vLLM: tinier temperatures are greedy (dividing by them overflows to inf/nan)
+_GREEDY_BELOW = 1e-5  # as vLLM: tinier temperatures are greedy (dividing by them overflows to inf/nan)
 
 
 @dataclass(slots=True)
@@ -76,7 +76,7 @@ class _Request:
 
     @property
     def greedy(self) -> bool:
-        return self.params.temperature < GREEDY_BELOW
+        return self.params.temperature < _GREEDY_BELOW
 
     @property
     def gen(self) -> torch.Generator:
@@ -139,11 +139,44 @@ class Sampler:
         return len(self._reqs)
 
     def sample(self, logits: torch.Tensor, req_ids: list[str]) -> list[SampledToken]:
+        reqs = self._requests(logits, req_ids)
+        return self._emit(logits, reqs, self._pick(logits, reqs))
+
+    def verify(self, logits: torch.Tensor, req_ids: list[str], drafts: np.ndarray) -> tuple[list[SampledToken],
+                                                                                             list[int]]:
+        """Speculative decoding. A request's rows are one for each draft, then its own (req_ids repeats it; drafts
+        gives each row's draft, -1 on a request's last row). Each row picks as sample() would, greedy or with the
+        next uniform of the request's generator, and a request keeps its drafts up to the first its pick differs
+        from. The tokens are those sampling without drafts gives: the same picks, the same draws (the generator
+        ends as many draws on as tokens kept). Returns the tokens and the drafts each request kept."""
+        reqs = self._requests(logits, req_ids)
+        states = {id(r): r.gen.get_state() for r in reqs if not r.greedy}  # before this call's draws
+        picks = self._pick(logits, reqs)
+        listed = picks.tolist()
+        rows, accepted, first = [], [], 0
+        for last in np.flatnonzero(drafts == -1).tolist():  # each request's rows: first..last
+            kept = 0
+            while first + kept < last and listed[first + kept] == drafts[first + kept]:
+                kept += 1
+            rows.extend(range(first, first + kept + 1))
+            accepted.append(kept)
+            req = reqs[first]
+            if not req.greedy:  # rewind to one draw a token kept, as _draw takes them
+                req.gen.set_state(states[id(req)])
+                for _ in range(kept + 1):
+                    torch.rand(1, generator=req.gen, dtype=torch.float64)
+            first = last + 1
+        idx = torch.tensor(rows, device=logits.device)
+        return self._emit(logits[idx], [reqs[i] for i in rows], picks[idx]), accepted
+
+    def _requests(self, logits: torch.Tensor, req_ids: list[str]) -> list[_Request]:
         if logits.dim() != 2 or logits.shape[0] != len(req_ids):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(req_ids)} request ids")
-        reqs = [self._reqs[r] for r in req_ids]
-        dev = logits.device
+        return [self._reqs[r] for r in req_ids]
 
+    def _pick(self, logits: torch.Tensor, reqs: list[_Request]) -> torch.Tensor:
+        """[rows] each row's token: its request's processors, then greedy or a seeded draw."""
+        dev = logits.device
         changed = [i for i, r in enumerate(reqs) if r.processors.is_active]
         if changed or logits.dtype != torch.float32:
             # Processors write in place, so never into the caller's logits.
@@ -155,16 +188,18 @@ class Sampler:
 
         rand_rows = [i for i, r in enumerate(reqs) if not r.greedy]
         if not rand_rows:
-            token_ids = x.argmax(dim=-1)
-        elif len(rand_rows) == len(reqs):
-            token_ids = _sample_random(x, reqs, self._scratch)
-        else:
-            greedy = torch.tensor([i for i, r in enumerate(reqs) if r.greedy], device=dev)
-            rand = torch.tensor(rand_rows, device=dev)
-            token_ids = torch.empty(len(reqs), dtype=torch.long, device=dev)
-            token_ids[greedy] = x[greedy].argmax(dim=-1)
-            token_ids[rand] = _sample_random(x[rand], [reqs[i] for i in rand_rows], self._scratch)
+            return x.argmax(dim=-1)
+        if len(rand_rows) == len(reqs):
+            return _sample_random(x, reqs, self._scratch)
+        greedy = torch.tensor([i for i, r in enumerate(reqs) if r.greedy], device=dev)
+        rand = torch.tensor(rand_rows, device=dev)
+        token_ids = torch.empty(len(reqs), dtype=torch.long, device=dev)
+        token_ids[greedy] = x[greedy].argmax(dim=-1)
+        token_ids[rand] = _sample_random(x[rand], [reqs[i] for i in rand_rows], self._scratch)
+        return token_ids
 
+    def _emit(self, logits: torch.Tensor, reqs: list[_Request], token_ids: torch.Tensor) -> list[SampledToken]:
+        """The picked tokens with the log-probabilities asked for; each request's processors see its tokens."""
         ids = token_ids.tolist()
         out = [SampledToken(t) for t in ids]
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]

@@ -1,6 +1,6 @@
 """N-gram speculative decoding (speculative_config): greedy output equals HF transformers' token for token while drafts
-are kept and thrown away, at PP=1 and PP=2; requests that cannot speculate are untouched; stops, max_tokens, the
-prefix cache and preemption hold."""
+are kept and thrown away, at PP=1 and PP=2; seeded sampling draws the same tokens as without drafts; requests that
+cannot speculate are untouched; stops, max_tokens, the prefix cache and preemption hold."""
 import numpy as np
 import pytest
 import torch
@@ -61,17 +61,32 @@ def test_greedy_output_equals_hf_with_drafts_kept_and_dropped(small_vocab, pp):
         assert engine.num_generated_tokens == GREEDY.max_tokens * len(PROMPTS)
 
 
-def test_requests_that_cannot_speculate_are_untouched(small_vocab):
+def test_sampled_requests_draw_what_they_draw_without_drafts(small_vocab):
+    """A seeded draw per row, the generator rewound to one draw a token kept: the same tokens as without drafts,
+    with temperature, top-k/top-p/min-p, logit_bias and allowed_token_ids."""
     folder, _ = small_vocab
-    params = [SamplingParams(max_tokens=30, temperature=1.0, seed=7, ignore_eos=True),
-              SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.3, ignore_eos=True),
-              SamplingParams(max_tokens=30, temperature=0, min_tokens=30)]
-    prompts = PROMPTS[:1] * 3
+    params = [SamplingParams(max_tokens=40, temperature=0.7, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=1.0, top_k=4, top_p=0.9, min_p=0.05, seed=8, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.5, seed=9, logit_bias={3: 2.0},
+                             allowed_token_ids=list(range(3, 20)), ignore_eos=True)]
     runs = []
     for spec in (None, SPEC):
         with LLM(folder, dtype=FP32, speculative_config=spec) as llm:
-            runs.append([o.outputs[0].token_ids for o in llm.generate(
-                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)])
+            runs.append(generate(llm, PROMPTS, params))
+            kept = llm.engine.num_accepted_tokens
+    assert runs[0] == runs[1] and kept > 0
+    assert all(3 <= t < 20 for t in runs[1][2])
+
+
+def test_requests_that_cannot_speculate_are_untouched(small_vocab):
+    folder, _ = small_vocab
+    params = [SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.8, seed=3, frequency_penalty=0.5, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0, min_tokens=30)]
+    runs = []
+    for spec in (None, SPEC):
+        with LLM(folder, dtype=FP32, speculative_config=spec) as llm:
+            runs.append(generate(llm, PROMPTS, params))
             assert llm.engine.num_draft_tokens == 0
     assert runs[0] == runs[1]
 

@@ -1,20 +1,19 @@
 """N-gram speculation (vLLM's "ngram" method): the driver drafts a decoding request's next tokens from its own
-context, the stage runs them with its next token as one chunk, and the last stage keeps the drafts the model itself
-picks (greedy), plus the token it picks after the last one kept."""
+context, the stages run them with its next token in one step, and the last stage keeps the drafts up to the first
+that differs from its own pick (greedy, or a draw: Sampler.verify), plus that pick."""
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from pipellm.sampler import GREEDY_BELOW
 from pipellm.sampling_params import SamplingParams
 
 
 def can_speculate(params: SamplingParams, num_output: int) -> bool:
-    """Whether a request's drafts can be verified by the model's greedy pick alone: greedy, and no processor whose
-    state moves with each token (penalties, grammar, bad words, min_tokens still masking) or that changes the pick."""
+    """Whether a request's rows can pick their tokens side by side: no processor whose state moves with each token
+    (penalties, a grammar, bad words, min_tokens still masking). Temperature, the top-k, top-p and min-p filters,
+    logit_bias and allowed_token_ids read each row alone."""
     p = params
-    return (p.temperature < GREEDY_BELOW and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and not p.logit_bias and p.allowed_token_ids is None and not p.bad_words
-            and p.structured_outputs is None and num_output >= p.min_tokens)
+    return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and not p.bad_words and p.structured_outputs is None and num_output >= p.min_tokens)
 
 
 def propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:

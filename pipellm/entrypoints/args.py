@@ -77,7 +77,7 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
                    help="send the next batch while the stage runs this one (default: on with one stage, where it "
                         "applies)")
     p.add_argument("--speculative-config", type=_json_object, default=None,
-                   help='n-gram speculative decoding of greedy requests, as vLLM\'s: \'{"method": "ngram", '
+                   help='n-gram speculative decoding, as vLLM\'s: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads-per-stage", type=int, default=None, help="default: cores // stages")

@@ -148,8 +148,9 @@ class StageWorker:
             logits = self.model.compute_logits(hidden[t(batch.logits_indices).to(dev)])
             if batch.draft_token_ids is None:
                 tokens = self.sampler.sample(logits, batch.sample_req_ids)
-            else:
-                tokens, accepted = self._verify(logits, batch)
+            else:  # speculative decoding: drafts kept, then each request's own token
+                tokens, accepted = self.sampler.verify(logits, batch.sample_req_ids, batch.draft_token_ids)
+                accepted = np.array(accepted, dtype=np.int64)
         if self.stage.is_first:  # a one-stage pipeline: the next batch may take these tokens (async scheduling)
             self.last_tokens = {r: tok.token_id for r, tok in zip(batch.sample_req_ids, tokens)}
         if batch.prompt_rows is not None:
@@ -160,23 +161,6 @@ class StageWorker:
         self.chan.send_obj(SampledBatch(batch.batch_id, tokens, prompt_lps, accepted), comm.DRIVER)
         if recorder is not None:
             self._finish_probe(batch, recorder, tokens)
-
-    def _verify(self, logits: torch.Tensor, batch: StageBatch) -> tuple[list, np.ndarray]:
-        """Speculative decoding: each request keeps its drafts up to the first the model would not pick (greedy,
-        the only requests given drafts), and samples the rows up to it: the kept drafts, then its own next token.
-        logits [S, vocab], one row a draft and one more a request. Returns the tokens and the drafts kept."""
-        drafts = batch.draft_token_ids
-        picks = logits.argmax(dim=-1).tolist()
-        rows, accepted, first = [], [], 0
-        for last in np.flatnonzero(drafts == -1).tolist():  # each request's rows: first..last
-            kept = 0
-            while first + kept < last and picks[first + kept] == drafts[first + kept]:
-                kept += 1
-            rows.extend(range(first, first + kept + 1))
-            accepted.append(kept)
-            first = last + 1
-        ids = [batch.sample_req_ids[i] for i in rows]
-        return self.sampler.sample(logits[rows], ids), np.array(accepted, dtype=np.int64)
 
     def _input_ids(self, batch: StageBatch):
         if not batch.ahead_req_ids:
