@@ -120,7 +120,8 @@ def test_prefix_cache_and_preemption_with_drafts(small_vocab):
     ({"method": "eagle", "num_speculative_tokens": 2}, 'method=\'eagle\': pipellm speculates by n-gram lookup only'),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens=0: must be an integer from 1 to 64"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
-    ({"num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "must be at most prompt_lookup_max"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
+     "must be at most prompt_lookup_max"),
     ({"num_speculative_tokens": 2, "lookahead": 1}, "unknown field(s) lookahead"),
     ("ngram", "give a dict such as"),
 ])
