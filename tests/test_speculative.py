@@ -126,7 +126,7 @@ def test_prefix_cache_and_preemption_with_drafts(small_vocab):
     ("ngram", "give a dict such as"),
 ])
 def test_bad_speculative_configs_say_what_to_change(small_vocab, spec, message):
-    with pytest.raises(ValueError, match=None) as e:
+    with pytest.raises(ValueError) as e:
         LLM(small_vocab[0], speculative_config=spec)
     assert message in str(e.value)
 
