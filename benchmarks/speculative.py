@@ -1,8 +1,9 @@
 """N-gram speculative decoding against plain decoding, on the default model, in alternating rounds of the same run:
-generated tok/s of one greedy chat request at a time (the latency case speculation is for), where the answer copies
-the prompt (a text to repeat, code to edit) and where it does not (free writing), plus the drafts kept.
+generated tok/s of one chat request at a time (the latency case speculation is for; greedy, or seeded draws), where
+the answer copies the prompt (a text to repeat, code to edit) and where it does not (free writing), and the drafts
+kept.
 `python benchmarks/speculative.py [--model PATH] [--dtype auto] [-pp 1] [--threads 2] [--rounds 3] [--tokens 4]
-[--lookup 3-4] [--json FILE]`"""
+[--lookup 3-4] [--temperature 0] [--json FILE]`"""
 import argparse
 import json
 import statistics
@@ -22,9 +23,9 @@ TASKS = {
 }
 
 
-def run(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, int]:
+def run(llm: LLM, prompts: list[str], max_tokens: int, temperature: float = 0.0) -> tuple[float, int]:
     """Generated tokens per second over the prompts one after another, and the tokens."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
     start, tokens = time.perf_counter(), 0
     for p in prompts:
         tokens += len(llm.chat([[{"role": "user", "content": p}]], params, use_tqdm=False)[0].outputs[0].token_ids)
@@ -39,6 +40,7 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="per stage (default: cores // stages)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded draws")
     parser.add_argument("--tokens", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup", default="3-4", help="prompt_lookup_min-prompt_lookup_max")
     parser.add_argument("--json", default=None)
@@ -57,7 +59,7 @@ def main():
                 for name, llm in (("plain", plain), ("ngram", spec))[::1 if r % 2 == 0 else -1]:
                     e = llm.engine
                     drafts, kept = e.num_draft_tokens, e.num_accepted_tokens
-                    rate, tokens = run(llm, prompts, args.max_tokens)
+                    rate, tokens = run(llm, prompts, args.max_tokens, args.temperature)
                     figures[kind][name].append(rate)
                     if name == "ngram":
                         accepted.setdefault(kind, []).append((e.num_accepted_tokens - kept, e.num_draft_tokens - drafts,
