@@ -136,3 +136,22 @@ def test_speculation_excludes_the_other_ways_of_running_ahead(small_vocab):
         LLM(small_vocab[0], async_scheduling=True, distributed_executor_backend="mp", speculative_config=SPEC)
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         LLM(small_vocab[0], num_scheduler_steps=4, speculative_config=SPEC)
+
+
+def test_a_restart_mid_speculation_gives_the_tokens_of_a_fault_free_run(small_vocab):
+    """The last stage dies with drafts out: the new pipeline replays each request's draws, one a token kept."""
+    from tests.test_recovery import KillWhen
+
+    prompts = [p[i % len(p):] + p[:i % len(p)] for i, p in enumerate(PROMPTS * 5)]
+    params = [SamplingParams(max_tokens=40, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    with LLM(small_vocab[0], pipeline_parallel_size=2, restart_on_failure=True, dtype=FP32,
+             speculative_config=SPEC) as llm:
+        expected = generate(llm, prompts, params)
+        killer = KillWhen(llm, 1)
+        killer.start()
+        got = generate(llm, prompts, params)
+        killer.stop.set()
+        assert killer.killed_at is not None and 0 < max(killer.progress) < 40, "the kill did not land mid-generation"
+        assert len(llm.engine.restarts) == 1 and llm.engine.num_accepted_tokens > 0
+    assert got == expected
