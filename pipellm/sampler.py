@@ -143,14 +143,15 @@ class Sampler:
         return self._emit(logits, reqs, self._pick(logits, reqs))
 
     def verify(self, logits: torch.Tensor, req_ids: list[str], drafts: np.ndarray) -> tuple[list[SampledToken],
-                                                                                             list[int]]:
+                                                                                             np.ndarray]:
         """Speculative decoding. A request's rows are one for each draft, then its own (req_ids repeats it; drafts
         gives each row's draft, -1 on a request's last row). Each row picks as sample() would, greedy or with the
         next uniform of the request's generator, and a request keeps its drafts up to the first its pick differs
         from. The tokens are those sampling without drafts gives: the same picks, the same draws (the generator
         ends as many draws on as tokens kept). Returns the tokens and the drafts each request kept."""
         reqs = self._requests(logits, req_ids)
-        states = {id(r): r.gen.get_state() for r in reqs if not r.greedy}  # before this call's draws
+        drafting = [reqs[i] for i in np.flatnonzero(drafts >= 0).tolist()]
+        states = {id(r): r.gen.get_state() for r in drafting if not r.greedy}  # before this call's draws
         picks = self._pick(logits, reqs)
         listed = picks.tolist()
         rows, accepted, first = [], [], 0
@@ -161,13 +162,13 @@ class Sampler:
             rows.extend(range(first, first + kept + 1))
             accepted.append(kept)
             req = reqs[first]
-            if not req.greedy:  # rewind to one draw a token kept, as _draw takes them
-                req.gen.set_state(states[id(req)])
+            if first + kept < last and id(req) in states:  # drew past its last token kept: rewind to one draw a
+                req.gen.set_state(states[id(req)])           # token kept, as _draw takes them
                 for _ in range(kept + 1):
                     torch.rand(1, generator=req.gen, dtype=torch.float64)
             first = last + 1
         idx = torch.tensor(rows, device=logits.device)
-        return self._emit(logits[idx], [reqs[i] for i in rows], picks[idx]), accepted
+        return self._emit(logits[idx], [reqs[i] for i in rows], picks[idx]), np.array(accepted, dtype=np.int64)
 
     def _requests(self, logits: torch.Tensor, req_ids: list[str]) -> list[_Request]:
         if logits.dim() != 2 or logits.shape[0] != len(req_ids):

@@ -226,17 +226,15 @@ class Scheduler:
         rows = np.repeat(np.arange(len(reqs)), counts)
         slots = flat[base[rows] + positions // bs - first[rows]] * bs + positions % bs
         seq_lens = starts + counts
+        rope_lens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
         num_drafts = np.array([len(r.draft_token_ids) for r in reqs], dtype=np.int64)
-        sampled = [r for r, end, k in zip(reqs, seq_lens, num_drafts) if end == r.num_tokens + k]
+        is_sampled = seq_lens == rope_lens + num_drafts  # it runs its last known token (and its drafts)
+        sampled = [r for r, s in zip(reqs, is_sampled) if s]
         new = [NewRequest(r.request_id, r.params, r.prompt_token_ids, r.seed, list(r.output_token_ids),
                           r.min_tokens_stop_ids, r.bad_words_token_ids)
                for r in sampled if not r.is_known_to_sampler]
-        rope_lens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
-        is_sampled = seq_lens == rope_lens + num_drafts
         # a sampled request's last row, and before it one row for each draft: the row that verifies it
-        last_rows, rows_each = (np.cumsum(counts) - 1)[is_sampled], num_drafts[is_sampled] + 1
-        logits_indices = np.repeat(last_rows - rows_each + 1, rows_each) + \
-            np.arange(int(rows_each.sum())) - np.repeat(np.cumsum(rows_each) - rows_each, rows_each)
+        logits_indices = np.flatnonzero(is_sampled[rows] & (offsets >= counts[rows] - 1 - num_drafts[rows]))
         drafts = None
         if num_drafts.any():  # each logits row's draft to verify; -1 on a sampled request's last row
             drafts = np.concatenate([np.array(r.draft_token_ids + [-1], dtype=np.int64) for r in sampled])
@@ -248,7 +246,7 @@ class Scheduler:
         for r in sampled:
             r.is_known_to_sampler = True
         batch = StageBatch(self.num_batches, ids, positions, slots, counts, seq_lens, None, logits_indices,
-                           [r.request_id for r, k in zip(sampled, rows_each.tolist()) for _ in range(k)], new,
+                           [r.request_id for r in sampled for _ in range(len(r.draft_token_ids) + 1)], new,
                            self.finished_ids,
                            rope_lens if self.send_rope_lens else None, window_tables,
                            ahead_req_ids=[r.request_id for r in reqs if r.num_ahead], num_steps=steps,

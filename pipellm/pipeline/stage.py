@@ -13,7 +13,6 @@ import traceback
 from collections import deque
 from functools import partial
 
-import numpy as np
 import torch
 
 from pipellm import device, structured
@@ -150,7 +149,6 @@ class StageWorker:
                 tokens = self.sampler.sample(logits, batch.sample_req_ids)
             else:  # speculative decoding: drafts kept, then each request's own token
                 tokens, accepted = self.sampler.verify(logits, batch.sample_req_ids, batch.draft_token_ids)
-                accepted = np.array(accepted, dtype=np.int64)
         if self.stage.is_first:  # a one-stage pipeline: the next batch may take these tokens (async scheduling)
             self.last_tokens = {r: tok.token_id for r, tok in zip(batch.sample_req_ids, tokens)}
         if batch.prompt_rows is not None:
