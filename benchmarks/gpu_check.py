@@ -1,7 +1,8 @@
 """The GPU checks of pipellm, one line each, for benchmarks/gpu_check.sh (which installs what they need first).
 
 1. Greedy ids equal HF transformers' on the same GPU, on tiny random checkpoints (llama, qwen2 with biases and a tied
-   head, gpt2), fp32: PP=1, and PP=2 (a GPU a stage where there are two, else both stages on one GPU).
+   head, gpt2), fp32: PP=1, and PP=2 (a GPU a stage where there are two, else both stages on one GPU); decode steps
+   replay CUDA graphs, and the llama's also with multi-step decoding and with enforce_eager.
 2. The default model (its GGUF, dequantized to the activations' dtype at load) agrees with HF on it.
 3. Throughput of the batch workload (32 requests, 64-192 prompt tokens, 64 new) at PP=1 and PP=2 against HF
    transformers `generate` on the same GPU, bf16: targets >= 2x HF at PP=1 and PP=2 >= 0.9x PP=1.
@@ -52,9 +53,9 @@ def check(name: str, fn) -> None:
     save()
 
 
-def parity(folder: str, hf_model, pp: int, device: str, hf_dev: str, dtype: str, n: int = 12):
+def parity(folder: str, hf_model, pp: int, device: str, hf_dev: str, dtype: str, n: int = 12, **engine_kwargs):
     expected = hf_greedy_ids(hf_model, PROMPTS, n, hf_dev)
-    with LLM(folder, pipeline_parallel_size=pp, device=device, dtype=dtype, **ENGINE) as llm:
+    with LLM(folder, pipeline_parallel_size=pp, device=device, dtype=dtype, **ENGINE, **engine_kwargs) as llm:
         where = [s["device"] for s in llm.engine.executor.stage_status()]
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -83,12 +84,18 @@ def main():
     if on_gpu and not gpus:  # nothing else can run
         check("cuda", lambda: (False, "torch sees no GPU"))
         sys.exit(1)
+    check("paged attention vs a dense reference", lambda: attention(args.device))
     with tempfile.TemporaryDirectory() as tmp:
         for arch in () if args.skip_tiny else ("llama", "qwen2", "gpt2"):
             folder = os.path.join(tmp, arch)
             hf_model = make_checkpoint(arch, folder).to(hf_dev)
             check(f"parity {arch} PP=1", lambda: parity(folder, hf_model, 1, args.device, hf_dev, "float32"))
             check(f"parity {arch} PP=2", lambda: parity(folder, hf_model, 2, pp2_device, hf_dev, "float32"))
+            if arch == "llama":  # multi-step decoding feeds each step's samples to the next step's graph
+                check(f"parity {arch} PP=2 num_scheduler_steps=4",
+                      lambda: parity(folder, hf_model, 2, pp2_device, hf_dev, "float32", num_scheduler_steps=4))
+                check(f"parity {arch} PP=1 enforce_eager",
+                      lambda: parity(folder, hf_model, 1, args.device, hf_dev, "float32", enforce_eager=True))
         check("parity default model PP=2", lambda: default_model_parity(tmp, pp2_device, hf_dev))
         if not args.skip_bench:
             results["bench"] = bench(tmp, args.device, pp2_device, "bfloat16" if on_gpu else "float32",
@@ -96,6 +103,27 @@ def main():
     save()
     print(f"{len(failed)} check(s) failed: {failed}" if failed else "all checks passed", flush=True)
     sys.exit(1 if failed else 0)
+
+
+def attention(device: str):
+    """tests/test_attention.py's steps (decodes, prefills, chunks after cached prefixes, mixed; grouped heads; fp32
+    and bf16, soft-capped scores, an int8 cache) through paged attention on the device, against its dense
+    reference."""
+    from tests.test_attention import STEPS, _run
+
+    worst = {}
+    # (activations, KV cache, soft-capped scores, tolerance); the last two attend chunk by chunk
+    f32, bf16 = torch.float32, torch.bfloat16
+    for act, kv, softcap, tol in ((f32, f32, None, 1e-4), (bf16, bf16, None, 3e-2), (f32, f32, 0.5, 1e-4),
+                                  (f32, torch.int8, None, 4e-2)):
+        for name, steps in STEPS.items():
+            out, dense = _run(steps, 6, 2, None, seed=len(name), kv_dtype=kv, dim=64, act_dtype=act, softcap=softcap,
+                              device=device)
+            case = f"{name}, {act}, KV {kv}, softcap {softcap}"
+            worst[case] = err = (out.float() - dense).abs().max().item()
+            if not err <= tol:
+                return False, f"{case}: max error {err:.2e} (tolerance {tol})"
+    return True, f"{len(worst)} cases, max error {max(worst.values()):.1e}"
 
 
 def bench(tmp: str, device: str, pp2_device: str, dtype: str, random: bool) -> dict:
@@ -119,6 +147,11 @@ def bench(tmp: str, device: str, pp2_device: str, dtype: str, random: bool) -> d
         return ratio >= 0.9, f"{r['generated_tok_s']:.1f} tok/s, {ratio:.2f}x PP=1 (target 0.9x)"
 
     check(f"bench PP=1 vs HF, {dtype}", pp1)
+    if "pp1" in out:  # what the decode steps' CUDA graphs bring, in the same run (not a target)
+        eager = run_bench(model, 1, device=device, dtype=dtype, use_tqdm=False, enforce_eager=True, **ENGINE)
+        out["pp1_enforce_eager"] = eager
+        print(f"PP=1 enforce_eager: {eager['generated_tok_s']:.1f} tok/s; with graphs "
+              f"{out['pp1']['generated_tok_s'] / eager['generated_tok_s']:.2f}x that", flush=True)
     if "pp1" in out:
         check(f"bench PP=2 vs PP=1, {dtype}", pp2)
     return out

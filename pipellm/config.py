@@ -303,6 +303,7 @@ class EngineConfig:
     #                                     perplexity within 1%, but greedy output may differ where the top two are close
     device: str = "cpu"                 # "cpu", "cuda" (a GPU a stage), "cuda:N" (every stage on GPU N) or "auto"
     gpu_memory_utilization: float = 0.9  # share of each GPU's memory the stages on it may use (weights, KV cache)
+    enforce_eager: bool = False         # True: no CUDA graphs on a GPU, every step launched op by op (vLLM's name)
     num_scheduler_steps: int = 1        # decode steps a stage runs per batch, feeding back its own samples (vLLM's
     #                                     multi-step scheduling): less driver round trip per token, output in bursts
     async_scheduling: bool | None = None  # send the next batch while the stage runs this one, its decodes fed the
@@ -350,6 +351,8 @@ class EngineConfig:
             bad("int8_activations", "must be True or False")
         if not isinstance(self.num_scheduler_steps, int) or not 1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
             bad("num_scheduler_steps", f"must be an integer from 1 to {MAX_SCHEDULER_STEPS}")
+        if not isinstance(self.enforce_eager, bool):
+            bad("enforce_eager", "must be True or False")
         if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
             bad("async_scheduling", "must be True, False or None (on where it applies)")
         if self.async_scheduling and not self._one_batch_stage:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipellm import kernels
-from pipellm.models.attention import AttentionMetadata, paged_attention
+from pipellm.models.attention import AttentionMetadata, VarlenPrefill, paged_attention
 from pipellm.models.kv_cache import KVCache, _write_int8
 
 BLOCK = 4
@@ -42,9 +42,10 @@ def _dense(q, keys, values, q_pos, window, softcap=None):
 
 def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | None, seed: int,
          kv_dtype: torch.dtype = torch.float32, dim: int = 8, act_dtype: torch.dtype = torch.float32,
-         softcap: float | None = None, decode_chunks: int = 1):
+         softcap: float | None = None, decode_chunks: int = 1, parts: bool = False, device: str = "cpu"):
     """steps: (cached tokens, new tokens) per sequence. Returns paged and dense outputs of the step. act_dtype: the
-    activations' (q and the new K/V); the reference sees the same values, rounded to it."""
+    activations' (q and the new K/V); the reference sees the same values, rounded to it. device: where the paged
+    attention runs (benchmarks/gpu_check.py runs these on a GPU)."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -75,7 +76,14 @@ def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | 
     meta = AttentionMetadata.build(torch.tensor(positions), torch.tensor([n for _, n in steps]),
                                    torch.tensor([c + n for c, n in steps]), tables, torch.tensor(slots), BLOCK, window,
                                    decode_chunks)
-    out = paged_attention(*(x.to(act_dtype) for x in (q, new_k, new_v)), cache, meta, dim ** -0.5, softcap)
+    if parts:  # what a step's attention reads, for tests of the metadata
+        return meta, cache, full_k, full_v
+    if device != "cpu":
+        cache = KVCache(*(None if t is None else t.to(device)
+                          for t in (cache.k, cache.v, cache.k_scale, cache.v_scale)))
+        meta = meta.to(torch.device(device))
+        q, new_k, new_v = (x.to(device) for x in (q, new_k, new_v))
+    out = paged_attention(*(x.to(act_dtype) for x in (q, new_k, new_v)), cache, meta, dim ** -0.5, softcap).cpu()
     dense = torch.cat([_dense(qi, k, v, torch.arange(c, c + n), window, softcap)
                        for qi, k, v, (c, n) in zip(qs, full_k, full_v, steps)])
     return out, dense
@@ -90,6 +98,30 @@ STEPS = {
     "mixed": [(9, 1), (0, 10), (4, 1), (6, 5), (21, 1)],
     "one long chunk and decodes": [(0, 40), (30, 1), (2, 1)],
 }
+
+
+@pytest.mark.parametrize("name", ["prefill, whole prompts", "chunks after cached prefixes", "mixed",
+                                  "one long chunk and decodes"])
+def test_varlen_prefill_packs_each_chunks_context(name):
+    """A GPU's one call for every prefill chunk of a step (VarlenPrefill, its kernel checked by
+    benchmarks/gpu_check.py): the packed keys are each chunk's whole context in order, its cached prefix then its own,
+    and the packed rows are the chunk's rows of the step."""
+    steps = STEPS[name]
+    meta, cache, full_k, full_v = _run(steps, 6, 2, None, seed=5, parts=True)
+    # the cache holds the step's own K/V before attention reads it
+    cache.write(meta.slot_mapping, *(torch.cat([x[c:] for x, (c, _) in zip(full, steps)]) for full in (full_k, full_v)))
+    packed = VarlenPrefill.of(meta.prefills, len(meta.slot_mapping))
+    chunks = [i for i, (_, n) in enumerate(steps) if n > 1]
+    starts = torch.tensor([0] + [n for _, n in steps]).cumsum(0)
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in chunks])
+    assert torch.equal(rows, torch.arange(len(meta.slot_mapping))) if packed.rows is None else \
+        torch.equal(packed.rows, rows)
+    assert packed.cu_q.tolist() == [0, *torch.tensor([steps[i][1] for i in chunks]).cumsum(0).tolist()]
+    assert packed.max_k == max(sum(steps[i]) for i in chunks)
+    flat_k, flat_v = cache.k.view(-1, *cache.k.shape[2:]), cache.v.view(-1, *cache.v.shape[2:])
+    for j, i in enumerate(chunks):
+        slots = packed.key_slots[packed.cu_k[j]:packed.cu_k[j + 1]]
+        assert torch.equal(flat_k[slots], full_k[i]) and torch.equal(flat_v[slots], full_v[i])
 
 
 KV_DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.int8, 4e-2)]  # tolerance: values ~N(0, 1)

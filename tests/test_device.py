@@ -68,9 +68,11 @@ def test_hidden_states_take_nccl_only_between_two_gpus():
 
 
 def test_cli_device_flags_reach_the_engine():
-    kwargs = _engine_kwargs(parse_args(["bench", "--device", "cuda:1", "--gpu-memory-utilization", "0.5"]))
-    assert kwargs["device"] == "cuda:1" and kwargs["gpu_memory_utilization"] == 0.5
-    assert "device" not in _engine_kwargs(parse_args(["bench"]))  # unset: the engine's default, cpu
+    kwargs = _engine_kwargs(parse_args(["bench", "--device", "cuda:1", "--gpu-memory-utilization", "0.5",
+                                        "--enforce-eager"]))
+    assert kwargs["device"] == "cuda:1" and kwargs["gpu_memory_utilization"] == 0.5 and kwargs["enforce_eager"]
+    unset = _engine_kwargs(parse_args(["bench"]))  # the engine's defaults: cpu, CUDA graphs on a GPU
+    assert "device" not in unset and "enforce_eager" not in unset
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3moe"])

@@ -14,7 +14,8 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# eq=False: a request is one object; `in` and remove() on the scheduler's lists compare identities, not every field
+@dataclass(eq=False)
 class Request:
     """One sequence being generated: its tokens, how many of them the KV cache holds, and its blocks."""
     request_id: str

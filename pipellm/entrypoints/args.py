@@ -62,6 +62,8 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
                    "its i-th GPU), cuda:N (every stage of a host on GPU N), or auto (cuda where a GPU is)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of each GPU's memory the stages on it may use, weights and KV cache (default 0.9)")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="on a GPU, launch every step op by op instead of replaying decode steps from CUDA graphs")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default): bf16 on a GPU (fp16 without bf16); on a CPU float32 unless bf16 measures "
                         "faster there")

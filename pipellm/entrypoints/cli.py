@@ -22,7 +22,7 @@ def _engine_kwargs(args, restart_default: bool = False) -> dict:
     optional = dict(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                     block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                     kv_cache_gib=kv_cache_gib, num_scheduler_steps=args.num_scheduler_steps, device=args.device,
-                    gpu_memory_utilization=args.gpu_memory_utilization,
+                    gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                     async_scheduling=args.async_scheduling,
                     speculative_config=args.speculative_config)  # unset: engine defaults
     kwargs.update({k: v for k, v in optional.items() if v is not None})

@@ -100,7 +100,9 @@ class RotaryEmbedding(nn.Module):
                seq_ends: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at each token's position, [T, 1, rotated_dim]. seq_ends [T]: each token's sequence length
         after this step (needed by dynamic and longrope only)."""
-        inv_freq = self.inv_freq.to(positions.device)  # no copy on a CPU
+        if self.inv_freq.device != positions.device:  # moved once: a CUDA graph's capture cannot copy from the host
+            self.inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self.inv_freq
         freqs = positions.float()[:, None] * inv_freq[None, :]                          # [T, rotated_dim / 2]
         if self.scaled_from is not None and seq_ends is not None and bool((seq_ends > self.scaled_from).any()):
             for end in seq_ends[seq_ends > self.scaled_from].unique().tolist():

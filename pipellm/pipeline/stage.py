@@ -24,7 +24,7 @@ from pipellm.models.layers import share_tied_embedding, transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.quant.linear import densify, set_int8_activations, weight_bytes
 from pipellm.quant.rtn import LoadQuantizer, quantize_linears
-from pipellm.pipeline import comm, probe, wire
+from pipellm.pipeline import comm, graphs, probe, wire
 from pipellm.pipeline.block_tables import StageBlockTables
 from pipellm.pipeline.messages import (AHEAD_TOKEN, Inspect, ProbeReport, SampledBatch, Shutdown, StageArgs,
                                        StageBatch, StageReport)
@@ -70,10 +70,16 @@ class StageWorker:
         share_tied_embedding(self.model)
         self.model.eval().to(device)
         kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)
-        # sliding-window layers have caches of their own when the driver gives them rings of blocks
+        eager_why = graphs.supported(cfg, ecfg, device, args.num_window_blocks)
+        # sliding-window layers have caches of their own when the driver gives them rings of blocks; the decode
+        # graphs' padding rows write to a block past the driver's
         self.kv_caches = [KVCache.allocate(args.num_window_blocks if sliding and args.num_window_blocks
-                                           else args.num_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                           kv_dtype, device) for sliding in self.is_sliding]
+                                           else args.num_blocks + (eager_why is None), ecfg.block_size,
+                                           cfg.num_kv_heads, cfg.head_dim, kv_dtype, device)
+                          for sliding in self.is_sliding]
+        self.graphs = None if eager_why else graphs.DecodeGraphs(
+            self.model, self.kv_caches, self.is_sliding, cfg.sliding_window, ecfg.block_size, ecfg.max_num_seqs,
+            capture=device.type == "cuda")
         tokenizer = partial(structured.ll_tokenizer_of_folder, args.model_dir, cfg.vocab_size)
         self.sampler = Sampler(tokenizer) if self.stage.is_last else None
         self.last_tokens: dict[str, int] = {}  # request id -> the token sampled for it in the last batch
@@ -116,23 +122,30 @@ class StageWorker:
         if batch.num_steps > 1:
             return self._decode_steps(batch)
         t, dev = torch.from_numpy, self.device
-        positions = t(batch.positions)
-        meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, t(batch.query_lens),
-                                            t(batch.seq_lens), t(batch.block_tables), t(batch.slot_mapping),
-                                            ecfg.block_size, window_tables=None if batch.window_block_tables is None
-                                            else t(batch.window_block_tables), decode_chunks=self.decode_chunks)
-        if batch.rope_lens is not None:
-            meta.rope_lens = t(batch.rope_lens)
-        meta, positions = meta.to(dev), positions.to(dev)
+        graph = (self.graphs is not None and not batch.probe and batch.window_block_tables is None
+                 and self.graphs.applies(batch.query_lens, batch.seq_lens))
+        if not graph:
+            positions = t(batch.positions)
+            meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, t(batch.query_lens),
+                                                t(batch.seq_lens), t(batch.block_tables), t(batch.slot_mapping),
+                                                ecfg.block_size, window_tables=None if batch.window_block_tables
+                                                is None else t(batch.window_block_tables),
+                                                decode_chunks=self.decode_chunks)
+            if batch.rope_lens is not None:
+                meta.rope_lens = t(batch.rope_lens)
+            meta, positions = meta.to(dev), positions.to(dev)
         if self.stage.is_first:
-            x = t(self._input_ids(batch)).to(dev)
+            x = self._input_ids(batch) if graph else t(self._input_ids(batch)).to(dev)
         else:
             waiting_since = time.perf_counter()
             x = self._recv_hidden((batch.num_tokens, cfg.hidden_size))
             self._record("wait_hidden", batch, waiting_since)
         recorder = probe.Recorder(self.model.layers, self.is_sliding, meta) if batch.probe else None
         start = time.perf_counter()
-        hidden = self.model(x, positions, meta, self.kv_caches)
+        if graph:
+            hidden = self.graphs.run(x, batch.positions, batch.seq_lens, batch.block_tables, batch.slot_mapping)
+        else:
+            hidden = self.model(x, positions, meta, self.kv_caches)
         self.steps += 1
         if not self.stage.is_last:
             self.busy_s += time.perf_counter() - start
@@ -216,9 +229,13 @@ class StageWorker:
             if step or not stage.is_first:  # (the batch's own wait is recorded by serve())
                 self._record("wait_hidden", batch, waiting_since, start)
             slots = tables[rows, positions // bs].long() * bs + positions % bs
-            meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, query_lens, seq_lens,
-                                                tables, slots, bs)
-            hidden = self.model(x, positions.to(dev), meta.to(dev), self.kv_caches)
+            if self.graphs is not None and self.graphs.applies(query_lens.numpy(), seq_lens.numpy()):
+                hidden = self.graphs.run(ids.numpy() if stage.is_first else x, positions.numpy(), seq_lens.numpy(),
+                                         batch.block_tables, slots.numpy())
+            else:
+                meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, query_lens,
+                                                    seq_lens, tables, slots, bs)
+                hidden = self.model(x, positions.to(dev), meta.to(dev), self.kv_caches)
             if not stage.is_last:
                 self._send_hidden(hidden)
             else:
