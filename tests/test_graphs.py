@@ -157,3 +157,27 @@ def test_a_stage_keeps_the_graphs_it_used_last(checkpoints, monkeypatch):
     step(3, 6)   # 4, 2 again: to the back
     step(2, 9)   # 2, 4: the oldest, (1, 2), goes
     assert list(g.graphs) == [(4, 2), (2, 4)]
+
+
+def test_a_capture_that_fails_leaves_the_steps_eager(checkpoints, monkeypatch, caplog):
+    """A family whose ops a capture refuses still decodes: that step runs the same ops eagerly, later steps take the
+    stage's eager path (applies() is False), and the log says why."""
+    cfg, (model,) = _stages(checkpoints["llama"][0], None)
+    caches = _caches(cfg, model)
+    g = graphs.DecodeGraphs(model, caches, [False] * cfg.num_layers, None, BLOCK, 8, capture=True)
+
+    def refuse(b, n):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+    monkeypatch.setattr(g, "_capture", refuse)
+    tables = _tables(4)
+    _step(model, PROMPTS, [0] * 3, tables, caches)
+    lens = np.array([len(p) for p in PROMPTS])
+    slots = tables.numpy()[np.arange(3), lens // BLOCK].astype(np.int64) * BLOCK + lens % BLOCK
+    with torch.inference_mode():
+        hidden = g.run(np.array([1, 2, 3]), lens, lens + 1, tables.numpy(), slots)
+    expected = _step(model, [[1], [2], [3]], lens.tolist(), tables, [
+        KVCache(c.k.clone(), c.v.clone()) for c in caches])  # the same step again, eagerly, on copies
+    torch.testing.assert_close(hidden, expected, atol=1e-5, rtol=0)
+    assert g.failed == "operation not permitted when stream is capturing"
+    assert not g.applies(np.ones(3, np.int64), lens + 2)
+    assert "run eagerly" in caplog.text

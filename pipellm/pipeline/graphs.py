@@ -7,6 +7,7 @@ its inputs are copied into buffers the graphs read, and the rows of padding writ
 (the caches' last, which the driver never hands out). A shape is captured the first time a step needs it. Steps with
 prefill chunks, drafts or probes, and contexts past MAX_CONTEXT_TO_CAPTURE, stay eager, as does every step under
 enforce_eager (vLLM's name)."""
+import logging
 import os
 from collections import OrderedDict
 
@@ -17,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from pipellm.models.attention import AttentionMetadata, DecodeGroup
 from pipellm.models.kv_cache import KVCache
 
+log = logging.getLogger("pipellm")
 BATCH_SIZES = [1, 2, 4] + list(range(8, 513, 8))  # vLLM's capture sizes
 MAX_CONTEXT_TO_CAPTURE = 8192  # vLLM's max_seq_len_to_capture
 # graphs a stage keeps (each holds its ~1,300 kernels' launch parameters): contexts that grow through many padded
@@ -76,9 +78,10 @@ class DecodeGraphs:
             OrderedDict()
         self.pool = None
         self.steps = 0  # steps run through here
+        self.failed: str | None = None  # why a capture failed: every later step runs eagerly
 
     def applies(self, query_lens: np.ndarray, seq_lens: np.ndarray) -> bool:
-        return (0 < len(query_lens) <= self.max_batch and bool((query_lens == 1).all())
+        return (self.failed is None and 0 < len(query_lens) <= self.max_batch and bool((query_lens == 1).all())
                 and int(seq_lens.max()) <= MAX_CONTEXT_TO_CAPTURE)
 
     def run(self, x: np.ndarray | torch.Tensor, positions: np.ndarray, seq_lens: np.ndarray,
@@ -104,17 +107,28 @@ class DecodeGraphs:
             if self.hidden is None:
                 self.hidden = torch.zeros(self.max_batch, x.shape[1], dtype=x.dtype, device=x.device)
             self.hidden[:num_seqs].copy_(x)
-        if (b, n) in self.graphs:
-            self.graphs.move_to_end((b, n))
-        else:
-            if len(self.graphs) == MAX_GRAPHS:  # the least recently used goes
-                self.graphs.popitem(last=False)
-            self.graphs[b, n] = self._capture(b, n) if self.capture else (None, None)
-        graph, out = self.graphs[b, n]
-        if graph is None:
+        graph, out = self._graph(b, n)
+        if graph is None:  # not capturing (the CPU's tests), or a capture failed
             return self._forward(b, n)[:num_seqs].clone()
         graph.replay()
         return out[:num_seqs].clone()  # the next replay overwrites out, maybe while this one is being sent
+
+    def _graph(self, b: int, n: int) -> tuple:
+        """The graph of this shape and its output, captured if new (the least recently used one goes past
+        MAX_GRAPHS); (None, None) where the step runs eagerly."""
+        if (b, n) in self.graphs:
+            self.graphs.move_to_end((b, n))
+            return self.graphs[b, n]
+        if len(self.graphs) == MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        try:
+            self.graphs[b, n] = self._capture(b, n) if self.capture else (None, None)
+        except RuntimeError as e:
+            # an op a capture refuses (a family not checked on a GPU): this step and every later one run eagerly
+            self.failed = str(e).splitlines()[0] if str(e) else type(e).__name__
+            log.warning("decode steps run eagerly from now on: capturing a CUDA graph failed: %s", self.failed)
+            return None, None
+        return self.graphs[b, n]
 
     def _capture(self, b: int, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # a run before the capture makes cuBLAS's handles and the allocator's blocks, which a capture cannot; it
