@@ -259,19 +259,20 @@ def test_decode_attention_kernel_at_model_head_sizes(monkeypatch, isa, dim, kv_d
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_dense_few_rows_kernel_against_fp64_and_threads(isa):
-    """Up to 8 fp32 rows times dense [K, N] weights (decode steps of few sequences on an fp32 stage) through our
-    kernel: within fp32 rounding of an fp64 product, with a bias, at ragged sizes (K not a multiple of 8, N not of
-    16); a row's bits the same with 1 and 2 threads and beside other rows. More rows take addmm, as
-    TransposedLinear did."""
+    """Up to 64 fp32 rows times dense [K, N] weights (decode steps on an fp32 stage) through our kernels (a pass
+    over the weights for up to 8 rows, register tiles for more): within fp32 rounding of an fp64 product, with a
+    bias, at ragged sizes (K not a multiple of 8 or of the tiles' 64, N not of 16, rows not of the tiles' 8 or 4);
+    a row's bits the same with 1 and 2 threads and beside any other rows. More rows take addmm, as TransposedLinear
+    did."""
     from pipellm.models.layers import TransposedLinear
 
     gen = torch.Generator().manual_seed(3)
     threads = torch.get_num_threads()
     for k, n in ((576, 3072), (99, 37), (3, 5), (1536, 577)):
-        w, bias, x = torch.randn(k, n, generator=gen), torch.randn(n, generator=gen), torch.randn(9, k, generator=gen)
+        w, bias, x = torch.randn(k, n, generator=gen), torch.randn(n, generator=gen), torch.randn(65, k, generator=gen)
         expected = x.double() @ w.double() + bias.double()
         linear = ops.Linear.dense(w, bias, isa)
-        for rows in (1, 3, 8):
+        for rows in (1, 3, 8, 9, 21, 64):
             ys = []
             for t in (1, 2):
                 torch.set_num_threads(t)
@@ -281,6 +282,7 @@ def test_dense_few_rows_kernel_against_fp64_and_threads(isa):
             tol = 1e-6 * (x[:rows].double().abs() @ w.double().abs()).max().item()
             assert (ys[0].double() - expected[:rows]).abs().max().item() <= tol
             assert torch.equal(ys[0][:1], linear(x[:1]))  # a row's result does not depend on the rows beside it
+            assert torch.equal(ys[0][-1:], linear(x[rows - 1:rows]))
         assert torch.equal(linear(x), torch.addmm(bias, x, w))
     nn_linear = torch.nn.Linear(k, n)
     layer = TransposedLinear(nn_linear)  # the layers' forward takes the same path as the fused step's Linear

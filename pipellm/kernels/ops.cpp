@@ -20,8 +20,9 @@
 
 namespace {
 
-// Rows of a dense fp32 product that take our kernel (more take sgemm): see dense_rows in qgemm.cpp
-constexpr int64_t kDenseMaxRows = 8;
+// Rows of a dense fp32 product that take our kernels (more take sgemm, as fast from ~96 rows on): dense_rows in
+// qgemm.cpp
+constexpr int64_t kDenseMaxRows = 64;
 
 struct Isa {
   const char* name;

@@ -1060,8 +1060,89 @@ static inline void dense_rows_pass(const float* x, int64_t ldx, int64_t M, const
     }
 }
 
+#ifdef PIPELLM_AVX2
+#ifdef __AVX512F__
+using Vec = __m512;
+constexpr int kLanes = 16, kTileRows = 8;
+static inline Vec vzero() { return _mm512_setzero_ps(); }
+static inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+static inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+#else
+using Vec = __m256;
+constexpr int kLanes = 8, kTileRows = 4;
+static inline Vec vzero() { return _mm256_setzero_ps(); }
+static inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+static inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+#endif
+
+constexpr int64_t kTileK = 64;  // weight rows a block: a column panel's block (8 KB at 32 columns) stays in L1
+
+// y[R rows, n:n + V * kLanes] (+)= x[:, k0:k0 + KB] @ w[k0:k0 + KB, n:...], the R x V sums in registers over the
+// block: each weight vector loaded once serves R rows. Each output sums its products in k order from zero (the
+// block's first call starts at zero, the next ones go on from y, exactly), as dense_rows_pass: a row's bits do not
+// depend on the rows beside it. ahead: prefetch the next panel's lines of these weight rows (the first row tile).
+template <int R, int V>
+static inline void dense_tile(const float* x, int64_t ldx, const float* w, int64_t KB, int64_t N, float* y,
+                              int64_t ldy, int64_t n, bool first, bool ahead) {
+  Vec acc[R][V];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) acc[r][v] = first ? vzero() : vload(y + r * ldy + n + v * kLanes);
+  for (int64_t k = 0; k < KB; k++) {
+    const float* wk = w + k * N + n;
+    if (ahead)
+      for (int v = 0; v < V; v++) _mm_prefetch((const char*)(wk + (V + v) * kLanes), _MM_HINT_T0);
+    Vec wv[V];
+    for (int v = 0; v < V; v++) wv[v] = vload(wk + v * kLanes);
+    for (int r = 0; r < R; r++) {
+      const Vec a = vbroadcast(x + r * ldx + k);
+      for (int v = 0; v < V; v++) acc[r][v] = vfma(a, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) vstore(y + r * ldy + n + v * kLanes, acc[r][v]);
+}
+
+template <int R, int V>
+static void dense_tile_rows(int64_t M, const float* x, int64_t ldx, const float* w, int64_t KB, int64_t N, float* y,
+                            int64_t ldy, int64_t n, bool first) {
+  int64_t m = 0;
+  for (; m + R <= M; m += R)
+    dense_tile<R, V>(x + m * ldx, ldx, w, KB, N, y + m * ldy, ldy, n, first, m == 0);
+  if constexpr (R > 1) {  // the last rows, fewer than R
+    if (m < M) dense_tile_rows<R - 1, V>(M - m, x + m * ldx, ldx, w, KB, N, y + m * ldy, ldy, n, first);
+  }
+}
+
+// More than 8 rows: blocks of kTileK weight rows, each swept by column panels of 2 vectors (then 1, then scalars)
+// and, in each panel, tiles of kTileRows rows. The weight rows of a block are read as parallel forward streams.
+static void dense_tiles(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, int64_t N, float* y,
+                        int64_t ldy, int64_t n0, int64_t n1) {
+  for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
+    const int64_t KB = std::min(kTileK, K - k0);
+    const float *xb = x + k0, *wb = w + k0 * N;
+    int64_t n = n0;
+    for (; n + 2 * kLanes <= n1; n += 2 * kLanes)
+      dense_tile_rows<kTileRows, 2>(M, xb, ldx, wb, KB, N, y, ldy, n, k0 == 0);
+    for (; n + kLanes <= n1; n += kLanes) dense_tile_rows<kTileRows, 1>(M, xb, ldx, wb, KB, N, y, ldy, n, k0 == 0);
+    for (; n < n1; n++)
+      for (int64_t m = 0; m < M; m++) {
+        float s = k0 == 0 ? 0.0f : y[m * ldy + n];
+        for (int64_t k = 0; k < KB; k++) s = std::fma(xb[m * ldx + k], wb[k * N + n], s);
+        y[m * ldy + n] = s;
+      }
+  }
+}
+#endif
+
 void dense_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, int64_t N, float* y,
                 int64_t ldy, int64_t n0, int64_t n1) {
+#ifdef PIPELLM_AVX2
+  if (M > 8) return dense_tiles(x, ldx, M, w, K, N, y, ldy, n0, n1);
+#endif
   int64_t k = 0;
   for (; k + 8 <= K; k += 8)
     dense_rows_pass<8>(x + k, ldx, M, w + k * N, N, y, ldy, n0, n1, k + 24 <= K ? w + (k + 16) * N : nullptr);
