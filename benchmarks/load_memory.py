@@ -18,7 +18,8 @@ import json, sys, threading, time, torch
 from pipellm.config import EngineConfig, ModelConfig
 from pipellm.pipeline.messages import StageArgs
 from pipellm.pipeline.partition import make_partition
-from pipellm.pipeline.stage import StageWorker, _release_free_heap
+from pipellm.pipeline.stage import _release_free_heap
+from pipellm.pipeline.worker import StageWorker
 
 def anon():
     with open("/proc/self/status") as f:

@@ -14,7 +14,8 @@ from pipellm.config import EngineConfig, ModelConfig
 from pipellm.pipeline.executor import PipelineError
 from pipellm.pipeline.messages import ProbeReport, SampledBatch, StageArgs, StageBatch, StageReport
 from pipellm.pipeline.partition import StageLayers
-from pipellm.pipeline.stage import StageWorker, set_up_process
+from pipellm.pipeline.stage import set_up_process
+from pipellm.pipeline.worker import StageWorker
 
 
 class _Outbox:
