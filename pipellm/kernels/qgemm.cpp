@@ -1080,6 +1080,9 @@ static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 #endif
 
 constexpr int64_t kTileK = 64;  // weight rows a block: a column panel's block (8 KB at 32 columns) stays in L1
+// columns a sweep: the sums of 32 rows (128 KB) stay in L2 between blocks of weight rows (the LM head's 49,152
+// columns: 1.2x at 16 and 32 rows, BENCHMARKS.md)
+constexpr int64_t kTileN = 1024;
 
 // y[R rows, n:n + V * kLanes] (+)= x[:, k0:k0 + KB] @ w[k0:k0 + KB, n:...], the R x V sums in registers over the
 // block: each weight vector loaded once serves R rows. Each output sums its products in k order from zero (the
@@ -1117,23 +1120,27 @@ static void dense_tile_rows(int64_t M, const float* x, int64_t ldx, const float*
   }
 }
 
-// More than 8 rows: blocks of kTileK weight rows, each swept by column panels of 2 vectors (then 1, then scalars)
-// and, in each panel, tiles of kTileRows rows. The weight rows of a block are read as parallel forward streams.
+// More than 8 rows: sweeps of kTileN columns, each in blocks of kTileK weight rows, each block by column panels of 2
+// vectors (then 1, then scalars) and, in each panel, tiles of kTileRows rows. A block's weight rows are read as
+// parallel forward streams.
 static void dense_tiles(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, int64_t N, float* y,
                         int64_t ldy, int64_t n0, int64_t n1) {
-  for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
-    const int64_t KB = std::min(kTileK, K - k0);
-    const float *xb = x + k0, *wb = w + k0 * N;
-    int64_t n = n0;
-    for (; n + 2 * kLanes <= n1; n += 2 * kLanes)
-      dense_tile_rows<kTileRows, 2>(M, xb, ldx, wb, KB, N, y, ldy, n, k0 == 0);
-    for (; n + kLanes <= n1; n += kLanes) dense_tile_rows<kTileRows, 1>(M, xb, ldx, wb, KB, N, y, ldy, n, k0 == 0);
-    for (; n < n1; n++)
-      for (int64_t m = 0; m < M; m++) {
-        float s = k0 == 0 ? 0.0f : y[m * ldy + n];
-        for (int64_t k = 0; k < KB; k++) s = std::fma(xb[m * ldx + k], wb[k * N + n], s);
-        y[m * ldy + n] = s;
-      }
+  for (int64_t c0 = n0; c0 < n1; c0 += kTileN) {
+    const int64_t c1 = std::min(n1, c0 + kTileN);
+    for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
+      const int64_t KB = std::min(kTileK, K - k0);
+      const float *xb = x + k0, *wb = w + k0 * N;
+      int64_t n = c0;
+      for (; n + 2 * kLanes <= c1; n += 2 * kLanes)
+        dense_tile_rows<kTileRows, 2>(M, xb, ldx, wb, KB, N, y, ldy, n, k0 == 0);
+      for (; n + kLanes <= c1; n += kLanes) dense_tile_rows<kTileRows, 1>(M, xb, ldx, wb, KB, N, y, ldy, n, k0 == 0);
+      for (; n < c1; n++)
+        for (int64_t m = 0; m < M; m++) {
+          float s = k0 == 0 ? 0.0f : y[m * ldy + n];
+          for (int64_t k = 0; k < KB; k++) s = std::fma(xb[m * ldx + k], wb[k * N + n], s);
+          y[m * ldy + n] = s;
+        }
+    }
   }
 }
 #endif
