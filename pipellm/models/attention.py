@@ -298,8 +298,7 @@ def _attend_varlen(q: torch.Tensor, cache: KVCache, v: VarlenPrefill, scale: flo
     keys = cache.k.view(-1, num_kv, head_dim).index_select(0, v.key_slots).to(q.dtype)          # [Tk, KV, D]
     values = cache.v.view(-1, num_kv, head_dim).index_select(0, v.key_slots).to(q.dtype)
     if num_kv != q.shape[1]:  # the kernel takes as many K/V heads as query heads
-        keys = _repeat_heads(keys.transpose(0, 1)[None], q.shape[1])[0].transpose(0, 1)         # [Tk, H, D]
-        values = _repeat_heads(values.transpose(0, 1)[None], q.shape[1])[0].transpose(0, 1)
+        keys, values = _repeat_heads(keys, q.shape[1]), _repeat_heads(values, q.shape[1])      # [Tk, H, D]
     bottom_right_causal = 2
     out = torch.ops.aten._efficient_attention_forward(
         q.contiguous()[None], keys.contiguous()[None], values.contiguous()[None], None, v.cu_q, v.cu_k, v.max_q,
@@ -308,10 +307,10 @@ def _attend_varlen(q: torch.Tensor, cache: KVCache, v: VarlenPrefill, scale: flo
 
 
 def _repeat_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[B, KV, K, D] -> [B, H, K, D], each KV head for its group of query heads (repeat_interleave's result, by an
-    expand: no host sync, which a CUDA graph's capture refuses)."""
-    b, kv, n, d = x.shape
-    return x[:, :, None].expand(b, kv, num_heads // kv, n, d).reshape(b, num_heads, n, d)
+    """[B, KV, ...] -> [B, H, ...], each KV head for its group of query heads (repeat_interleave's result on dim 1,
+    by an expand: no host sync, which a CUDA graph's capture refuses)."""
+    b, kv, *rest = x.shape
+    return x[:, :, None].expand(b, kv, num_heads // kv, *rest).reshape(b, num_heads, *rest)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

@@ -102,8 +102,7 @@ class StageWorker:
         if batch.num_steps > 1:
             return self._decode_steps(batch)
         t, dev = torch.from_numpy, self.device
-        graph = (self.graphs is not None and not batch.probe and batch.window_block_tables is None
-                 and self.graphs.applies(batch.query_lens, batch.seq_lens))
+        graph = self.graphs is not None and not batch.probe and self.graphs.applies(batch.query_lens, batch.seq_lens)
         if not graph:
             positions = t(batch.positions)
             meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, t(batch.query_lens),
@@ -204,18 +203,18 @@ class StageWorker:
                     if not bool(((ids >= 0) & (ids < cfg.vocab_size)).all()):
                         raise ValueError(f"StageBatch {batch.batch_id}: the last stage sent token ids outside the "
                                          f"vocabulary of {cfg.vocab_size}")
-            x = ids.to(dev) if stage.is_first else self._recv_hidden((len(rows), cfg.hidden_size))
+            x = ids if stage.is_first else self._recv_hidden((len(rows), cfg.hidden_size))
             start = time.perf_counter()
             if step or not stage.is_first:  # (the batch's own wait is recorded by serve())
                 self._record("wait_hidden", batch, waiting_since, start)
             slots = tables[rows, positions // bs].long() * bs + positions % bs
             if self.graphs is not None and self.graphs.applies(query_lens.numpy(), seq_lens.numpy()):
-                hidden = self.graphs.run(ids.numpy() if stage.is_first else x, positions.numpy(), seq_lens.numpy(),
+                hidden = self.graphs.run(x.numpy() if stage.is_first else x, positions.numpy(), seq_lens.numpy(),
                                          batch.block_tables, slots.numpy())
             else:
                 meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, query_lens,
                                                     seq_lens, tables, slots, bs)
-                hidden = self.model(x, positions.to(dev), meta.to(dev), self.kv_caches)
+                hidden = self.model(x.to(dev), positions.to(dev), meta.to(dev), self.kv_caches)
             if not stage.is_last:
                 self._send_hidden(hidden)
             else:
