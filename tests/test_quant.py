@@ -84,8 +84,13 @@ def test_bf16_rows_match_bf16_matmul_of_dequantized(qtype):
         for isa in ISAS:
             y = ops.qlinear(x, *w._kernel_args(), FUSED_MAX_ROWS, False, 0, isa)
             assert y.dtype == torch.bfloat16 and y.shape == (num_rows, n)
-            if num_rows > FUSED_MAX_ROWS and kernels.has_bf16_matmul():  # oneDNN's bf16 kernels, any slice alike
-                assert torch.equal(y, x @ ref_w.bfloat16().t()), isa
+            if num_rows > FUSED_MAX_ROWS and kernels.has_bf16_matmul():  # as the dense bf16 weights would give
+                dense = x @ ref_w.bfloat16().t()
+                if "amx_bf16" in kernels.cpu_flags():  # AMX tiles sum a ragged last slice in another order
+                    bound = 2 ** -7 * (x.double().abs() @ ref_w.double().abs().t())
+                    assert ((y.double() - dense.double()).abs() <= bound).all(), isa
+                else:  # oneDNN's AVX512-BF16 kernels give any slice of columns the same bits
+                    assert torch.equal(y, dense), isa
             # bf16 rounding of y, and above FUSED_MAX_ROWS of the weights too
             tol = (2 ** -7 if num_rows > FUSED_MAX_ROWS else 2 ** -8) * (x.double().abs() @ ref_w.double().abs().t()
                                                                          ).max().item()
