@@ -14,9 +14,11 @@ from pipellm.quant.linear import (F32, FUSED_MAX_ROWS, Q4, Q8, CompactEmbedding,
 from tests.test_attention import KV_DTYPES, _run
 
 ops = kernels.load()
-ISAS = [isa for isa in ("generic", "avx2", "avx512")
+ISAS = [isa for isa in ("generic", "avx2", "avx512", "amx")
         if isa == "generic" or (isa == "avx2" and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
-        or (isa == "avx512" and torch.backends.cpu.get_cpu_capability() == "AVX512")]
+        or (isa == "avx512" and torch.backends.cpu.get_cpu_capability() == "AVX512")
+        or (isa == "amx" and torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and {"amx_tile", "amx_bf16", "avx512_bf16"} <= kernels.cpu_flags())]
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)  # gguf cannot quantize these: their blocks are random bytes, valid scales
 TYPES = [t for t in SUPPORTED if t != T.F32]
 
@@ -74,27 +76,33 @@ def test_matmul_matches_fp32_matmul_of_dequantized(qtype, num_rows):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_bf16_rows_match_bf16_matmul_of_dequantized(qtype):
     # dtype="bfloat16": up to FUSED_MAX_ROWS rows through the fp32 kernels, rounded to bf16 at the end; more rows
-    # multiply weights rounded to bf16 with torch's bf16 matmul, as the dense bf16 weights would be multiplied
-    n, k = 700, 768  # rows expanded 672 at a time: the last slice is ragged
+    # multiply weights rounded to bf16 with torch's bf16 matmul, as the dense bf16 weights would be multiplied. With
+    # AMX, from AMX_MIN_ROWS rows on, our tiles multiply the weights rounded to bf16.
+    n, k = 700, 768  # rows expanded 672 at a time: the last slice is ragged; 700 = 43 tiles of 16 and 12 rows
     raw = gguf_tensor(qtype, n, k)
     w = repack(raw, qtype, n, k)
     ref_w = torch.from_numpy(dequantize(raw, qtype).reshape(n, k))
-    for num_rows in (1, FUSED_MAX_ROWS, FUSED_MAX_ROWS + 5, 100):
+    for num_rows in (1, 2, ops.AMX_MIN_ROWS, 17, FUSED_MAX_ROWS, FUSED_MAX_ROWS + 5, 100):
         x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
         for isa in ISAS:
             y = ops.qlinear(x, *w._kernel_args(), FUSED_MAX_ROWS, False, 0, isa)
             assert y.dtype == torch.bfloat16 and y.shape == (num_rows, n)
-            if num_rows > FUSED_MAX_ROWS and kernels.has_bf16_matmul():  # as the dense bf16 weights would give
+            by_oneDNN = num_rows > FUSED_MAX_ROWS and isa != "amx"
+            rounded_w = by_oneDNN or (isa == "amx" and num_rows >= ops.AMX_MIN_ROWS)
+            mag = x.double().abs() @ ref_w.double().abs().t()
+            bound = 2 ** -7 * mag  # one bf16 rounding step
+            if rounded_w and kernels.has_bf16_matmul():  # as the dense bf16 weights would give
                 dense = x @ ref_w.bfloat16().t()
-                if "amx_bf16" in kernels.cpu_flags():  # AMX tiles sum a ragged last slice in another order
-                    bound = 2 ** -7 * (x.double().abs() @ ref_w.double().abs().t())
+                if not by_oneDNN or "amx_bf16" in kernels.cpu_flags():  # AMX tiles: sums in another order
                     assert ((y.double() - dense.double()).abs() <= bound).all(), isa
                 else:  # oneDNN's AVX512-BF16 kernels give any slice of columns the same bits
                     assert torch.equal(y, dense), isa
-            # bf16 rounding of y, and above FUSED_MAX_ROWS of the weights too
-            tol = (2 ** -7 if num_rows > FUSED_MAX_ROWS else 2 ** -8) * (x.double().abs() @ ref_w.double().abs().t()
-                                                                         ).max().item()
+            # bf16 rounding of y, and of the weights where rounded
+            tol = (2 ** -7 if rounded_w else 2 ** -8) * mag.max().item()
             assert (y.double() - x.double() @ ref_w.double().t()).abs().max().item() <= tol, isa
+            if isa == "amx" and num_rows >= ops.AMX_MIN_ROWS:  # a row's result is the same beside any other rows
+                alone = ops.qlinear(x[-ops.AMX_MIN_ROWS:], *w._kernel_args(), FUSED_MAX_ROWS, False, 0, isa)
+                assert torch.equal(alone, y[-ops.AMX_MIN_ROWS:])
 
 
 def gguf_q8_0_round_trip(x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,11 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <cstdlib>
 #include <cmath>
 #include <cstring>
@@ -24,6 +29,10 @@ namespace {
 // qgemm.cpp
 constexpr int64_t kDenseMaxRows = 64;
 
+// bf16 rows that take the AMX tiles: their cost is expanding the weights to bf16 (~0.1 ns a weight), whatever the
+// rows; the fused fp32 kernels grow with the rows, and from 3 on cost more (BENCHMARKS.md)
+constexpr int64_t kAmxMinRows = 3;
+
 struct Isa {
   const char* name;
   decltype(&generic::gemm) gemm;
@@ -32,11 +41,29 @@ struct Isa {
   decltype(&generic::gemm_q8) gemm_q8;
   decltype(&generic::decode_attention) decode_attention;
   decltype(&generic::dense_rows) dense_rows;
+  bool amx;  // bf16 rows through AMX tiles (avx512's code besides)
 };
+
+// AMX-BF16 and AVX512-BF16 in CPUID, and Linux's leave to use the tiles' 8 KB of state (asked once a process)
+bool amx_granted() {
+#if defined(__x86_64__) && defined(__linux__)
+  static const bool granted = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
 
 bool has(const char* isa) {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
+  if (!std::strcmp(isa, "amx")) return has("avx512") && avx512::amx_built() && amx_granted();
   if (!std::strcmp(isa, "avx512"))
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -46,9 +73,10 @@ bool has(const char* isa) {
   return !std::strcmp(isa, "generic");
 }
 
-#define PIPELLM_ISA_ENTRY(NS) \
-  {#NS, NS::gemm, NS::dequant, NS::quantize_acts, NS::gemm_q8, NS::decode_attention, NS::dense_rows}
-const Isa kIsas[] = {PIPELLM_ISA_ENTRY(avx512), PIPELLM_ISA_ENTRY(avx2), PIPELLM_ISA_ENTRY(generic)};
+#define PIPELLM_ISA_ENTRY(NAME, NS, AMX) \
+  {NAME, NS::gemm, NS::dequant, NS::quantize_acts, NS::gemm_q8, NS::decode_attention, NS::dense_rows, AMX}
+const Isa kIsas[] = {PIPELLM_ISA_ENTRY("amx", avx512, true), PIPELLM_ISA_ENTRY("avx512", avx512, false),
+                     PIPELLM_ISA_ENTRY("avx2", avx2, false), PIPELLM_ISA_ENTRY("generic", generic, false)};
 
 const Isa& pick(const std::string& isa) {
   std::string want = isa;
@@ -62,7 +90,7 @@ const Isa& pick(const std::string& isa) {
       return i;
     }
   }
-  TORCH_CHECK(false, "unknown instruction set '", want, "' (avx512, avx2 or generic)");
+  TORCH_CHECK(false, "unknown instruction set '", want, "' (amx, avx512, avx2 or generic)");
 }
 
 pipellm::QWeight describe(const at::Tensor& qs, const c10::optional<at::Tensor>& scale,
@@ -145,6 +173,17 @@ at::Tensor qmatmul(const at::Tensor& x, const pipellm::QWeight& w, int64_t N, in
   at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = w.K;
   const bool bf16 = xc.scalar_type() == at::kBFloat16;  // dtype="bfloat16"
+  if (bf16 && impl.amx && !int8_acts && M >= kAmxMinRows) {
+    // AMX tiles multiply the rows with each 16 weight rows expanded to bf16 (as a dense bf16 copy would be)
+    at::Tensor xp = at::empty({(M + 15) / 16 * 16 * K}, xc.options());
+    auto* xp16 = reinterpret_cast<uint16_t*>(xp.data_ptr<at::BFloat16>());
+    avx512::pack_bf16_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), K, M, K, xp16);
+    at::Tensor y = at::empty({M, N}, xc.options().dtype(at::kFloat));
+    at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t g0, int64_t g1) {
+      avx512::gemm_bf16(w, xp16, M, y.data_ptr<float>(), N, g0 * 16, std::min(g1 * 16, N));
+    });
+    return y.to(at::kBFloat16);
+  }
   if (bf16 && (M <= fused_max_rows || int8_acts))  // our kernels, which multiply in fp32
     return qmatmul(xc.to(at::kFloat), w, N, fused_max_rows, int8_acts, integer_max_rows, impl).to(at::kBFloat16);
   at::Tensor y = at::empty({M, N}, xc.options());
@@ -519,6 +558,7 @@ std::string best_isa() { return pick("").name; }
 }  // namespace
 
 PYBIND11_MODULE(pipellm_kernels, m) {
+  m.attr("AMX_MIN_ROWS") = kAmxMinRows;
   using namespace pybind11::literals;
   using namespace pipellm;
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();  // the stage's other threads run meanwhile

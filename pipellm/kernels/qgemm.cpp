@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -20,6 +21,13 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PIPELLM_AVX2 1
+#endif
+// AMX code in the AVX-512 build, from compilers that know its intrinsics (GCC 11, clang 12)
+#if defined(__AVX512F__) && defined(__x86_64__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define PIPELLM_AMX_CODE 1
+#else
+#define PIPELLM_AMX_CODE 0
 #endif
 
 namespace PIPELLM_ISA {
@@ -1161,5 +1169,161 @@ void decode_attention(const DecodeArgs& a, int64_t u0, int64_t u1) {
   if (a.cache_kind == pipellm::CACHE_I8) return decode_attention_t<pipellm::CACHE_I8>(a, u0, u1);
   return decode_attention_t<pipellm::CACHE_F32>(a, u0, u1);
 }
+
+
+// ---- bf16 rows through AMX tiles (ops.cpp calls these only where the CPU has AMX-BF16 and Linux grants it) ----
+// A tile multiply takes 16 rows x 32 values of bf16 on each side and sums them into 16 x 16 fp32. Each 16 weight
+// rows are expanded once, to bf16 in a buffer that stays in L1/L2, and serve every activation row: the expansion,
+// not the multiply, is then the cost. The weight rows are the tiles' A side (a row's 32 values side by side, as
+// expanded) and the activations the B side (pairs of values, packed once a call), so C holds y transposed.
+#if PIPELLM_AMX_CODE
+#define PIPELLM_AMX_FN __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512dq,avx512f,avx512bw,avx512vl")))
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void pack_bf16_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp) {
+  // xp[group of 16 rows][block of 32 values][pair p][row r][2] = x[16 g + r][32 b + 2 p ...]; rows past M are 0
+  const int64_t nb = K / 32;
+  uint32_t* out = reinterpret_cast<uint32_t*>(xp);
+  for (int64_t g = 0; g < (M + 15) / 16; g++)
+    for (int64_t b = 0; b < nb; b++)
+      for (int p = 0; p < 16; p++)
+        for (int r = 0; r < 16; r++) {
+          const int64_t m = g * 16 + r;
+          uint32_t pair = 0;
+          if (m < M) std::memcpy(&pair, x + m * ldx + b * 32 + 2 * p, 4);
+          *out++ = pair;
+        }
+}
+
+// Weight rows n0 .. n0+rows-1 as bf16 [16, K] (rows past them 0). Codes widen in 16 lanes and take their group's
+// scale and constant (chunk_consts, as the one-row kernel) in one FMA; other kinds expand as the fp32 paths do.
+template <int KIND, int GROUP, int SK, bool MIN, int P>
+PIPELLM_AMX_FN static void expand_bf16(const QWeight& w, int64_t n0, int rows, uint16_t* out) {
+  constexpr int G = 32 / GROUP;
+  constexpr bool WIDE = KIND == pipellm::Q4 || KIND == pipellm::Q8;
+  const int64_t nb = w.K / 32;
+  alignas(32) float s[8 * G], c[8 * G];
+  for (int i = 0; i < 16; i++) {
+    uint16_t* o = out + i * w.K;
+    const int64_t n = n0 + i;
+    if (i >= rows) {
+      std::memset(o, 0, w.K * 2);
+      continue;
+    }
+    const uint8_t* row = w.qs + n * w.qs_stride;
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+      const int nbk = int(std::min<int64_t>(8, nb - b0));
+      if constexpr (WIDE) {
+        if (nbk == 8)
+          chunk_consts<GROUP, SK, MIN, P>(w, n, b0, s, c);
+        else
+          for (int j = 0; j < nbk; j++) block_consts<GROUP, SK, MIN, P>(w, n, b0 + j, s + G * j, c + G * j);
+      }
+      for (int j = 0; j < nbk; j++) {
+        const int64_t b = b0 + j;
+        __m512 lo, hi;  // weights 0-15 and 16-31 of the block
+        if constexpr (KIND == pipellm::Q4 && P == 0) {  // byte k holds weight k (low nibble) and k + 16 (high)
+          const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
+          lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+          hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+        } else if constexpr (KIND == pipellm::Q4) {
+          const __m256i cs = codes32<KIND, P>(w, n, b);
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(cs)));
+          hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(cs, 1)));
+        } else if constexpr (KIND == pipellm::Q8) {
+          const __m128i* at = reinterpret_cast<const __m128i*>(row + b * 32);
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at)));
+          hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at + 1)));
+        } else {
+          const Block v = expand_vec<KIND, GROUP, SK, MIN, P>(w, n, b);
+          lo = _mm512_insertf32x8(_mm512_castps256_ps512(v.v[0]), v.v[1], 1);
+          hi = _mm512_insertf32x8(_mm512_castps256_ps512(v.v[2]), v.v[3], 1);
+        }
+        if constexpr (WIDE) {
+          lo = _mm512_fmadd_ps(lo, _mm512_set1_ps(s[G * j]), _mm512_set1_ps(c[G * j]));
+          hi = _mm512_fmadd_ps(hi, _mm512_set1_ps(s[G * j + G - 1]), _mm512_set1_ps(c[G * j + G - 1]));
+        }
+        _mm512_storeu_si512(o + b * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // rounded to nearest even
+      }
+    }
+  }
+}
+
+// C tiles 0..G-1 += the 16 expanded weight rows (A, tile 4) times G packed groups of 16 rows (B, tiles 5-7)
+template <int G>
+PIPELLM_AMX_FN static inline void tile_products(const uint16_t* wb, int64_t K, const uint16_t* xp, int64_t nb,
+                                                float* c) {
+  _tile_zero(0);
+  if constexpr (G > 1) _tile_zero(1);
+  if constexpr (G > 2) _tile_zero(2);
+  if constexpr (G > 3) _tile_zero(3);
+  for (int64_t b = 0; b < nb; b++) {
+    _tile_loadd(4, wb + b * 32, K * 2);
+    _tile_loadd(5, xp + b * 512, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (G > 1) {
+      _tile_loadd(6, xp + (nb + b) * 512, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (G > 2) {
+      _tile_loadd(7, xp + (2 * nb + b) * 512, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if constexpr (G > 3) {
+      _tile_loadd(5, xp + (3 * nb + b) * 512, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (G > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (G > 2) _tile_stored(2, c + 512, 64);
+  if constexpr (G > 3) _tile_stored(3, c + 768, 64);
+}
+
+template <int KIND, int GROUP, int SK, bool MIN, int P>
+PIPELLM_AMX_FN static void gemm_bf16_t(const QWeight& w, const uint16_t* xp, int64_t M, float* y, int64_t ldy,
+                                       int64_t n0, int64_t n1) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+  const int64_t K = w.K, nb = K / 32, groups = (M + 15) / 16;
+  thread_local std::vector<uint16_t> wbuf;
+  wbuf.resize(16 * K);
+  alignas(64) float c[4 * 256];  // [group][weight row][activation row]
+  for (int64_t n = n0; n < n1; n += 16) {
+    const int rows = int(std::min<int64_t>(16, n1 - n));
+    expand_bf16<KIND, GROUP, SK, MIN, P>(w, n, rows, wbuf.data());
+    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+      const int G = int(std::min<int64_t>(4, groups - g0));
+      const uint16_t* xg = xp + g0 * nb * 512;
+      if (G == 4) tile_products<4>(wbuf.data(), K, xg, nb, c);
+      else if (G == 3) tile_products<3>(wbuf.data(), K, xg, nb, c);
+      else if (G == 2) tile_products<2>(wbuf.data(), K, xg, nb, c);
+      else tile_products<1>(wbuf.data(), K, xg, nb, c);
+      for (int g = 0; g < G; g++)
+        for (int r = 0; r < 16 && (g0 + g) * 16 + r < M; r++) {
+          float* yr = y + ((g0 + g) * 16 + r) * ldy + n;
+          for (int i = 0; i < rows; i++) yr[i] = c[g * 256 + i * 16 + r];
+        }
+    }
+  }
+  _tile_release();
+}
+
+void gemm_bf16(const QWeight& w, const uint16_t* xp, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  PIPELLM_DISPATCH(gemm_bf16_t, w, xp, M, y, ldy, n0, n1)
+}
+bool amx_built() { return true; }
+#else
+bool amx_built() { return false; }
+void pack_bf16_rows(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) { std::abort(); }
+void gemm_bf16(const QWeight&, const uint16_t*, int64_t, float*, int64_t, int64_t, int64_t) { std::abort(); }
+#endif  // PIPELLM_AMX_CODE
 
 }  // namespace PIPELLM_ISA
