@@ -178,11 +178,12 @@ at::Tensor qmatmul(const at::Tensor& x, const pipellm::QWeight& w, int64_t N, in
     at::Tensor xp = at::empty({(M + 15) / 16 * 16 * K}, xc.options());
     auto* xp16 = reinterpret_cast<uint16_t*>(xp.data_ptr<at::BFloat16>());
     avx512::pack_bf16_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), K, M, K, xp16);
-    at::Tensor y = at::empty({M, N}, xc.options().dtype(at::kFloat));
-    at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t g0, int64_t g1) {
-      avx512::gemm_bf16(w, xp16, M, y.data_ptr<float>(), N, g0 * 16, std::min(g1 * 16, N));
+    at::Tensor y = at::empty({M, N}, xc.options());
+    auto* y16 = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+    at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t b0, int64_t b1) {
+      avx512::gemm_bf16(w, xp16, M, y16, N, b0 * 32, std::min(b1 * 32, N));
     });
-    return y.to(at::kBFloat16);
+    return y;
   }
   if (bf16 && (M <= fused_max_rows || int8_acts))  // our kernels, which multiply in fp32
     return qmatmul(xc.to(at::kFloat), w, N, fused_max_rows, int8_acts, integer_max_rows, impl).to(at::kBFloat16);

@@ -1255,75 +1255,86 @@ PIPELLM_AMX_FN static void expand_bf16(const QWeight& w, int64_t n0, int rows, u
   }
 }
 
-// C tiles 0..G-1 += the 16 expanded weight rows (A, tile 4) times G packed groups of 16 rows (B, tiles 5-7)
-template <int G>
+// 2 x 2 tiles of C (a * 2 + b) += expanded weight rows a (16 each, tiles 4, 5) times packed row groups b (tiles 6,
+// 7): each tile loaded serves two products. NA weight tiles, NB row groups (1 or 2 each).
+template <int NA, int NB>
 PIPELLM_AMX_FN static inline void tile_products(const uint16_t* wb, int64_t K, const uint16_t* xp, int64_t nb,
                                                 float* c) {
   _tile_zero(0);
-  if constexpr (G > 1) _tile_zero(1);
-  if constexpr (G > 2) _tile_zero(2);
-  if constexpr (G > 3) _tile_zero(3);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (NA > 1) _tile_zero(2);
+  if constexpr (NA > 1 && NB > 1) _tile_zero(3);
   for (int64_t b = 0; b < nb; b++) {
     _tile_loadd(4, wb + b * 32, K * 2);
-    _tile_loadd(5, xp + b * 512, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (G > 1) {
-      _tile_loadd(6, xp + (nb + b) * 512, 64);
-      _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(6, xp + b * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB > 1) {
+      _tile_loadd(7, xp + (nb + b) * 512, 64);
+      _tile_dpbf16ps(1, 4, 7);
     }
-    if constexpr (G > 2) {
-      _tile_loadd(7, xp + (2 * nb + b) * 512, 64);
-      _tile_dpbf16ps(2, 4, 7);
-    }
-    if constexpr (G > 3) {
-      _tile_loadd(5, xp + (3 * nb + b) * 512, 64);
-      _tile_dpbf16ps(3, 4, 5);
+    if constexpr (NA > 1) {
+      _tile_loadd(5, wb + 16 * K + b * 32, K * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NB > 1) _tile_dpbf16ps(3, 5, 7);
     }
   }
   _tile_stored(0, c, 64);
-  if constexpr (G > 1) _tile_stored(1, c + 256, 64);
-  if constexpr (G > 2) _tile_stored(2, c + 512, 64);
-  if constexpr (G > 3) _tile_stored(3, c + 768, 64);
+  if constexpr (NB > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (NA > 1) _tile_stored(2, c + 512, 64);
+  if constexpr (NA > 1 && NB > 1) _tile_stored(3, c + 768, 64);
 }
 
 template <int KIND, int GROUP, int SK, bool MIN, int P>
-PIPELLM_AMX_FN static void gemm_bf16_t(const QWeight& w, const uint16_t* xp, int64_t M, float* y, int64_t ldy,
+PIPELLM_AMX_FN static void gemm_bf16_t(const QWeight& w, const uint16_t* xp, int64_t M, uint16_t* y, int64_t ldy,
                                        int64_t n0, int64_t n1) {
   TileConfig cfg;
   for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   _tile_loadconfig(&cfg);
   const int64_t K = w.K, nb = K / 32, groups = (M + 15) / 16;
   thread_local std::vector<uint16_t> wbuf;
-  wbuf.resize(16 * K);
-  alignas(64) float c[4 * 256];  // [group][weight row][activation row]
-  for (int64_t n = n0; n < n1; n += 16) {
-    const int rows = int(std::min<int64_t>(16, n1 - n));
-    expand_bf16<KIND, GROUP, SK, MIN, P>(w, n, rows, wbuf.data());
-    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
-      const int G = int(std::min<int64_t>(4, groups - g0));
-      const uint16_t* xg = xp + g0 * nb * 512;
-      if (G == 4) tile_products<4>(wbuf.data(), K, xg, nb, c);
-      else if (G == 3) tile_products<3>(wbuf.data(), K, xg, nb, c);
-      else if (G == 2) tile_products<2>(wbuf.data(), K, xg, nb, c);
-      else tile_products<1>(wbuf.data(), K, xg, nb, c);
-      for (int g = 0; g < G; g++)
-        for (int r = 0; r < 16 && (g0 + g) * 16 + r < M; r++) {
-          float* yr = y + ((g0 + g) * 16 + r) * ldy + n;
-          for (int i = 0; i < rows; i++) yr[i] = c[g * 256 + i * 16 + r];
-        }
+  wbuf.resize(32 * K);
+  alignas(64) float c[4 * 256];  // [weight tile * 2 + row group][weight row][activation row]
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  // 32 weight rows at a time where two row groups share them; for one, 16 rows' bf16 stay closer (in L1)
+  const int64_t step = groups > 1 ? 32 : 16;
+  for (int64_t n = n0; n < n1; n += step) {
+    const int rows = int(std::min<int64_t>(step, n1 - n));
+    expand_bf16<KIND, GROUP, SK, MIN, P>(w, n, std::min(rows, 16), wbuf.data());
+    if (rows > 16) expand_bf16<KIND, GROUP, SK, MIN, P>(w, n + 16, rows - 16, wbuf.data() + 16 * K);
+    const int NA = rows > 16 ? 2 : 1;
+    for (int64_t g = 0; g < groups; g += 2) {
+      const int NB = groups - g > 1 ? 2 : 1;
+      const uint16_t* xg = xp + g * nb * 512;
+      if (NA == 2 && NB == 2) tile_products<2, 2>(wbuf.data(), K, xg, nb, c);
+      else if (NA == 2) tile_products<2, 1>(wbuf.data(), K, xg, nb, c);
+      else if (NB == 2) tile_products<1, 2>(wbuf.data(), K, xg, nb, c);
+      else tile_products<1, 1>(wbuf.data(), K, xg, nb, c);
+      // C holds y transposed: a row of y is a column of a tile, gathered, rounded to bf16 and stored
+      for (int a = 0; a < NA; a++) {
+        const int cols = std::min(16, rows - 16 * a);
+        const __mmask16 keep = __mmask16((1u << cols) - 1);
+        for (int b = 0; b < NB; b++)
+          for (int r = 0; r < 16 && (g + b) * 16 + r < M; r++) {
+            const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(r)),
+                                                 c + (a * 2 + b) * 256, 4);
+            _mm256_mask_storeu_epi16(y + ((g + b) * 16 + r) * ldy + n + 16 * a, keep,
+                                     (__m256i)_mm512_cvtneps_pbh(v));
+          }
+      }
     }
   }
   _tile_release();
 }
 
-void gemm_bf16(const QWeight& w, const uint16_t* xp, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void gemm_bf16(const QWeight& w, const uint16_t* xp, int64_t M, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1) {
   PIPELLM_DISPATCH(gemm_bf16_t, w, xp, M, y, ldy, n0, n1)
 }
 bool amx_built() { return true; }
 #else
 bool amx_built() { return false; }
 void pack_bf16_rows(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) { std::abort(); }
-void gemm_bf16(const QWeight&, const uint16_t*, int64_t, float*, int64_t, int64_t, int64_t) { std::abort(); }
+void gemm_bf16(const QWeight&, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t, int64_t) { std::abort(); }
 #endif  // PIPELLM_AMX_CODE
 
 }  // namespace PIPELLM_ISA

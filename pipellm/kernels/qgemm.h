@@ -84,11 +84,11 @@ inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len
                   int64_t ldy, int64_t n0, int64_t n1);                                                     \
   /* bf16 rows times compact weights in AMX tiles, where this build has the code (amx_built()): */          \
   /* pack_bf16_rows lays x [M, K] out as the tiles read it, [(M + 15) / 16, K / 32, 16, 16, 2], and */       \
-  /* gemm_bf16 writes y [M, n0:n1] in fp32, n0 a multiple of 16 */                                           \
+  /* gemm_bf16 writes y [M, n0:n1] in bf16, n0 a multiple of 32 */                                           \
   bool amx_built();                                                                                         \
   void pack_bf16_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp);                 \
-  void gemm_bf16(const pipellm::QWeight& w, const uint16_t* xp, int64_t M, float* y, int64_t ldy, int64_t n0, \
-                 int64_t n1);                                                                               \
+  void gemm_bf16(const pipellm::QWeight& w, const uint16_t* xp, int64_t M, uint16_t* y, int64_t ldy,        \
+                 int64_t n0, int64_t n1);                                                                   \
   }
 
 PIPELLM_DECLARE_ISA(generic)
