@@ -9,6 +9,7 @@ from gguf.quants import dequantize, quantize
 from pipellm import kernels
 from pipellm.models import fused
 from pipellm.quant.gguf_blocks import _BLOCK_BYTES, SUPPORTED, mapped_embedding, repack
+from pipellm.quant import linear
 from pipellm.quant.linear import (F32, FUSED_MAX_ROWS, Q4, Q8, CompactEmbedding, CompactLinear, QuantWeight, round_activations,
                                   set_int8_activations)
 from tests.test_attention import KV_DTYPES, _run
@@ -187,10 +188,18 @@ def test_compact_linear_bf16_rows_by_cpu(monkeypatch):
     w, ref = repack(raw, T.Q4_1, 64, 256), torch.from_numpy(dequantize(raw, T.Q4_1).reshape(64, 256))
     layer = CompactLinear([w])
     x = torch.randn(FUSED_MAX_ROWS + 8, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
-    assert torch.equal(layer(x), x @ ref.bfloat16().t())  # bf16 instructions: as dense bf16 weights
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2"}))
-    assert torch.equal(layer(x), w.matmul(x.float()).bfloat16())  # none: the fp32 kernels, as before
+    try:
+        monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+        linear._bf16_rows.cache_clear()
+        dense = x @ ref.bfloat16().t()  # bf16 instructions: as dense bf16 weights (AMX tiles: to a rounding step)
+        step = 2 ** -7 * (x.double().abs() @ ref.double().abs().t())
+        assert ((layer(x).double() - dense.double()).abs() <= step).all()
+        monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2"}))
+        linear._bf16_rows.cache_clear()
+        assert torch.equal(layer(x), w.matmul(x.float()).bfloat16())  # none: the fp32 kernels, as before
+    finally:
+        monkeypatch.undo()
+        linear._bf16_rows.cache_clear()
 
 
 def test_same_layouts_merge_into_one_matmul():

@@ -4,6 +4,8 @@ A QuantWeight is an [N, K] matrix (one output feature a row) kept in one of the 
 `matmul` runs our C++ kernel; `dequantize` is its plain-torch twin, the reference the tests hold the kernel to and
 the path taken where the kernel cannot be built.
 """
+import functools
+
 import numpy as np
 import torch
 from torch import nn
@@ -162,18 +164,13 @@ class CompactLinear(nn.Module):
         self._calls = [p.matmul_fn() for p in self.parts]
         return self._calls
 
-    @staticmethod
-    def _bf16_rows() -> bool:
-        """Whether bf16 rows go to the kernels as they are: many rows multiply bf16 weight slices with torch's bf16
-        matmul, which is worth it only where the CPU has bf16 instructions (elsewhere it crawls)."""
-        return kernels.has_bf16_matmul() and kernels.load() is not None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         calls = self._calls or self._prepare()
-        if len(calls) == 1 and self.bias is None and x.dim() == 2 and x.dtype == torch.float32:
+        if len(calls) == 1 and self.bias is None and x.dim() == 2 and (
+                x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _bf16_rows())):
             return calls[0](x)  # a stage's usual case, ~120 times a decode step
         x2 = x.reshape(-1, self.in_features)                                   # [T, K]
-        if x2.dtype != torch.float32 and not (x2.dtype == torch.bfloat16 and self._bf16_rows()):
+        if x2.dtype != torch.float32 and not (x2.dtype == torch.bfloat16 and _bf16_rows()):
             x2 = x2.float()
         y = calls[0](x2) if len(calls) == 1 else torch.cat([c(x2) for c in calls], dim=-1)  # [T, N]
         if self.bias is not None:
@@ -181,6 +178,13 @@ class CompactLinear(nn.Module):
         if x.dim() != 2:
             y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+@functools.cache
+def _bf16_rows() -> bool:
+    """Whether bf16 rows go to the kernels as they are: many rows multiply bf16 weights (AMX tiles, or slices for
+    torch's bf16 matmul), which is worth it only where the CPU has bf16 instructions (elsewhere it crawls)."""
+    return kernels.has_bf16_matmul() and kernels.load() is not None
 
 
 class CompactEmbedding(nn.Module):
