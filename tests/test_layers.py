@@ -23,6 +23,13 @@ def test_rms_norm_matches_hf():
         with torch.inference_mode():
             torch.testing.assert_close(ours(x), theirs(x), rtol=2e-6, atol=1e-6)
             torch.testing.assert_close(ours(x[:, None]), theirs(x[:, None]), rtol=2e-6, atol=1e-6)  # not 2-D: twin
+    ours.bfloat16(), theirs.bfloat16()
+    for rows in (1, 7, 300):  # bf16: rounded after normalising and after scaling, as HF rounds; at most a bf16 step
+        x = (torch.randn(rows, 576) * 3).bfloat16()  # apart where the two sums of squares round 1/rms differently
+        with torch.inference_mode():
+            y, ref = ours(x), theirs(x)
+        assert y.dtype == torch.bfloat16 and (y != ref).float().mean() < 0.01
+        torch.testing.assert_close(y, ref, rtol=2 ** -7, atol=0)
 
 
 def test_rotary_matches_hf():

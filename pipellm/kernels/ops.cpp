@@ -266,21 +266,38 @@ namespace pipellm {
 // Decode steps run these on a handful of rows, where a chain of small torch ops costs more than the arithmetic:
 // one call each instead of 8 (RMSNorm) or 12 (rotary). Same operations in the same order as the torch twins in
 // models/layers.py; this file is compiled with -ffp-contract=off so no multiply-add is fused differently.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be fp32 [T, H], rows contiguous");
-  TORCH_CHECK(weight.dim() == 1 && weight.scalar_type() == at::kFloat && weight.size(0) == x.size(1) &&
-              weight.is_contiguous(), "weight must be fp32 [H]");
-  const int64_t T = x.size(0), H = x.size(1);
-  at::Tensor out = at::empty({T, H}, x.options());
-  const float* w = weight.data_ptr<float>();
-  for (int64_t t = 0; t < T; t++) {
-    const float* xr = x.data_ptr<float>() + t * x.stride(0);
-    float* o = out.data_ptr<float>() + t * H;
-    double ss = 0;  // a double sum: no worse than torch's float reduction, whatever its order
-    for (int64_t i = 0; i < H; i++) ss += double(xr[i]) * xr[i];
+// x [T, H] and weight [H], both fp32 or both bf16. In HF Llama's order: normalised in fp32, rounded to x's dtype,
+// then scaled (a bf16 product rounded again).
+template <typename T>
+static void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const int64_t rows = x.size(0), H = x.size(1);
+  const T* w = weight.data_ptr<T>();
+  for (int64_t t = 0; t < rows; t++) {
+    const T* xr = x.data_ptr<T>() + t * x.stride(0);
+    T* o = out.data_ptr<T>() + t * H;
+    // in double: no worse than torch's float reduction, whatever its order; 8 sums, not one chain of adds
+    double part[8] = {};
+    int64_t i = 0;
+    for (; i + 8 <= H; i += 8)
+      for (int j = 0; j < 8; j++) part[j] += double(float(xr[i + j])) * float(xr[i + j]);
+    for (; i < H; i++) part[0] += double(float(xr[i])) * float(xr[i]);
+    const double ss = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
     const float inv = 1.0f / std::sqrt(float(ss / H) + float(eps));
-    for (int64_t i = 0; i < H; i++) o[i] = w[i] * (xr[i] * inv);
+    for (i = 0; i < H; i++) o[i] = T(float(w[i]) * float(T(float(xr[i]) * inv)));
   }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const auto type = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (type == at::kFloat || type == at::kBFloat16) && x.stride(1) == 1,
+              "x must be fp32 or bf16 [T, H], rows contiguous");
+  TORCH_CHECK(weight.dim() == 1 && weight.scalar_type() == type && weight.size(0) == x.size(1) &&
+              weight.is_contiguous(), "weight must be [H], of x's dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (type == at::kFloat)
+    rms_norm_rows<float>(x, weight, eps, out);
+  else
+    rms_norm_rows<at::BFloat16>(x, weight, eps, out);
   return out;
 }
 

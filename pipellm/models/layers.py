@@ -14,7 +14,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = kernels.for_tensor(x) if x.dtype == torch.float32 == self.weight.dtype and x.dim() == 2 else None
+        ops = kernels.for_tensor(x) if x.dtype == self.weight.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 \
+            else None
         if ops is not None:  # one call instead of eight small ops (decode steps are made of small ops)
             return ops.rms_norm(x, self.weight, self.eps)
         # Same op order as HF Llama: normalise in fp32, cast back, then scale.
@@ -32,7 +33,8 @@ class GemmaRMSNorm(RMSNorm):
         nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = kernels.for_tensor(x) if x.dtype == torch.float32 == self.weight.dtype and x.dim() == 2 else None
+        ops = kernels.for_tensor(x) if x.dtype == self.weight.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 \
+            else None
         if ops is not None:
             return ops.rms_norm(x, 1.0 + self.weight, self.eps)
         y = x.float()
