@@ -2,6 +2,7 @@
 
     python benchmarks/qlinear.py [--kernels PATH] [--rows 1,4,16,64,256] [--isa avx2]
     python benchmarks/qlinear.py --rows 1 --isa avx2,avx512   # fused Q4 and Q8 per instruction set, in turns
+    python benchmarks/qlinear.py --bf16-paths                 # bf16 rows: fp32 kernels, bf16 slices, AMX tiles
 Shapes of the default model (qkv+gate/up, down, LM head); 1 to 256 activation rows; the torch threads this
 process has (2 here). 'fused' expands weight blocks in registers for all rows; 'chunked' expands ~2 MB of rows
 to fp32 and calls torch's matmul (the path above FUSED_MAX_ROWS); 'int8' rounds the activation rows to 8 bits and
@@ -36,10 +37,16 @@ def main():
     parser.add_argument("--isa", default="", help="an instruction set to run instead of this CPU's best; several "
                         "(comma-separated): the fused kernels of each, in turns, best of --rounds")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--bf16-paths", action="store_true", help="bf16 rows through each path, in turns (AMX's "
+                        "needs a CPU with AMX tiles)")
     args = parser.parse_args()
     if args.kernels:  # before the first load: a process holds one build
         os.environ["PIPELLM_KERNELS"] = args.kernels
     ops = load()
+    if args.bf16_paths:
+        rows = [int(r) for r in args.rows.split(",")] if args.rows != parser.get_default("rows") else [
+            1, 2, 4, 8, 16, 32, 64, 200]
+        return compare_bf16_paths(ops, rows, args.rounds)
     isa = args.isa
     if "," in isa:
         return compare_isas(ops, isa.split(","), [int(r) for r in args.rows.split(",")], args.rounds)
@@ -66,6 +73,34 @@ def main():
             print(f"{n:6d} x {k:4d}, {m:3d} rows: fp32 {fp32:7.3f}  Q4 fused {fused:7.3f}  Q4 chunked {chunked:7.3f}  "
                   f"Q8 fused {fused8:7.3f}  Q4 int8 {int4:7.3f}  Q8 int8 {int8:7.3f}  Q4 bf16 {bf16:7.3f}  "
                   f"dense bf16 {dense_bf16:7.3f}")
+
+
+def compare_bf16_paths(ops, rows: list[int], rounds: int) -> None:
+    """bf16 rows (dtype="bfloat16") times Q4 (as Q4_1) and Q8 (as Q8_0) weights by each path, alternating within
+    each round: the fp32 kernels (rows widened, the result rounded), weight slices expanded for torch's bf16 matmul,
+    and AMX tiles (from ops.AMX_MIN_ROWS rows, where the CPU has them)."""
+    amx = ops.best_isa() == "amx"
+    print(f"{torch.get_num_threads()} threads; best of {rounds} rounds, us: fp32 kernels / bf16 slices"
+          + (" / AMX tiles" if amx else " (no AMX tiles on this CPU)"))
+    torch.manual_seed(0)
+    for n, k in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
+        scale, mins = (torch.rand(n, k // 32) * 0.01).half(), (torch.randn(n, k // 32) * 0.01).half()
+        weights = {"Q4": (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), scale, mins, Q4, 32, None, None,
+                          None, 0),
+                   "Q8": (torch.randint(-127, 128, (n, k), dtype=torch.int8), scale, None, Q8, 32, None, None, None,
+                          0)}
+        for name, w in weights.items():
+            cells = []
+            for m in rows:
+                x = torch.randn(m, k).bfloat16()
+                paths = [("avx512" if amx else "", 1 << 30), ("avx512" if amx else "", 0)] + (
+                    [("amx", 0)] if amx and m >= ops.AMX_MIN_ROWS else [])
+                best = [float("inf")] * len(paths)
+                for _ in range(rounds):
+                    for i, (isa, fused_max_rows) in enumerate(paths):
+                        best[i] = min(best[i], bench(lambda: ops.qlinear(x, *w, fused_max_rows, False, 0, isa), 5))
+                cells.append(f"{m}: " + "/".join(f"{t * 1e3:.0f}" for t in best))
+            print(f"{name} {n:5d} x {k:4d}  " + "  ".join(cells), flush=True)
 
 
 def compare_isas(ops, isas: list[str], rows: list[int], rounds: int) -> None:
