@@ -75,6 +75,13 @@ def main():
                   f"dense bf16 {dense_bf16:7.3f}")
 
 
+def random_weights(n: int, k: int) -> dict:
+    """qlinear's weight arguments for random Q4 (fp16 scale and min, as Q4_1) and Q8 (as Q8_0) codes [n, k]."""
+    scale, mins = (torch.rand(n, k // 32) * 0.01).half(), (torch.randn(n, k // 32) * 0.01).half()
+    return {"Q4": (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), scale, mins, Q4, 32, None, None, None, 0),
+            "Q8": (torch.randint(-127, 128, (n, k), dtype=torch.int8), scale, None, Q8, 32, None, None, None, 0)}
+
+
 def compare_bf16_paths(ops, rows: list[int], rounds: int) -> None:
     """bf16 rows (dtype="bfloat16") times Q4 (as Q4_1) and Q8 (as Q8_0) weights by each path, alternating within
     each round: the fp32 kernels (rows widened, the result rounded), weight slices expanded for torch's bf16 matmul,
@@ -84,11 +91,7 @@ def compare_bf16_paths(ops, rows: list[int], rounds: int) -> None:
           + (" / AMX tiles" if amx else " (no AMX tiles on this CPU)"))
     torch.manual_seed(0)
     for n, k in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
-        scale, mins = (torch.rand(n, k // 32) * 0.01).half(), (torch.randn(n, k // 32) * 0.01).half()
-        weights = {"Q4": (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), scale, mins, Q4, 32, None, None,
-                          None, 0),
-                   "Q8": (torch.randint(-127, 128, (n, k), dtype=torch.int8), scale, None, Q8, 32, None, None, None,
-                          0)}
+        weights = random_weights(n, k)
         for name, w in weights.items():
             cells = []
             for m in rows:
@@ -109,11 +112,7 @@ def compare_isas(ops, isas: list[str], rows: list[int], rounds: int) -> None:
     print(f"{torch.get_num_threads()} threads; best of {rounds} rounds, ms")
     torch.manual_seed(0)
     for n, k in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
-        scale, mins = (torch.rand(n, k // 32) * 0.01).half(), (torch.randn(n, k // 32) * 0.01).half()
-        weights = {"Q4": (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), scale, mins, Q4, 32, None, None,
-                          None, 0),
-                   "Q8": (torch.randint(-127, 128, (n, k), dtype=torch.int8), scale, None, Q8, 32, None, None, None,
-                          0)}
+        weights = random_weights(n, k)
         for m in rows:
             x = torch.randn(m, k)
             best = {}

@@ -485,29 +485,35 @@ static inline void chunk_consts(const QWeight& w, int64_t n, int64_t b0, float* 
 }
 
 #ifdef __AVX512F__
+// Block b of row n's codes (Q4 with any bit planes, or Q8) as fp32 in 16 lanes: codes 0-15 in lo, 16-31 in hi
+template <int KIND, int P>
+static inline void codes16(const QWeight& w, int64_t n, int64_t b, __m512& lo, __m512& hi) {
+  const uint8_t* row = w.qs + n * w.qs_stride;
+  if constexpr (KIND == pipellm::Q4 && P == 0) {  // byte k holds weight k (low nibble) and k + 16 (high)
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  } else if constexpr (KIND == pipellm::Q4) {  // the codes put together as bytes first, then widened
+    const __m256i c = codes32<KIND, P>(w, n, b);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(c)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(c, 1)));
+  } else {
+    const __m128i* at = reinterpret_cast<const __m128i*>(row + b * 32);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at + 1)));
+  }
+}
+
 // Blocks b0 .. b0+nbk-1 of row n's codes (Q4 with any bit planes, or Q8 in groups of 32) dotted with x, each group
 // times its scale in s[], added to z0 and z1 (a sum a block, in turn, would wait on the FMA's latency; groups of 16
 // have a sum each). 16 lanes halve the instructions of a block, which bound the 8-lane loop.
 template <int KIND, int GROUP, int P>
 static inline void blocks_dot16(const QWeight& w, int64_t n, const float* x, const float* s, int64_t b0, int nbk,
                                 __m512& z0, __m512& z1) {
-  const uint8_t* row = w.qs + n * w.qs_stride;
   for (int j = 0; j < nbk; j++) {
     const int64_t b = b0 + j;
     __m512 lo, hi;  // weights 0-15 and 16-31 of the block
-    if constexpr (KIND == pipellm::Q4 && P == 0) {  // byte k holds weight k (low nibble) and k + 16 (high)
-      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
-      lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-      hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-    } else if constexpr (KIND == pipellm::Q4) {  // the codes put together as bytes first, then widened
-      const __m256i c = codes32<KIND, P>(w, n, b);
-      lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(c)));
-      hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(c, 1)));
-    } else {
-      const __m128i* at = reinterpret_cast<const __m128i*>(row + b * 32);
-      lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at)));
-      hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at + 1)));
-    }
+    codes16<KIND, P>(w, n, b, lo, hi);
     const float* xb = x + b * 32;
     if constexpr (GROUP == 16) {
       z0 = _mm512_fmadd_ps(_mm512_mul_ps(lo, _mm512_loadu_ps(xb)), _mm512_set1_ps(s[2 * j]), z0);
@@ -1216,7 +1222,6 @@ PIPELLM_AMX_FN static void expand_bf16(const QWeight& w, int64_t n0, int rows, u
       std::memset(o, 0, w.K * 2);
       continue;
     }
-    const uint8_t* row = w.qs + n * w.qs_stride;
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
       const int nbk = int(std::min<int64_t>(8, nb - b0));
       if constexpr (WIDE) {
@@ -1228,18 +1233,8 @@ PIPELLM_AMX_FN static void expand_bf16(const QWeight& w, int64_t n0, int rows, u
       for (int j = 0; j < nbk; j++) {
         const int64_t b = b0 + j;
         __m512 lo, hi;  // weights 0-15 and 16-31 of the block
-        if constexpr (KIND == pipellm::Q4 && P == 0) {  // byte k holds weight k (low nibble) and k + 16 (high)
-          const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
-          lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-          hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-        } else if constexpr (KIND == pipellm::Q4) {
-          const __m256i cs = codes32<KIND, P>(w, n, b);
-          lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(cs)));
-          hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(cs, 1)));
-        } else if constexpr (KIND == pipellm::Q8) {
-          const __m128i* at = reinterpret_cast<const __m128i*>(row + b * 32);
-          lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at)));
-          hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at + 1)));
+        if constexpr (WIDE) {
+          codes16<KIND, P>(w, n, b, lo, hi);
         } else {
           const Block v = expand_vec<KIND, GROUP, SK, MIN, P>(w, n, b);
           lo = _mm512_insertf32x8(_mm512_castps256_ps512(v.v[0]), v.v[1], 1);
