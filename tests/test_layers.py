@@ -45,6 +45,14 @@ def test_rotary_matches_hf():
     with torch.inference_mode():
         rq, rk = apply_rotary(q.clone(), k.clone(), cos, sin)
     assert torch.equal(rq, hq[0].transpose(0, 1)) and torch.equal(rk, hk[0].transpose(0, 1))
+    # bf16 (HF's tables cast to bf16, each product and the sum rounded): the same bits
+    cos, sin = rope.tables(positions, torch.bfloat16)
+    q, k = qkv.bfloat16()[:, :9 * 64].view(4, 9, 64), qkv.bfloat16()[:, 9 * 64:12 * 64].view(4, 3, 64)
+    hq, hk = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[:, 0][None], sin[:, 0][None])
+    with torch.inference_mode():
+        rq, rk = apply_rotary(q.clone(), k.clone(), cos, sin)
+    assert rq.dtype == torch.bfloat16
+    assert torch.equal(rq, hq[0].transpose(0, 1)) and torch.equal(rk, hk[0].transpose(0, 1))
 
 
 def test_bf16_on_a_cpu_without_it_warns(monkeypatch, caplog):

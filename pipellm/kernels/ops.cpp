@@ -301,25 +301,41 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-// q [T, H, D] and k [T, KV, D] rotated in place by cos/sin [T, D] (rotate-half layout); last dims contiguous.
-void rotary_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
-              cos.sizes() == sin.sizes(), "cos/sin must be contiguous fp32 tables of one shape");
-  const int64_t T = cos.size(0), D = cos.numel() / std::max<int64_t>(T, 1), half = D / 2;
+// Each product and the sum rounded to T, as torch's ops on T round them (bf16: HF's q * cos + rotate_half(q) * sin)
+template <typename T>
+static void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t rows = cos.size(0), D = cos.numel() / std::max<int64_t>(rows, 1), half = D / 2;
+  auto r = [](float v) { return float(T(v)); };
   std::vector<float> tmp(D);
-  for (const at::Tensor* x : {&q, &k}) {
-    TORCH_CHECK(x->dim() == 3 && x->scalar_type() == at::kFloat && x->size(0) == T && x->size(2) == D &&
-                x->stride(2) == 1, "q/k must be fp32 [T, heads, D] with D contiguous");
-    for (int64_t t = 0; t < T; t++) {
-      const float* c = cos.data_ptr<float>() + t * D;
-      const float* s = sin.data_ptr<float>() + t * D;
-      for (int64_t h = 0; h < x->size(1); h++) {
-        float* v = x->data_ptr<float>() + t * x->stride(0) + h * x->stride(1);
-        for (int64_t i = 0; i < half; i++) tmp[i] = v[i] * c[i] + (-v[i + half]) * s[i];
-        for (int64_t i = half; i < D; i++) tmp[i] = v[i] * c[i] + v[i - half] * s[i];
-        std::memcpy(v, tmp.data(), D * sizeof(float));
-      }
+  for (int64_t t = 0; t < rows; t++) {
+    const T* c = cos.data_ptr<T>() + t * D;
+    const T* s = sin.data_ptr<T>() + t * D;
+    for (int64_t h = 0; h < x.size(1); h++) {
+      T* v = x.data_ptr<T>() + t * x.stride(0) + h * x.stride(1);
+      for (int64_t i = 0; i < half; i++)
+        tmp[i] = r(r(float(v[i]) * float(c[i])) + r(-float(v[i + half]) * float(s[i])));
+      for (int64_t i = half; i < D; i++)
+        tmp[i] = r(r(float(v[i]) * float(c[i])) + r(float(v[i - half]) * float(s[i])));
+      for (int64_t i = 0; i < D; i++) v[i] = T(tmp[i]);
     }
+  }
+}
+
+// q [T, H, D] and k [T, KV, D] rotated in place by cos/sin [T, D] (rotate-half layout); last dims contiguous; all fp32
+// or all bf16.
+void rotary_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  const auto type = cos.scalar_type();
+  TORCH_CHECK((type == at::kFloat || type == at::kBFloat16) && sin.scalar_type() == type && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.sizes() == sin.sizes(),
+              "cos/sin must be contiguous fp32 or bf16 tables of one shape");
+  const int64_t T = cos.size(0), D = cos.numel() / std::max<int64_t>(T, 1);
+  for (const at::Tensor* x : {&q, &k}) {
+    TORCH_CHECK(x->dim() == 3 && x->scalar_type() == type && x->size(0) == T && x->size(2) == D && x->stride(2) == 1,
+                "q/k must be [T, heads, D] of the tables' dtype, D contiguous");
+    if (type == at::kFloat)
+      rotate_rows<float>(*x, cos, sin);
+    else
+      rotate_rows<at::BFloat16>(*x, cos, sin);
   }
 }
 

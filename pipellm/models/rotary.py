@@ -119,7 +119,7 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q [T, H, D], k [T, KV, D] rotated by their positions (HF's rotate_half layout); may rotate them in place.
     With a partial rotary (cos narrower than D), only the first dims turn."""
-    ops = kernels.for_tensor(q) if q.dtype == torch.float32 == cos.dtype else None
+    ops = kernels.for_tensor(q) if q.dtype == cos.dtype in (torch.float32, torch.bfloat16) else None
     rotated = cos.shape[-1]
     if ops is not None:  # in place, on strided views too (the kernel needs only each head's dims contiguous)
         ops.rotary_(q[..., :rotated], k[..., :rotated], cos, sin)
