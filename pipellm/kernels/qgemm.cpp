@@ -1,5 +1,6 @@
 // Matmul and row lookup on compact weights, for one instruction set. build.py compiles this file once per ISA
-// (generic, AVX2, AVX-512) into its own namespace, and ops.cpp picks one at run time.
+// (generic, AVX2, AVX-512; the AVX-512 build also holds the AMX tiles' code) into its own namespace, and ops.cpp
+// picks one at run time.
 //
 // Weights are [N, K] rows (an output feature a row), K a multiple of 32, in one of these layouts:
 //   F16 / BF16   uint16 [N, K]
@@ -1176,7 +1177,6 @@ void decode_attention(const DecodeArgs& a, int64_t u0, int64_t u1) {
   return decode_attention_t<pipellm::CACHE_F32>(a, u0, u1);
 }
 
-
 // ---- bf16 rows through AMX tiles (ops.cpp calls these only where the CPU has AMX-BF16 and Linux grants it) ----
 // A tile multiply takes 16 rows x 32 values of bf16 on each side and sums them into 16 x 16 fp32. Each 16 weight
 // rows are expanded once, to bf16 in a buffer that stays in L1/L2, and serve every activation row: the expansion,
@@ -1235,14 +1235,12 @@ PIPELLM_AMX_FN static void expand_bf16(const QWeight& w, int64_t n0, int rows, u
         __m512 lo, hi;  // weights 0-15 and 16-31 of the block
         if constexpr (WIDE) {
           codes16<KIND, P>(w, n, b, lo, hi);
+          lo = _mm512_fmadd_ps(lo, _mm512_set1_ps(s[G * j]), _mm512_set1_ps(c[G * j]));
+          hi = _mm512_fmadd_ps(hi, _mm512_set1_ps(s[G * j + G - 1]), _mm512_set1_ps(c[G * j + G - 1]));
         } else {
           const Block v = expand_vec<KIND, GROUP, SK, MIN, P>(w, n, b);
           lo = _mm512_insertf32x8(_mm512_castps256_ps512(v.v[0]), v.v[1], 1);
           hi = _mm512_insertf32x8(_mm512_castps256_ps512(v.v[2]), v.v[3], 1);
-        }
-        if constexpr (WIDE) {
-          lo = _mm512_fmadd_ps(lo, _mm512_set1_ps(s[G * j]), _mm512_set1_ps(c[G * j]));
-          hi = _mm512_fmadd_ps(hi, _mm512_set1_ps(s[G * j + G - 1]), _mm512_set1_ps(c[G * j + G - 1]));
         }
         _mm512_storeu_si512(o + b * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // rounded to nearest even
       }

@@ -7,6 +7,11 @@ from torch import nn
 from pipellm import kernels
 
 
+def _kernel_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the norm kernel takes x: 2-D rows of the weight's dtype, fp32 or bf16."""
+    return x.dtype == weight.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -14,8 +19,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = kernels.for_tensor(x) if x.dtype == self.weight.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 \
-            else None
+        ops = kernels.for_tensor(x) if _kernel_rows(x, self.weight) else None
         if ops is not None:  # one call instead of eight small ops (decode steps are made of small ops)
             return ops.rms_norm(x, self.weight, self.eps)
         # Same op order as HF Llama: normalise in fp32, cast back, then scale.
@@ -33,8 +37,7 @@ class GemmaRMSNorm(RMSNorm):
         nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = kernels.for_tensor(x) if x.dtype == self.weight.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 \
-            else None
+        ops = kernels.for_tensor(x) if _kernel_rows(x, self.weight) else None
         if ops is not None:
             return ops.rms_norm(x, 1.0 + self.weight, self.eps)
         y = x.float()
