@@ -32,6 +32,23 @@ def test_rms_norm_matches_hf():
         torch.testing.assert_close(y, ref, rtol=2 ** -7, atol=0)
 
 
+def test_gemma_rms_norm_matches_hf_in_bf16():
+    # Gemma scales by 1 + w in fp32 and rounds once: not the Llama order of the kernel's bf16 rows
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from pipellm.models.layers import GemmaRMSNorm
+
+    torch.manual_seed(0)
+    ours, theirs = GemmaRMSNorm(576, 1e-6), Gemma3RMSNorm(576, eps=1e-6)
+    w = torch.randn(576)
+    ours.weight.data.copy_(w)
+    theirs.weight.data.copy_(w)
+    ours.bfloat16(), theirs.bfloat16()
+    x = (torch.randn(7, 576) * 3).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(ours(x), theirs(x))
+
+
 def test_rotary_matches_hf():
     torch.manual_seed(0)
     rope = RotaryEmbedding(RopeConfig(), 64, 256)

@@ -7,11 +7,6 @@ from torch import nn
 from pipellm import kernels
 
 
-def _kernel_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the norm kernel takes x: 2-D rows of the weight's dtype, fp32 or bf16."""
-    return x.dtype == weight.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -19,7 +14,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = kernels.for_tensor(x) if _kernel_rows(x, self.weight) else None
+        # the kernel rounds bf16 where HF Llama does: after normalising, and after scaling
+        fits = x.dtype == self.weight.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
+        ops = kernels.for_tensor(x) if fits else None
         if ops is not None:  # one call instead of eight small ops (decode steps are made of small ops)
             return ops.rms_norm(x, self.weight, self.eps)
         # Same op order as HF Llama: normalise in fp32, cast back, then scale.
@@ -37,7 +34,8 @@ class GemmaRMSNorm(RMSNorm):
         nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = kernels.for_tensor(x) if _kernel_rows(x, self.weight) else None
+        # fp32 only: Gemma scales in fp32 before its one rounding, which the kernel's bf16 rows do not
+        ops = kernels.for_tensor(x) if x.dtype == torch.float32 == self.weight.dtype and x.dim() == 2 else None
         if ops is not None:
             return ops.rms_norm(x, 1.0 + self.weight, self.eps)
         y = x.float()
