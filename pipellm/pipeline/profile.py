@@ -85,7 +85,7 @@ def auto_dtype(num_threads: int, compact: bool) -> tuple[str, str]:
     """dtype="auto": (the dtype, why). float32 unless this CPU runs bf16 matmul faster, measured once and cached."""
     if compact:
         why = "compact weights: the kernels take fp32 activations"
-        if {"amx_tile", "amx_bf16"} <= kernels.cpu_flags():
+        if (ops := kernels.load()) is not None and ops.best_isa() == "amx":  # the tiles our kernels would use
             why += "; this CPU has AMX tiles, where dtype=\"bfloat16\" runs batches about 2x faster"
         return "float32", why
     if not kernels.has_bf16_matmul():
