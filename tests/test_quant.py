@@ -283,9 +283,9 @@ def test_decode_attention_kernel_at_model_head_sizes(monkeypatch, isa, dim, kv_d
 def test_dense_few_rows_kernel_against_fp64_and_threads(isa):
     """Up to 64 fp32 rows times dense [K, N] weights (decode steps on an fp32 stage) through our kernels (a pass
     over the weights for up to 8 rows, register tiles for more): within fp32 rounding of an fp64 product, with a
-    bias, at ragged sizes (K not a multiple of 8 or of the tiles' 64, N not of 16 or of the sweeps' 1024, rows not
-    of the tiles' 8 or 4); a row's bits the same with 1 and 2 threads and beside any other rows. More rows take
-    addmm, as TransposedLinear did."""
+    bias, at ragged sizes (K not a multiple of 8 or of the blocks' 32 and 64, N not of 16 or of the sweeps' 1024,
+    rows not of the tiles' 8 or 4); a row's bits the same with 1 and 2 threads and beside any other rows. More rows
+    take addmm, as TransposedLinear did."""
     from pipellm.models.layers import TransposedLinear
 
     gen = torch.Generator().manual_seed(3)
