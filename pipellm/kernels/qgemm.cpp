@@ -1095,10 +1095,10 @@ static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 #endif
 
 // Weight rows a block (a column panel's block, 8 KB at 32 columns and 64 rows, stays in L1): a block's rows are
-// read side by side, one stream each. Up to 32 rows of x, where the weights' reads bound the product, 32 streams,
-// which the L2 prefetchers follow better than 64 (Xeon with AMX, 2 threads, the default model's layers from memory:
-// 16 rows 1.2-1.35x, the LM head 1.5x, 32 rows 1.0-1.06x); more rows reuse each weight longer, and 64 is faster.
-static inline int64_t tile_k(int64_t M) { return M <= 32 ? 32 : 64; }
+// read side by side, one stream each. Up to 16 rows of x, where reading the weights bounds the product, 32
+// streams, which the L2 prefetchers follow better than 64 (the default model's layers from memory on a Xeon with
+// AMX: 1.35x at 16 rows; benchmarks/dense_layers.py). From 32 rows on, 64: fewer passes over the sums in cache.
+static inline int64_t tile_k(int64_t M) { return M <= 16 ? 32 : 64; }
 // columns a sweep: the sums of 32 rows (128 KB) stay in L2 between blocks of weight rows (the LM head's 49,152
 // columns: 1.2x at 16 and 32 rows, BENCHMARKS.md)
 constexpr int64_t kTileN = 1024;
