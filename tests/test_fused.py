@@ -12,6 +12,7 @@ from pipellm.models.kv_cache import KVCache
 from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.pipeline.partition import StageLayers
+from pipellm.quant import linear
 from pipellm.quant.rtn import quantize_linears
 
 needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="the kernels do not build on this platform "
@@ -42,10 +43,10 @@ def folders(checkpoints, tmp_path_factory):
     return get
 
 
-def _stage(folder: str, quantization: str | None):
+def _stage(folder: str, quantization: str | None, dtype: torch.dtype = torch.float32):
     cfg = ModelConfig.from_pretrained(folder)
     model = build_stage_model(cfg, StageLayers(0, 0, cfg.num_layers, True, True))
-    load_stage_weights(model, folder, torch.float32)
+    load_stage_weights(model, folder, dtype)
     if quantization:
         quantize_linears(model, quantization)
     transpose_linears(model)
@@ -94,6 +95,30 @@ def test_fused_decode_equals_the_layers(folders, monkeypatch, arch, quantization
     dtype = getattr(torch, kv) if kv != "int8" else torch.int8
     outs, caches = _decode_run(model, cfg, dtype, 3)
     assert model._fused[1] is not None  # the decodes took the fused path
+    monkeypatch.setattr(fused, "applies", lambda x, meta: False)
+    ref_outs, ref_caches = _decode_run(model, cfg, dtype, 3)
+    for a, b in zip(outs, ref_outs):
+        assert torch.equal(a, b)
+    for a, b in zip(caches, ref_caches):
+        assert all(torch.equal(x, y) for x, y in zip((a.k, a.v, a.k_scale, a.v_scale), (b.k, b.v, b.k_scale, b.v_scale))
+                   if x is not None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv", ["bfloat16", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma3", "mixtral"])
+def test_fused_bf16_decode_equals_the_layers(folders, monkeypatch, arch, kv):
+    """bf16 rows (dtype="bfloat16") with compact weights: the same bits as the layers' forward, outputs and caches.
+    Llama's norms run bf16 rows in the kernel, Gemma's do not, and the stack leaves Gemma (and experts) to the
+    layers. bf16 rows go to the kernels as they are where the CPU has bf16 instructions; elsewhere the test makes
+    them go too, so that the path is checked on every machine."""
+    for module in (fused, linear):
+        monkeypatch.setattr(module, "bf16_rows_to_kernels", lambda: True)
+    cfg, model = _stage(folders(arch), "int8", torch.bfloat16)
+    dtype = getattr(torch, kv) if kv != "int8" else torch.int8
+    outs, caches = _decode_run(model, cfg, dtype, 3)
+    assert outs[0].dtype == torch.bfloat16
+    assert (model._fused[1] is not None) == (arch in ("llama", "mistral", "qwen3"))
     monkeypatch.setattr(fused, "applies", lambda x, meta: False)
     ref_outs, ref_caches = _decode_run(model, cfg, dtype, 3)
     for a, b in zip(outs, ref_outs):

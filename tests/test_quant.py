@@ -190,16 +190,16 @@ def test_compact_linear_bf16_rows_by_cpu(monkeypatch):
     x = torch.randn(FUSED_MAX_ROWS + 8, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
     try:
         monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
-        linear._bf16_rows.cache_clear()
+        linear.bf16_rows_to_kernels.cache_clear()
         dense = x @ ref.bfloat16().t()  # bf16 instructions: as dense bf16 weights (AMX tiles: to a rounding step)
         step = 2 ** -7 * (x.double().abs() @ ref.double().abs().t())
         assert ((layer(x).double() - dense.double()).abs() <= step).all()
         monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2"}))
-        linear._bf16_rows.cache_clear()
+        linear.bf16_rows_to_kernels.cache_clear()
         assert torch.equal(layer(x), w.matmul(x.float()).bfloat16())  # none: the fp32 kernels, as before
     finally:
         monkeypatch.undo()
-        linear._bf16_rows.cache_clear()
+        linear.bf16_rows_to_kernels.cache_clear()
 
 
 def test_same_layouts_merge_into_one_matmul():

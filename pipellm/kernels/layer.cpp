@@ -88,14 +88,15 @@ struct DecoderLayer {
     const int64_t rotated = cos.size(-1);
     rotary_(q.narrow(2, 0, rotated), k.narrow(2, 0, rotated), cos, sin);
     if (k_scale.has_value()) {  // as KVCache.write
-      kv_cache_write_int8(k_cache, *k_scale, slots, k.contiguous());
-      kv_cache_write_int8(v_cache, *v_scale, slots, v.contiguous());
+      kv_cache_write_int8(k_cache, *k_scale, slots, k.to(at::kFloat).contiguous());
+      kv_cache_write_int8(v_cache, *v_scale, slots, v.to(at::kFloat).contiguous());
     } else {
       const auto type = k_cache.scalar_type();
       kv_cache_write(k_cache, v_cache, slots, k.to(type), v.to(type));
     }
-    at::Tensor attn = paged_decode_attention(q.contiguous(), k_cache, v_cache, k_scale, v_scale, tables, lens, window,
-                                             scale, softcap, "");                // [T, H, D]
+    at::Tensor attn = paged_decode_attention(q.to(at::kFloat).contiguous(), k_cache, v_cache, k_scale, v_scale,
+                                             tables, lens, window, scale, softcap, "")
+                          .to(x.scalar_type());                                  // [T, H, D]: fp32 inside
     at::Tensor a = o(attn.view({T, q_size}));
     at::Tensor h = x + (attn_out_norm.has_value() ? rms_norm(a, *attn_out_norm, eps) : a);
     at::Tensor m = std::visit([&](const auto& f) { return f(rms_norm(h, post_norm, eps)); }, mlp);
@@ -107,7 +108,8 @@ struct DecoderStack {
   std::vector<DecoderLayer> layers;
 
   at::Tensor decode(at::Tensor x, const StepArgs& full, const StepArgs& local) const {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be fp32 [T, hidden]");
+    TORCH_CHECK(x.dim() == 2 && (layers.empty() || x.scalar_type() == layers[0].input_norm.scalar_type()),
+                "x must be [T, hidden] in the norms' dtype (fp32, or bf16 for Llama's norms)");
     for (const StepArgs* s : {&full, &local}) {
       const auto& [cos, sin, slots, tables, lens, window] = *s;
       TORCH_CHECK(slots.numel() == x.size(0) && lens.numel() == x.size(0) && tables.size(0) == x.size(0),

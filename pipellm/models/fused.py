@@ -10,13 +10,15 @@ from pipellm import kernels
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache
 from pipellm.models.layers import GatedMLP, GemmaRMSNorm, RMSNorm, TransposedLinear
-from pipellm.quant.linear import CompactLinear
+from pipellm.quant.linear import CompactLinear, bf16_rows_to_kernels
 
 
 def applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """Whether this step can take the fused path: fp32 rows on the CPU, each the one new token of its sequence, in
-    order, for the full and the sliding layers alike, with nothing recorded per layer."""
-    return x.dtype == torch.float32 and x.is_cpu and all(
+    """Whether this step can take the fused path: fp32 rows on the CPU (or bf16 rows where compact weights take them
+    as they are), each the one new token of its sequence, in order, for the full and the sliding layers alike, with
+    nothing recorded per layer."""
+    fits = x.dtype == torch.float32 or x.dtype == torch.bfloat16 and bf16_rows_to_kernels()
+    return fits and x.is_cpu and all(
         m.decode is not None and m.decode.token_idx is None and not m.prefills and m.probe is None
         for m in (meta, meta.local or meta))
 
@@ -31,8 +33,9 @@ def step_args(meta: AttentionMetadata, rope: tuple, rope_local: tuple) -> tuple[
 
 def _norm(module: nn.Module, eps: float) -> torch.Tensor | None:
     """The weight the kernels' rms_norm takes for this norm (Gemma's: 1 + w, as its forward passes), or None for a
-    norm it cannot run."""
-    if type(module) not in (RMSNorm, GemmaRMSNorm) or module.weight.dtype != torch.float32 or module.eps != eps:
+    norm it cannot run. bf16 norms are Llama's only: Gemma's forward keeps bf16 rows off the kernel."""
+    dtypes = (torch.float32, torch.bfloat16) if type(module) is RMSNorm else (torch.float32,)
+    if type(module) not in (RMSNorm, GemmaRMSNorm) or module.weight.dtype not in dtypes or module.eps != eps:
         return None
     return 1.0 + module.weight.detach() if type(module) is GemmaRMSNorm else module.weight.detach()
 
@@ -66,8 +69,10 @@ def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
         norms = [_norm(getattr(layer, n), eps) for n in names]
         head_norms = [_norm(getattr(attn, n), eps) for n in ("q_norm", "k_norm") if hasattr(attn, "q_norm")]
         linears = [_linear(ops, m) for m in (attn.qkv_proj, attn.o_proj)]
-        if None in norms + head_norms + linears or mlp is None:
+        if None in norms + head_norms + linears or mlp is None or len({n.dtype for n in norms + head_norms}) > 1:
             return None
+        if norms[0].dtype == torch.bfloat16 and (type(layer.mlp) is SparseMoE or not bf16_rows_to_kernels()):
+            return None  # bf16: the layers' own experts, and their fp32 rows where the kernels take none in bf16
         q_norm, k_norm = head_norms or (None, None)
         attn_out_norm, mlp_out_norm = norms[2:] or (None, None)
         fused.append(ops.DecoderLayer(norms[0], norms[1], *linears, mlp, eps, attn.scale, attn.num_heads,

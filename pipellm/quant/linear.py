@@ -167,10 +167,10 @@ class CompactLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         calls = self._calls or self._prepare()
         if len(calls) == 1 and self.bias is None and x.dim() == 2 and (
-                x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _bf16_rows())):
+                x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and bf16_rows_to_kernels())):
             return calls[0](x)  # a stage's usual case, ~120 times a decode step
         x2 = x.reshape(-1, self.in_features)                                   # [T, K]
-        if x2.dtype != torch.float32 and not (x2.dtype == torch.bfloat16 and _bf16_rows()):
+        if x2.dtype != torch.float32 and not (x2.dtype == torch.bfloat16 and bf16_rows_to_kernels()):
             x2 = x2.float()
         y = calls[0](x2) if len(calls) == 1 else torch.cat([c(x2) for c in calls], dim=-1)  # [T, N]
         if self.bias is not None:
@@ -181,7 +181,7 @@ class CompactLinear(nn.Module):
 
 
 @functools.cache
-def _bf16_rows() -> bool:
+def bf16_rows_to_kernels() -> bool:
     """Whether bf16 rows go to the kernels as they are: many rows multiply bf16 weights (AMX tiles, or slices for
     torch's bf16 matmul), which is worth it only where the CPU has bf16 instructions (elsewhere it crawls)."""
     return kernels.has_bf16_matmul() and kernels.load() is not None
