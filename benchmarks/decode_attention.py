@@ -1,10 +1,11 @@
 """One layer's decode attention through our kernel (the default model's heads: 9 query, 3 KV, head_dim 64; fp32
-cache or int8, blocks of 16 in random order), by default at 8 x 4,096 tokens (50 MB of K/V, from memory) and 8 x 256
+cache, bf16 or int8, blocks of 16 in random order), by default at 8 x 4,096 tokens (50 MB of K/V, from memory) and 8 x 256
 (in cache); --shapes 1x256,1x16384 for one sequence.
 To compare two builds of the kernels, run this once per build, alternating: `--kernels PATH` loads a built
 pipellm_kernels .so (copy one aside before rebuilding); the default is this checkout's own build.
 
-    python benchmarks/decode_attention.py [--kernels PATH] [--threads 2] [--huge-pages] [--int8] [--shapes 8x4096,8x256]
+    python benchmarks/decode_attention.py [--kernels PATH] [--threads 2] [--huge-pages] [--int8 | --bf16]
+        [--shapes 8x4096,8x256]
         [--softcap 50]
 """
 import argparse
@@ -25,6 +26,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--huge-pages", action="store_true", help="the caches on 2 MB pages, as a stage holds them")
     parser.add_argument("--int8", action="store_true", help="an int8 cache (kv_cache_dtype='int8', a scale per block)")
+    parser.add_argument("--bf16", action="store_true", help="a bf16 cache (dtype='bfloat16' or kv_cache_dtype)")
     parser.add_argument("--shapes", default="8x4096,8x256", help="sequences x context, comma-separated")
     parser.add_argument("--softcap", type=float, default=0.0, help="soft-capped scores (Gemma 2: 50)")
     args = parser.parse_args()
@@ -43,6 +45,8 @@ def main() -> None:
         if args.int8:
             k, v = ((x * 40).clamp(-127, 127).to(torch.int8) for x in (k, v))
             scales = tuple(torch.rand(shape[0], KV, generator=gen) / 40 for _ in range(2))
+        elif args.bf16:
+            k, v = k.bfloat16(), v.bfloat16()
         tables = torch.randperm(seqs * width, generator=gen).view(seqs, width)
         lens = torch.full((seqs,), context)
         q = torch.randn(seqs, HEADS, DIM, generator=gen)

@@ -32,6 +32,9 @@ constexpr int64_t kDenseMaxRows = 64;
 // bf16 rows that take the AMX tiles: their cost is expanding the weights to bf16 (~0.1 ns a weight), whatever the
 // rows; the fused fp32 kernels grow with the rows, and from 3 on cost more (BENCHMARKS.md)
 constexpr int64_t kAmxMinRows = 3;
+// fp32 rows from which gemm_xt (16 lanes, x transposed) beats gemm's 8-lane tiles (AVX-512; Xeon with AMX: the
+// default model's layers at 16 rows 0.96-1.2x, at 32 rows 1.1-1.6x; at 9-14 rows its 16 lanes run part empty)
+constexpr int64_t kXtMinRows = 16;
 
 struct Isa {
   const char* name;
@@ -41,7 +44,9 @@ struct Isa {
   decltype(&generic::gemm_q8) gemm_q8;
   decltype(&generic::decode_attention) decode_attention;
   decltype(&generic::dense_rows) dense_rows;
+  decltype(&generic::gemm_xt) gemm_xt;
   bool amx;  // bf16 rows through AMX tiles (avx512's code besides)
+  bool xt;   // gemm_xt's 16 lanes (avx512's code)
 };
 
 // AMX-BF16 and AVX512-BF16 in CPUID, and Linux's leave to use the tiles' 8 KB of state (asked once a process)
@@ -73,10 +78,10 @@ bool has(const char* isa) {
   return !std::strcmp(isa, "generic");
 }
 
-#define PIPELLM_ISA_ENTRY(NAME, NS, AMX) \
-  {NAME, NS::gemm, NS::dequant, NS::quantize_acts, NS::gemm_q8, NS::decode_attention, NS::dense_rows, AMX}
-const Isa kIsas[] = {PIPELLM_ISA_ENTRY("amx", avx512, true), PIPELLM_ISA_ENTRY("avx512", avx512, false),
-                     PIPELLM_ISA_ENTRY("avx2", avx2, false), PIPELLM_ISA_ENTRY("generic", generic, false)};
+#define PIPELLM_ISA_ENTRY(NAME, NS, AMX, XT) \
+  {NAME, NS::gemm, NS::dequant, NS::quantize_acts, NS::gemm_q8, NS::decode_attention, NS::dense_rows, NS::gemm_xt, AMX, XT}
+const Isa kIsas[] = {PIPELLM_ISA_ENTRY("amx", avx512, true, true), PIPELLM_ISA_ENTRY("avx512", avx512, false, true),
+                     PIPELLM_ISA_ENTRY("avx2", avx2, false, false), PIPELLM_ISA_ENTRY("generic", generic, false, false)};
 
 const Isa& pick(const std::string& isa) {
   std::string want = isa;
@@ -213,6 +218,16 @@ at::Tensor qmatmul(const at::Tensor& x, const pipellm::QWeight& w, int64_t N, in
       return y;
     }
     xc = rounded;
+  }
+  if (M <= fused_max_rows && impl.xt && M >= kXtMinRows) {
+    // 16 lanes: each 8 weight rows expanded once for all rows, which go transposed (packed once a call)
+    const int64_t Mp = (M + 15) / 16 * 16;
+    at::Tensor xt = at::zeros({K, Mp}, xc.options());
+    xt.narrow(1, 0, M).copy_(xc.t());
+    at::parallel_for(0, (N + 7) / 8, 1, [&](int64_t b0, int64_t b1) {
+      impl.gemm_xt(w, xt.data_ptr<float>(), M, Mp, y.data_ptr<float>(), N, b0 * 8, std::min(b1 * 8, N));
+    });
+    return y;
   }
   if (M <= fused_max_rows) {
     // few rows (decoding): expand each weight block once, in registers, for all rows
@@ -593,6 +608,7 @@ std::string best_isa() { return pick("").name; }
 
 PYBIND11_MODULE(pipellm_kernels, m) {
   m.attr("AMX_MIN_ROWS") = kAmxMinRows;
+  m.attr("XT_MIN_ROWS") = kXtMinRows;
   using namespace pybind11::literals;
   using namespace pipellm;
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();  // the stage's other threads run meanwhile

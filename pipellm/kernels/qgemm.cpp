@@ -1175,6 +1175,62 @@ void dense_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t 
   for (; k < K; k++) dense_rows_pass<1>(x + k, ldx, M, w + k * N, N, y, ldy, n0, n1, nullptr);
 }
 
+// ---- fp32 rows times compact weights in 16 lanes (the AVX-512 build; ops.cpp takes it from XT_MIN_ROWS rows) ----
+// gemm_t expands each weight block once per tile of 8 rows, in 8 lanes. Here each 8 weight rows are expanded once,
+// to fp32 in a buffer that stays in L1, and serve every row: x comes transposed, [K, Mp] (M rounded up to 16, packed
+// once a call), so a tile of 8 weight rows x 32 rows keeps its sums in 16 registers and each weight, broadcast
+// once, meets 32 rows. Each output sums its products in k order from zero, as the dense tiles do: the same bits
+// as the dense kernels on the dequantized weights, whatever rows are beside it.
+#ifdef __AVX512F__
+template <int R, int V>
+static inline void xt_tile(const float* wb, int64_t K, const float* xt, int64_t Mp, float* y, int64_t ldy,
+                           int64_t n, int64_t rows, int64_t m0, int64_t M) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    __m512 xv[V];
+    for (int v = 0; v < V; v++) xv[v] = _mm512_loadu_ps(xt + k * Mp + m0 + 16 * v);
+    for (int r = 0; r < R; r++) {
+      const __m512 a = _mm512_set1_ps(wb[r * K + k]);
+      for (int v = 0; v < V; v++) acc[r][v] = _mm512_fmadd_ps(a, xv[v], acc[r][v]);
+    }
+  }
+  alignas(64) float t[16];
+  for (int64_t r = 0; r < rows; r++)  // y's rows are the tile's lanes: written back one value at a time
+    for (int v = 0; v < V; v++) {
+      _mm512_store_ps(t, acc[r][v]);
+      for (int64_t i = 0, m = m0 + 16 * v; i < 16 && m < M; i++, m++) y[m * ldy + n + r] = t[i];
+    }
+}
+
+template <int KIND, int GROUP, int SK, bool MIN, int P>
+static void gemm_xt_t(const QWeight& w, const float* xt, int64_t M, int64_t Mp, float* y, int64_t ldy, int64_t n0,
+                      int64_t n1) {
+  const int64_t K = w.K;
+  thread_local std::vector<float> buf;
+  buf.resize(size_t(8 * K));
+  for (int64_t n = n0; n < n1; n += 8) {
+    const int64_t nr = std::min<int64_t>(8, n1 - n);
+    if (n + 24 <= n1) prefetch_rows<SK, MIN>(w, n + 16, 8);  // codes come from memory: two groups ahead
+    const int64_t rows[8] = {n, n + 1, n + 2, n + 3, n + 4, n + 5, n + 6, n + 7};
+    dequant_t<KIND, GROUP, SK, MIN, P>(w, rows, nr, buf.data());
+    std::fill(buf.begin() + nr * K, buf.end(), 0.0f);
+    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+      if (Mp - m0 >= 32) xt_tile<8, 2>(buf.data(), K, xt, Mp, y, ldy, n, nr, m0, M);
+      else xt_tile<8, 1>(buf.data(), K, xt, Mp, y, ldy, n, nr, m0, M);
+    }
+  }
+}
+
+void gemm_xt(const QWeight& w, const float* xt, int64_t M, int64_t Mp, float* y, int64_t ldy, int64_t n0,
+             int64_t n1) {
+  PIPELLM_DISPATCH(gemm_xt_t, w, xt, M, Mp, y, ldy, n0, n1)
+}
+#else
+void gemm_xt(const QWeight&, const float*, int64_t, int64_t, float*, int64_t, int64_t, int64_t) { std::abort(); }
+#endif
+
 void decode_attention(const DecodeArgs& a, int64_t u0, int64_t u1) {
   if (a.cache_kind == pipellm::CACHE_BF16) return decode_attention_t<pipellm::CACHE_BF16>(a, u0, u1);
   if (a.cache_kind == pipellm::CACHE_I8) return decode_attention_t<pipellm::CACHE_I8>(a, u0, u1);

@@ -82,6 +82,10 @@ inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len
   void decode_attention(const pipellm::DecodeArgs& a, int64_t u0, int64_t u1);                            \
   void dense_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, int64_t N, float* y,   \
                   int64_t ldy, int64_t n0, int64_t n1);                                                     \
+  /* fp32 rows given transposed, xt [K, Mp] (Mp a multiple of 16, zeros past M), times compact weights, */  \
+  /* in 16 lanes (the avx512 build only; the others abort) */                                               \
+  void gemm_xt(const pipellm::QWeight& w, const float* xt, int64_t M, int64_t Mp, float* y, int64_t ldy,    \
+               int64_t n0, int64_t n1);                                                                     \
   /* bf16 rows times compact weights in AMX tiles, where this build has the code (amx_built()): */          \
   /* pack_bf16_rows lays x [M, K] out as the tiles read it, [(M + 15) / 16, K / 32, 16, 16, 2], and */       \
   /* gemm_bf16 writes y [M, n0:n1] in bf16, n0 a multiple of 32 */                                           \
