@@ -83,6 +83,22 @@ def _decode_run(model, cfg, kv_dtype, decodes: int) -> tuple[list[torch.Tensor],
     return outs, caches
 
 
+def _fused_equals_layers(model, cfg, kv: str, monkeypatch, fused_expected: bool) -> list[torch.Tensor]:
+    """Three decode steps (the stack, where fused_expected), then the same through the layers' forward: the same
+    bits, in the outputs and in every cache. Returns the outputs."""
+    dtype = getattr(torch, kv) if kv != "int8" else torch.int8
+    outs, caches = _decode_run(model, cfg, dtype, 3)
+    assert (model._fused[1] is not None) == fused_expected
+    monkeypatch.setattr(fused, "applies", lambda x, meta: False)
+    ref_outs, ref_caches = _decode_run(model, cfg, dtype, 3)
+    for a, b in zip(outs, ref_outs):
+        assert torch.equal(a, b)
+    for a, b in zip(caches, ref_caches):
+        assert all(torch.equal(x, y) for x, y in zip((a.k, a.v, a.k_scale, a.v_scale), (b.k, b.v, b.k_scale, b.v_scale))
+                   if x is not None)
+    return outs
+
+
 @needs_kernels
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
@@ -92,16 +108,7 @@ def test_fused_decode_equals_the_layers(folders, monkeypatch, arch, quantization
     (window 24, shorter than the contexts), Gemma 2's and 3's mix sliding and full ones, Gemma 2's scores are
     soft-capped; Mixtral and Qwen3-MoE route each token to experts (Qwen3-MoE's layer 1 is dense)."""
     cfg, model = _stage(folders(arch), quantization)
-    dtype = getattr(torch, kv) if kv != "int8" else torch.int8
-    outs, caches = _decode_run(model, cfg, dtype, 3)
-    assert model._fused[1] is not None  # the decodes took the fused path
-    monkeypatch.setattr(fused, "applies", lambda x, meta: False)
-    ref_outs, ref_caches = _decode_run(model, cfg, dtype, 3)
-    for a, b in zip(outs, ref_outs):
-        assert torch.equal(a, b)
-    for a, b in zip(caches, ref_caches):
-        assert all(torch.equal(x, y) for x, y in zip((a.k, a.v, a.k_scale, a.v_scale), (b.k, b.v, b.k_scale, b.v_scale))
-                   if x is not None)
+    _fused_equals_layers(model, cfg, kv, monkeypatch, fused_expected=True)
 
 
 @needs_kernels
@@ -115,17 +122,8 @@ def test_fused_bf16_decode_equals_the_layers(folders, monkeypatch, arch, kv):
     for module in (fused, linear):
         monkeypatch.setattr(module, "bf16_rows_to_kernels", lambda: True)
     cfg, model = _stage(folders(arch), "int8", torch.bfloat16)
-    dtype = getattr(torch, kv) if kv != "int8" else torch.int8
-    outs, caches = _decode_run(model, cfg, dtype, 3)
+    outs = _fused_equals_layers(model, cfg, kv, monkeypatch, fused_expected=arch in ("llama", "mistral", "qwen3"))
     assert outs[0].dtype == torch.bfloat16
-    assert (model._fused[1] is not None) == (arch in ("llama", "mistral", "qwen3"))
-    monkeypatch.setattr(fused, "applies", lambda x, meta: False)
-    ref_outs, ref_caches = _decode_run(model, cfg, dtype, 3)
-    for a, b in zip(outs, ref_outs):
-        assert torch.equal(a, b)
-    for a, b in zip(caches, ref_caches):
-        assert all(torch.equal(x, y) for x, y in zip((a.k, a.v, a.k_scale, a.v_scale), (b.k, b.v, b.k_scale, b.v_scale))
-                   if x is not None)
 
 
 @needs_kernels
