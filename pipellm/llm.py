@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 from tqdm import tqdm
 
+from pipellm import chat
 from pipellm.config import EngineConfig, generation_defaults
 from pipellm.engine.detokenizer import StreamText
 from pipellm.engine.engine import LLMEngine
@@ -178,20 +179,11 @@ class LLM:
                     tools: list[dict] | None = None, continue_final_message: bool = False,
                     chat_template_kwargs: dict | None = None) -> dict:
         """One conversation through the chat template: {"prompt": text, "prompt_token_ids": ids}."""
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
-            raise ValueError("this model has no chat template; use generate() with a plain prompt")
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("continue_final_message continues the last message: give add_generation_prompt=False "
-                             "with it")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template, tools=tools,
-                                             continue_final_message=continue_final_message,
-                                             **(chat_template_kwargs or {}))
-        # The template already holds any BOS token, so don't add special tokens again.
-        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        text, ids = chat.render(self.engine.tokenizer, messages, chat_template, tools, add_generation_prompt,
+                                continue_final_message, chat_template_kwargs, "use generate() with a plain prompt")
+        return {"prompt": text, "prompt_token_ids": ids}
 
 
 def _close(engine: LLMEngine, trace_dir: str | None) -> None:

@@ -149,8 +149,13 @@ def test_llm_chat_continues_a_message_and_passes_template_variables(llm_pp2):
     assert prompt.endswith("<|assistant|>The answer is")
     template = "{{ messages[0]['content'] }}{% if x %}[{{ x }}]{% endif %}"
     assert llm_pp2.chat_prompt(prefix, chat_template=template, chat_template_kwargs={"x": 1})["prompt"] == "Hi[1]"
-    with pytest.raises(ValueError, match="give add_generation_prompt=False"):
+    with pytest.raises(ValueError, match="set add_generation_prompt to False"):
         llm_pp2.chat(prefix, continue_final_message=True)
+    # the same checks as the server's chat completions (pipellm/chat.py), each naming what to change
+    with pytest.raises(ValueError, match="chat_template_kwargs: tokenize are the request's own fields"):
+        llm_pp2.chat_prompt(prefix, chat_template_kwargs={"tokenize": True})
+    with pytest.raises(ValueError, match="the chat template rejected these messages: roles must alternate"):
+        llm_pp2.chat_prompt(prefix, chat_template="{{ raise_exception('roles must alternate') }}")
 
 
 def test_truncate_prompt_tokens_keeps_the_end_of_a_long_prompt(llm_pp2):

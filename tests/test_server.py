@@ -319,7 +319,7 @@ def test_tools_and_chat_template_options_reach_the_template(server, llama_dir):
     out = client.chat.completions.create(model=NAME, messages=prefix, max_tokens=3, temperature=0,
                                          extra_body={"add_generation_prompt": False, "continue_final_message": True})
     assert out.usage.prompt_tokens == len(ids)
-    for extra, why in (({"continue_final_message": True}, "give add_generation_prompt=false"),
+    for extra, why in (({"continue_final_message": True}, "set add_generation_prompt to False \\(false in JSON\\)"),
                        ({"chat_template_kwargs": {"tokenize": True}}, "tokenize are the request's own fields")):
         with pytest.raises(openai.BadRequestError, match=why):
             client.chat.completions.create(model=NAME, messages=prefix, max_tokens=2, extra_body=extra)

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 import pipellm
+from pipellm import chat
 from pipellm.config import check_generation_config, sampling_defaults
 from pipellm.engine.async_engine import AsyncEngine, EngineDeadError, StreamDelta
 from pipellm.engine.engine import LLMEngine
@@ -35,10 +36,6 @@ from pipellm.observe.metrics import CONTENT_TYPE, ServerMetrics
 from pipellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pipellm.server")
-# apply_chat_template's own arguments, which chat_template_kwargs may not set (they are not template variables)
-_TEMPLATE_ARGS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-                  "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-                  "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"}
 
 
 @dataclass
@@ -299,12 +296,6 @@ class _Endpoints:
 
     def chat_prompt(self, messages: list[ChatMessage], options: ChatTemplateFields,
                     tools: list[dict] | None = None) -> list[int]:
-        tokenizer, template = self.s.async_engine.tokenizer, self.s.config.chat_template
-        if tokenizer is None or not (template or getattr(tokenizer, "chat_template", None)):
-            raise APIError(400, "this model has no chat template; use /v1/completions (or start the server with "
-                           "--chat-template)")
-        if not messages:
-            raise APIError(400, "messages is empty", param="messages")
         conversation = []
         for m in messages:
             content = m.content
@@ -314,21 +305,13 @@ class _Endpoints:
                 content = "\n".join(part["text"] for part in content)
             extra = {k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}
             conversation.append({"role": m.role, "content": content or ""} | extra)
-        if options.add_generation_prompt and options.continue_final_message:
-            raise APIError(400, "continue_final_message continues the last message: give add_generation_prompt=false "
-                           "with it", param="continue_final_message")
-        variables = options.chat_template_kwargs or {}
-        if taken := sorted(set(variables) & _TEMPLATE_ARGS):
-            raise APIError(400, f"chat_template_kwargs: {', '.join(taken)} are the request's own fields, not the "
-                           "template's variables", param="chat_template_kwargs")
         try:
-            text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, chat_template=template,
-                                                 add_generation_prompt=options.add_generation_prompt,
-                                                 continue_final_message=options.continue_final_message, **variables)
-        except Exception as e:  # a template may reject a conversation (roles out of order, ...)
-            raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
-        # The template already holds any BOS token, so don't add special tokens again (as LLM.chat does).
-        return tokenizer.encode(text, add_special_tokens=False)
+            return chat.render(self.s.async_engine.tokenizer, conversation, self.s.config.chat_template, tools,
+                               options.add_generation_prompt, options.continue_final_message,
+                               options.chat_template_kwargs,
+                               "use /v1/completions (or start the server with --chat-template)")[1]
+        except chat.ChatTemplateError as e:
+            raise APIError(400, str(e), param=e.param) from None
 
     def base(self, prefix: str, kind: str) -> dict:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
