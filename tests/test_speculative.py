@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pipellm import LLM, SamplingParams
+from pipellm.engine.sequence import Request
 from pipellm.engine.speculative import propose
 from tests.conftest import FP32, make_checkpoint
 
@@ -48,6 +49,19 @@ def test_propose_finds_the_latest_longest_match():
                 expected = tokens[starts[-1] + n:starts[-1] + n + 3].tolist()
                 break
         assert propose(tokens, 3, n_min, n_max) == expected, (tokens.tolist(), n_min, n_max)
+
+
+def test_a_requests_token_array_grows_with_its_outputs():
+    """The drafts search prompt + output as one int64 array, kept and grown a few tokens a step (past its room
+    too), never stale."""
+    req = Request("r", [5, 6, 7], SamplingParams(), seed=0, max_tokens=100)
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        req.output_token_ids.extend(rng.integers(0, 9, size=int(rng.integers(0, 4))).tolist())
+        arr = req.token_array()
+        assert arr.dtype == np.int64 and arr.tolist() == req.prompt_token_ids + req.output_token_ids
+    del req.output_token_ids[10:]  # cut back: built again
+    assert req.token_array().tolist() == req.prompt_token_ids + req.output_token_ids
 
 
 @pytest.mark.parametrize("pp", [1, 2])

@@ -168,8 +168,7 @@ class Scheduler:
             if (n != req.num_pending_tokens or req.num_ahead or left < 1
                     or not speculative.can_speculate(req.params, len(req.output_token_ids))):
                 continue
-            tokens = np.array(req.prompt_token_ids + req.output_token_ids, dtype=np.int64)
-            drafts = speculative.propose(tokens, left, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            drafts = speculative.propose(req.token_array(), left, spec.prompt_lookup_min, spec.prompt_lookup_max)
             if drafts and bm.can_allocate(req, n + len(drafts)):
                 bm.allocate(req, n + len(drafts))
                 req.draft_token_ids = drafts
