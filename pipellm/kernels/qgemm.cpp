@@ -505,6 +505,29 @@ static inline void codes16(const QWeight& w, int64_t n, int64_t b, __m512& lo, _
   }
 }
 
+// Scales and constants of blocks b0 .. b0+nbk-1 of row n (nbk <= 8): chunk_consts for a whole chunk, else a block
+// at a time
+template <int GROUP, int SK, bool MIN, int P>
+static inline void consts_upto8(const QWeight& w, int64_t n, int64_t b0, int nbk, float* s, float* c) {
+  constexpr int G = 32 / GROUP;
+  if (nbk == 8)
+    chunk_consts<GROUP, SK, MIN, P>(w, n, b0, s, c);
+  else
+    for (int j = 0; j < nbk; j++) block_consts<GROUP, SK, MIN, P>(w, n, b0 + j, s + G * j, c + G * j);
+}
+
+// Block b of row n (Q4 or Q8) as weights in 16 lanes: codes widened, times their group's scale s plus its constant
+// c in one FMA (s and c: the block's group, or its two groups of 16). Without an offset (P == 0), the values
+// expand_vec gives.
+template <int KIND, int GROUP, int P>
+static inline void wide_block(const QWeight& w, int64_t n, int64_t b, const float* s, const float* c, __m512& lo,
+                              __m512& hi) {
+  constexpr int G = 32 / GROUP;
+  codes16<KIND, P>(w, n, b, lo, hi);
+  lo = _mm512_fmadd_ps(lo, _mm512_set1_ps(s[0]), _mm512_set1_ps(c[0]));
+  hi = _mm512_fmadd_ps(hi, _mm512_set1_ps(s[G - 1]), _mm512_set1_ps(c[G - 1]));
+}
+
 // Blocks b0 .. b0+nbk-1 of row n's codes (Q4 with any bit planes, or Q8 in groups of 32) dotted with x, each group
 // times its scale in s[], added to z0 and z1 (a sum a block, in turn, would wait on the FMA's latency; groups of 16
 // have a sum each). 16 lanes halve the instructions of a block, which bound the 8-lane loop.
@@ -1215,17 +1238,12 @@ static void expand_rows(const QWeight& w, int64_t n, int64_t rows, float* out) {
     for (int64_t i = 0; i < rows; i++)
       for (int64_t b0 = 0; b0 < nb; b0 += 8) {
         const int nbk = int(std::min<int64_t>(8, nb - b0));
-        if (nbk == 8)
-          chunk_consts<GROUP, SK, MIN, P>(w, n + i, b0, s, c);
-        else
-          for (int j = 0; j < nbk; j++) block_consts<GROUP, SK, MIN, P>(w, n + i, b0 + j, s + G * j, c + G * j);
+        consts_upto8<GROUP, SK, MIN, P>(w, n + i, b0, nbk, s, c);
         for (int j = 0; j < nbk; j++) {
           __m512 lo, hi;  // weights 0-15 and 16-31 of the block
-          codes16<KIND, P>(w, n + i, b0 + j, lo, hi);
-          float* o = out + i * w.K + (b0 + j) * 32;
-          _mm512_storeu_ps(o, _mm512_fmadd_ps(lo, _mm512_set1_ps(s[G * j]), _mm512_set1_ps(c[G * j])));
-          const float sh = s[G * j + G - 1], ch = c[G * j + G - 1];  // the second group's, with groups of 16
-          _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(hi, _mm512_set1_ps(sh), _mm512_set1_ps(ch)));
+          wide_block<KIND, GROUP, P>(w, n + i, b0 + j, s + G * j, c + G * j, lo, hi);
+          _mm512_storeu_ps(out + i * w.K + (b0 + j) * 32, lo);
+          _mm512_storeu_ps(out + i * w.K + (b0 + j) * 32 + 16, hi);
         }
       }
   } else {
@@ -1314,19 +1332,12 @@ PIPELLM_AMX_FN static void expand_bf16(const QWeight& w, int64_t n0, int rows, u
     }
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
       const int nbk = int(std::min<int64_t>(8, nb - b0));
-      if constexpr (WIDE) {
-        if (nbk == 8)
-          chunk_consts<GROUP, SK, MIN, P>(w, n, b0, s, c);
-        else
-          for (int j = 0; j < nbk; j++) block_consts<GROUP, SK, MIN, P>(w, n, b0 + j, s + G * j, c + G * j);
-      }
+      if constexpr (WIDE) consts_upto8<GROUP, SK, MIN, P>(w, n, b0, nbk, s, c);
       for (int j = 0; j < nbk; j++) {
         const int64_t b = b0 + j;
         __m512 lo, hi;  // weights 0-15 and 16-31 of the block
         if constexpr (WIDE) {
-          codes16<KIND, P>(w, n, b, lo, hi);
-          lo = _mm512_fmadd_ps(lo, _mm512_set1_ps(s[G * j]), _mm512_set1_ps(c[G * j]));
-          hi = _mm512_fmadd_ps(hi, _mm512_set1_ps(s[G * j + G - 1]), _mm512_set1_ps(c[G * j + G - 1]));
+          wide_block<KIND, GROUP, P>(w, n, b, s + G * j, c + G * j, lo, hi);
         } else {
           const Block v = expand_vec<KIND, GROUP, SK, MIN, P>(w, n, b);
           lo = _mm512_insertf32x8(_mm512_castps256_ps512(v.v[0]), v.v[1], 1);
