@@ -10,15 +10,14 @@ from pipellm import kernels
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache
 from pipellm.models.layers import GatedMLP, GemmaRMSNorm, RMSNorm, TransposedLinear
-from pipellm.quant.linear import CompactLinear, bf16_rows_to_kernels
+from pipellm.quant.linear import CompactLinear, kernels_take
 
 
 def applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Whether this step can take the fused path: fp32 rows on the CPU (or bf16 rows where compact weights take them
     as they are), each the one new token of its sequence, in order, for the full and the sliding layers alike, with
     nothing recorded per layer."""
-    fits = x.dtype == torch.float32 or x.dtype == torch.bfloat16 and bf16_rows_to_kernels()
-    return fits and x.is_cpu and all(
+    return kernels_take(x.dtype) and x.is_cpu and all(
         m.decode is not None and m.decode.token_idx is None and not m.prefills and m.probe is None
         for m in (meta, meta.local or meta))
 
@@ -71,7 +70,7 @@ def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
         linears = [_linear(ops, m) for m in (attn.qkv_proj, attn.o_proj)]
         if None in norms + head_norms + linears or mlp is None or len({n.dtype for n in norms + head_norms}) > 1:
             return None
-        if norms[0].dtype == torch.bfloat16 and (type(layer.mlp) is SparseMoE or not bf16_rows_to_kernels()):
+        if norms[0].dtype == torch.bfloat16 and (type(layer.mlp) is SparseMoE or not kernels_take(torch.bfloat16)):
             return None  # bf16: the layers' own experts, and their fp32 rows where the kernels take none in bf16
         q_norm, k_norm = head_norms or (None, None)
         attn_out_norm, mlp_out_norm = norms[2:] or (None, None)

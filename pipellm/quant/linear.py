@@ -166,11 +166,10 @@ class CompactLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         calls = self._calls or self._prepare()
-        if len(calls) == 1 and self.bias is None and x.dim() == 2 and (
-                x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and bf16_rows_to_kernels())):
+        if len(calls) == 1 and self.bias is None and x.dim() == 2 and kernels_take(x.dtype):
             return calls[0](x)  # a stage's usual case, ~120 times a decode step
         x2 = x.reshape(-1, self.in_features)                                   # [T, K]
-        if x2.dtype != torch.float32 and not (x2.dtype == torch.bfloat16 and bf16_rows_to_kernels()):
+        if not kernels_take(x2.dtype):
             x2 = x2.float()
         y = calls[0](x2) if len(calls) == 1 else torch.cat([c(x2) for c in calls], dim=-1)  # [T, N]
         if self.bias is not None:
@@ -178,6 +177,11 @@ class CompactLinear(nn.Module):
         if x.dim() != 2:
             y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def kernels_take(dtype: torch.dtype) -> bool:
+    """Whether rows of dtype go to the kernels as they are: fp32 always, bf16 where bf16_rows_to_kernels()."""
+    return dtype == torch.float32 or dtype == torch.bfloat16 and bf16_rows_to_kernels()
 
 
 @functools.cache
