@@ -12,12 +12,17 @@ def test_kernels_are_used():
     assert kernels.load() is not None
 
 
-def test_rms_norm_matches_hf():
+def _same_weight(ours, theirs):
+    """Two norms of 576 given one random weight (seed 0, so what follows draws the same inputs each run)."""
     torch.manual_seed(0)
-    ours, theirs = RMSNorm(576, 1e-5), LlamaRMSNorm(576, eps=1e-5)
     w = torch.randn(576)
     ours.weight.data.copy_(w)
     theirs.weight.data.copy_(w)
+    return ours, theirs
+
+
+def test_rms_norm_matches_hf():
+    ours, theirs = _same_weight(RMSNorm(576, 1e-5), LlamaRMSNorm(576, eps=1e-5))
     for rows in (1, 7):
         x = torch.randn(rows, 576) * 3
         with torch.inference_mode():
@@ -38,11 +43,7 @@ def test_gemma_rms_norm_matches_hf_in_bf16():
 
     from pipellm.models.layers import GemmaRMSNorm
 
-    torch.manual_seed(0)
-    ours, theirs = GemmaRMSNorm(576, 1e-6), Gemma3RMSNorm(576, eps=1e-6)
-    w = torch.randn(576)
-    ours.weight.data.copy_(w)
-    theirs.weight.data.copy_(w)
+    ours, theirs = _same_weight(GemmaRMSNorm(576, 1e-6), Gemma3RMSNorm(576, eps=1e-6))
     ours.bfloat16(), theirs.bfloat16()
     x = (torch.randn(7, 576) * 3).bfloat16()
     with torch.inference_mode():
