@@ -1205,68 +1205,144 @@ void dense_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t 
 // once, meets 32 rows. Each output sums its products in k order from zero, as the dense tiles do: the same bits
 // as the dense kernels on the dequantized weights, whatever rows are beside it.
 #ifdef __AVX512F__
+// acc += the products of R weight rows' next KB weights (wb[r * ldb + k]) and xt's next KB rows (xt[k * Mp],
+// 16 * V lanes from where xt points), in k order
 template <int R, int V>
-static inline void xt_tile(const float* wb, int64_t K, const float* xt, int64_t Mp, float* y, int64_t ldy,
-                           int64_t n, int64_t rows, int64_t m0, int64_t M) {
-  __m512 acc[R][V];
-  for (int r = 0; r < R; r++)
-    for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k++) {
+static inline void xt_sums(__m512 (&acc)[R][V], const float* wb, int64_t ldb, const float* xt, int64_t Mp,
+                           int64_t KB) {
+  for (int64_t k = 0; k < KB; k++) {
     __m512 xv[V];
-    for (int v = 0; v < V; v++) xv[v] = _mm512_loadu_ps(xt + k * Mp + m0 + 16 * v);
+    for (int v = 0; v < V; v++) xv[v] = _mm512_loadu_ps(xt + k * Mp + 16 * v);
     for (int r = 0; r < R; r++) {
-      const __m512 a = _mm512_set1_ps(wb[r * K + k]);
+      const __m512 a = _mm512_set1_ps(wb[r * ldb + k]);
       for (int v = 0; v < V; v++) acc[r][v] = _mm512_fmadd_ps(a, xv[v], acc[r][v]);
     }
   }
-  alignas(64) float t[16];
-  for (int64_t r = 0; r < rows; r++)  // y's rows are the tile's lanes: written back one value at a time
-    for (int v = 0; v < V; v++) {
-      _mm512_store_ps(t, acc[r][v]);
-      for (int64_t i = 0, m = m0 + 16 * v; i < 16 && m < M; i++, m++) y[m * ldy + n + r] = t[i];
-    }
 }
 
-// Weight rows n .. n+rows-1 as fp32 [rows, K]. Q4 and Q8 codes without an offset widen in 16 lanes and take their
-// group's scale (and min) in one FMA: the values expand_vec gives, in half the instructions; the rest by dequant_t.
-template <int KIND, int GROUP, int SK, bool MIN, int P>
-static void expand_rows(const QWeight& w, int64_t n, int64_t rows, float* out) {
-  if constexpr ((KIND == pipellm::Q4 || KIND == pipellm::Q8) && P == 0) {
-    constexpr int G = 32 / GROUP;
-    const int64_t nb = w.K / 32;
-    alignas(32) float s[8 * G], c[8 * G];
-    for (int64_t i = 0; i < rows; i++)
-      for (int64_t b0 = 0; b0 < nb; b0 += 8) {
-        const int nbk = int(std::min<int64_t>(8, nb - b0));
-        consts_upto8<GROUP, SK, MIN, P>(w, n + i, b0, nbk, s, c);
-        for (int j = 0; j < nbk; j++) {
-          __m512 lo, hi;  // weights 0-15 and 16-31 of the block
-          wide_block<KIND, GROUP, P>(w, n + i, b0 + j, s + G * j, c + G * j, lo, hi);
-          _mm512_storeu_ps(out + i * w.K + (b0 + j) * 32, lo);
-          _mm512_storeu_ps(out + i * w.K + (b0 + j) * 32 + 16, hi);
-        }
-      }
-  } else {
-    int64_t ids[8];
-    for (int64_t i = 0; i < rows; i++) ids[i] = n + i;
-    dequant_t<KIND, GROUP, SK, MIN, P>(w, ids, rows, out);
+// y[4J + q, 0:8] = u[q]'s and u[4 + q]'s 128-bit lane J, q = 0..3
+template <int J>
+static inline void store_lanes(const __m512 (&u)[8], float* y, int64_t ldy) {
+  for (int q = 0; q < 4; q++) {
+    _mm_storeu_ps(y + (4 * J + q) * ldy, _mm512_extractf32x4_ps(u[q], J));
+    _mm_storeu_ps(y + (4 * J + q) * ldy + 4, _mm512_extractf32x4_ps(u[4 + q], J));
   }
+}
+
+// y[m, 0:8] = a[0..7][m] for m = 0..15: 8 weight rows' sums over 16 rows, transposed in registers (written a value
+// at a time, this took a fifth of a 576-column product's time)
+static inline void store_transposed(const __m512 (&a)[8], float* y, int64_t ldy) {
+  const __m512 t0 = _mm512_unpacklo_ps(a[0], a[1]), t1 = _mm512_unpackhi_ps(a[0], a[1]);  // a[0][4j], a[1][4j], ...
+  const __m512 t2 = _mm512_unpacklo_ps(a[2], a[3]), t3 = _mm512_unpackhi_ps(a[2], a[3]);
+  const __m512 t4 = _mm512_unpacklo_ps(a[4], a[5]), t5 = _mm512_unpackhi_ps(a[4], a[5]);
+  const __m512 t6 = _mm512_unpacklo_ps(a[6], a[7]), t7 = _mm512_unpackhi_ps(a[6], a[7]);
+  // u[q], lane j: a[0..3][4j + q]; u[4 + q]: a[4..7][4j + q]
+  const __m512 u[8] = {_mm512_shuffle_ps(t0, t2, 0x44), _mm512_shuffle_ps(t0, t2, 0xEE),
+                       _mm512_shuffle_ps(t1, t3, 0x44), _mm512_shuffle_ps(t1, t3, 0xEE),
+                       _mm512_shuffle_ps(t4, t6, 0x44), _mm512_shuffle_ps(t4, t6, 0xEE),
+                       _mm512_shuffle_ps(t5, t7, 0x44), _mm512_shuffle_ps(t5, t7, 0xEE)};
+  store_lanes<0>(u, y, ldy);
+  store_lanes<1>(u, y, ldy);
+  store_lanes<2>(u, y, ldy);
+  store_lanes<3>(u, y, ldy);
+}
+
+// y[m0.., n .. n+rows-1] = a tile's sums (y's rows are the tile's lanes)
+template <int R, int V>
+static inline void xt_store(const __m512 (&acc)[R][V], float* y, int64_t ldy, int64_t n, int64_t rows, int64_t m0,
+                            int64_t M) {
+  alignas(64) float t[16];
+  for (int v = 0; v < V; v++) {
+    const int64_t m1 = m0 + 16 * v;
+    if constexpr (R == 8) {
+      if (rows == 8 && m1 + 16 <= M) {
+        const __m512 a[8] = {acc[0][v], acc[1][v], acc[2][v], acc[3][v], acc[4][v], acc[5][v], acc[6][v], acc[7][v]};
+        store_transposed(a, y + m1 * ldy + n, ldy);
+        continue;
+      }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+      _mm512_store_ps(t, acc[r][v]);
+      for (int64_t i = 0, m = m1; i < 16 && m < M; i++, m++) y[m * ldy + n + r] = t[i];
+    }
+  }
+}
+
+// Blocks b0 .. b0+nbk-1 (nbk <= 8) of weight rows n .. n+rows-1 as fp32, out[i * ldo + k]: Q4 and Q8 codes
+// without an offset widen in 16 lanes and take their group's scale (and min) in one FMA, the values expand_vec
+// gives in half the instructions
+template <int KIND, int GROUP, int SK, bool MIN, int P>
+static inline void expand_blocks(const QWeight& w, int64_t n, int64_t rows, int64_t b0, int nbk, float* out,
+                                 int64_t ldo) {
+  constexpr int G = 32 / GROUP;
+  alignas(32) float s[8 * G], c[8 * G];
+  for (int64_t i = 0; i < rows; i++) {
+    consts_upto8<GROUP, SK, MIN, P>(w, n + i, b0, nbk, s, c);
+    float* o = out + i * ldo;  // computed once: w's fields would be read again after each store, which may alias
+    for (int j = 0; j < nbk; j++) {
+      __m512 lo, hi;  // weights 0-15 and 16-31 of the block
+      wide_block<KIND, GROUP, P>(w, n + i, b0 + j, s + G * j, c + G * j, lo, hi);
+      _mm512_storeu_ps(o + j * 32, lo);
+      _mm512_storeu_ps(o + j * 32 + 16, hi);
+    }
+  }
+}
+
+// Up to 32 rows (one tile, Q4 or Q8 codes without an offset): 8 weight rows' next 8 blocks expanded into 8 KB
+// that stay in L1, then multiplied, the sums in registers throughout. Expanding whole rows first (K = 1,536: 48
+// KB) let x's reads push them out of L1 before they were used.
+template <int KIND, int GROUP, int SK, bool MIN, int P, int V>
+static void xt_group_by_blocks(const QWeight& w, int64_t n, int64_t rows, const float* xt, int64_t M, int64_t Mp,
+                               float* y, int64_t ldy, float* buf) {
+  constexpr int64_t kLd = 8 * 32;
+  const int64_t nb = w.K / 32;
+  __m512 acc[8][V];
+  for (int r = 0; r < 8; r++)
+    for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+    const int nbk = int(std::min<int64_t>(8, nb - b0));
+    expand_blocks<KIND, GROUP, SK, MIN, P>(w, n, rows, b0, nbk, buf, kLd);
+    xt_sums<8, V>(acc, buf, kLd, xt + b0 * 32 * Mp, Mp, nbk * 32);
+  }
+  xt_store<8, V>(acc, y, ldy, n, rows, 0, M);
 }
 
 template <int KIND, int GROUP, int SK, bool MIN, int P>
 static void gemm_xt_t(const QWeight& w, const float* xt, int64_t M, int64_t Mp, float* y, int64_t ldy, int64_t n0,
                       int64_t n1) {
   const int64_t K = w.K;
+  constexpr bool kWide = (KIND == pipellm::Q4 || KIND == pipellm::Q8) && P == 0;
+  const bool by_blocks = kWide && Mp <= 32;
   thread_local std::vector<float> buf;
-  buf.resize(size_t(8 * K));
+  buf.resize(size_t(8 * (by_blocks ? 8 * 32 : K)));  // a last group's rows past n1 are summed, not stored
   for (int64_t n = n0; n < n1; n += 8) {
     const int64_t nr = std::min<int64_t>(8, n1 - n);
     if (n + 24 <= n1) prefetch_rows<SK, MIN>(w, n + 16, 8);  // codes come from memory: two groups ahead
-    expand_rows<KIND, GROUP, SK, MIN, P>(w, n, nr, buf.data());
-    std::fill(buf.begin() + nr * K, buf.end(), 0.0f);
+    if (by_blocks) {
+      if (Mp == 32) xt_group_by_blocks<KIND, GROUP, SK, MIN, P, 2>(w, n, nr, xt, M, Mp, y, ldy, buf.data());
+      else xt_group_by_blocks<KIND, GROUP, SK, MIN, P, 1>(w, n, nr, xt, M, Mp, y, ldy, buf.data());
+      continue;
+    }
+    // whole rows first, then each tile of 32 rows over them
+    if constexpr (kWide) {
+      for (int64_t b0 = 0; b0 < K / 32; b0 += 8)
+        expand_blocks<KIND, GROUP, SK, MIN, P>(w, n, nr, b0, int(std::min<int64_t>(8, K / 32 - b0)),
+                                               buf.data() + b0 * 32, K);
+    } else {
+      int64_t ids[8];
+      for (int64_t i = 0; i < nr; i++) ids[i] = n + i;
+      dequant_t<KIND, GROUP, SK, MIN, P>(w, ids, nr, buf.data());
+    }
     for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-      if (Mp - m0 >= 32) xt_tile<8, 2>(buf.data(), K, xt, Mp, y, ldy, n, nr, m0, M);
-      else xt_tile<8, 1>(buf.data(), K, xt, Mp, y, ldy, n, nr, m0, M);
+      if (Mp - m0 >= 32) {
+        __m512 acc[8][2] = {};
+        xt_sums<8, 2>(acc, buf.data(), K, xt + m0, Mp, K);
+        xt_store<8, 2>(acc, y, ldy, n, nr, m0, M);
+      } else {
+        __m512 acc[8][1] = {};
+        xt_sums<8, 1>(acc, buf.data(), K, xt + m0, Mp, K);
+        xt_store<8, 1>(acc, y, ldy, n, nr, m0, M);
+      }
     }
   }
 }
