@@ -35,6 +35,10 @@ constexpr int64_t kAmxMinRows = 3;
 // fp32 rows from which gemm_xt (16 lanes, x transposed) beats gemm's 8-lane tiles (AVX-512; Xeon with AMX: the
 // default model's layers at 16 rows 0.96-1.2x, at 32 rows 1.1-1.6x; at 9-14 rows its 16 lanes run part empty)
 constexpr int64_t kXtMinRows = 16;
+// ... and up to which it beats expanding slices of weights for sgemm, where fused_max_rows (the 8-lane tiles'
+// limit) would send them: at 64 rows 1.1-1.5x on 1 and 2 threads (the default model's layers and LM head, Q4 and
+// Q8); at 128, 576 x 1536 on 2 threads ran 0.9x (same CPU)
+constexpr int64_t kXtMaxRows = 64;
 
 struct Isa {
   const char* name;
@@ -219,7 +223,8 @@ at::Tensor qmatmul(const at::Tensor& x, const pipellm::QWeight& w, int64_t N, in
     }
     xc = rounded;
   }
-  if (M <= fused_max_rows && impl.xt && M >= kXtMinRows) {
+  if (impl.xt && !bf16 && fused_max_rows >= kXtMinRows && M >= kXtMinRows &&
+      M <= std::max(fused_max_rows, kXtMaxRows)) {
     // 16 lanes: each 8 weight rows expanded once for all rows, which go transposed (packed once a call)
     const int64_t Mp = (M + 15) / 16 * 16;
     at::Tensor xt = at::zeros({K, Mp}, xc.options());
@@ -609,6 +614,7 @@ std::string best_isa() { return pick("").name; }
 PYBIND11_MODULE(pipellm_kernels, m) {
   m.attr("AMX_MIN_ROWS") = kAmxMinRows;
   m.attr("XT_MIN_ROWS") = kXtMinRows;
+  m.attr("XT_MAX_ROWS") = kXtMaxRows;
   using namespace pybind11::literals;
   using namespace pipellm;
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();  // the stage's other threads run meanwhile

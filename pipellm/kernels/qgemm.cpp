@@ -1288,23 +1288,44 @@ static inline void expand_blocks(const QWeight& w, int64_t n, int64_t rows, int6
   }
 }
 
-// Up to 32 rows (one tile, Q4 or Q8 codes without an offset): 8 weight rows' next 8 blocks expanded into 8 KB
-// that stay in L1, then multiplied, the sums in registers throughout. Expanding whole rows first (K = 1,536: 48
-// KB) let x's reads push them out of L1 before they were used.
-template <int KIND, int GROUP, int SK, bool MIN, int P, int V>
-static void xt_group_by_blocks(const QWeight& w, int64_t n, int64_t rows, const float* xt, int64_t M, int64_t Mp,
-                               float* y, int64_t ldy, float* buf) {
-  constexpr int64_t kLd = 8 * 32;
-  const int64_t nb = w.K / 32;
+// A tile of 16V rows over a chunk of KB weights, the sums going on from part (unless first) and left there, or
+// written to y (last)
+template <int V>
+static inline void xt_tile_chunk(const float* wb, int64_t ldb, const float* xt, int64_t Mp, int64_t KB, bool first,
+                                 bool last, float* part, float* y, int64_t ldy, int64_t n, int64_t rows, int64_t m0,
+                                 int64_t M) {
   __m512 acc[8][V];
   for (int r = 0; r < 8; r++)
-    for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < V; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (r * V + v) * 16);
+  xt_sums<8, V>(acc, wb, ldb, xt, Mp, KB);
+  if (last) {
+    xt_store<8, V>(acc, y, ldy, n, rows, m0, M);
+  } else {
+    for (int r = 0; r < 8; r++)
+      for (int v = 0; v < V; v++) _mm512_storeu_ps(part + (r * V + v) * 16, acc[r][v]);
+  }
+}
+
+// Q4 or Q8 codes without an offset: 8 weight rows' next 8 blocks expanded into 8 KB that stay in L1, then
+// multiplied by every tile of rows, each tile's sums kept (part, 8 x Mp) between chunks. Expanding whole rows
+// first (K = 1,536: 48 KB) let x's reads push them out of L1 before they were used.
+template <int KIND, int GROUP, int SK, bool MIN, int P>
+static void xt_group_by_blocks(const QWeight& w, int64_t n, int64_t rows, const float* xt, int64_t M, int64_t Mp,
+                               float* y, int64_t ldy, float* buf, float* part) {
+  constexpr int64_t kLd = 8 * 32;
+  const int64_t nb = w.K / 32;
   for (int64_t b0 = 0; b0 < nb; b0 += 8) {
     const int nbk = int(std::min<int64_t>(8, nb - b0));
     expand_blocks<KIND, GROUP, SK, MIN, P>(w, n, rows, b0, nbk, buf, kLd);
-    xt_sums<8, V>(acc, buf, kLd, xt + b0 * 32 * Mp, Mp, nbk * 32);
+    const float* xb = xt + b0 * 32 * Mp;
+    const bool first = b0 == 0, last = b0 + 8 >= nb;
+    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+      if (Mp - m0 >= 32)
+        xt_tile_chunk<2>(buf, kLd, xb + m0, Mp, nbk * 32, first, last, part + m0 * 8, y, ldy, n, rows, m0, M);
+      else
+        xt_tile_chunk<1>(buf, kLd, xb + m0, Mp, nbk * 32, first, last, part + m0 * 8, y, ldy, n, rows, m0, M);
+    }
   }
-  xt_store<8, V>(acc, y, ldy, n, rows, 0, M);
 }
 
 template <int KIND, int GROUP, int SK, bool MIN, int P>
@@ -1312,36 +1333,20 @@ static void gemm_xt_t(const QWeight& w, const float* xt, int64_t M, int64_t Mp, 
                       int64_t n1) {
   const int64_t K = w.K;
   constexpr bool kWide = (KIND == pipellm::Q4 || KIND == pipellm::Q8) && P == 0;
-  const bool by_blocks = kWide && Mp <= 32;
   thread_local std::vector<float> buf;
-  buf.resize(size_t(8 * (by_blocks ? 8 * 32 : K)));  // a last group's rows past n1 are summed, not stored
+  buf.resize(size_t(8 * (kWide ? 8 * 32 + Mp : K)));  // a last group's rows past n1 are summed, not stored
   for (int64_t n = n0; n < n1; n += 8) {
     const int64_t nr = std::min<int64_t>(8, n1 - n);
     if (n + 24 <= n1) prefetch_rows<SK, MIN>(w, n + 16, 8);  // codes come from memory: two groups ahead
-    if (by_blocks) {
-      if (Mp == 32) xt_group_by_blocks<KIND, GROUP, SK, MIN, P, 2>(w, n, nr, xt, M, Mp, y, ldy, buf.data());
-      else xt_group_by_blocks<KIND, GROUP, SK, MIN, P, 1>(w, n, nr, xt, M, Mp, y, ldy, buf.data());
-      continue;
-    }
-    // whole rows first, then each tile of 32 rows over them
     if constexpr (kWide) {
-      for (int64_t b0 = 0; b0 < K / 32; b0 += 8)
-        expand_blocks<KIND, GROUP, SK, MIN, P>(w, n, nr, b0, int(std::min<int64_t>(8, K / 32 - b0)),
-                                               buf.data() + b0 * 32, K);
-    } else {
+      xt_group_by_blocks<KIND, GROUP, SK, MIN, P>(w, n, nr, xt, M, Mp, y, ldy, buf.data(), buf.data() + 8 * 8 * 32);
+    } else {  // whole rows first, then each tile of 32 rows over them
       int64_t ids[8];
       for (int64_t i = 0; i < nr; i++) ids[i] = n + i;
       dequant_t<KIND, GROUP, SK, MIN, P>(w, ids, nr, buf.data());
-    }
-    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-      if (Mp - m0 >= 32) {
-        __m512 acc[8][2] = {};
-        xt_sums<8, 2>(acc, buf.data(), K, xt + m0, Mp, K);
-        xt_store<8, 2>(acc, y, ldy, n, nr, m0, M);
-      } else {
-        __m512 acc[8][1] = {};
-        xt_sums<8, 1>(acc, buf.data(), K, xt + m0, Mp, K);
-        xt_store<8, 1>(acc, y, ldy, n, nr, m0, M);
+      for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+        if (Mp - m0 >= 32) xt_tile_chunk<2>(buf.data(), K, xt + m0, Mp, K, true, true, nullptr, y, ldy, n, nr, m0, M);
+        else xt_tile_chunk<1>(buf.data(), K, xt + m0, Mp, K, true, true, nullptr, y, ldy, n, nr, m0, M);
       }
     }
   }
