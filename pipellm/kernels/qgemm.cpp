@@ -1254,10 +1254,13 @@ static inline void xt_store(const __m512 (&acc)[R][V], float* y, int64_t ldy, in
   alignas(64) float t[16];
   for (int v = 0; v < V; v++) {
     const int64_t m1 = m0 + 16 * v;
-    if constexpr (R == 8) {
-      if (rows == 8 && m1 + 16 <= M) {
-        const __m512 a[8] = {acc[0][v], acc[1][v], acc[2][v], acc[3][v], acc[4][v], acc[5][v], acc[6][v], acc[7][v]};
-        store_transposed(a, y + m1 * ldy + n, ldy);
+    if constexpr (R % 8 == 0) {
+      if (rows == R && m1 + 16 <= M) {
+        for (int h = 0; h < R; h += 8) {
+          const __m512 a[8] = {acc[h][v],     acc[h + 1][v], acc[h + 2][v], acc[h + 3][v],
+                               acc[h + 4][v], acc[h + 5][v], acc[h + 6][v], acc[h + 7][v]};
+          store_transposed(a, y + m1 * ldy + n + h, ldy);
+        }
         continue;
       }
     }
@@ -1288,28 +1291,28 @@ static inline void expand_blocks(const QWeight& w, int64_t n, int64_t rows, int6
   }
 }
 
-// A tile of 16V rows over a chunk of KB weights, the sums going on from part (unless first) and left there, or
-// written to y (last)
-template <int V>
+// A tile of R weight rows x 16V rows over a chunk of KB weights, the sums going on from part (unless first) and
+// left there, or written to y (last)
+template <int R, int V>
 static inline void xt_tile_chunk(const float* wb, int64_t ldb, const float* xt, int64_t Mp, int64_t KB, bool first,
                                  bool last, float* part, float* y, int64_t ldy, int64_t n, int64_t rows, int64_t m0,
                                  int64_t M) {
-  __m512 acc[8][V];
-  for (int r = 0; r < 8; r++)
+  __m512 acc[R][V];
+  for (int r = 0; r < R; r++)
     for (int v = 0; v < V; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (r * V + v) * 16);
-  xt_sums<8, V>(acc, wb, ldb, xt, Mp, KB);
+  xt_sums<R, V>(acc, wb, ldb, xt, Mp, KB);
   if (last) {
-    xt_store<8, V>(acc, y, ldy, n, rows, m0, M);
+    xt_store<R, V>(acc, y, ldy, n, rows, m0, M);
   } else {
-    for (int r = 0; r < 8; r++)
+    for (int r = 0; r < R; r++)
       for (int v = 0; v < V; v++) _mm512_storeu_ps(part + (r * V + v) * 16, acc[r][v]);
   }
 }
 
-// Q4 or Q8 codes without an offset: 8 weight rows' next 8 blocks expanded into 8 KB that stay in L1, then
-// multiplied by every tile of rows, each tile's sums kept (part, 8 x Mp) between chunks. Expanding whole rows
+// Q4 or Q8 codes without an offset: R weight rows' next 8 blocks expanded into R KB that stay in L1, then
+// multiplied by every tile of rows, each tile's sums kept (part, R x Mp) between chunks. Expanding whole rows
 // first (K = 1,536: 48 KB) let x's reads push them out of L1 before they were used.
-template <int KIND, int GROUP, int SK, bool MIN, int P>
+template <int KIND, int GROUP, int SK, bool MIN, int P, int R>
 static void xt_group_by_blocks(const QWeight& w, int64_t n, int64_t rows, const float* xt, int64_t M, int64_t Mp,
                                float* y, int64_t ldy, float* buf, float* part) {
   constexpr int64_t kLd = 8 * 32;
@@ -1321,9 +1324,9 @@ static void xt_group_by_blocks(const QWeight& w, int64_t n, int64_t rows, const 
     const bool first = b0 == 0, last = b0 + 8 >= nb;
     for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
       if (Mp - m0 >= 32)
-        xt_tile_chunk<2>(buf, kLd, xb + m0, Mp, nbk * 32, first, last, part + m0 * 8, y, ldy, n, rows, m0, M);
+        xt_tile_chunk<R, 2>(buf, kLd, xb + m0, Mp, nbk * 32, first, last, part + m0 * R, y, ldy, n, rows, m0, M);
       else
-        xt_tile_chunk<1>(buf, kLd, xb + m0, Mp, nbk * 32, first, last, part + m0 * 8, y, ldy, n, rows, m0, M);
+        xt_tile_chunk<R, 1>(buf, kLd, xb + m0, Mp, nbk * 32, first, last, part + m0 * R, y, ldy, n, rows, m0, M);
     }
   }
 }
@@ -1334,19 +1337,28 @@ static void gemm_xt_t(const QWeight& w, const float* xt, int64_t M, int64_t Mp, 
   const int64_t K = w.K;
   constexpr bool kWide = (KIND == pipellm::Q4 || KIND == pipellm::Q8) && P == 0;
   thread_local std::vector<float> buf;
-  buf.resize(size_t(8 * (kWide ? 8 * 32 + Mp : K)));  // a last group's rows past n1 are summed, not stored
-  for (int64_t n = n0; n < n1; n += 8) {
-    const int64_t nr = std::min<int64_t>(8, n1 - n);
-    if (n + 24 <= n1) prefetch_rows<SK, MIN>(w, n + 16, 8);  // codes come from memory: two groups ahead
+  buf.resize(size_t(16 * (kWide ? 8 * 32 + Mp : K)));  // a last group's rows past n1 are summed, not stored
+  // 16 rows of x fill one vector a weight: 16 weight rows a group keep 16 sums in flight, not 8
+  const int64_t G = kWide && Mp == 16 ? 16 : 8;
+  for (int64_t n = n0; n < n1; n += G) {
+    const int64_t nr = std::min<int64_t>(G, n1 - n);
+    if (n + 3 * G <= n1) prefetch_rows<SK, MIN>(w, n + 2 * G, int(G));  // codes come from memory: two groups ahead
     if constexpr (kWide) {
-      xt_group_by_blocks<KIND, GROUP, SK, MIN, P>(w, n, nr, xt, M, Mp, y, ldy, buf.data(), buf.data() + 8 * 8 * 32);
+      if (G == 16)
+        xt_group_by_blocks<KIND, GROUP, SK, MIN, P, 16>(w, n, nr, xt, M, Mp, y, ldy, buf.data(),
+                                                        buf.data() + 16 * 8 * 32);
+      else
+        xt_group_by_blocks<KIND, GROUP, SK, MIN, P, 8>(w, n, nr, xt, M, Mp, y, ldy, buf.data(),
+                                                       buf.data() + 16 * 8 * 32);
     } else {  // whole rows first, then each tile of 32 rows over them
       int64_t ids[8];
       for (int64_t i = 0; i < nr; i++) ids[i] = n + i;
       dequant_t<KIND, GROUP, SK, MIN, P>(w, ids, nr, buf.data());
       for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-        if (Mp - m0 >= 32) xt_tile_chunk<2>(buf.data(), K, xt + m0, Mp, K, true, true, nullptr, y, ldy, n, nr, m0, M);
-        else xt_tile_chunk<1>(buf.data(), K, xt + m0, Mp, K, true, true, nullptr, y, ldy, n, nr, m0, M);
+        if (Mp - m0 >= 32)
+          xt_tile_chunk<8, 2>(buf.data(), K, xt + m0, Mp, K, true, true, nullptr, y, ldy, n, nr, m0, M);
+        else
+          xt_tile_chunk<8, 1>(buf.data(), K, xt + m0, Mp, K, true, true, nullptr, y, ldy, n, nr, m0, M);
       }
     }
   }
