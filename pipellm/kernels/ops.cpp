@@ -225,7 +225,7 @@ at::Tensor qmatmul(const at::Tensor& x, const pipellm::QWeight& w, int64_t N, in
   }
   if (impl.xt && !bf16 && fused_max_rows >= kXtMinRows && M >= kXtMinRows &&
       M <= std::max(fused_max_rows, kXtMaxRows)) {
-    // 16 lanes: each 8 weight rows expanded once for all rows, which go transposed (packed once a call)
+    // 16 lanes: each group of weight rows expanded once for all rows, which go transposed (packed once a call)
     const int64_t Mp = (M + 15) / 16 * 16;
     at::Tensor xt = at::zeros({K, Mp}, xc.options());
     xt.narrow(1, 0, M).copy_(xc.t());

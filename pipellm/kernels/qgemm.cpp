@@ -1198,11 +1198,11 @@ void dense_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t 
   for (; k < K; k++) dense_rows_pass<1>(x + k, ldx, M, w + k * N, N, y, ldy, n0, n1, nullptr);
 }
 
-// ---- fp32 rows times compact weights in 16 lanes (the AVX-512 build; ops.cpp takes it from XT_MIN_ROWS rows) ----
-// gemm_t expands each weight block once per tile of 8 rows, in 8 lanes. Here each 8 weight rows are expanded once,
-// to fp32 in a buffer that stays in L1, and serve every row: x comes transposed, [K, Mp] (M rounded up to 16, packed
-// once a call), so a tile of 8 weight rows x 32 rows keeps its sums in 16 registers and each weight, broadcast
-// once, meets 32 rows. Each output sums its products in k order from zero, as the dense tiles do: the same bits
+// ---- fp32 rows times compact weights in 16 lanes (the AVX-512 build; ops.cpp: XT_MIN_ROWS to XT_MAX_ROWS rows) ----
+// gemm_t expands each weight block once per tile of 8 rows, in 8 lanes. Here each group of 8 (or 16) weight rows
+// is expanded once, to fp32 in a buffer that stays in L1, and serves every row: x comes transposed, [K, Mp] (M
+// rounded up to 16, packed once a call), so a tile of 8 weight rows x 32 rows keeps its sums in 16 registers and
+// each weight, broadcast once, meets 32 rows. Each output sums its products in k order from zero, as the dense tiles do: the same bits
 // as the dense kernels on the dequantized weights, whatever rows are beside it.
 #ifdef __AVX512F__
 // acc += the products of R weight rows' next KB weights (wb[r * ldb + k]) and xt's next KB rows (xt[k * Mp],

@@ -40,11 +40,12 @@ def zeros_on_huge_pages(shape, dtype: torch.dtype) -> torch.Tensor:
     if _small_page_s is None:  # seconds to fault in and zero PROBE_BYTES on 4 KB pages
         _small_page_s = _timed_zero(raw[start:start + PROBE_BYTES])
         start += PROBE_BYTES
-    _advise_huge_pages(base + start, end - start)
-    ratio = _timed_zero(raw[start:end]) / (_small_page_s * (end - start) / PROBE_BYTES)
-    if ratio > 2:
-        _huge_pages = False
-        log.info("KV caches on 4 KB pages from here on: 2 MB pages took %.1fx the time to fault in", ratio)
+    if end > start:
+        _advise_huge_pages(base + start, end - start)
+        ratio = _timed_zero(raw[start:end]) / max(_small_page_s * (end - start) / PROBE_BYTES, 1e-9)
+        if ratio > 2:
+            _huge_pages = False
+            log.info("KV caches on 4 KB pages from here on: 2 MB pages took %.1fx the time to fault in", ratio)
     return t
 
 
