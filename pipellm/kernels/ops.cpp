@@ -33,8 +33,9 @@ constexpr int64_t kDenseMaxRows = 64;
 // rows; the fused fp32 kernels grow with the rows, and from 3 on cost more (BENCHMARKS.md)
 constexpr int64_t kAmxMinRows = 3;
 // fp32 rows from which gemm_xt (16 lanes, x transposed) beats gemm's 8-lane tiles (AVX-512; Xeon with AMX: the
-// default model's layers at 16 rows 0.96-1.2x, at 32 rows 1.1-1.6x; at 9-14 rows its 16 lanes run part empty)
-constexpr int64_t kXtMinRows = 16;
+// default model's layers and LM head on one thread at 9 rows 1.15-1.2x, at 15 1.55-1.65x; on two at 9 rows
+// 0.9-1.15x; at 8 rows its 16 lanes, half empty, do no better)
+constexpr int64_t kXtMinRows = 9;
 // ... and up to which it beats expanding slices of weights for sgemm, where fused_max_rows (the 8-lane tiles'
 // limit) would send them: at 64 rows 1.1-1.5x on 1 and 2 threads (the default model's layers and LM head, Q4 and
 // Q8); at 128, 576 x 1536 on 2 threads ran 0.9x (same CPU)

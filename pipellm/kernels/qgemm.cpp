@@ -1255,11 +1255,17 @@ static inline void xt_store(const __m512 (&acc)[R][V], float* y, int64_t ldy, in
   for (int v = 0; v < V; v++) {
     const int64_t m1 = m0 + 16 * v;
     if constexpr (R % 8 == 0) {
-      if (rows == R && m1 + 16 <= M) {
+      if (rows == R) {
         for (int h = 0; h < R; h += 8) {
           const __m512 a[8] = {acc[h][v],     acc[h + 1][v], acc[h + 2][v], acc[h + 3][v],
                                acc[h + 4][v], acc[h + 5][v], acc[h + 6][v], acc[h + 7][v]};
-          store_transposed(a, y + m1 * ldy + n + h, ldy);
+          if (m1 + 16 <= M) {
+            store_transposed(a, y + m1 * ldy + n + h, ldy);
+          } else {  // the last rows, fewer than 16
+            alignas(64) float part[16 * 8];
+            store_transposed(a, part, 8);
+            for (int64_t m = m1; m < M; m++) std::memcpy(y + m * ldy + n + h, part + (m - m1) * 8, 8 * sizeof(float));
+          }
         }
         continue;
       }
