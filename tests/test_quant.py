@@ -77,10 +77,11 @@ def test_matmul_matches_fp32_matmul_of_dequantized(qtype, num_rows):
 @pytest.mark.skipif("avx512" not in ISAS, reason="the 16-lane path is in the AVX-512 build only")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_fp32_rows_in_16_lanes_equal_the_dense_kernel_on_dequantized(qtype):
-    """From XT_MIN_ROWS to XT_MAX_ROWS fp32 rows (AVX-512), each 8 weight rows are expanded once for all rows,
-    which go transposed; each output sums in k order from zero, as the dense tiles do: the same bits as our dense
-    kernel (checked against fp64 below) times gguf's dequantization, with 37 weight rows (8-row groups end ragged),
-    and a row's bits the same whatever rows are beside it. The stages' own row limit (FUSED_MAX_ROWS) routes them."""
+    """From XT_MIN_ROWS to XT_MAX_ROWS fp32 rows (AVX-512), each group of 8 (16 for up to 16 rows) weight rows is
+    expanded once for all rows, which go transposed; each output sums in k order from zero, as the dense tiles do:
+    the same bits as our dense kernel (checked against fp64 below) times gguf's dequantization, with 37 weight rows
+    (groups end ragged), and a row's bits the same whatever rows are beside it. The stages' own row limit
+    (FUSED_MAX_ROWS) routes them."""
     n, k = 37, 768 if qtype in K_QUANTS else 800
     raw = gguf_tensor(qtype, n, k, seed=5)
     w = repack(raw, qtype, n, k)
@@ -91,7 +92,7 @@ def test_fp32_rows_in_16_lanes_equal_the_dense_kernel_on_dequantized(qtype):
         # our dense kernel takes up to 64 rows (more go to sgemm): the reference in pieces of at most 64
         reference = torch.cat([dense_linear(part) for part in x.split(64)])
         alone = ops.qlinear(x[:ops.XT_MIN_ROWS], *w._kernel_args(), FUSED_MAX_ROWS, False, 0, isa)
-        for rows in (ops.XT_MIN_ROWS, 21, 32, 40, ops.XT_MAX_ROWS):
+        for rows in (ops.XT_MIN_ROWS, 16, 21, 32, 40, ops.XT_MAX_ROWS):
             y = ops.qlinear(x[:rows], *w._kernel_args(), FUSED_MAX_ROWS, False, 0, isa)
             assert torch.equal(y, reference[:rows]), (isa, rows)
             assert torch.equal(y[:ops.XT_MIN_ROWS], alone), (isa, rows)
