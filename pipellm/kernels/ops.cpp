@@ -83,10 +83,12 @@ bool has(const char* isa) {
   return !std::strcmp(isa, "generic");
 }
 
-#define PIPELLM_ISA_ENTRY(NAME, NS, AMX, XT) \
-  {NAME, NS::gemm, NS::dequant, NS::quantize_acts, NS::gemm_q8, NS::decode_attention, NS::dense_rows, NS::gemm_xt, AMX, XT}
+#define PIPELLM_ISA_ENTRY(NAME, NS, AMX, XT)                                                                  \
+  {NAME, NS::gemm, NS::dequant, NS::quantize_acts, NS::gemm_q8, NS::decode_attention, NS::dense_rows, NS::gemm_xt, \
+   AMX, XT}
 const Isa kIsas[] = {PIPELLM_ISA_ENTRY("amx", avx512, true, true), PIPELLM_ISA_ENTRY("avx512", avx512, false, true),
-                     PIPELLM_ISA_ENTRY("avx2", avx2, false, false), PIPELLM_ISA_ENTRY("generic", generic, false, false)};
+                     PIPELLM_ISA_ENTRY("avx2", avx2, false, false),
+                     PIPELLM_ISA_ENTRY("generic", generic, false, false)};
 
 const Isa& pick(const std::string& isa) {
   std::string want = isa;

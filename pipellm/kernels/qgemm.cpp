@@ -1202,8 +1202,8 @@ void dense_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t 
 // gemm_t expands each weight block once per tile of 8 rows, in 8 lanes. Here each group of 8 (or 16) weight rows
 // is expanded once, to fp32 in a buffer that stays in L1, and serves every row: x comes transposed, [K, Mp] (M
 // rounded up to 16, packed once a call), so a tile of 8 weight rows x 32 rows keeps its sums in 16 registers and
-// each weight, broadcast once, meets 32 rows. Each output sums its products in k order from zero, as the dense tiles do: the same bits
-// as the dense kernels on the dequantized weights, whatever rows are beside it.
+// each weight, broadcast once, meets 32 rows. Each output sums its products in k order from zero, as the dense
+// tiles do: the same bits as the dense kernels on the dequantized weights, whatever rows are beside it.
 #ifdef __AVX512F__
 // acc += the products of R weight rows' next KB weights (wb[r * ldb + k]) and xt's next KB rows (xt[k * Mp],
 // 16 * V lanes from where xt points), in k order
@@ -1315,6 +1315,17 @@ static inline void xt_tile_chunk(const float* wb, int64_t ldb, const float* xt, 
   }
 }
 
+// Every tile of rows (32, then 16) over the same chunk of R weight rows: part holds each tile's sums (R x 16V)
+template <int R>
+static inline void xt_tiles(const float* wb, int64_t ldb, const float* xt, int64_t Mp, int64_t KB, bool first,
+                            bool last, float* part, float* y, int64_t ldy, int64_t n, int64_t rows, int64_t M) {
+  for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+    float* p = part ? part + m0 * R : nullptr;
+    if (Mp - m0 >= 32) xt_tile_chunk<R, 2>(wb, ldb, xt + m0, Mp, KB, first, last, p, y, ldy, n, rows, m0, M);
+    else xt_tile_chunk<R, 1>(wb, ldb, xt + m0, Mp, KB, first, last, p, y, ldy, n, rows, m0, M);
+  }
+}
+
 // Q4 or Q8 codes without an offset: R weight rows' next 8 blocks expanded into R KB that stay in L1, then
 // multiplied by every tile of rows, each tile's sums kept (part, R x Mp) between chunks. Expanding whole rows
 // first (K = 1,536: 48 KB) let x's reads push them out of L1 before they were used.
@@ -1326,14 +1337,7 @@ static void xt_group_by_blocks(const QWeight& w, int64_t n, int64_t rows, const 
   for (int64_t b0 = 0; b0 < nb; b0 += 8) {
     const int nbk = int(std::min<int64_t>(8, nb - b0));
     expand_blocks<KIND, GROUP, SK, MIN, P>(w, n, rows, b0, nbk, buf, kLd);
-    const float* xb = xt + b0 * 32 * Mp;
-    const bool first = b0 == 0, last = b0 + 8 >= nb;
-    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-      if (Mp - m0 >= 32)
-        xt_tile_chunk<R, 2>(buf, kLd, xb + m0, Mp, nbk * 32, first, last, part + m0 * R, y, ldy, n, rows, m0, M);
-      else
-        xt_tile_chunk<R, 1>(buf, kLd, xb + m0, Mp, nbk * 32, first, last, part + m0 * R, y, ldy, n, rows, m0, M);
-    }
+    xt_tiles<R>(buf, kLd, xt + b0 * 32 * Mp, Mp, nbk * 32, b0 == 0, b0 + 8 >= nb, part, y, ldy, n, rows, M);
   }
 }
 
@@ -1342,30 +1346,22 @@ static void gemm_xt_t(const QWeight& w, const float* xt, int64_t M, int64_t Mp, 
                       int64_t n1) {
   const int64_t K = w.K;
   constexpr bool kWide = (KIND == pipellm::Q4 || KIND == pipellm::Q8) && P == 0;
-  thread_local std::vector<float> buf;
-  buf.resize(size_t(16 * (kWide ? 8 * 32 + Mp : K)));  // a last group's rows past n1 are summed, not stored
   // 16 rows of x fill one vector a weight: 16 weight rows a group keep 16 sums in flight, not 8
   const int64_t G = kWide && Mp == 16 ? 16 : 8;
+  thread_local std::vector<float> buf;  // a last group's rows past n1 are summed, not stored
+  buf.resize(size_t(kWide ? 16 * 8 * 32 + 16 * Mp : 8 * K));
+  float* part = kWide ? buf.data() + 16 * 8 * 32 : nullptr;  // the tiles' sums, after 16 rows' chunk of blocks
   for (int64_t n = n0; n < n1; n += G) {
     const int64_t nr = std::min<int64_t>(G, n1 - n);
     if (n + 3 * G <= n1) prefetch_rows<SK, MIN>(w, n + 2 * G, int(G));  // codes come from memory: two groups ahead
     if constexpr (kWide) {
-      if (G == 16)
-        xt_group_by_blocks<KIND, GROUP, SK, MIN, P, 16>(w, n, nr, xt, M, Mp, y, ldy, buf.data(),
-                                                        buf.data() + 16 * 8 * 32);
-      else
-        xt_group_by_blocks<KIND, GROUP, SK, MIN, P, 8>(w, n, nr, xt, M, Mp, y, ldy, buf.data(),
-                                                       buf.data() + 16 * 8 * 32);
-    } else {  // whole rows first, then each tile of 32 rows over them
+      if (G == 16) xt_group_by_blocks<KIND, GROUP, SK, MIN, P, 16>(w, n, nr, xt, M, Mp, y, ldy, buf.data(), part);
+      else xt_group_by_blocks<KIND, GROUP, SK, MIN, P, 8>(w, n, nr, xt, M, Mp, y, ldy, buf.data(), part);
+    } else {  // whole rows first, then each tile of rows over them
       int64_t ids[8];
       for (int64_t i = 0; i < nr; i++) ids[i] = n + i;
       dequant_t<KIND, GROUP, SK, MIN, P>(w, ids, nr, buf.data());
-      for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-        if (Mp - m0 >= 32)
-          xt_tile_chunk<8, 2>(buf.data(), K, xt + m0, Mp, K, true, true, nullptr, y, ldy, n, nr, m0, M);
-        else
-          xt_tile_chunk<8, 1>(buf.data(), K, xt + m0, Mp, K, true, true, nullptr, y, ldy, n, nr, m0, M);
-      }
+      xt_tiles<8>(buf.data(), K, xt, Mp, K, true, true, nullptr, y, ldy, n, nr, M);
     }
   }
 }
