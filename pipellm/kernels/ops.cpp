@@ -50,6 +50,7 @@ struct Isa {
   decltype(&generic::decode_attention) decode_attention;
   decltype(&generic::dense_rows) dense_rows;
   decltype(&generic::gemm_xt) gemm_xt;
+  decltype(&generic::pack_xt) pack_xt;
   bool amx;  // bf16 rows through AMX tiles (avx512's code besides)
   bool xt;   // gemm_xt's 16 lanes (avx512's code)
 };
@@ -85,7 +86,7 @@ bool has(const char* isa) {
 
 #define PIPELLM_ISA_ENTRY(NAME, NS, AMX, XT)                                                                  \
   {NAME, NS::gemm, NS::dequant, NS::quantize_acts, NS::gemm_q8, NS::decode_attention, NS::dense_rows, NS::gemm_xt, \
-   AMX, XT}
+   NS::pack_xt, AMX, XT}
 const Isa kIsas[] = {PIPELLM_ISA_ENTRY("amx", avx512, true, true), PIPELLM_ISA_ENTRY("avx512", avx512, false, true),
                      PIPELLM_ISA_ENTRY("avx2", avx2, false, false),
                      PIPELLM_ISA_ENTRY("generic", generic, false, false)};
@@ -230,8 +231,8 @@ at::Tensor qmatmul(const at::Tensor& x, const pipellm::QWeight& w, int64_t N, in
       M <= std::max(fused_max_rows, kXtMaxRows)) {
     // 16 lanes: each group of weight rows expanded once for all rows, which go transposed (packed once a call)
     const int64_t Mp = (M + 15) / 16 * 16;
-    at::Tensor xt = at::zeros({K, Mp}, xc.options());
-    xt.narrow(1, 0, M).copy_(xc.t());
+    at::Tensor xt = at::empty({K, Mp}, xc.options());
+    impl.pack_xt(xc.data_ptr<float>(), K, M, K, Mp, xt.data_ptr<float>());
     at::parallel_for(0, (N + 7) / 8, 1, [&](int64_t b0, int64_t b1) {
       impl.gemm_xt(w, xt.data_ptr<float>(), M, Mp, y.data_ptr<float>(), N, b0 * 8, std::min(b1 * 8, N));
     });

@@ -86,6 +86,8 @@ inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len
   /* in 16 lanes (the avx512 build only; the others abort) */                                               \
   void gemm_xt(const pipellm::QWeight& w, const float* xt, int64_t M, int64_t Mp, float* y, int64_t ldy,    \
                int64_t n0, int64_t n1);                                                                     \
+  /* ... and the rows so laid out: xt [K, Mp] from x [M, K] (K a multiple of 16) */                         \
+  void pack_xt(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Mp, float* xt);                  \
   /* bf16 rows times compact weights in AMX tiles, where this build has the code (amx_built()): */          \
   /* pack_bf16_rows lays x [M, K] out as the tiles read it, [(M + 15) / 16, K / 32, 16, 16, 2], and */       \
   /* gemm_bf16 writes y [M, n0:n1] in bf16, n0 a multiple of 32 */                                           \
