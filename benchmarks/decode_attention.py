@@ -1,6 +1,6 @@
 """One layer's decode attention through our kernel (the default model's heads: 9 query, 3 KV, head_dim 64; fp32
 cache, bf16 or int8, blocks of 16 in random order), by default at 8 x 4,096 tokens (50 MB of K/V, from memory) and 8 x 256
-(in cache); --shapes 1x256,1x16384 for one sequence.
+(in cache); --shapes 1x256,1x16384 for one sequence, 1x4096+15x256 for sequences of different lengths in one call.
 To compare two builds of the kernels, run this once per build, alternating: `--kernels PATH` loads a built
 pipellm_kernels .so (copy one aside before rebuilding); the default is this checkout's own build.
 
@@ -27,7 +27,8 @@ def main() -> None:
     parser.add_argument("--huge-pages", action="store_true", help="the caches on 2 MB pages, as a stage holds them")
     parser.add_argument("--int8", action="store_true", help="an int8 cache (kv_cache_dtype='int8', a scale per block)")
     parser.add_argument("--bf16", action="store_true", help="a bf16 cache (dtype='bfloat16' or kv_cache_dtype)")
-    parser.add_argument("--shapes", default="8x4096,8x256", help="sequences x context, comma-separated")
+    parser.add_argument("--shapes", default="8x4096,8x256", help="sequences x context, comma-separated; groups of "
+                        "one call joined by +")
     parser.add_argument("--softcap", type=float, default=0.0, help="soft-capped scores (Gemma 2: 50)")
     args = parser.parse_args()
     if args.kernels:  # before the first load: a process holds one build
@@ -35,7 +36,10 @@ def main() -> None:
     ops = kernels.load()
     torch.set_num_threads(args.threads)
     out = []
-    for seqs, context in (map(int, shape.split("x")) for shape in args.shapes.split(",")):
+    for spec in args.shapes.split(","):
+        groups = [tuple(map(int, g.split("x"))) for g in spec.split("+")]
+        contexts = [c for n, c in groups for _ in range(n)]
+        seqs, context = len(contexts), max(contexts)
         gen = torch.Generator().manual_seed(0)
         width = -(-context // BLOCK)
         shape = (seqs * width, BLOCK, KV, DIM)
@@ -48,17 +52,17 @@ def main() -> None:
         elif args.bf16:
             k, v = k.bfloat16(), v.bfloat16()
         tables = torch.randperm(seqs * width, generator=gen).view(seqs, width)
-        lens = torch.full((seqs,), context)
+        lens = torch.tensor(contexts)
         q = torch.randn(seqs, HEADS, DIM, generator=gen)
         times = []
-        for _ in range(30 if seqs * context > 8000 else 200):
+        for _ in range(30 if sum(contexts) > 8000 else 200):
             start = time.perf_counter()
             o = ops.paged_decode_attention(q, k, v, *scales, tables, lens, 0, DIM ** -0.5, args.softcap,
                                            "")
             times.append(time.perf_counter() - start)
         quarter = sorted(times)[len(times) // 4]  # the best quarter's edge: steadier than the minimum here
-        gb = 2 * k.nbytes / 1e9
-        out.append(f"{seqs} x {context}: {quarter * 1e3:.3f} ms, {gb / quarter:.1f} GB/s of K/V "
+        gb = 2 * k.nbytes / 1e9 * sum(contexts) / (seqs * width * BLOCK)  # the K/V read
+        out.append(f"{spec}: {quarter * 1e3:.3f} ms, {gb / quarter:.1f} GB/s of K/V "
                    f"(output sum {o.double().sum().item():.6f})")
     print(" | ".join(out))
 

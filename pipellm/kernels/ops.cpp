@@ -485,7 +485,23 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                         width, bs, window, H, KV, D, float(scale), chunk_keys, num_chunks,
                         num_chunks > 1 ? partial.data_ptr<float>() : nullptr, float(softcap)};
   const Isa& impl = pick(isa);
-  at::parallel_for(0, B * num_chunks, 1, [&](int64_t u0, int64_t u1) { impl.decode_attention(a, u0, u1); });
+  // Units (sequence b, chunk c) in contiguous spans of about equal keys, one a thread: split by count, the threads
+  // holding the longer sequences finish last (a 4,096-token context among short ones: the others wait).
+  const int64_t units = B * num_chunks, threads = std::min<int64_t>(at::get_num_threads(), units);
+  std::vector<int64_t> keys(units + 1, 0);  // keys[u]: the keys of units before u, each unit counted 16 more
+  for (int64_t u = 0; u < units; u++) {
+    const int64_t b = u / num_chunks, c = u % num_chunks, first = pipellm::first_key(lens[b], window);
+    const int64_t n = std::min(lens[b], (c + 1) * chunk_keys) - std::max(first, c * chunk_keys);
+    keys[u + 1] = keys[u] + (n > 0 ? n + 16 : 0);
+  }
+  std::vector<int64_t> spans(threads + 1, units);
+  for (int64_t t = 0, u = 0; t < threads; t++) {
+    while (u < units && keys[u] * threads < keys[units] * t) u++;
+    spans[t] = u;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) impl.decode_attention(a, spans[t], spans[t + 1]);
+  });
   if (num_chunks > 1)  // a sequence over several chunks: its chunks' results, each rescaled to the common max
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; b++) {
