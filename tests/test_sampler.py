@@ -4,8 +4,10 @@ import pickle
 import pytest
 import torch
 
+from pipellm import kernels
 from pipellm.sampler import SampledToken, Sampler
 from pipellm.sampling_params import SamplingParams as SP
+from tests.test_quant import ISAS
 
 
 def make(params_list, prompts=None, seeds=None):
@@ -42,6 +44,24 @@ def test_greedy_is_argmax_including_ties(dtype):
     got = [t.token_id for t in s.sample(logits, ids)]
     assert got == logits.float().argmax(dim=-1).tolist()
     assert got[2] == 10 and got[3] == 0
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="the kernels did not build here")
+@pytest.mark.parametrize("vocab", [1, 7, 16, 23, 4099])
+def test_greedy_kernel_picks_as_torch_max_for_every_instruction_set(vocab):
+    """Greedy picks on a CPU come from our kernel (ops.argmax_rows): the first of tied maxima, the first NaN,
+    rows all -inf, maxima in the vector part and in the tail, on each instruction set this CPU runs."""
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[1] = 0.5                                          # all tied
+    logits[2, vocab // 2] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, -1] = 1e9                                      # the last (in the tail when vocab % 16)
+    logits[5, 0] = logits[5, -1] = 1e9
+    logits[6, -1], logits[6, vocab // 3] = float("nan"), float("nan")
+    logits[7, vocab // 2] = float("inf")
+    expected = logits.max(dim=-1).indices
+    for isa in ISAS:
+        assert torch.equal(kernels.load().argmax_rows(logits, isa), expected), isa
 
 
 def test_greedy_rows_in_mixed_batch_stay_argmax():

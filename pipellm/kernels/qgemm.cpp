@@ -1539,4 +1539,55 @@ void pack_bf16_rows(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) { std
 void gemm_bf16(const QWeight&, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t, int64_t) { std::abort(); }
 #endif  // PIPELLM_AMX_CODE
 
+
+// Each row's first index of its largest value, or of its first NaN where it has one (torch's max(dim=-1).indices):
+// greedy sampling's pick over the vocabulary, in two passes, the max in vectors, then the first lane equal to it
+void argmax_rows(const float* x, int64_t V, int64_t r0, int64_t r1, int64_t* out) {
+  for (int64_t r = r0; r < r1; r++) {
+    const float* row = x + r * V;
+    float best = -INFINITY;
+    bool nan = false;
+    int64_t i = 0, at = 0;
+#ifdef __AVX512F__
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    for (; i + 16 <= V; i += 16) {
+      const __m512 v = _mm512_loadu_ps(row + i);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      m = _mm512_max_ps(m, v);
+    }
+    best = _mm512_reduce_max_ps(m);
+    nan = unordered;
+#elif defined(PIPELLM_AVX2)
+    __m256 m = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (; i + 8 <= V; i += 8) {
+      const __m256 v = _mm256_loadu_ps(row + i);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      m = _mm256_max_ps(m, v);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    for (float l : lanes) best = std::max(best, l);
+    nan = _mm256_movemask_ps(unordered);
+#endif
+    for (; i < V; i++) {
+      nan |= std::isnan(row[i]);
+      best = std::max(best, row[i]);
+    }
+    if (nan) {
+      while (!std::isnan(row[at])) at++;
+    } else {
+#ifdef __AVX512F__
+      for (; at + 16 <= V && !_mm512_cmp_ps_mask(_mm512_loadu_ps(row + at), _mm512_set1_ps(best), _CMP_EQ_OQ);
+           at += 16) {}
+#elif defined(PIPELLM_AVX2)
+      for (; at + 8 <= V && !_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + at), _mm256_set1_ps(best),
+                                                              _CMP_EQ_OQ)); at += 8) {}
+#endif
+      while (row[at] != best) at++;
+    }
+    out[r] = at;
+  }
+}
+
 }  // namespace PIPELLM_ISA

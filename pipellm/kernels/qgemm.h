@@ -80,6 +80,7 @@ inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len
   void gemm_q8(const pipellm::QWeight& w, const pipellm::QActs& a, float* y, int64_t ldy, int64_t n0,       \
                int64_t n1);                                                                                \
   void decode_attention(const pipellm::DecodeArgs& a, int64_t u0, int64_t u1);                            \
+  void argmax_rows(const float* x, int64_t V, int64_t r0, int64_t r1, int64_t* out);                      \
   void dense_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K, int64_t N, float* y,   \
                   int64_t ldy, int64_t n0, int64_t n1);                                                     \
   /* fp32 rows given transposed, xt [K, Mp] (Mp a multiple of 16, zeros past M), times compact weights, */  \
