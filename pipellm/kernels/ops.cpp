@@ -288,6 +288,10 @@ at::Tensor dequant_rows(const at::Tensor& qs, const c10::optional<at::Tensor>& s
 
 namespace pipellm {
 
+// The least values a thread takes in the row-wise ops below: a decode step's few rows stay on one, a prefill chunk's
+// go to all (on one, RMSNorm and rotary were ~3% of a 512-token chunk while the other threads waited)
+constexpr int64_t kRowsGrain = 32768;
+
 // Decode steps run these on a handful of rows, where a chain of small torch ops costs more than the arithmetic:
 // one call each instead of 8 (RMSNorm) or 12 (rotary). Same operations in the same order as the torch twins in
 // models/layers.py; this file is compiled with -ffp-contract=off so no multiply-add is fused differently.
@@ -297,19 +301,21 @@ template <typename T>
 static void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   const int64_t rows = x.size(0), H = x.size(1);
   const T* w = weight.data_ptr<T>();
-  for (int64_t t = 0; t < rows; t++) {
-    const T* xr = x.data_ptr<T>() + t * x.stride(0);
-    T* o = out.data_ptr<T>() + t * H;
-    // in double: no worse than torch's float reduction, whatever its order; 8 sums, not one chain of adds
-    double part[8] = {};
-    int64_t i = 0;
-    for (; i + 8 <= H; i += 8)
-      for (int j = 0; j < 8; j++) part[j] += double(float(xr[i + j])) * float(xr[i + j]);
-    for (; i < H; i++) part[0] += double(float(xr[i])) * float(xr[i]);
-    const double ss = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-    const float inv = 1.0f / std::sqrt(float(ss / H) + float(eps));
-    for (i = 0; i < H; i++) o[i] = T(float(w[i]) * float(T(float(xr[i]) * inv)));
-  }
+  at::parallel_for(0, rows, kRowsGrain / std::max<int64_t>(H, 1) + 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      const T* xr = x.data_ptr<T>() + t * x.stride(0);
+      T* o = out.data_ptr<T>() + t * H;
+      // in double: no worse than torch's float reduction, whatever its order; 8 sums, not one chain of adds
+      double part[8] = {};
+      int64_t i = 0;
+      for (; i + 8 <= H; i += 8)
+        for (int j = 0; j < 8; j++) part[j] += double(float(xr[i + j])) * float(xr[i + j]);
+      for (; i < H; i++) part[0] += double(float(xr[i])) * float(xr[i]);
+      const double ss = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      const float inv = 1.0f / std::sqrt(float(ss / H) + float(eps));
+      for (i = 0; i < H; i++) o[i] = T(float(w[i]) * float(T(float(xr[i]) * inv)));
+    }
+  });
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -331,19 +337,21 @@ template <typename T>
 static void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t rows = cos.size(0), D = cos.numel() / std::max<int64_t>(rows, 1), half = D / 2;
   auto r = [](float v) { return float(T(v)); };
-  std::vector<float> tmp(D);
-  for (int64_t t = 0; t < rows; t++) {
-    const T* c = cos.data_ptr<T>() + t * D;
-    const T* s = sin.data_ptr<T>() + t * D;
-    for (int64_t h = 0; h < x.size(1); h++) {
-      T* v = x.data_ptr<T>() + t * x.stride(0) + h * x.stride(1);
-      for (int64_t i = 0; i < half; i++)
-        tmp[i] = r(r(float(v[i]) * float(c[i])) + r(-float(v[i + half]) * float(s[i])));
-      for (int64_t i = half; i < D; i++)
-        tmp[i] = r(r(float(v[i]) * float(c[i])) + r(float(v[i - half]) * float(s[i])));
-      for (int64_t i = 0; i < D; i++) v[i] = T(tmp[i]);
+  at::parallel_for(0, rows, kRowsGrain / std::max<int64_t>(x.size(1) * D, 1) + 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> tmp(D);
+    for (int64_t t = t0; t < t1; t++) {
+      const T* c = cos.data_ptr<T>() + t * D;
+      const T* s = sin.data_ptr<T>() + t * D;
+      for (int64_t h = 0; h < x.size(1); h++) {
+        T* v = x.data_ptr<T>() + t * x.stride(0) + h * x.stride(1);
+        for (int64_t i = 0; i < half; i++)
+          tmp[i] = r(r(float(v[i]) * float(c[i])) + r(-float(v[i + half]) * float(s[i])));
+        for (int64_t i = half; i < D; i++)
+          tmp[i] = r(r(float(v[i]) * float(c[i])) + r(float(v[i - half]) * float(s[i])));
+        for (int64_t i = 0; i < D; i++) v[i] = T(tmp[i]);
+      }
     }
-  }
+  });
 }
 
 // q [T, H, D] and k [T, KV, D] rotated in place by cos/sin [T, D] (rotate-half layout); last dims contiguous; all fp32
