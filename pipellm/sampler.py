@@ -216,7 +216,7 @@ class Sampler:
 def greedy_ids(x: torch.Tensor) -> torch.Tensor:
     """[rows] each row's first index of its largest value (of its first NaN where it has one)."""
     ops = kernels.for_tensor(x) if x.dtype == torch.float32 and x.is_contiguous() else None
-    if ops is not None:  # ~10x faster than max on a CPU (one thread, 49,152 logits a row: ~25 against ~2 us)
+    if ops is not None:  # faster than max on a CPU (16 rows of 49,152 logits on one thread: 108 against 380 us)
         return ops.argmax_rows(x)
     return x.max(dim=-1).indices  # max's indices: argmax's (the first of equal maxima), ~2.7x faster on a CPU
 
