@@ -1372,7 +1372,7 @@ void gemm_xt(const QWeight& w, const float* xt, int64_t M, int64_t Mp, float* y,
 }
 
 // xt[k, m] = x[m, k], 0 for m >= M: 8 rows x 16 values at a time, transposed in registers (torch's transposing
-// copy into zeros took ~20 us a call, ~5% of a 32-row decode step, while the other threads waited)
+// copy into zeros took ~20 us a call, ~3 ms of a 32-row decode step, while the other threads waited)
 void pack_xt(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Mp, float* xt) {
   for (int64_t m0 = 0; m0 < Mp; m0 += 8)
     for (int64_t k0 = 0; k0 < K; k0 += 16) {
@@ -1538,7 +1538,6 @@ bool amx_built() { return false; }
 void pack_bf16_rows(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) { std::abort(); }
 void gemm_bf16(const QWeight&, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t, int64_t) { std::abort(); }
 #endif  // PIPELLM_AMX_CODE
-
 
 // Each row's first index of its largest value, or of its first NaN where it has one (torch's max(dim=-1).indices):
 // greedy sampling's pick over the vocabulary, in two passes, the max in vectors, then the first lane equal to it
