@@ -16,6 +16,7 @@ from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.quant.linear import set_int8_activations
 from pipellm.quant.rtn import quantize_linears
+from pipellm.sampler import greedy_ids
 from pipellm.pipeline.partition import StageLayers, even_partition
 
 CONTEXT = 128  # tokens of context each profiled sequence attends over
@@ -45,7 +46,7 @@ def profile_costs(model_config: ModelConfig, engine_config: EngineConfig, repeat
 
 def _profile_raw(model_config: ModelConfig, engine_config: EngineConfig, repeats: int, compact: bool) -> dict:
     num_tokens = max(1, min(engine_config.max_num_seqs, 32) // engine_config.pipeline_parallel_size)
-    key = ["v4", asdict(model_config), engine_config.dtype, engine_config.kv_cache_dtype, engine_config.num_threads,
+    key = ["v5", asdict(model_config), engine_config.dtype, engine_config.kv_cache_dtype, engine_config.num_threads,
            num_tokens, engine_config.max_num_batched_tokens, compact, engine_config.int8_activations,
            *_machine_key(), _kernels_build()]
     return _cached(key, lambda: _measure(model_config, engine_config, num_tokens, repeats, compact))
@@ -154,7 +155,7 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
         prefill = lambda: model.run_layers(x, pos, pmeta, [cache])  # noqa: E731
         return dict(layer_decode_s=decode_s, layer_prefill_s=best_of(prefill, max(1, repeats // 2)), chunk=chunk,
                     embed_s=best_of(embed, repeats), num_tokens=num_tokens,
-                    head_s=best_of(lambda: model.compute_logits(hidden).argmax(-1), repeats))
+                    head_s=best_of(lambda: greedy_ids(model.compute_logits(hidden)), repeats))
     finally:
         torch.set_num_threads(threads)
 
