@@ -142,6 +142,16 @@ class Sampler:
         reqs = self._requests(logits, req_ids)
         return self._emit(logits, reqs, self._pick(logits, reqs))
 
+    def plain_greedy(self, req_ids: list[str]) -> bool:
+        """Whether every request of req_ids takes its raw logits' largest, with no processors and no logprobs: the
+        token ids alone are then all sampling needs (take())."""
+        return all((r := self._reqs[i]).greedy and not r.processors.is_active and r.params.logprobs is None
+                   for i in req_ids)
+
+    def take(self, token_ids: torch.Tensor, req_ids: list[str]) -> list[SampledToken]:
+        """The tokens of requests that plain_greedy() holds for, token_ids [rows] their raw logits' first largest."""
+        return self._emit(None, [self._reqs[r] for r in req_ids], token_ids)
+
     def verify(self, logits: torch.Tensor, req_ids: list[str], drafts: np.ndarray) -> tuple[list[SampledToken],
                                                                                              np.ndarray]:
         """Speculative decoding. A request's rows are one for each draft, then its own (req_ids repeats it; drafts
@@ -199,8 +209,9 @@ class Sampler:
         token_ids[rand] = _sample_random(x[rand], [reqs[i] for i in rand_rows], self._scratch)
         return token_ids
 
-    def _emit(self, logits: torch.Tensor, reqs: list[_Request], token_ids: torch.Tensor) -> list[SampledToken]:
-        """The picked tokens with the log-probabilities asked for; each request's processors see its tokens."""
+    def _emit(self, logits: torch.Tensor | None, reqs: list[_Request], token_ids: torch.Tensor) -> list[SampledToken]:
+        """The picked tokens with the log-probabilities asked for (from logits); each request's processors see its
+        tokens."""
         ids = token_ids.tolist()
         out = [SampledToken(t) for t in ids]
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]

@@ -652,6 +652,86 @@ at::Tensor argmax_rows(const at::Tensor& logits, const std::string& isa) {
   return out;
 }
 
+// Greedy picks without every fp32 logit: each row r of x [R, K] (fp32) gets the first j of the largest L[r, j],
+// where L[r, j] is x_r's fp32 dot product with weight row j, and only a few L are computed. The AMX tiles first
+// multiply bf16-rounded rows by bf16-rounded weights (~2x faster than the fp32 products at 16 rows), giving a[r, j]
+// with |a - L| <= b[r, j] (the bound below). A j with a + b below max_k (a - b) cannot hold the largest L, so only the
+// rest (the candidates: tens to hundreds of the default model's 49,152) get their L, here, in one fixed order.
+// norms [2, N]: each weight row's ||bf16(w)|| and ||w - bf16(w)||, rounded up (Python's, once). The weights' fp32
+// expansion must be exact (integer codes times fp16 scales, or F16/BF16), so that the tiles round what L multiplies.
+// A row whose a or L are not finite gets -1: the caller takes the full logits instead.
+at::Tensor greedy_pick(const Linear& lin, const at::Tensor& x, const at::Tensor& norms) {
+  TORCH_CHECK(lin.parts.size() == 1 && !lin.parts[0].dense.defined() && !lin.bias.has_value(),
+              "greedy_pick takes one compact weight without bias");
+  const Linear::Part& p = lin.parts[0];
+  const Isa& impl = kIsas[p.isa];
+  const int64_t R = x.size(0), K = lin.K, N = p.N;
+  TORCH_CHECK(impl.amx && !p.int8_acts, "greedy_pick needs the AMX tiles and fp32 activations");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K &&
+              R >= kAmxMinRows, "x must be contiguous fp32 [rows >= ", kAmxMinRows, ", ", K, "]");
+  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.dim() == 2 && norms.size(0) == 2 &&
+              norms.size(1) == N, "norms must be fp32 [2, ", N, "]");
+  const at::Tensor xb = x.to(at::kBFloat16);  // rounded to nearest even, as the tiles take it
+  const at::Tensor a = qmatmul(xb, p.w, N, p.fused_max_rows, false, 0, impl);  // [R, N] bf16, through the tiles
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
+  const float *xs = x.data_ptr<float>(), *n1 = norms.data_ptr<float>(), *n2 = n1 + N;
+  const uint16_t* as = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+  const uint16_t* xbs = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const auto widen = [](uint16_t h) {
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  // fp32 sums of K products in any order are within gamma * sum |x_i w_i| of the exact sum (Higham's gamma_K)
+  const double u = std::ldexp(1.0, -24), gamma = K * u / (1 - K * u), up = 1 + std::ldexp(1.0, -10);
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    constexpr int kChunk = 32, kLanes = 8;
+    thread_local std::vector<float> rows;
+    thread_local std::vector<int64_t> cand;
+    rows.resize(kChunk * K);
+    cand.resize(N);
+    for (int64_t r = r0; r < r1; r++) {
+      const float* xr = xs + r * K;
+      const uint16_t* ar = as + r * N;
+      double nx = 0, ex = 0;
+      for (int64_t i = 0; i < K; i++) {
+        const double d = double(xr[i]) - widen(xbs[r * K + i]);
+        nx += double(xr[i]) * xr[i];
+        ex += d * d;
+      }
+      nx = std::sqrt(nx), ex = std::sqrt(ex);
+      // |a - L| <= ||x - bf16(x)|| ||bf16(w)|| + ||x|| ||w - bf16(w)|| (the rounded inputs) + gamma (||bf16(x)||
+      // ||bf16(w)|| + ||x|| ||w||) (the tiles' sums, and L's) + 2^-8 |a| (a is rounded to bf16) + 2^-100 (1 +
+      // sqrt(K) ||x||) (the tiles' flushed denormals); each coefficient rounded up by 2^-10, which also covers the
+      // fp32 roundings of the comparisons below
+      const float alpha = float((ex + gamma * (2 * nx + ex)) * up), beta = float(nx * (1 + gamma) * up);
+      const float c = float(std::ldexp(1.0, -8) * up);
+      const float floor = float(std::ldexp(1.0, -100) * (1 + std::sqrt(double(K)) * nx) * up);
+      const int64_t n = avx512::greedy_candidates(ar, N, n1, n2, alpha, beta, c, floor, cand.data());
+      bool finite = n >= 0 && std::isfinite(nx);
+      int64_t best = -1;
+      float best_l = 0;
+      for (int64_t c0 = 0; c0 < n && finite; c0 += kChunk) {
+        const int64_t chunk = std::min<int64_t>(kChunk, n - c0);
+        impl.dequant(p.w, cand.data() + c0, chunk, rows.data());
+        for (int64_t k = 0; k < chunk; k++) {
+          const float* w = rows.data() + k * K;
+          float acc[kLanes] = {};
+          for (int64_t i = 0; i < K; i += kLanes)  // K is a multiple of 32
+            for (int l = 0; l < kLanes; l++) acc[l] += xr[i + l] * w[i + l];
+          float dot = acc[0];
+          for (int l = 1; l < kLanes; l++) dot += acc[l];
+          finite = finite && std::isfinite(dot);
+          if (best < 0 || dot > best_l) best = cand[c0 + k], best_l = dot;  // ascending j: the first of equals
+        }
+      }
+      out.data_ptr<int64_t>()[r] = finite ? best : -1;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(pipellm_kernels, m) {
@@ -671,6 +751,7 @@ PYBIND11_MODULE(pipellm_kernels, m) {
   m.def("rms_norm", &rms_norm);
   m.def("argmax_rows", &argmax_rows, nogil, "logits"_a, "isa"_a = "");
   m.def("rotary_", &rotary_);
+  m.def("greedy_pick", &greedy_pick, nogil, "linear"_a, "x"_a, "norms"_a);
   pybind11::class_<Linear>(m, "Linear", "y = x @ W^T + b, the weight's arguments checked and bound once")
       .def(pybind11::init(&compact_linear), "qs"_a, "scale"_a, "min"_a, "kind"_a, "group"_a, "super_scale"_a,
            "super_min"_a, "high"_a, "offset"_a, "fused_max_rows"_a, "int8_acts"_a, "integer_max_rows"_a, "isa"_a)

@@ -1533,10 +1533,47 @@ void gemm_bf16(const QWeight& w, const uint16_t* xp, int64_t M, uint16_t* y, int
   PIPELLM_DISPATCH(gemm_bf16_t, w, xp, M, y, ldy, n0, n1)
 }
 bool amx_built() { return true; }
+
+PIPELLM_AMX_FN int64_t greedy_candidates(const uint16_t* a, int64_t N, const float* n1, const float* n2, float alpha,
+                                         float beta, float c, float floor, int64_t* cand) {
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta), vc = _mm512_set1_ps(c);
+  const __m512 vf = _mm512_set1_ps(floor);
+  const auto load = [&](int64_t j, __mmask16 m) {  // bf16 -> fp32: the 16 bits on top
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, a + j)), 16));
+  };
+  const auto bound = [&](__m512 v, int64_t j, __mmask16 m) {
+    const __m512 b = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m, n2 + j),
+                                     _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, n1 + j), vf));
+    return _mm512_fmadd_ps(vc, _mm512_abs_ps(v), b);
+  };
+  const auto mask = [&](int64_t j) { return N - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (N - j)) - 1); };
+  __m512 lo = _mm512_set1_ps(-INFINITY);
+  __mmask16 bad = 0;
+  for (int64_t j = 0; j < N; j += 16) {
+    const __mmask16 m = mask(j);
+    const __m512 v = load(j, m);
+    bad |= _mm512_mask_fpclass_ps_mask(m, v, 0x99);  // NaN or infinity
+    lo = _mm512_mask_max_ps(lo, m, lo, _mm512_sub_ps(v, bound(v, j, m)));
+  }
+  if (bad) return -1;
+  const __m512 thr = _mm512_set1_ps(_mm512_reduce_max_ps(lo));
+  int64_t n = 0;
+  for (int64_t j = 0; j < N; j += 16) {
+    const __mmask16 m = mask(j);
+    const __m512 v = load(j, m);
+    for (uint32_t keep = _mm512_mask_cmp_ps_mask(m, _mm512_add_ps(v, bound(v, j, m)), thr, _CMP_GE_OQ); keep;
+         keep &= keep - 1)
+      cand[n++] = j + __builtin_ctz(keep);
+  }
+  return n;
+}
 #else
 bool amx_built() { return false; }
 void pack_bf16_rows(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) { std::abort(); }
 void gemm_bf16(const QWeight&, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t, int64_t) { std::abort(); }
+int64_t greedy_candidates(const uint16_t*, int64_t, const float*, const float*, float, float, float, float, int64_t*) {
+  std::abort();
+}
 #endif  // PIPELLM_AMX_CODE
 
 // Each row's first index of its largest value, or of its first NaN where it has one (torch's max(dim=-1).indices):

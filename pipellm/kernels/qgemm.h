@@ -96,6 +96,11 @@ inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len
   void pack_bf16_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp);                 \
   void gemm_bf16(const pipellm::QWeight& w, const uint16_t* xp, int64_t M, uint16_t* y, int64_t ldy,        \
                  int64_t n0, int64_t n1);                                                                   \
+  /* greedy picks' candidates (ops.cpp's greedy_pick): the j of a [N] (bf16) with a_j + b_j >= max_k (a_k - */ \
+  /* b_k), b_j = alpha n1_j + beta n2_j + c |a_j| + floor, ascending into cand; how many, or -1 where some */    \
+  /* a_j is not finite */                                                                                   \
+  int64_t greedy_candidates(const uint16_t* a, int64_t N, const float* n1, const float* n2, float alpha,     \
+                            float beta, float c, float floor, int64_t* cand);                               \
   }
 
 PIPELLM_DECLARE_ISA(generic)

@@ -36,3 +36,7 @@ class GemmaStage(LlamaStage):
         logits = super().compute_logits(hidden)
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        # capped logits can tie where the raw ones do not, and the first of them is the pick
+        return super().greedy_ids(hidden) if self.cfg.final_logit_softcapping is None else None

@@ -7,6 +7,7 @@ from torch import nn
 
 from pipellm.config import ModelConfig
 from pipellm.models.attention import AttentionMetadata, paged_attention
+from pipellm.models.layers import greedy_head
 from pipellm.pipeline.partition import StageLayers
 
 LAYER_NAME = re.compile(r"^h\.(\d+)\.(.+)$")
@@ -81,6 +82,9 @@ class GPT2Stage(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(hidden))
+
+    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return greedy_head(self.lm_head, self.ln_f(hidden))
 
     def map_weight(self, name: str) -> list[tuple[str, int]]:
         stage = self.stage

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipellm import kernels
+from pipellm.quant.linear import CompactLinear
 
 
 class RMSNorm(nn.Module):
@@ -112,3 +113,9 @@ def share_tied_embedding(model: nn.Module) -> None:
                 and emb.weight.shape == head.weight_t.shape[::-1] and emb.weight.dtype == head.weight_t.dtype
                 and torch.equal(emb.weight, head.weight_t.t())):
             setattr(model, name, TransposedEmbedding(head.weight_t))
+
+
+def greedy_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """Each row's greedy token from x [R, hidden] (the final norm's output), where the LM head finds it without
+    every logit (compact weights: CompactLinear.greedy); None where it does not."""
+    return head.greedy(x) if isinstance(head, CompactLinear) else None

@@ -9,7 +9,7 @@ from pipellm.config import ModelConfig
 from pipellm.models import fused
 from pipellm.models.attention import AttentionMetadata, paged_attention
 from pipellm.models.kv_cache import KVCache
-from pipellm.models.layers import GatedMLP, RMSNorm
+from pipellm.models.layers import GatedMLP, RMSNorm, greedy_head
 from pipellm.models.moe import SparseMoE
 from pipellm.models.rotary import RotaryEmbedding, apply_rotary
 from pipellm.pipeline.partition import StageLayers
@@ -116,6 +116,11 @@ class LlamaStage(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
+
+    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's greedy token (its first largest logit) where the LM head finds it without every logit; None
+        where it cannot, and compute_logits is the way."""
+        return greedy_head(self.lm_head, self.norm(hidden))
 
     def map_weight(self, name: str) -> list[tuple[str, int]]:
         """Checkpoint tensor name -> [(parameter, first row it fills)] on this stage; [] if another stage owns it."""

@@ -46,7 +46,7 @@ def profile_costs(model_config: ModelConfig, engine_config: EngineConfig, repeat
 
 def _profile_raw(model_config: ModelConfig, engine_config: EngineConfig, repeats: int, compact: bool) -> dict:
     num_tokens = max(1, min(engine_config.max_num_seqs, 32) // engine_config.pipeline_parallel_size)
-    key = ["v5", asdict(model_config), engine_config.dtype, engine_config.kv_cache_dtype, engine_config.num_threads,
+    key = ["v6", asdict(model_config), engine_config.dtype, engine_config.kv_cache_dtype, engine_config.num_threads,
            num_tokens, engine_config.max_num_batched_tokens, compact, engine_config.int8_activations,
            *_machine_key(), _kernels_build()]
     return _cached(key, lambda: _measure(model_config, engine_config, num_tokens, repeats, compact))
@@ -153,9 +153,13 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
                                              pos, bs)
         x = torch.randn(chunk, cfg.hidden_size, dtype=ecfg.torch_dtype)
         prefill = lambda: model.run_layers(x, pos, pmeta, [cache])  # noqa: E731
+
+        def head():  # greedy picks, as the last stage makes them
+            ids = model.greedy_ids(hidden)
+            return greedy_ids(model.compute_logits(hidden)) if ids is None else ids
         return dict(layer_decode_s=decode_s, layer_prefill_s=best_of(prefill, max(1, repeats // 2)), chunk=chunk,
                     embed_s=best_of(embed, repeats), num_tokens=num_tokens,
-                    head_s=best_of(lambda: greedy_ids(model.compute_logits(hidden)), repeats))
+                    head_s=best_of(head, repeats))
     finally:
         torch.set_num_threads(threads)
 

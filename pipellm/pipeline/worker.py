@@ -136,11 +136,12 @@ class StageWorker:
         self._update_sampler(batch)
         tokens, prompt_lps, accepted = [], None, None
         if len(batch.logits_indices):
-            logits = self.model.compute_logits(hidden[t(batch.logits_indices).to(dev)])
+            rows = hidden[t(batch.logits_indices).to(dev)]
             if batch.draft_token_ids is None:
-                tokens = self.sampler.sample(logits, batch.sample_req_ids)
+                tokens = self._sample(rows, batch.sample_req_ids)
             else:  # speculative decoding: drafts kept, then each request's own token
-                tokens, accepted = self.sampler.verify(logits, batch.sample_req_ids, batch.draft_token_ids)
+                tokens, accepted = self.sampler.verify(self.model.compute_logits(rows), batch.sample_req_ids,
+                                                       batch.draft_token_ids)
         if self.stage.is_first:  # a one-stage pipeline: the next batch may take these tokens (async scheduling)
             self.last_tokens = {r: tok.token_id for r, tok in zip(batch.sample_req_ids, tokens)}
         if batch.prompt_rows is not None:
@@ -170,6 +171,12 @@ class StageWorker:
         self.chan.send_hidden(hidden, self.world_rank + 1)
         self.bytes_sent += hidden.numel() * hidden.element_size()
         self.tokens_sent += hidden.shape[0]
+
+    def _sample(self, hidden: torch.Tensor, req_ids: list[str]) -> list:
+        """The last stage's tokens for hidden's rows (its layers' output, one row a request)."""
+        if self.sampler.plain_greedy(req_ids) and (ids := self.model.greedy_ids(hidden)) is not None:
+            return self.sampler.take(ids, req_ids)
+        return self.sampler.sample(self.model.compute_logits(hidden), req_ids)
 
     def _update_sampler(self, batch: StageBatch) -> None:
         for req_id in batch.finished_req_ids:
@@ -218,7 +225,7 @@ class StageWorker:
             if not stage.is_last:
                 self._send_hidden(hidden)
             else:
-                step_tokens = self.sampler.sample(self.model.compute_logits(hidden), batch.sample_req_ids)
+                step_tokens = self._sample(hidden, batch.sample_req_ids)
                 tokens += step_tokens
                 sampled = torch.tensor([tok.token_id for tok in step_tokens])               # [B] the next input
                 if not stage.is_first and step + 1 < batch.num_steps:

@@ -120,6 +120,24 @@ class QuantWeight(nn.Module):
             return self.dequantize(ids)
         return ops.dequant_rows(*self._kernel_args(), ids, "")
 
+    @property
+    def exact_in_fp32(self) -> bool:
+        """Whether every weight's fp32 value is exact: codes times fp16 scales (8 + 11 bits), or F16/BF16 values."""
+        return self.kind in (F16, BF16) or (self.kind in (Q4, Q8) and self.min is None and self.super_scale is None
+                                            and self.scale.dtype == torch.float16)
+
+    def bf16_error_norms(self, chunk: int = 4096) -> torch.Tensor:
+        """fp32 [2, N]: each row's ||bf16(w)|| and ||w - bf16(w)||, rounded up (the kernels' greedy_pick bounds its
+        bf16 products' errors with them)."""
+        parts = []
+        for start in range(0, self.num_rows, chunk):
+            w = self.rows(torch.arange(start, min(start + chunk, self.num_rows)))                # [n, K]
+            wb = w.bfloat16().float()
+            # w - wb is exact in fp32 (a rounding's error), and the sums of squares are taken in fp64
+            parts.append(torch.stack([torch.linalg.vector_norm(t, dim=1, dtype=torch.float64) for t in (wb, w - wb)]))
+        norms = torch.cat(parts, dim=1)
+        return torch.nextafter(norms.float(), torch.tensor(float("inf")))
+
     def same_layout(self, other: "QuantWeight") -> bool:
         return (self.kind, self.group, self.num_cols, self.offset) == (
             other.kind, other.group, other.num_cols, other.offset) and all(
@@ -155,6 +173,7 @@ class CompactLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.in_features = merged[0].num_cols
         self._calls = None  # per part, a function of x: built on first use, dropped when the module is moved
+        self._norms = None  # greedy()'s bounds, made on first use
 
     def _apply(self, fn, recurse=True):
         self._calls = None
@@ -163,6 +182,23 @@ class CompactLinear(nn.Module):
     def _prepare(self) -> list:
         self._calls = [p.matmul_fn() for p in self.parts]
         return self._calls
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's first index of its largest x @ W^T (x [R, K] fp32), the products in fp32, computed for a few
+        candidates only (the kernels' greedy_pick, after bf16 products in the AMX tiles); None where that path does
+        not apply (no AMX, fewer rows than the tiles take, a weight whose fp32 values are not exact, a bias, x
+        not finite), and the caller computes the logits."""
+        ops = kernels.load()
+        if (ops is None or len(self.parts) != 1 or self.bias is not None or x.dim() != 2 or x.dtype != torch.float32
+                or not x.is_cpu or len(x) < ops.AMX_MIN_ROWS or ops.best_isa() != "amx"):
+            return None
+        part = self.parts[0]
+        if part.kind == F32 or part.int8_activations or not part.exact_in_fp32:
+            return None
+        if self._norms is None:
+            self._norms = part.bf16_error_norms()
+        ids = ops.greedy_pick((self._calls or self._prepare())[0], x.contiguous(), self._norms)
+        return ids if bool((ids >= 0).all()) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         calls = self._calls or self._prepare()

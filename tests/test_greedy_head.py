@@ -1,0 +1,105 @@
+"""Greedy picks from the LM head without every fp32 logit (CompactLinear.greedy: bf16 products in AMX tiles, then
+fp32 products of the candidates), against the argmax of fp64 logits of the same weights, and in the engine against
+the full logits."""
+import pytest
+import torch
+
+from pipellm import LLM, SamplingParams, kernels
+from pipellm.quant.linear import CompactLinear
+from pipellm.quant.rtn import quantize
+from tests.test_quant import ISAS
+
+pytestmark = pytest.mark.skipif("amx" not in ISAS, reason="the candidates come from AMX tiles, which this CPU lacks")
+
+
+def head_and_rows(n: int, k: int, rows: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * (0.5 + torch.rand(n, 1, generator=gen))  # rows of different norms
+    head = CompactLinear([quantize(w, "int8")])
+    x = torch.randn(rows, k, generator=gen) * 3
+    return head, x
+
+
+def reference(head: CompactLinear, x: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's largest logit, the products in fp64 of the weights as held."""
+    return (x.double() @ head.parts[0].dequantize().double().t()).argmax(dim=1)
+
+
+@pytest.mark.parametrize("rows", [kernels.load().AMX_MIN_ROWS if kernels.load() else 3, 16, 40])
+def test_greedy_equals_the_argmax_of_exact_logits(rows):
+    head, x = head_and_rows(5000, 128, rows)
+    ids = head.greedy(x)
+    assert ids is not None
+    exact = x.double() @ head.parts[0].dequantize().double().t()
+    top2 = exact.topk(2, dim=1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-4 * top2[:, 0].abs()  # fp32's own rounding cannot reorder these
+    assert clear.sum() >= rows - 1
+    assert torch.equal(ids[clear], reference(head, x)[clear])
+    picked = exact.gather(1, ids[:, None]).squeeze(1)
+    assert torch.allclose(picked, top2[:, 0], rtol=1e-5, atol=0)
+
+
+def test_rows_bf16_cannot_tell_apart_get_their_fp32_order():
+    # Weight rows 10, 20 and 30 equal but for one code: their logits (~250) differ by ~0.04, far less than bf16
+    # resolves there (~1) and far more than fp32 rounds (~1e-3 at worst), so the tiles' products tie them and the
+    # fp32 products of the candidates order them.
+    gen = torch.Generator().manual_seed(1)
+    k = 64
+    w = torch.randn(300, k, generator=gen) * 0.1
+    base = torch.randn(k, generator=gen)
+    base[5] = 0.5
+    w[[10, 20, 30]] = base
+    head = CompactLinear([quantize(w, "int8")])
+    head.parts[0].codes[20, 5] += 1   # row 20 above rows 10 and 30 where x[5] > 0 ...
+    x = base.repeat(4, 1) * 4
+    x[:, 5] = 2.0
+    x[1, 5] = -2.0                    # ... and below them where it is not; 10 and 30 tie there: the first is the pick
+    assert reference(head, x).tolist() == [20, 10, 20, 20]
+    assert head.greedy(x).tolist() == [20, 10, 20, 20]
+
+
+def test_exact_ties_pick_the_first():
+    head, x = head_and_rows(1000, 64, 5, seed=2)
+    q = head.parts[0]
+    src = int(q.dequantize().norm(dim=1).argmax())
+    for t in (q.codes, q.scale):
+        t[[3, 700, 999]] = t[src].clone()
+    x[:] = q.dequantize(torch.tensor([3]))[0] * 2  # the largest row, and its copies, the largest logit of every row
+    first = min(3, src)
+    assert reference(head, x).tolist() == [first] * 5
+    assert head.greedy(x).tolist() == [first] * 5
+
+
+def test_where_the_path_does_not_apply_the_caller_computes_logits():
+    head, x = head_and_rows(500, 64, 8)
+    assert head.greedy(x[:kernels.load().AMX_MIN_ROWS - 1]) is None  # too few rows for the tiles
+    bad = x.clone()
+    bad[3, 7] = float("nan")
+    assert head.greedy(bad) is None
+    bad[3, 7] = float("inf")
+    assert head.greedy(bad) is None
+    with_mins = CompactLinear([quantize(torch.randn(500, 64), "int4")])  # q * scale + min: not exact in fp32
+    assert with_mins.greedy(x) is None
+
+
+def test_engine_tokens_equal_the_full_logits_path(smollm2_dir, monkeypatch):
+    # The default model's LM head is Q8_0 (compact): a batch of greedy requests takes the candidates' path; one
+    # asking for logprobs takes the full logits for its batch. Both give what the full logits give.
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are",
+               "In 1969, the first", "Water boils at"]
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with_lp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+    calls = []
+    greedy = CompactLinear.greedy
+    monkeypatch.setattr(CompactLinear, "greedy", lambda self, x: calls.append(len(x)) or greedy(self, x))
+    with LLM(smollm2_dir, pipeline_parallel_size=1) as llm:  # its stage in this process
+        fast = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+        assert calls and max(calls) == len(prompts)
+        calls.clear()
+        mixed = llm.generate(prompts, [plain] * 5 + [with_lp], use_tqdm=False)
+        assert not calls  # a request asking for logprobs: the batch takes the full logits
+        monkeypatch.setattr(CompactLinear, "greedy", lambda self, x: None)
+        full = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+    assert fast == full
+    assert [o.outputs[0].token_ids for o in mixed] == full
+    assert mixed[-1].outputs[0].logprobs is not None
