@@ -4,8 +4,8 @@ the full logits."""
 import pytest
 import torch
 
-from pipellm import LLM, SamplingParams, kernels
-from pipellm.quant.linear import CompactLinear
+from pipellm import LLM, SamplingParams
+from pipellm.quant.linear import GREEDY_MIN_ROWS, CompactLinear
 from pipellm.quant.rtn import quantize
 from tests.test_quant import ISAS
 
@@ -25,7 +25,7 @@ def reference(head: CompactLinear, x: torch.Tensor) -> torch.Tensor:
     return (x.double() @ head.parts[0].dequantize().double().t()).argmax(dim=1)
 
 
-@pytest.mark.parametrize("rows", [kernels.load().AMX_MIN_ROWS if kernels.load() else 3, 16, 40])
+@pytest.mark.parametrize("rows", [GREEDY_MIN_ROWS, 16, 40])
 def test_greedy_equals_the_argmax_of_exact_logits(rows):
     head, x = head_and_rows(5000, 128, rows)
     ids = head.greedy(x)
@@ -51,28 +51,29 @@ def test_rows_bf16_cannot_tell_apart_get_their_fp32_order():
     w[[10, 20, 30]] = base
     head = CompactLinear([quantize(w, "int8")])
     head.parts[0].codes[20, 5] += 1   # row 20 above rows 10 and 30 where x[5] > 0 ...
-    x = base.repeat(4, 1) * 4
+    x = base.repeat(GREEDY_MIN_ROWS, 1) * 4
     x[:, 5] = 2.0
     x[1, 5] = -2.0                    # ... and below them where it is not; 10 and 30 tie there: the first is the pick
-    assert reference(head, x).tolist() == [20, 10, 20, 20]
-    assert head.greedy(x).tolist() == [20, 10, 20, 20]
+    expected = [20, 10] + [20] * (GREEDY_MIN_ROWS - 2)
+    assert reference(head, x).tolist() == expected
+    assert head.greedy(x).tolist() == expected
 
 
 def test_exact_ties_pick_the_first():
-    head, x = head_and_rows(1000, 64, 5, seed=2)
+    head, x = head_and_rows(1000, 64, GREEDY_MIN_ROWS, seed=2)
     q = head.parts[0]
     src = int(q.dequantize().norm(dim=1).argmax())
     for t in (q.codes, q.scale):
         t[[3, 700, 999]] = t[src].clone()
     x[:] = q.dequantize(torch.tensor([3]))[0] * 2  # the largest row, and its copies, the largest logit of every row
     first = min(3, src)
-    assert reference(head, x).tolist() == [first] * 5
-    assert head.greedy(x).tolist() == [first] * 5
+    assert reference(head, x).tolist() == [first] * GREEDY_MIN_ROWS
+    assert head.greedy(x).tolist() == [first] * GREEDY_MIN_ROWS
 
 
 def test_where_the_path_does_not_apply_the_caller_computes_logits():
     head, x = head_and_rows(500, 64, 8)
-    assert head.greedy(x[:kernels.load().AMX_MIN_ROWS - 1]) is None  # too few rows for the tiles
+    assert head.greedy(x[:GREEDY_MIN_ROWS - 1]) is None  # too few rows to gain
     bad = x.clone()
     bad[3, 7] = float("nan")
     assert head.greedy(bad) is None

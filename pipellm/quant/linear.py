@@ -17,6 +17,9 @@ KIND_NAMES = {F16: "F16", BF16: "BF16", Q4: "Q4", Q8: "Q8", F32: "F32"}
 FUSED_MAX_ROWS = 32  # up to this many rows the fused kernel beats expanding a slice for torch's matmul (BENCHMARKS.md)
 MAPPED = " file-mapped"  # weight_bytes' format suffix for an embedding read from the file as looked up
 INTEGER_MAX_ROWS = 1  # int8_activations: rows multiplied in integers; more go through the fp32 paths, rounded
+# rows from which CompactLinear.greedy beats the full logits: the tiles' cost is flat in the rows (the default model's
+# LM head on one thread, ms, full / greedy: 3 rows 3.0 / 3.2, 4 3.4 / 3.4, 5 4.1 / 3.4, 16 6.6 / 3.4; BENCHMARKS.md)
+GREEDY_MIN_ROWS = 5
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
@@ -186,11 +189,11 @@ class CompactLinear(nn.Module):
     def greedy(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each row's first index of its largest x @ W^T (x [R, K] fp32), the products in fp32, computed for a few
         candidates only (the kernels' greedy_pick, after bf16 products in the AMX tiles); None where that path does
-        not apply (no AMX, fewer rows than the tiles take, a weight whose fp32 values are not exact, a bias, x
+        not apply (no AMX, fewer than GREEDY_MIN_ROWS rows, a weight whose fp32 values are not exact, a bias, x
         not finite), and the caller computes the logits."""
         ops = kernels.load()
         if (ops is None or len(self.parts) != 1 or self.bias is not None or x.dim() != 2 or x.dtype != torch.float32
-                or not x.is_cpu or len(x) < ops.AMX_MIN_ROWS or ops.best_isa() != "amx"):
+                or not x.is_cpu or len(x) < GREEDY_MIN_ROWS or ops.best_isa() != "amx"):
             return None
         part = self.parts[0]
         if part.kind == F32 or part.int8_activations or not part.exact_in_fp32:
