@@ -656,7 +656,7 @@ at::Tensor argmax_rows(const at::Tensor& logits, const std::string& isa) {
 // where L[r, j] is x_r's fp32 dot product with weight row j, and only a few L are computed. The AMX tiles first
 // multiply bf16-rounded rows by bf16-rounded weights (~2x faster than the fp32 products at 16 rows), giving a[r, j]
 // with |a - L| <= b[r, j] (the bound below). A j with a + b below max_k (a - b) cannot hold the largest L, so only the
-// rest (the candidates: tens to hundreds of the default model's 49,152) get their L, here, in one fixed order.
+// rest (the candidates: on the default model's rows a median of 2 of its 49,152) get their L, here, in one order.
 // norms [2, N]: each weight row's ||bf16(w)|| and ||w - bf16(w)||, rounded up (Python's, once). The weights' fp32
 // expansion must be exact (integer codes times fp16 scales, or F16/BF16), so that the tiles round what L multiplies.
 // A row whose a or L are not finite gets -1: the caller takes the full logits instead.
