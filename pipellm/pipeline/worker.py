@@ -14,7 +14,7 @@ from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache, cache_dtype
 from pipellm.models.layers import share_tied_embedding, transpose_linears
 from pipellm.models.registry import build_stage_model
-from pipellm.quant.linear import densify, set_int8_activations, weight_bytes
+from pipellm.quant.linear import GREEDY_MIN_ROWS, densify, set_int8_activations, weight_bytes
 from pipellm.quant.rtn import LoadQuantizer, quantize_linears
 from pipellm.pipeline import comm, graphs, probe
 from pipellm.pipeline.block_tables import StageBlockTables
@@ -62,6 +62,10 @@ class StageWorker:
             capture=device.type == "cuda")
         tokenizer = partial(structured.ll_tokenizer_of_folder, args.model_dir, cfg.vocab_size)
         self.sampler = Sampler(tokenizer) if self.stage.is_last else None
+        if self.stage.is_last:  # greedy picks' per-token bounds, made now rather than by the first batch (~0.1-1 s)
+            with torch.inference_mode():
+                self.model.greedy_ids(torch.ones(GREEDY_MIN_ROWS, cfg.hidden_size, dtype=ecfg.torch_dtype,
+                                                 device=device))
         self.last_tokens: dict[str, int] = {}  # request id -> the token sampled for it in the last batch
         self.steps = self.bytes_sent = self.tokens_sent = 0
         self.busy_s = 0.0  # time computing, not waiting for input
