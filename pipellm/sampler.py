@@ -142,14 +142,14 @@ class Sampler:
         reqs = self._requests(logits, req_ids)
         return self._emit(logits, reqs, self._pick(logits, reqs))
 
-    def plain_greedy(self, req_ids: list[str]) -> bool:
-        """Whether every request of req_ids takes its raw logits' largest, with no processors and no logprobs: the
-        token ids alone are then all sampling needs (take())."""
-        return all((r := self._reqs[i]).greedy and not r.processors.is_active and r.params.logprobs is None
-                   for i in req_ids)
+    def plain_greedy_rows(self, req_ids: list[str]) -> list[int]:
+        """The rows of req_ids whose requests take their raw logits' largest, with no processors and no logprobs:
+        their token ids are all sampling needs (take())."""
+        return [i for i, req_id in enumerate(req_ids) if (r := self._reqs[req_id]).greedy
+                and not r.processors.is_active and r.params.logprobs is None]
 
     def take(self, token_ids: torch.Tensor, req_ids: list[str]) -> list[SampledToken]:
-        """The tokens of requests that plain_greedy() holds for, token_ids [rows] their raw logits' first largest."""
+        """The tokens of requests plain_greedy_rows() gives, token_ids [rows] their raw logits' first largest."""
         return self._emit(None, [self._reqs[r] for r in req_ids], token_ids)
 
     def verify(self, logits: torch.Tensor, req_ids: list[str], drafts: np.ndarray) -> tuple[list[SampledToken],

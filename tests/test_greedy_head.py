@@ -84,23 +84,23 @@ def test_where_the_path_does_not_apply_the_caller_computes_logits():
 
 
 def test_engine_tokens_equal_the_full_logits_path(smollm2_dir, monkeypatch):
-    # The default model's LM head is Q8_0 (compact): a batch of greedy requests takes the candidates' path; one
-    # asking for logprobs takes the full logits for its batch. Both give what the full logits give.
+    # The default model's LM head is Q8_0 (compact): its plain greedy rows take the candidates' path, and rows that
+    # sample or ask for logprobs take their logits, in the same batch. Every token is what the full logits give.
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are",
                "In 1969, the first", "Water boils at"]
     plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    with_lp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+    others = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=24, temperature=0.8, ignore_eos=True, seed=7),
+              SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, ignore_eos=True, seed=8)]
+    requests = prompts + prompts[:len(others)], [plain] * len(prompts) + others
     calls = []
     greedy = CompactLinear.greedy
     monkeypatch.setattr(CompactLinear, "greedy", lambda self, x: calls.append(len(x)) or greedy(self, x))
     with LLM(smollm2_dir, pipeline_parallel_size=1) as llm:  # its stage in this process
-        fast = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
-        assert calls and max(calls) == len(prompts)
-        calls.clear()
-        mixed = llm.generate(prompts, [plain] * 5 + [with_lp], use_tqdm=False)
-        assert not calls  # a request asking for logprobs: the batch takes the full logits
+        fast = llm.generate(*requests, use_tqdm=False)
+        assert calls and max(calls) == len(prompts)  # the plain greedy rows alone
         monkeypatch.setattr(CompactLinear, "greedy", lambda self, x: None)
-        full = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
-    assert fast == full
-    assert [o.outputs[0].token_ids for o in mixed] == full
-    assert mixed[-1].outputs[0].logprobs is not None
+        full = llm.generate(*requests, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in full]
+    assert fast[len(prompts)].outputs[0].token_ids == fast[0].outputs[0].token_ids  # its logits, prompt 0's pick
+    assert fast[len(prompts)].outputs[0].logprobs is not None

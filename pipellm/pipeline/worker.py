@@ -177,10 +177,18 @@ class StageWorker:
         self.tokens_sent += hidden.shape[0]
 
     def _sample(self, hidden: torch.Tensor, req_ids: list[str]) -> list:
-        """The last stage's tokens for hidden's rows (its layers' output, one row a request)."""
-        if self.sampler.plain_greedy(req_ids) and (ids := self.model.greedy_ids(hidden)) is not None:
-            return self.sampler.take(ids, req_ids)
-        return self.sampler.sample(self.model.compute_logits(hidden), req_ids)
+        """The last stage's tokens for hidden's rows (its layers' output, one row a request): plain greedy rows
+        through the model's greedy_ids where it applies, the others (or all) from their logits."""
+        plain = self.sampler.plain_greedy_rows(req_ids)
+        ids = self.model.greedy_ids(hidden[plain] if len(plain) < len(req_ids) else hidden) if plain else None
+        if ids is None:
+            return self.sampler.sample(self.model.compute_logits(hidden), req_ids)
+        tokens = dict(zip(plain, self.sampler.take(ids, [req_ids[i] for i in plain])))
+        rest = [i for i in range(len(req_ids)) if i not in tokens]
+        if rest:
+            logits = self.model.compute_logits(hidden[rest])
+            tokens.update(zip(rest, self.sampler.sample(logits, [req_ids[i] for i in rest])))
+        return [tokens[i] for i in range(len(req_ids))]
 
     def _update_sampler(self, batch: StageBatch) -> None:
         for req_id in batch.finished_req_ids:
