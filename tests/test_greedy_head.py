@@ -6,8 +6,11 @@ import torch
 
 from pipellm import LLM, SamplingParams
 from pipellm.quant.linear import GREEDY_MIN_ROWS, CompactLinear
+from gguf import dequantize as gguf_dequantize
+
+from pipellm.quant.gguf_blocks import repack
 from pipellm.quant.rtn import quantize
-from tests.test_quant import ISAS
+from tests.test_quant import ISAS, TYPES, gguf_tensor
 
 pytestmark = pytest.mark.skipif("amx" not in ISAS, reason="the candidates come from AMX tiles, which this CPU lacks")
 
@@ -37,6 +40,24 @@ def test_greedy_equals_the_argmax_of_exact_logits(rows):
     assert torch.equal(ids[clear], reference(head, x)[clear])
     picked = exact.gather(1, ids[:, None]).squeeze(1)
     assert torch.allclose(picked, top2[:, 0], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_gguf_type_picks_exactly_or_declines(qtype):
+    # Against the gguf package's own dequantization: types whose fp32 values are exact (codes times fp16 scales,
+    # F16, BF16) pick the fp64 logits' largest; the others (mins, two-level scales) leave it to the full logits.
+    n, k = 3000, 256
+    raw = gguf_tensor(qtype, n, k)
+    head = CompactLinear([repack(raw, qtype, n, k)])
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(3))
+    ids = head.greedy(x)
+    if not head.parts[0].exact_in_fp32:
+        assert ids is None
+        return
+    exact = x.double() @ torch.from_numpy(gguf_dequantize(raw, qtype).reshape(n, k)).double().t()
+    top2 = exact.topk(2, dim=1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-4 * top2[:, 0].abs()
+    assert clear.sum() >= 15 and torch.equal(ids[clear], exact.argmax(dim=1)[clear])
 
 
 def test_rows_bf16_cannot_tell_apart_get_their_fp32_order():
