@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipellm import LLM, SamplingParams
-from pipellm.quant.linear import GREEDY_MIN_ROWS, CompactLinear
+from pipellm.quant.linear import F32, GREEDY_MIN_ROWS, CompactLinear, QuantWeight
 from gguf import dequantize as gguf_dequantize
 
 from pipellm.quant.gguf_blocks import repack
@@ -15,10 +15,10 @@ from tests.test_quant import ISAS, TYPES, gguf_tensor
 pytestmark = pytest.mark.skipif("amx" not in ISAS, reason="the candidates come from AMX tiles, which this CPU lacks")
 
 
-def head_and_rows(n: int, k: int, rows: int, seed: int = 0):
+def head_and_rows(n: int, k: int, rows: int, seed: int = 0, method: str = "int8"):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * (0.5 + torch.rand(n, 1, generator=gen))  # rows of different norms
-    head = CompactLinear([quantize(w, "int8")])
+    head = CompactLinear([quantize(w, method)])
     x = torch.randn(rows, k, generator=gen) * 3
     return head, x
 
@@ -28,9 +28,10 @@ def reference(head: CompactLinear, x: torch.Tensor) -> torch.Tensor:
     return (x.double() @ head.parts[0].dequantize().double().t()).argmax(dim=1)
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])  # codes times scales; codes times scales plus mins
 @pytest.mark.parametrize("rows", [GREEDY_MIN_ROWS, 16, 40])
-def test_greedy_equals_the_argmax_of_exact_logits(rows):
-    head, x = head_and_rows(5000, 128, rows)
+def test_greedy_equals_the_argmax_of_exact_logits(rows, method):
+    head, x = head_and_rows(5000, 128, rows, method=method)
     ids = head.greedy(x)
     assert ids is not None
     exact = x.double() @ head.parts[0].dequantize().double().t()
@@ -44,14 +45,15 @@ def test_greedy_equals_the_argmax_of_exact_logits(rows):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_gguf_type_picks_exactly_or_declines(qtype):
-    # Against the gguf package's own dequantization: types whose fp32 values are exact (codes times fp16 scales,
-    # F16, BF16) pick the fp64 logits' largest; the others (mins, two-level scales) leave it to the full logits.
+    # Against the gguf package's own dequantization: the types whose weights the tiles round as the fp32 kernels
+    # expand them pick the fp64 logits' largest; the others (bit planes with mins: Q5_1, Q5_K) leave it to the
+    # full logits.
     n, k = 3000, 256
     raw = gguf_tensor(qtype, n, k)
     head = CompactLinear([repack(raw, qtype, n, k)])
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(3))
     ids = head.greedy(x)
-    if not head.parts[0].exact_in_fp32:
+    if not head.parts[0].expands_alike:
         assert ids is None
         return
     exact = x.double() @ torch.from_numpy(gguf_dequantize(raw, qtype).reshape(n, k)).double().t()
@@ -100,8 +102,8 @@ def test_where_the_path_does_not_apply_the_caller_computes_logits():
     assert head.greedy(bad) is None
     bad[3, 7] = float("inf")
     assert head.greedy(bad) is None
-    with_mins = CompactLinear([quantize(torch.randn(500, 64), "int4")])  # q * scale + min: not exact in fp32
-    assert with_mins.greedy(x) is None
+    dense = CompactLinear([QuantWeight(F32, torch.randn(500, 64))])
+    assert dense.greedy(x) is None
 
 
 def test_engine_tokens_equal_the_full_logits_path(smollm2_dir, monkeypatch):

@@ -657,8 +657,8 @@ at::Tensor argmax_rows(const at::Tensor& logits, const std::string& isa) {
 // multiply bf16-rounded rows by bf16-rounded weights (~2x faster than the fp32 products at 16 rows), giving a[r, j]
 // with |a - L| <= b[r, j] (the bound below). A j with a + b below max_k (a - b) cannot hold the largest L, so only the
 // rest (the candidates: on the default model's rows a median of 2 of its 49,152) get their L, here, in one order.
-// norms [2, N]: each weight row's ||bf16(w)|| and ||w - bf16(w)||, rounded up (Python's, once). The weights' fp32
-// expansion must be exact (integer codes times fp16 scales, or F16/BF16), so that the tiles round what L multiplies.
+// norms [2, N]: each weight row's ||bf16(w)|| and ||w - bf16(w)||, rounded up (Python's, once, from dequant). The
+// tiles must round the same fp32 weights dequant gives (QuantWeight.expands_alike), which L multiplies.
 // A row whose a or L are not finite gets -1: the caller takes the full logits instead.
 at::Tensor greedy_pick(const Linear& lin, const at::Tensor& x, const at::Tensor& norms) {
   TORCH_CHECK(lin.parts.size() == 1 && !lin.parts[0].dense.defined() && !lin.bias.has_value(),

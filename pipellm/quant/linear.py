@@ -124,10 +124,11 @@ class QuantWeight(nn.Module):
         return ops.dequant_rows(*self._kernel_args(), ids, "")
 
     @property
-    def exact_in_fp32(self) -> bool:
-        """Whether every weight's fp32 value is exact: codes times fp16 scales (8 + 11 bits), or F16/BF16 values."""
-        return self.kind in (F16, BF16) or (self.kind in (Q4, Q8) and self.min is None and self.super_scale is None
-                                            and self.scale.dtype == torch.float16)
+    def expands_alike(self) -> bool:
+        """Whether the AMX tiles round to bf16 the very fp32 weights the other kernel paths expand, as the bounds of
+        CompactLinear.greedy need: every layout but codes with both bit planes and mins (Q5_1, Q5_K), whose 16-lane
+        expansion folds the planes' offset into the min with a rounding of its own."""
+        return self.kind != F32 and (self.high is None or self.min is None)
 
     def bf16_error_norms(self, chunk: int = 4096) -> torch.Tensor:
         """fp32 [2, N]: each row's ||bf16(w)|| and ||w - bf16(w)||, rounded up (the kernels' greedy_pick bounds its
@@ -189,14 +190,14 @@ class CompactLinear(nn.Module):
     def greedy(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each row's first index of its largest x @ W^T (x [R, K] fp32), the products in fp32, computed for a few
         candidates only (the kernels' greedy_pick, after bf16 products in the AMX tiles); None where that path does
-        not apply (no AMX, fewer than GREEDY_MIN_ROWS rows, a weight whose fp32 values are not exact, a bias, x
+        not apply (no AMX, fewer than GREEDY_MIN_ROWS rows, a weight not expands_alike, a bias, x
         not finite), and the caller computes the logits."""
         ops = kernels.load()
         if (ops is None or len(self.parts) != 1 or self.bias is not None or x.dim() != 2 or x.dtype != torch.float32
                 or not x.is_cpu or len(x) < GREEDY_MIN_ROWS or ops.best_isa() != "amx"):
             return None
         part = self.parts[0]
-        if part.kind == F32 or part.int8_activations or not part.exact_in_fp32:
+        if part.int8_activations or not part.expands_alike:
             return None
         if self._norms is None:
             self._norms = part.bf16_error_norms()
