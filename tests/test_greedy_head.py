@@ -3,12 +3,11 @@ fp32 products of the candidates), against the argmax of fp64 logits of the same 
 the full logits."""
 import pytest
 import torch
-
-from pipellm import LLM, SamplingParams
-from pipellm.quant.linear import F32, GREEDY_MIN_ROWS, CompactLinear, QuantWeight
 from gguf import dequantize as gguf_dequantize
 
+from pipellm import LLM, SamplingParams
 from pipellm.quant.gguf_blocks import repack
+from pipellm.quant.linear import F32, GREEDY_MIN_ROWS, CompactLinear, QuantWeight
 from pipellm.quant.rtn import quantize
 from tests.test_quant import ISAS, TYPES, gguf_tensor
 
