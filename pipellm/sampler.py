@@ -152,17 +152,19 @@ class Sampler:
         """The tokens of requests plain_greedy_rows() gives, token_ids [rows] their raw logits' first largest."""
         return self._emit(None, [self._reqs[r] for r in req_ids], token_ids)
 
-    def verify(self, logits: torch.Tensor, req_ids: list[str], drafts: np.ndarray) -> tuple[list[SampledToken],
-                                                                                             np.ndarray]:
+    def verify(self, logits: torch.Tensor | None, req_ids: list[str], drafts: np.ndarray,
+               picks: torch.Tensor | None = None) -> tuple[list[SampledToken], np.ndarray]:
         """Speculative decoding. A request's rows are one for each draft, then its own (req_ids repeats it; drafts
         gives each row's draft, -1 on a request's last row). Each row picks as sample() would, greedy or with the
         next uniform of the request's generator, and a request keeps its drafts up to the first its pick differs
         from. The tokens are those sampling without drafts gives: the same picks, the same draws (the generator
-        ends as many draws on as tokens kept). Returns the tokens and the drafts each request kept."""
-        reqs = self._requests(logits, req_ids)
+        ends as many draws on as tokens kept). Returns the tokens and the drafts each request kept.
+        picks: each row's pick, found by the caller where every row is plain greedy (plain_greedy_rows()), instead
+        of logits (None)."""
+        reqs = self._requests(logits if picks is None else picks.unsqueeze(1), req_ids)
         drafting = [reqs[i] for i in np.flatnonzero(drafts >= 0).tolist()]
         states = {id(r): r.gen.get_state() for r in drafting if not r.greedy}  # before this call's draws
-        picks = self._pick(logits, reqs)
+        picks = self._pick(logits, reqs) if picks is None else picks
         listed = picks.tolist()
         rows, accepted, first = [], [], 0
         for last in np.flatnonzero(drafts == -1).tolist():  # each request's rows: first..last
@@ -177,8 +179,9 @@ class Sampler:
                 for _ in range(kept + 1):
                     torch.rand(1, generator=req.gen, dtype=torch.float64)
             first = last + 1
-        idx = torch.tensor(rows, device=logits.device)
-        return self._emit(logits[idx], [reqs[i] for i in rows], picks[idx]), np.array(accepted, dtype=np.int64)
+        idx = torch.tensor(rows, device=picks.device)
+        return (self._emit(None if logits is None else logits[idx], [reqs[i] for i in rows], picks[idx]),
+                np.array(accepted, dtype=np.int64))
 
     def _requests(self, logits: torch.Tensor, req_ids: list[str]) -> list[_Request]:
         if logits.dim() != 2 or logits.shape[0] != len(req_ids):

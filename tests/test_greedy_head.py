@@ -126,3 +126,21 @@ def test_engine_tokens_equal_the_full_logits_path(smollm2_dir, monkeypatch):
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in full]
     assert fast[len(prompts)].outputs[0].token_ids == fast[0].outputs[0].token_ids  # its logits, prompt 0's pick
     assert fast[len(prompts)].outputs[0].logprobs is not None
+
+
+def test_speculative_decoding_verifies_with_the_same_picks(smollm2_dir, monkeypatch):
+    # n-gram drafts: every request's rows (its drafts, then its own) are greedy picks, through the tiles where each
+    # request is plain greedy; the tokens are those of the full logits.
+    prompts = ["1, 2, 3, 4, 5, 6, 7,", "a b c a b c a b", "The capital of France is", "def f(x): return x",
+               "red green blue red green blue"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    calls = []
+    greedy = CompactLinear.greedy
+    monkeypatch.setattr(CompactLinear, "greedy", lambda self, x: calls.append(len(x)) or greedy(self, x))
+    with LLM(smollm2_dir, pipeline_parallel_size=1, speculative_config=spec) as llm:
+        fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert calls and max(calls) > len(prompts)  # drafts' rows too
+        monkeypatch.setattr(CompactLinear, "greedy", lambda self, x: None)
+        full = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert fast == full

@@ -144,8 +144,11 @@ class StageWorker:
             if batch.draft_token_ids is None:
                 tokens = self._sample(rows, batch.sample_req_ids)
             else:  # speculative decoding: drafts kept, then each request's own token
-                tokens, accepted = self.sampler.verify(self.model.compute_logits(rows), batch.sample_req_ids,
-                                                       batch.draft_token_ids)
+                req_ids = batch.sample_req_ids
+                plain = len(self.sampler.plain_greedy_rows(req_ids)) == len(req_ids)
+                ids = self.model.greedy_ids(rows) if plain else None
+                logits = self.model.compute_logits(rows) if ids is None else None
+                tokens, accepted = self.sampler.verify(logits, req_ids, batch.draft_token_ids, ids)
         if self.stage.is_first:  # a one-stage pipeline: the next batch may take these tokens (async scheduling)
             self.last_tokens = {r: tok.token_id for r, tok in zip(batch.sample_req_ids, tokens)}
         if batch.prompt_rows is not None:
