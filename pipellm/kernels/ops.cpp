@@ -676,13 +676,10 @@ at::Tensor greedy_pick(const Linear& lin, const at::Tensor& x, const at::Tensor&
   at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
   const float *xs = x.data_ptr<float>(), *n1 = norms.data_ptr<float>(), *n2 = n1 + N;
   const uint16_t* as = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
-  const uint16_t* xbs = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-  const auto widen = [](uint16_t h) {
-    uint32_t u = uint32_t(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  };
+  // ||x|| and ||x - bf16(x)|| a row, in fp64 (x - bf16(x) is exact in fp32: a rounding's error)
+  const at::Tensor x_norms = at::linalg_vector_norm(x, 2, 1, false, at::kDouble);
+  const at::Tensor err_norms = at::linalg_vector_norm(x - xb.to(at::kFloat), 2, 1, false, at::kDouble);
+  const double *nxs = x_norms.data_ptr<double>(), *exs = err_norms.data_ptr<double>();
   // fp32 sums of K products in any order are within gamma * sum |x_i w_i| of the exact sum (Higham's gamma_K)
   const double u = std::ldexp(1.0, -24), gamma = K * u / (1 - K * u), up = 1 + std::ldexp(1.0, -10);
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
@@ -694,13 +691,7 @@ at::Tensor greedy_pick(const Linear& lin, const at::Tensor& x, const at::Tensor&
     for (int64_t r = r0; r < r1; r++) {
       const float* xr = xs + r * K;
       const uint16_t* ar = as + r * N;
-      double nx = 0, ex = 0;
-      for (int64_t i = 0; i < K; i++) {
-        const double d = double(xr[i]) - widen(xbs[r * K + i]);
-        nx += double(xr[i]) * xr[i];
-        ex += d * d;
-      }
-      nx = std::sqrt(nx), ex = std::sqrt(ex);
+      const double nx = nxs[r], ex = exs[r];
       // |a - L| <= ||x - bf16(x)|| ||bf16(w)|| + ||x|| ||w - bf16(w)|| (the rounded inputs) + gamma (||bf16(x)||
       // ||bf16(w)|| + ||x|| ||w||) (the tiles' sums, and L's) + 2^-8 |a| (a is rounded to bf16) + 2^-100 (1 +
       // sqrt(K) ||x||) (the tiles' flushed denormals); each coefficient rounded up by 2^-10, which also covers the
