@@ -171,7 +171,7 @@ def default_model_parity(tmp: str, device: str, hf_dev: str, n: int = 16):
     convert_gguf(default_model_path(), folder)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().to(hf_dev)
     with LLM(None, pipeline_parallel_size=2, device=device, dtype="float32", **ENGINE) as llm:
-        prompts = [llm.engine.tokenize(t) for t in ("The capital of France is", "def fibonacci(n):")]
+        prompts = [llm.engine.inputs.tokenize(t) for t in ("The capital of France is", "def fibonacci(n):")]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
     got, expected = [o.outputs[0].token_ids for o in outs], hf_greedy_ids(hf_model, prompts, n, hf_dev)

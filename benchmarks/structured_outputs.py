@@ -41,7 +41,7 @@ def main() -> None:
         spec = StructuredOutputsParams(json=SCHEMA)
         answer = llm.generate(prompts[0], SamplingParams(max_tokens=64, temperature=0.0, structured_outputs=spec),
                               use_tqdm=False)[0].outputs[0].token_ids
-        tokenizer, vocab = llm.engine.structured_tokenizer, llm.engine.model_config.vocab_size
+        tokenizer, vocab = llm.engine.inputs.structured_tokenizer, llm.engine.model_config.vocab_size
         per_token = []
         for _ in range(20):
             m = Matcher(tokenizer, spec)

@@ -75,7 +75,7 @@ class LLM:
 
     def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.engine.tokenize(prompt)
+            return prompt, self.engine.inputs.tokenize(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -83,7 +83,7 @@ class LLM:
                     raise ValueError("prompt_token_ids must be a list of token ids")
                 return prompt.get("prompt"), list(ids)
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], self.engine.tokenize(prompt["prompt"])
+                return prompt["prompt"], self.engine.inputs.tokenize(prompt["prompt"])
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids' (or 'prompt'), "
                          f"not {type(prompt).__name__}")
 
@@ -123,7 +123,7 @@ class LLM:
             while not req.is_finished:
                 self.engine.step()
                 stop_text = req.text if isinstance(req.stop_reason, str) else None
-                if piece := shown.add(self.engine.text(req)[len(shown.text):], req.is_finished, stop_text):
+                if piece := shown.add(self.engine.outputs.text(req)[len(shown.text):], req.is_finished, stop_text):
                     yield piece
             self._drain()
         self.engine.pop_output(rid, text)
@@ -133,7 +133,7 @@ class LLM:
         untouched). Returns (request id, prompt text) each."""
         encoded = [self._to_token_ids(p) for p in prompts]
         for (_, ids), params in zip(encoded, params_list):
-            self.engine.validate(ids, params)
+            self.engine.inputs.validate(ids, params)
         queued = [(f"gen-{next(self._ids)}", text) for text, _ in encoded]
         for (rid, _), (_, ids), params in zip(queued, encoded, params_list):
             self.engine.add_request(rid, ids, params)

@@ -125,10 +125,10 @@ def test_bad_grammars_are_refused_before_they_run(llm_pp2, kwargs, message):
 
 
 def test_prompts_that_share_a_grammar_compile_it_once_in_the_driver(llm_pp2, monkeypatch):
-    import pipellm.engine.engine as engine_module
+    import pipellm.engine.input_processor as input_module
     calls = []
-    compile_ = engine_module.structured.grammar
-    monkeypatch.setattr(engine_module.structured, "grammar", lambda *a: calls.append(a) or compile_(*a))
+    compile_ = input_module.structured.grammar
+    monkeypatch.setattr(input_module.structured, "grammar", lambda *a: calls.append(a) or compile_(*a))
     spec = StructuredOutputsParams(regex=r"[a-z]{3}[0-9]")
     outs = llm_pp2.generate(["a", "b", "c"], SamplingParams(max_tokens=8, structured_outputs=spec), use_tqdm=False)
     assert len(calls) == 1 and all(re.fullmatch(r"[a-z]{3}[0-9]", o.outputs[0].text) for o in outs)

@@ -245,7 +245,7 @@ class AsyncEngine:
             if tracked is None:
                 continue
             start, chars = tracked.num_sent[req.index], tracked.num_chars[req.index]
-            text = self.engine.text(req)
+            text = self.engine.outputs.text(req)
             tracked.num_sent[req.index], tracked.num_chars[req.index] = len(req.output_token_ids), len(text)
             tracked.is_open[req.index] = not req.is_finished
             per_request.setdefault(rid, []).append(EngineDelta(

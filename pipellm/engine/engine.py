@@ -1,4 +1,5 @@
-"""The driver: tokenizes, schedules, keeps batches in flight through the pipeline, and detokenizes."""
+"""The driver: queues requests its input processor has checked, schedules them, keeps batches in flight through the
+pipeline, and hands their sampled tokens to its output processor (stops, log-probabilities, text)."""
 import dataclasses
 import itertools
 import json
@@ -8,18 +9,19 @@ import time
 from collections import deque
 from datetime import timedelta
 
-from pipellm import device, kernels, structured
-from pipellm.config import DEFAULT_KV_CACHE_GIB, EngineConfig, ModelConfig
+from pipellm import device, kernels
+from pipellm.config import EngineConfig, ModelConfig
 from pipellm.engine.block_manager import BlockManager
-from pipellm.engine.detokenizer import IncrementalDetokenizer
+from pipellm.engine.input_processor import InputProcessor
+from pipellm.engine.kv_budget import kv_budget
+from pipellm.engine.output_processor import OutputProcessor
 from pipellm.engine.scheduler import ScheduledBatch, Scheduler
 from pipellm.engine.sequence import Request
 from pipellm.loader.gguf import gguf_source
 from pipellm.loader.model_folder import load_tokenizer, resolve_model
 from pipellm.loader.safetensors import checkpoint_files
-from pipellm.models.kv_cache import block_bytes, cache_dtype
 from pipellm.observe.trace import TraceRecorder
-from pipellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pipellm.outputs import RequestOutput
 from pipellm.pipeline import comm, wire
 from pipellm.pipeline.executor import PipelineError, PipelineExecutor
 from pipellm.pipeline.local import LocalExecutor
@@ -93,11 +95,13 @@ class LLMEngine:
             partition = balanced_partition(mc.num_layers, config.pipeline_parallel_size, costs)
             self.partition_note = describe_choice(mc.num_layers, config.pipeline_parallel_size, costs)
         self.stages = make_partition(mc.num_layers, config.pipeline_parallel_size, partition)
-        self.window_ring, self.num_blocks, self.num_window_blocks = self._num_kv_blocks()
+        budget = kv_budget(mc, config, self.stages, self.device, self.max_model_len)
+        self.window_ring, self.num_blocks, self.num_window_blocks = budget.ring, budget.num_blocks, budget.ring_blocks
+        self.max_model_len = budget.max_model_len
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = self._eos_token_ids()
-        self._structured_tokenizer = None  # llguidance's, made on the first request with structured outputs
-        self._grammars_checked: set[tuple[str, str]] = set()  # (kind, text) that compiled, for prompts that share one
+        self.inputs = InputProcessor(self.tokenizer, self.model_config, self.model_dir, self.max_model_len,
+                                     self.eos_token_ids)
         self.block_manager = self._block_manager()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" else None,
@@ -106,6 +110,7 @@ class LLMEngine:
                                    steps_alone=config.batches_in_flight > 1,
                                    run_ahead_max_seqs=self._run_ahead_max_seqs(),
                                    speculative_config=config.speculative_config)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # a user's request id -> its completions' ids, to find them by id
         self.in_flight: deque[ScheduledBatch] = deque()
@@ -141,15 +146,6 @@ class LLMEngine:
     def _block_manager(self) -> BlockManager:
         return BlockManager(self.num_blocks, self.config.block_size, self.prefix_caching, self.num_window_blocks,
                             self.window_ring)
-
-    def _window_ring(self) -> int:
-        """Blocks a sequence's sliding-window layers cycle through: a window of keys plus the longest chunk a step
-        writes, and one more for a window that starts mid-block. 0 when no layer slides or it would save nothing."""
-        mc, cfg = self.model_config, self.config
-        if not any(mc.is_sliding(i) for i in range(mc.num_layers)):
-            return 0
-        ring = -(-(mc.sliding_window + cfg.max_num_batched_tokens - 1) // cfg.block_size) + 1
-        return ring if ring < -(-self.max_model_len // cfg.block_size) else 0
 
     def _token(self) -> bytes:
         """The run's shared secret. One host: a fresh one, handed to the stages by their parent. Several hosts:
@@ -191,66 +187,6 @@ class LLMEngine:
         return PipelineExecutor(self.model_dir, self.model_config, self.config, self.stages, self.num_blocks,
                                 self.store, generation=len(self.restarts), num_window_blocks=self.num_window_blocks)
 
-    def _num_kv_blocks(self) -> tuple[int, int, int]:
-        """(ring length, blocks of the full-attention layers, blocks of the sliding-window layers' rings): the
-        largest counts that fit every stage's budget, so one block table is valid on every stage. The sliding
-        layers get rings of their own only where one sequence of the whole context would not fit otherwise: a ring
-        holds a long sequence's window in a few blocks, but a short sequence fills as many blocks either way."""
-        mc, cfg = self.model_config, self.config
-        needed = -(-self.max_model_len // cfg.block_size)  # one full-length sequence
-        ring, ring_blocks = self._window_ring(), 0
-        size = block_bytes(cache_dtype(cfg.kv_cache_dtype, cfg.torch_dtype), cfg.block_size, mc.num_kv_heads,
-                           mc.head_dim)
-        if cfg.num_kv_blocks is not None:
-            num_blocks, source, ring = cfg.num_kv_blocks, f"num_kv_blocks={cfg.num_kv_blocks}", 0
-        else:
-            gib = (cfg.kv_cache_gib if cfg.kv_cache_gib is not None else DEFAULT_KV_CACHE_GIB if self.device == "cpu"
-                   else device.gpu_kv_cache_gib(self.device, mc, self.stages, cfg.torch_dtype.itemsize,
-                                                cfg.gpu_memory_utilization, cfg.nnodes))
-            budget = int(gib * 2 ** 30) // size  # blocks of one layer
-            num_blocks, source = min(budget // s.num_layers for s in self.stages), f"kv_cache_gib={gib:g}"
-            if ring and num_blocks < needed:  # full-length sequences that fit with rings, on every stage
-                per_seq = [self._stage_blocks(s, needed, ring) for s in self.stages]
-                num_seqs = min(min(budget // n for n in per_seq), cfg.max_num_seqs)
-                if num_seqs:
-                    num_blocks, ring_blocks = num_seqs * needed, num_seqs * ring
-            ring = ring if ring_blocks else 0
-            # More blocks than max_num_seqs full-length sequences can use is wasted memory.
-            num_blocks = min(num_blocks, needed * cfg.max_num_seqs)
-        if num_blocks < needed and cfg.max_model_len is None and num_blocks > 0:
-            # the model's whole context does not fit: serve what does, as llama.cpp's smaller default context does
-            log.warning("%s holds %d tokens, less than the model's context of %d: max_model_len lowered to %d "
-                        "(give more KV cache to serve longer sequences)", source, num_blocks * cfg.block_size,
-                        self.max_model_len, num_blocks * cfg.block_size)
-            self.max_model_len = num_blocks * cfg.block_size
-        elif num_blocks < needed:
-            raise ValueError(f"{source} holds {num_blocks * cfg.block_size} tokens, fewer than one sequence of "
-                             f"max_model_len={self.max_model_len}; give more KV cache or lower max_model_len")
-        if self.device == "cpu" and cfg.nnodes == 1:
-            # without rings a sliding layer's cache holds num_blocks too
-            need = size * sum(self._stage_blocks(s, num_blocks, ring_blocks or num_blocks) for s in self.stages)
-            self._check_host_memory(source, need, num_blocks)
-        return ring, num_blocks, ring_blocks
-
-    def _stage_blocks(self, stage, full: int, ring: int) -> int:
-        """Blocks of all of a stage's layers' caches: full blocks a full-attention layer, ring a sliding one."""
-        sliding = sum(self.model_config.is_sliding(i) for i in range(stage.start, stage.end))
-        return (stage.num_layers - sliding) * full + sliding * ring
-
-    def _check_host_memory(self, source: str, need: int, num_blocks: int) -> None:
-        """Refuses KV caches of `need` bytes on this host past the memory it has available, before any stage fills
-        them."""
-        avail = device.host_memory_available()
-        if avail is None or need <= 0.9 * avail:  # the rest for weights and activations
-            return
-        room = 0.8 * avail
-        fix = (f"give num_kv_blocks={int(room / need * num_blocks)} or fewer" if source.startswith("num_kv_blocks")
-               else f"give kv_cache_gib={room / len(self.stages) / 2 ** 30:.3f} or less (a stage's)")
-        raise ValueError(f"{source}: the KV caches of this host's {len(self.stages)} stage(s) would take "
-                         f"{need / 2 ** 30:.3f} GiB, more than 90% of the {avail / 2 ** 30:.3f} GiB of memory it has "
-                         f"available (the rest is for weights and activations); {fix}, or lower max_num_seqs or "
-                         "max_model_len")
-
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
         gen_cfg = os.path.join(self.model_dir, "generation_config.json")
@@ -264,53 +200,9 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError(f"the model at {self.model_dir} has no tokenizer; pass {{'prompt_token_ids': [...]}}")
-        return self.tokenizer.encode(prompt)
-
-    @staticmethod
-    def truncated(prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt as it runs: its last params.truncate_prompt_tokens tokens, when that is set."""
-        k = params.truncate_prompt_tokens
-        return list(prompt_token_ids[-k:]) if k else prompt_token_ids
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
-        prompt_token_ids = self.truncated(prompt_token_ids, params)
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids has ids outside [0, {vocab}): {bad[:5]}")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
-                             f"{self.max_model_len} (prompt plus at least one new token); shorten the prompt")
-        for name in ("logit_bias", "allowed_token_ids"):
-            bad = [t for t in getattr(params, name) or () if t >= vocab]
-            if bad:
-                raise ValueError(f"SamplingParams.{name} has token ids outside [0, {vocab}): {bad[:5]}")
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError(f"SamplingParams.bad_words needs a tokenizer, and the model at {self.model_dir} has none")
-        spec = params.structured_outputs
-        if spec is not None and spec.kind not in self._grammars_checked:  # refused here, before a stage compiles it
-            structured.grammar(spec, self.structured_tokenizer)
-            if len(self._grammars_checked) >= 1024:
-                self._grammars_checked.clear()
-            self._grammars_checked.add(spec.kind)
-
-    @property
-    def structured_tokenizer(self):
-        if self._structured_tokenizer is None:
-            self._structured_tokenizer = structured.ll_tokenizer(self.tokenizer, self.model_config.vocab_size,
-                                                                 self.model_dir)
-        return self._structured_tokenizer
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queues one prompt (params.n completions). Call validate() first."""
-        prompt_token_ids = self.truncated(prompt_token_ids, params)
+        """Queues one prompt (params.n completions). Call inputs.validate() first."""
+        prompt_token_ids = self.inputs.truncated(prompt_token_ids, params)
         rids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         if request_id in self.groups or any(rid in self.requests for rid in rids):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -320,8 +212,8 @@ class LLMEngine:
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         self.groups[request_id] = rids
-        bad_words = self._bad_words_token_ids(params.bad_words or [])
-        stop_ids = self._min_tokens_stop_ids(params)
+        bad_words = self.inputs.bad_words_token_ids(params.bad_words or [])
+        stop_ids = self.inputs.min_tokens_stop_ids(params)
         for i, rid in enumerate(rids):
             req = Request(rid, list(prompt_token_ids), params, (base_seed + i * _SEED_STRIDE) % 2 ** 63,
                           max_tokens, index=i, parent_id=request_id if params.n > 1 else None,
@@ -332,19 +224,6 @@ class LLMEngine:
             req.min_tokens_stop_ids, req.bad_words_token_ids = stop_ids, bad_words
             self.requests[rid] = req
             self.scheduler.add(req)
-
-    def _min_tokens_stop_ids(self, params: SamplingParams) -> list[int]:
-        """The tokens the sampler keeps out before params.min_tokens: EOS (unless ignored) and the stop tokens."""
-        if not params.min_tokens:
-            return []
-        eos = set() if params.ignore_eos else self.eos_token_ids
-        return sorted(t for t in eos | set(params.stop_token_ids) if t < self.model_config.vocab_size)
-
-    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Each word's tokens, at the start of a text and after a space (as vLLM), each token sequence once."""
-        ids = (self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
-               for word in words for prefix in ("", " "))
-        return [list(t) for t in dict.fromkeys(tuple(t) for t in ids if t)]
 
     def abort_request(self, request_id: str) -> None:
         for rid in self.groups.pop(request_id, []):
@@ -440,7 +319,7 @@ class LLMEngine:
             if req.is_finished and not req.in_flight:  # finished while in flight; its blocks were kept until now
                 self.block_manager.free(req)
         if result.prompt_logprobs is not None:
-            self._add_prompt_logprobs(batch, result.prompt_logprobs)
+            self.outputs.add_prompt_logprobs(batch, result.prompt_logprobs)
         updated = [r for r in batch.sampled if not r.is_finished]
         if result.num_accepted is None:  # step by step: each step's token of every request
             owners = batch.sampled * batch.stage_batch.num_steps
@@ -452,94 +331,12 @@ class LLMEngine:
                 self.num_accepted_tokens += kept
                 req.draft_token_ids = []
                 owners += [req] * (kept + 1)
-        now = time.monotonic()
-        for req, tok in zip(owners, result.tokens):
-            if req.is_finished:  # the tokens after the one that ended it are dropped
-                continue
-            if req.num_ahead:  # the token a batch still out already took as input
-                req.num_ahead -= 1
-            req.output_token_ids.append(tok.token_id)
-            req.token_times.append(now)
-            self.num_generated_tokens += 1
-            if req.params.logprobs is not None:
-                self._add_logprobs(req, tok)
-            self._check_stop(req)
+        self.num_generated_tokens += self.outputs.add_tokens(owners, result.tokens)
         return updated
-
-    def _add_logprobs(self, req: Request, tok) -> None:
-        entry = {tid: Logprob(lp, rank + 1, self._decode_token(tid)) for rank, (tid, lp) in enumerate(tok.top_logprobs)}
-        entry[tok.token_id] = Logprob(tok.logprob, tok.rank, self._decode_token(tok.token_id))
-        req.output_logprobs.append(entry)
-        req.cumulative_logprob += tok.logprob
-
-    def _add_prompt_logprobs(self, batch: ScheduledBatch, lps) -> None:
-        row = 0
-        for req, first, count in batch.prompt_spans:
-            k = req.params.prompt_logprobs
-            for pos in range(first, first + count):
-                entry = {int(tid): Logprob(float(lp), rank + 1, self._decode_token(int(tid)))
-                         for rank, (tid, lp) in enumerate(zip(lps.top_ids[row, :k], lps.top_logprobs[row, :k]))}
-                tid = req.prompt_token_ids[pos]
-                entry[tid] = Logprob(float(lps.logprobs[row]), int(lps.ranks[row]), self._decode_token(tid))
-                req.prompt_logprobs[pos] = entry
-                row += 1
-
-    def _decode_token(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
-
-    def _check_stop(self, req: Request) -> None:
-        params, token = req.params, req.output_token_ids[-1]
-        if len(req.output_token_ids) < params.min_tokens:
-            # The sampler kept EOS and the stop tokens out. Stop strings wait too (as in vLLM): the text is read as
-            # it comes, so that the search below later starts at the text after min_tokens.
-            if params.stop:
-                self.text(req)
-        elif token in self.eos_token_ids and not params.ignore_eos:
-            return self.scheduler.finish(req, "stop")
-        elif token in params.stop_token_ids:
-            req.stop_reason = token
-            return self.scheduler.finish(req, "stop")
-        elif params.stop:
-            before = len(req.detok.text) if req.detok is not None else 0
-            text = self.text(req)
-            # a stop string can span tokens: search the new text and the tail before it that could start one
-            start = max(0, before - max(map(len, params.stop)) + 1)
-            for stop in params.stop:
-                at = text.find(stop, start)
-                if at != -1:
-                    req.text, req.stop_reason = text[:at + len(stop) * params.include_stop_str_in_output], stop
-                    return self.scheduler.finish(req, "stop")
-        if len(req.output_token_ids) >= req.max_tokens:
-            self.scheduler.finish(req, "length")
-
-    def text(self, req: Request) -> str:
-        """The request's output text so far, through its incremental detokenizer (made on first use): a request
-        with stop strings, or one the server streams, reads its text every step. Whole once the request finished."""
-        if self.tokenizer is None:
-            return ""
-        if req.detok is None:
-            req.detok = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
-        req.detok.update(req.output_token_ids[len(req.detok.token_ids):], final=req.is_finished)
-        return req.detok.text
-
-    def completion(self, req: Request) -> CompletionOutput:
-        if isinstance(req.stop_reason, str):
-            text = req.text
-        elif req.detok is not None or self.tokenizer is None:
-            text = self.text(req)
-        else:  # never read before: one decode of the whole output costs less than a window per token
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
-        return CompletionOutput(req.index, text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
-                                list(req.output_logprobs) if req.params.logprobs is not None else None,
-                                req.cumulative_logprob if req.params.logprobs is not None else None)
 
     def pop_output(self, request_id: str, prompt: str | None) -> RequestOutput:
         """The finished request's output; forgets the request."""
-        reqs = [self.requests.pop(rid) for rid in self.groups.pop(request_id)]
-        return RequestOutput(request_id, prompt, reqs[0].prompt_token_ids, [self.completion(r) for r in reqs],
-                             finished=all(r.is_finished for r in reqs),
-                             metrics=RequestMetrics(reqs[0].arrival_time, list(reqs[0].token_times)),
-                             prompt_logprobs=reqs[0].prompt_logprobs)
+        return self.outputs.output(request_id, prompt, [self.requests.pop(rid) for rid in self.groups.pop(request_id)])
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ def run_probe(engine: LLMEngine, prompt_token_ids: list[int]) -> dict:
                          "requests run")
     # greedy: the token the lens explains is the one the model ranks first; two steps: the second feeds it back
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    engine.validate(prompt_token_ids, params)
+    engine.inputs.validate(prompt_token_ids, params)
     if len(prompt_token_ids) + 1 >= engine.max_model_len:
         raise ValueError(f"inspect feeds the next token back, so the prompt must be shorter than max_model_len - 1 "
                          f"= {engine.max_model_len - 1} tokens; shorten it")

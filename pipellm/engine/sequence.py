@@ -51,7 +51,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)  # speculated after its next token, in its batch out
     rope_len: int = 0                # num_tokens when its K/V was last computed (longrope: short or long factors)
     text: str = ""                   # the output text cut before a stop string, once one ended the request
-    detok: IncrementalDetokenizer | None = None  # its output's text, kept up to date by engine.text()
+    detok: IncrementalDetokenizer | None = None  # its output's text, kept up to date by OutputProcessor.text()
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     _tokens: np.ndarray | None = field(default=None, repr=False)  # token_array()'s buffer, room to grow

@@ -172,7 +172,7 @@ class OpenAIServer:
                            f"{params.max_tokens} for the completion); shorten the prompt or lower max_tokens",
                            param="max_tokens")
         try:
-            self.engine.validate(ids, params)  # reads the config, compiles grammars: safe off the engine thread
+            self.engine.inputs.validate(ids, params)  # reads the config, compiles grammars: safe off the engine thread
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -336,7 +336,7 @@ class _Endpoints:
         prompts, texts = self.completion_prompts(req.prompt)
         if params.truncate_prompt_tokens:  # echo and usage speak of the prompt that runs
             texts = [t if len(p) <= params.truncate_prompt_tokens else None for p, t in zip(prompts, texts)]
-            prompts = [s.engine.truncated(p, params) for p in prompts]
+            prompts = [s.engine.inputs.truncated(p, params) for p in prompts]
         await s.check_prompts(prompts, params, req.max_tokens is not None)
         s.check_size_and_room(prompts, params)
         base = self.base("cmpl", "text_completion")
@@ -393,7 +393,7 @@ class _Endpoints:
                 raise APIError(400, f"tool_choice {req.tool_choice!r} holds the output to the tools' JSON: give no "
                                "response_format or structured_outputs with it", param="tool_choice")
             params.structured_outputs = forced
-        prompts = [s.engine.truncated(self.chat_prompt(req.messages, req, tools), params)]
+        prompts = [s.engine.inputs.truncated(self.chat_prompt(req.messages, req, tools), params)]
         await s.check_prompts(prompts, params, max_tokens is not None)
         s.check_size_and_room(prompts, params)
         base = self.base("chatcmpl", "chat.completion")
