@@ -1,4 +1,5 @@
-"""`pipellm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncEngine.
+"""`pipellm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncEngine; its routes (the work they
+share: openai_server.py).
 
 /v1/models, /v1/completions, /v1/chat/completions (with SSE streaming), /tokenize, /detokenize (as vLLM's),
 /health, /version, /metrics.
@@ -6,271 +7,31 @@ User errors come back in OpenAI's error shape with 400/401/404/413, a dead pipel
 500 for user input.
 """
 import asyncio
-import hmac
-import json
 import logging
 import time
 import uuid
-from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 import pipellm
 from pipellm import chat
-from pipellm.config import check_generation_config, sampling_defaults
-from pipellm.engine.async_engine import AsyncEngine, EngineDeadError, StreamDelta
+from pipellm.engine.async_engine import StreamDelta
 from pipellm.engine.engine import LLMEngine
+from pipellm.entrypoints.openai_server import OpenAIServer, ServerConfig
 from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, ChatTemplateFields, CompletionLogprobs,
                                           CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs,
                                           parse_request, sampling_params, usage)
-from pipellm.entrypoints.reasoning import PARSERS as reasoning_parsers, ReasoningStream
+from pipellm.entrypoints.reasoning import ReasoningStream
 from pipellm.entrypoints.reasoning import split as split_reasoning
-from pipellm.entrypoints.tools import PARSERS as tool_parsers, ReplyStream, check_tools, choice_of, forced_output
+from pipellm.entrypoints.tools import ReplyStream, check_tools, choice_of, forced_output
 from pipellm.entrypoints.tools import parse as parse_tool_calls
-from pipellm.observe.metrics import CONTENT_TYPE, ServerMetrics
-from pipellm.sampling_params import SamplingParams
+from pipellm.observe.metrics import CONTENT_TYPE
 
 logger = logging.getLogger("pipellm.server")
-
-
-@dataclass
-class ServerConfig:
-    served_model_name: str              # the name clients pass as `model`
-    host: str = "127.0.0.1"             # loopback unless told otherwise
-    port: int = 8000
-    api_key: str | None = None          # when set, /v1/* and /metrics need "Authorization: Bearer <key>"
-    metrics_public: bool = False        # /metrics without the API key
-    max_request_bytes: int = 1 << 20    # larger request bodies get 413
-    max_request_seqs: int = 256         # prompts x n in one request; more get 400
-    max_request_tokens: int = 1 << 20   # prompt + completion tokens one request may ask for, over all its choices
-    max_waiting_seqs: int = 1024        # sequences waiting for the engine; while as many wait, 503 + Retry-After
-    log_level: str = "info"
-    graceful_shutdown_s: float = 30.0   # on SIGINT/SIGTERM, in-flight requests get this long to finish
-    trace_dir: str | None = None        # on shutdown, write the pipeline trace and pictures here
-    generation_config: str = "auto"     # sampling defaults for fields a request leaves out: "auto" (the model's
-    #                                     generation_config.json, as vLLM), "vllm" (none), or a folder holding one
-    tool_call_parser: str | None = None  # tool_choice "auto": how the model writes its calls (tools.PARSERS)
-    chat_template: str | None = None    # a Jinja template for chat completions instead of the tokenizer's
-    reasoning_parser: str | None = None  # the thought in a message's reasoning_content (reasoning.PARSERS)
-    allowed_origins: tuple[str, ...] = ()  # web pages (origins) whose scripts may call the API (CORS); "*" any
-
-    def __post_init__(self):
-        check_generation_config(self.generation_config)  # before the engine starts
-        for name, known in (("tool_call_parser", tool_parsers), ("reasoning_parser", reasoning_parsers)):
-            if getattr(self, name) not in (None, *known):
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: give one of {', '.join(known)}")
-        for name in ("max_request_bytes", "max_request_seqs", "max_request_tokens", "max_waiting_seqs"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive integer")
-
-
-# ---- request bodies (OpenAI's fields; unknown ones are ignored, as OpenAI clients send extras) ------------------
-
-
-# ---- the app --------------------------------------------------------------------------------------------------
-
-@dataclass
-class _Choice:
-    """A completion's output gathered for a non-streaming response."""
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: list | None = None
-
-
-class OpenAIServer:
-    def __init__(self, engine: LLMEngine, config: ServerConfig):
-        self.config, self.engine = config, engine
-        self.async_engine = AsyncEngine(engine)
-        self.metrics = ServerMetrics(config.served_model_name, lambda: self.async_engine.stats)
-        self.async_engine.metrics = self.metrics
-        self.created = int(time.time())
-        self.sampling_defaults = sampling_defaults(config.generation_config, engine.model_dir)
-
-    # ---- checks shared by the endpoints -----------------------------------------------------------------------
-
-    def check_key(self, request: Request) -> None:
-        key = self.config.api_key
-        if key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # compare_digest: the time taken says nothing about how much of the key matched.
-        if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())):
-            raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-
-    async def read_json(self, request: Request) -> dict:
-        limit = self.config.max_request_bytes
-        length = request.headers.get("content-length", "")
-        too_big = APIError(413, f"the request body is over {limit} bytes", code="request_too_large")
-        if length.isdigit() and int(length) > limit:
-            raise too_big
-        body = bytearray()
-        try:
-            async for chunk in request.stream():  # counted as it arrives: a chunked body has no content-length
-                body += chunk
-                if len(body) > limit:
-                    raise too_big
-        except ClientDisconnect:
-            raise APIError(499, "the client closed the connection") from None
-        try:
-            data = json.loads(body)
-        except ValueError as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        return data
-
-    def check_model_and_engine(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{self.config.served_model_name!r}", param="model", code="model_not_found")
-        dead = self.async_engine.dead_reason()
-        if dead:
-            raise APIError(503, f"the engine is dead: {dead}", type_="server_error", code="engine_dead")
-
-    def check_size_and_room(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        """Caps what one request may ask for (400), and turns it away while too much waits already (503)."""
-        cfg, limit = self.config, self.engine.max_model_len
-        num_seqs = len(prompts) * params.n
-        if num_seqs > cfg.max_request_seqs:
-            raise APIError(400, f"this request asks for {num_seqs} completions ({len(prompts)} prompts x n="
-                           f"{params.n}); the server takes at most {cfg.max_request_seqs} per request "
-                           "(--max-request-seqs); split it", param="n")
-        # A missing max_tokens means up to max_model_len.
-        tokens = params.n * sum(len(p) + min(params.max_tokens or limit, limit - len(p)) for p in prompts)
-        if tokens > cfg.max_request_tokens:
-            raise APIError(400, f"this request may take {tokens} tokens (prompts plus max_tokens, times n); the "
-                           f"server takes at most {cfg.max_request_tokens} per request (--max-request-tokens); "
-                           "lower max_tokens or n, or split it", param="max_tokens")
-        waiting = self.async_engine.num_waiting_seqs()
-        if waiting >= cfg.max_waiting_seqs:
-            raise APIError(503, f"the server is overloaded: {waiting} sequences wait already (at most "
-                           f"{cfg.max_waiting_seqs}, --max-waiting-seqs); retry later", type_="server_error",
-                           code="overloaded", headers={"Retry-After": "1"})
-
-    async def check_prompts(self, prompts: list[list[int]], params: SamplingParams, max_tokens_given: bool) -> None:
-        def check():
-            for ids in prompts:
-                self.check_prompt(ids, params, max_tokens_given)
-        if params.structured_outputs is None:
-            return check()
-        await asyncio.to_thread(check)  # a grammar compiles off the event loop (the first, ~0.5 s more: below)
-
-    def check_prompt(self, ids: list[int], params: SamplingParams, max_tokens_given: bool) -> None:
-        limit = self.engine.max_model_len
-        if max_tokens_given and len(ids) + params.max_tokens > limit:
-            raise APIError(400, f"this model's maximum context length (max_model_len) is {limit} tokens, but "
-                           f"{len(ids) + params.max_tokens} were requested ({len(ids)} in the prompt, "
-                           f"{params.max_tokens} for the completion); shorten the prompt or lower max_tokens",
-                           param="max_tokens")
-        try:
-            self.engine.inputs.validate(ids, params)  # reads the config, compiles grammars: safe off the engine thread
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-
-    # ---- generation ---------------------------------------------------------------------------------------
-
-    async def generate_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams):
-        """Runs every prompt at once; yields (prompt index, deltas) as tokens come."""
-        if len(prompts) == 1:
-            async with aclosing(self.async_engine.generate(request_id, prompts[0], params)) as stream:
-                async for deltas in stream:
-                    yield 0, deltas
-            return
-        results: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, ids: list[int]) -> None:
-            try:
-                async with aclosing(self.async_engine.generate(f"{request_id}-{i}", ids, params)) as stream:
-                    async for deltas in stream:
-                        results.put_nowait((i, deltas))
-                results.put_nowait((i, None))
-            except Exception as e:
-                results.put_nowait((i, e))
-
-        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                i, item = await results.get()
-                if isinstance(item, Exception):
-                    raise item
-                if item is None:
-                    remaining -= 1
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:  # a cancelled pump closes its stream, which aborts its request
-                t.cancel()
-
-    async def collect(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[_Choice]:
-        choices = [_Choice() for _ in range(len(prompts) * params.n)]
-        try:
-            async for i, deltas in self.generate_all(request_id, prompts, params):
-                for d in deltas:
-                    c = choices[i * params.n + d.index]
-                    c.text += d.text
-                    c.token_ids += d.token_ids
-                    c.logprobs += d.logprobs or []
-                    c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-                    c.prompt_logprobs = c.prompt_logprobs or d.prompt_logprobs
-        except EngineDeadError as e:
-            raise APIError(503, f"the engine is dead: {e}", type_="server_error", code="engine_dead") from None
-        return choices
-
-    async def collect_unless_gone(self, request: Request, request_id: str, prompts: list[list[int]],
-                                  params: SamplingParams) -> list[_Choice] | None:
-        """collect(), but a client that hangs up before the answer aborts its request (None)."""
-        work = asyncio.ensure_future(self.collect(request_id, prompts, params))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()  # closes the streams, which aborts the requests and frees their KV blocks
-        return work.result() if not work.cancelled() else None
-
-    async def sse(self, base: dict, prompts: list[list[int]], params: SamplingParams, include_usage: bool,
-                  make_choice, first_choices: list[dict] = ()):
-        """The SSE body: a chunk per choice update (make_choice(index, delta) -> dict, or None to skip), then the
-        usage (if asked), then [DONE]."""
-        def event(obj) -> str:  # ASCII: clients that split lines as str.splitlines() does (httpx) also split at
-            return f"data: {json.dumps(obj)}\n\n"  # U+2028, U+0085, ..., which a token's text may hold
-
-        extra = {"usage": None} if include_usage else {}
-        num_tokens = 0
-        try:
-            for choice in first_choices:
-                yield event(base | {"choices": [choice]} | extra)
-            async for i, deltas in self.generate_all(base["id"], prompts, params):
-                for d in deltas:
-                    num_tokens += len(d.token_ids)
-                    choice = make_choice(i * params.n + d.index, d)
-                    if choice is not None:
-                        yield event(base | {"choices": [choice]} | extra)
-            if include_usage:
-                yield event(base | {"choices": [], "usage": usage(prompts, num_tokens)})
-        except EngineDeadError as e:
-            yield event(APIError(503, f"the engine is dead: {e}", "server_error", code="engine_dead").body)
-        except Exception as e:  # the status line is gone already: say it in the stream
-            logger.exception("internal error while streaming", exc_info=e)
-            yield event(APIError(500, f"internal error: {type(e).__name__}", "server_error").body)
-        yield "data: [DONE]\n\n"
-
-
-async def _disconnected(request: Request) -> None:
-    # The body has been read, so the next ASGI message is the client going away.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 # ---- endpoints ------------------------------------------------------------------------------------------------
