@@ -14,7 +14,8 @@ import pytest
 
 from benchmarks.soak import free_port
 from pipellm import LLM, SamplingParams
-from pipellm.pipeline.executor import PipelineError
+from pipellm.pipeline import executor as executor_module
+from pipellm.pipeline.executor import PipelineError, PipelineExecutor
 from tests.conftest import FP32
 from tests.serving import is_running, serve
 
@@ -56,6 +57,25 @@ def recovering_llm(llama_dir):
     with LLM(llama_dir, pipeline_parallel_size=2, restart_on_failure=True, dtype=FP32) as llm:
         yield llm
 
+
+
+def test_a_stage_reaped_by_the_watchdog_while_the_driver_looks_counts_as_exited(monkeypatch):
+    """The driver's wait for an exit polls a stage, then the watchdog (stopping every stage) reaps it before the
+    driver opens its pidfd: an exit, not a ProcessLookupError that would kill the engine."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    executor = PipelineExecutor.__new__(PipelineExecutor)  # only its process table: no stages to start
+    executor.procs = {0: proc}
+    real_open = os.pidfd_open
+
+    def reaped_first(pid):
+        proc.kill()
+        proc.wait()  # the watchdog's _kill, between poll() and pidfd_open()
+        return real_open(pid)
+
+    monkeypatch.setattr(executor_module.os, "pidfd_open", reaped_first)
+    start = time.monotonic()
+    executor._wait_any_exit(5.0)
+    assert time.monotonic() - start < 1.0 and proc.returncode is not None
 
 def test_restart_gives_every_request_the_tokens_of_a_fault_free_run(recovering_llm):
     llm = recovering_llm

@@ -390,9 +390,14 @@ class PipelineExecutor:
         self._kill()
 
     def _wait_any_exit(self, timeout_s: float) -> None:
-        fds = [os.pidfd_open(p.pid) for p in self.procs.values() if p.poll() is None]
+        fds = []
         try:
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    fds.append(os.pidfd_open(proc.pid))
             select.select(fds, [], [], timeout_s)
+        except ProcessLookupError:
+            pass  # reaped after poll() by the watchdog, which is stopping every stage: that is an exit
         finally:
             for fd in fds:
                 os.close(fd)
