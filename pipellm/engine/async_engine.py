@@ -14,7 +14,7 @@ from pipellm.engine.detokenizer import StreamText
 from pipellm.engine.engine import LLMEngine
 from pipellm.loader.model_folder import load_tokenizer
 from pipellm.outputs import Logprob
-from pipellm.pipeline.executor import describe_exit
+from pipellm.pipeline.launch import describe_exit
 from pipellm.sampling_params import SamplingParams
 
 _IDLE_WAIT_S = 0.5          # an idle engine thread sleeps on its queue this long, then checks the stages

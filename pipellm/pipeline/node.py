@@ -9,7 +9,7 @@ import time
 from datetime import timedelta
 
 from pipellm.pipeline import comm, wire
-from pipellm.pipeline.executor import stage_env, start_stage
+from pipellm.pipeline.launch import stage_env, start_stage
 from pipellm.pipeline.messages import StageArgs
 from pipellm.pipeline.partition import node_of_stage
 
