@@ -1,7 +1,7 @@
 """Driver side of the pipeline: starts the stage processes, sends them batches and collects sampled tokens.
 
-Stages on this host are started here (through launch.py). Stages on other hosts are started there, by a node agent (`pipellm stage`,
-pipellm.pipeline.node) or by torchrun; all of them find their work in the driver's rendezvous store.
+Stages on this host are started here (through launch.py). Stages on other hosts are started there, by a node agent
+(`pipellm stage`, pipellm.pipeline.node) or by torchrun; all of them find their work in the driver's rendezvous store.
 """
 import json
 import os
