@@ -87,7 +87,7 @@ def test_fp32_rows_in_16_lanes_equal_the_dense_kernel_on_dequantized(qtype):
     w = repack(raw, qtype, n, k)
     dense = torch.from_numpy(dequantize(raw, qtype).reshape(n, k)).t().contiguous()   # [K, N]
     x = torch.randn(ops.XT_MAX_ROWS, k, generator=torch.Generator().manual_seed(2))
-    for isa in (i for i in ISAS if i in ("avx512", "amx")):
+    for isa in (i for i in ISAS if i == "avx512" or (i == "amx" and not takes_amx_tiles(w))):
         dense_linear = ops.Linear.dense(dense, None, isa)
         # our dense kernel takes up to 64 rows (more go to sgemm): the reference in pieces of at most 64
         reference = torch.cat([dense_linear(part) for part in x.split(64)])
@@ -96,6 +96,45 @@ def test_fp32_rows_in_16_lanes_equal_the_dense_kernel_on_dequantized(qtype):
             y = ops.qlinear(x[:rows], *w._kernel_args(), FUSED_MAX_ROWS, False, 0, isa)
             assert torch.equal(y, reference[:rows]), (isa, rows)
             assert torch.equal(y[:ops.XT_MIN_ROWS], alone), (isa, rows)
+
+
+def takes_amx_tiles(w: QuantWeight) -> bool:
+    """fp32 rows from AMX_F32_MIN_ROWS on go through AMX tiles where the codes are Q4 or Q8 in groups of 32."""
+    return w.kind in (Q4, Q8) and w.group == 32
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="AMX tiles: this CPU lacks them (or Linux did not grant them)")
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t not in (T.F16, T.BF16, T.Q6_K)], ids=lambda t: t.name)
+def test_fp32_rows_through_amx_tiles(qtype):
+    """AMX tiles multiply the codes (exact in bf16) by each fp32 row split into three bf16 parts, a block's scale
+    and constant applied to its sums: within a few fp32 roundings of gguf's dequantization times x in fp64 (a
+    two-part split, 16 bits of each value, gives 10-20x this error), and a row's bits the same whatever rows are
+    beside it and however many threads share the columns. 37 weight rows and 25 blocks end tiles and chunks
+    ragged; 100 rows end a group of 16 ragged."""
+    n, k = 37, 768 if qtype in K_QUANTS else 800
+    raw = gguf_tensor(qtype, n, k, seed=3)
+    w = repack(raw, qtype, n, k)
+    assert takes_amx_tiles(w)
+    ref_w = torch.from_numpy(dequantize(raw, qtype).reshape(n, k)).double()
+    x = torch.randn(100, k, generator=torch.Generator().manual_seed(4))
+    ref, mag = x.double() @ ref_w.t(), x.double().abs() @ ref_w.abs().t()
+    first = ops.qlinear(x[:ops.AMX_F32_MIN_ROWS], *w._kernel_args(), FUSED_MAX_ROWS, False, 0, "amx")
+    threads = torch.get_num_threads()
+    try:
+        for rows in (ops.AMX_F32_MIN_ROWS, 16, 17, 40, 100):
+            ys = []
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                ys.append(ops.qlinear(x[:rows], *w._kernel_args(), FUSED_MAX_ROWS, False, 0, "amx"))
+            y = ys[0]
+            assert ((y.double() - ref[:rows]).abs() <= 3e-7 * mag[:rows]).all(), rows
+            assert torch.equal(ys[1], y), rows
+            assert torch.equal(y[:ops.AMX_F32_MIN_ROWS], first), rows
+            tail = x[rows - ops.AMX_F32_MIN_ROWS:rows]
+            assert torch.equal(y[-ops.AMX_F32_MIN_ROWS:], ops.qlinear(tail, *w._kernel_args(), FUSED_MAX_ROWS, False, 0,
+                                                                      "amx")), rows
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

@@ -1534,6 +1534,225 @@ void gemm_bf16(const QWeight& w, const uint16_t* xp, int64_t M, uint16_t* y, int
 }
 bool amx_built() { return true; }
 
+// ---- fp32 rows times codes through AMX tiles ----
+// Q4 and Q8 codes are integers below 256 in magnitude, exact in bf16, and an fp32 row is the sum of three bf16
+// parts (hi, then the rounding of what hi leaves, then of what both leave: exact but for denormals). So a tile
+// multiply of a block's codes by the three parts gives its 32-term dot products as fp32 kernels have them: each
+// product exact, the sums in fp32. The block's scale then multiplies the dot product and its constant (min and
+// offset) the row's block sum: y[m, n] = sum over blocks b, in order, of s[n, b] (codes . x) + c[n, b] sum(x).
+// The expansion is only the codes, and a tile multiply does 8,192 products where an FMA does 16.
+PIPELLM_AMX_FN static inline __m512 bf16_low_to_ps(__m512i h) {  // the 16 bf16 in h's low half, as fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+}
+PIPELLM_AMX_FN static inline __m512 bf16_high_to_ps(__m512i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+}
+
+// r[i][j] -> r[j][i] for 16 x 16 32-bit values: pairs, then quads within 128-bit lanes, then the lanes
+PIPELLM_AMX_FN static inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);      // per lane: r_i[0] r_i+1[0] r_i[1] r_i+1[1]
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);  // r_i[2] r_i+1[2] r_i[3] r_i+1[3]
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + e]: lane L holds element 4L + e of rows i .. i+3
+    u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int e = 0; e < 4; e++) {  // row 4L + e: lane L of u[e], u[4 + e], u[8 + e], u[12 + e]
+    const __m512 v = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), w = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+    const __m512 w2 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
+    r[e] = _mm512_shuffle_f32x4(v, v2, 0x88);
+    r[8 + e] = _mm512_shuffle_f32x4(v, v2, 0xDD);
+    r[4 + e] = _mm512_shuffle_f32x4(w, w2, 0x88);
+    r[12 + e] = _mm512_shuffle_f32x4(w, w2, 0xDD);
+  }
+}
+
+PIPELLM_AMX_FN void pack_f32_parts(const float* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp, float* xsum) {
+  // xp[group of 16 rows][block][part][pair p][row r][2] = part of x[16 g + r][32 b + 2 p ...]; rows past M are 0
+  const int64_t nb = K / 32, groups = (M + 15) / 16;
+  for (int64_t g = 0; g < groups; g++)
+    for (int64_t b = 0; b < nb; b++) {
+      __m512 lo[16], hi[16], parts[3][16];  // a row's 16 pairs of a part: 16 32-bit values
+      for (int r = 0; r < 16; r++) {
+        const int64_t m = g * 16 + r;
+        lo[r] = hi[r] = _mm512_setzero_ps();
+        if (m < M) lo[r] = _mm512_loadu_ps(x + m * ldx + b * 32), hi[r] = _mm512_loadu_ps(x + m * ldx + b * 32 + 16);
+      }
+      __m512 sums[16];
+      for (int r = 0; r < 16; r++) sums[r] = _mm512_add_ps(lo[r], hi[r]);
+      transpose16(sums);  // lane r of sums[0] + ... + sums[15]: row r's sum
+      __m512 total = sums[0];
+      for (int i = 1; i < 16; i++) total = _mm512_add_ps(total, sums[i]);
+      _mm512_storeu_ps(xsum + (g * nb + b) * 16, total);
+      for (int part = 0; part < 3; part++)
+        for (int r = 0; r < 16; r++) {
+          const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(hi[r], lo[r]);  // 32 bf16 in k order: 16 pairs
+          parts[part][r] = _mm512_castsi512_ps(h);
+          lo[r] = _mm512_sub_ps(lo[r], bf16_low_to_ps(h));  // what the part leaves, exact
+          hi[r] = _mm512_sub_ps(hi[r], bf16_high_to_ps(h));
+        }
+      float* out = reinterpret_cast<float*>(xp + (g * nb + b) * 1536);
+      for (int part = 0; part < 3; part++) {
+        transpose16(parts[part]);  // [pair][row]
+        for (int p = 0; p < 16; p++) _mm512_storeu_ps(out + part * 256 + p * 16, parts[part][p]);
+      }
+    }
+}
+
+// Blocks b0 .. b0+nbk-1 of a row's 4-bit codes (no bit planes) as bf16, block j's 32 at out + j * ldo: two blocks
+// at a time, 32 bytes widened to 16-bit lanes, split into nibbles, put in weight order and looked up in a table
+// of bf16(0 .. 15)
+PIPELLM_AMX_FN static inline void q4_codes_bf16(const uint8_t* qs, int64_t b0, int nbk, uint16_t* out, int64_t ldo) {
+  static const __m512i table = [] {
+    alignas(64) uint16_t t[32];
+    for (int v = 0; v < 32; v++) {
+      const float f = float(v);
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      t[v] = uint16_t(bits >> 16);  // exact: small integers
+    }
+    return _mm512_load_si512(t);
+  }();
+  const __m512i low4 = _mm512_set1_epi16(15);
+  int j = 0;
+  for (; j + 2 <= nbk; j += 2) {  // lanes 0-15: block j's bytes, 16-31: block j + 1's
+    const __m512i v =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (b0 + j) * 16)));
+    const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+    _mm512_store_si512(out + j * ldo, _mm512_permutexvar_epi16(_mm512_shuffle_i64x2(lo, hi, 0x44), table));
+    _mm512_store_si512(out + (j + 1) * ldo, _mm512_permutexvar_epi16(_mm512_shuffle_i64x2(lo, hi, 0xEE), table));
+  }
+  if (j < nbk) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + (b0 + j) * 16)));
+    const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(15)), hi = _mm256_srli_epi16(v, 4);
+    _mm512_store_si512(out + j * ldo,
+                       _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), table));
+  }
+}
+
+constexpr int64_t AMX_CHUNK = 8;    // blocks a chunk of K
+constexpr int64_t AMX_PANEL = 256;  // weight rows whose sums wait between chunks: 16 KB a row group
+
+// Weight rows n .. n+15 over blocks b0 .. b0+nbk-1: codes into a[j] (a tile: row i at a[j] + 32 i, rows past
+// `rows` 0), scales and constants into s[j][i] and c[j][i]
+template <int KIND, int GROUP, int SK, bool MIN, int P>
+PIPELLM_AMX_FN static inline void expand_chunk(const QWeight& w, int64_t n, int rows, int64_t b0, int nbk,
+                                               uint16_t (*a)[512], float (*s)[16], float (*c)[16]) {
+  for (int i = 0; i < 16; i++) {
+    if (i >= rows) {
+      for (int j = 0; j < nbk; j++) {
+        std::memset(a[j] + 32 * i, 0, 64);
+        s[j][i] = c[j][i] = 0;
+      }
+      continue;
+    }
+    alignas(32) float sv[8], cv[8];
+    consts_upto8<GROUP, SK, MIN, P>(w, n + i, b0, nbk, sv, cv);
+    for (int j = 0; j < nbk; j++) {
+      s[j][i] = sv[j], c[j][i] = cv[j];
+      if constexpr (KIND == pipellm::Q8 || P > 0) {
+        __m512 lo, hi;
+        codes16<KIND, P>(w, n + i, b0 + j, lo, hi);
+        _mm512_store_si512(a[j] + 32 * i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // exact
+      }
+    }
+    if constexpr (KIND == pipellm::Q4 && P == 0)
+      q4_codes_bf16(w.qs + (n + i) * w.qs_stride, b0, nbk, a[0] + 32 * i, 512);
+  }
+}
+
+// acc[r] += s[r] * (row r of tile) + c[r] * sx: a block's dot products of weight row r scaled, and its constant
+// times the rows' block sums
+PIPELLM_AMX_FN static inline void scale_tile(const float* tile, const float* s, const float* c, __m512 sx,
+                                             __m512* acc) {
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; r++)
+    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(c[r]), sx,
+                             _mm512_fmadd_ps(_mm512_set1_ps(s[r]), _mm512_load_ps(tile + 16 * r), acc[r]));
+}
+
+// One block's dot products: tile C (0 or 1) = the codes in tile A (2 or 3) times the three parts (5, 6, 7), stored
+// to `tile` (the intrinsics take tile numbers as literals)
+#define PIPELLM_AMX_BLOCK(C, A, codes, xb, tile) \
+  _tile_zero(C);                                 \
+  _tile_loadd(A, codes, 64);                     \
+  _tile_loadd(5, xb, 64);                        \
+  _tile_dpbf16ps(C, A, 5);                       \
+  _tile_loadd(6, xb + 512, 64);                  \
+  _tile_dpbf16ps(C, A, 6);                       \
+  _tile_loadd(7, xb + 1024, 64);                 \
+  _tile_dpbf16ps(C, A, 7);                       \
+  _tile_stored(C, tile, 64);
+
+// Panels of weight rows, each over K in chunks of 8 blocks: a chunk's parts of a row group (24 KB) stay in L1 while
+// every 16 weight rows of the panel are expanded (codes, scales and constants of the chunk only) and multiplied,
+// their sums in registers over the chunk and in `sums` [group, weight row, 16 rows] between chunks. Walking all of
+// K per 16 weight rows read the rows' parts again from L2 each time: the tiles ran at ~1/3 of their rate.
+template <int KIND, int GROUP, int SK, bool MIN, int P>
+PIPELLM_AMX_FN static void gemm_f32_amx_t(const QWeight& w, const uint16_t* xp, const float* xsum, int64_t M,
+                                          float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  if constexpr (GROUP != 32 || !(KIND == pipellm::Q4 || KIND == pipellm::Q8)) {
+    std::abort();  // ops.cpp sends only these
+  } else {
+    TileConfig cfg;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+    const int64_t nb = w.K / 32, groups = (M + 15) / 16;
+    thread_local std::vector<float> sums;  // [group, weight row n - p0, 16 rows] between chunks
+    sums.resize(groups * AMX_PANEL * 16);
+    alignas(64) uint16_t a[AMX_CHUNK][512];
+    alignas(64) float s[AMX_CHUNK][16], c[AMX_CHUNK][16], tile[2][256];
+    for (int64_t p0 = n0; p0 < n1; p0 += AMX_PANEL) {
+      const int64_t p1 = std::min(n1, p0 + AMX_PANEL);
+      for (int64_t b0 = 0; b0 < nb; b0 += AMX_CHUNK) {
+        const int nbk = int(std::min(AMX_CHUNK, nb - b0));
+        for (int64_t n = p0; n < p1; n += 16) {
+          expand_chunk<KIND, GROUP, SK, MIN, P>(w, n, int(std::min<int64_t>(16, p1 - n)), b0, nbk, a, s, c);
+          for (int64_t g = 0; g < groups; g++) {
+            float* out = sums.data() + (g * AMX_PANEL + n - p0) * 16;
+            __m512 acc[16];
+            for (int r = 0; r < 16; r++) acc[r] = b0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + 16 * r);
+            const uint16_t* xg = xp + (g * nb + b0) * 1536;
+            const float* xs = xsum + (g * nb + b0) * 16;
+            // blocks in pairs through tiles 0 and 1: one block's scaling overlaps the next one's products
+            int j = 0;
+            for (; j + 2 <= nbk; j += 2) {
+              PIPELLM_AMX_BLOCK(0, 2, a[j], xg + j * 1536, tile[0])
+              PIPELLM_AMX_BLOCK(1, 3, a[j + 1], xg + (j + 1) * 1536, tile[1])
+              scale_tile(tile[0], s[j], c[j], _mm512_loadu_ps(xs + 16 * j), acc);
+              scale_tile(tile[1], s[j + 1], c[j + 1], _mm512_loadu_ps(xs + 16 * (j + 1)), acc);
+            }
+            if (j < nbk) {
+              PIPELLM_AMX_BLOCK(0, 2, a[j], xg + j * 1536, tile[0])
+              scale_tile(tile[0], s[j], c[j], _mm512_loadu_ps(xs + 16 * j), acc);
+            }
+            if (b0 + nbk < nb) {
+              for (int r = 0; r < 16; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+              continue;
+            }
+            transpose16(acc);  // acc[r] held weight row n + r's sums over the group's rows; now row 16 g + r's
+            const __mmask16 cols = __mmask16((1u << std::min<int64_t>(16, p1 - n)) - 1);
+            for (int64_t m = g * 16; m < std::min(M, g * 16 + 16); m++)
+              _mm512_mask_storeu_ps(y + m * ldy + n, cols, acc[m - g * 16]);
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+#undef PIPELLM_AMX_BLOCK
+
+void gemm_f32_amx(const QWeight& w, const uint16_t* xp, const float* xsum, int64_t M, float* y, int64_t ldy,
+                  int64_t n0, int64_t n1) {
+  PIPELLM_DISPATCH(gemm_f32_amx_t, w, xp, xsum, M, y, ldy, n0, n1)
+}
+
 PIPELLM_AMX_FN int64_t greedy_candidates(const uint16_t* a, int64_t N, const float* n1, const float* n2, float alpha,
                                          float beta, float c, float floor, int64_t* cand) {
   const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta), vc = _mm512_set1_ps(c);
@@ -1571,6 +1790,10 @@ PIPELLM_AMX_FN int64_t greedy_candidates(const uint16_t* a, int64_t N, const flo
 bool amx_built() { return false; }
 void pack_bf16_rows(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) { std::abort(); }
 void gemm_bf16(const QWeight&, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t, int64_t) { std::abort(); }
+void pack_f32_parts(const float*, int64_t, int64_t, int64_t, uint16_t*, float*) { std::abort(); }
+void gemm_f32_amx(const QWeight&, const uint16_t*, const float*, int64_t, float*, int64_t, int64_t, int64_t) {
+  std::abort();
+}
 int64_t greedy_candidates(const uint16_t*, int64_t, const float*, const float*, float, float, float, float, int64_t*) {
   std::abort();
 }
