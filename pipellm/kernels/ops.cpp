@@ -32,7 +32,8 @@ constexpr int64_t kDenseMaxRows = 64;
 // bf16 rows that take the AMX tiles: their cost is expanding the weights to bf16 (~0.1 ns a weight), whatever the
 // rows; the fused fp32 kernels grow with the rows, and from 3 on cost more (BENCHMARKS.md)
 constexpr int64_t kAmxMinRows = 3;
-// fp32 rows that take the AMX tiles with Q4/Q8 codes (gemm_f32_amx)
+// fp32 rows that take the AMX tiles with Q4/Q8 codes (gemm_f32_amx): the default model's layer shapes (Q4) at 6 rows
+// 1.47x (1 thread) and 1.18x (2 threads) the 8-lane kernel, at 5 rows 1.27x and 1.0x (BENCHMARKS.md)
 constexpr int64_t kAmxF32MinRows = 6;
 // fp32 rows from which gemm_xt (16 lanes, x transposed) beats gemm's 8-lane tiles (AVX-512; Xeon with AMX: the
 // default model's layers and LM head on one thread at 9 rows 1.15-1.2x, at 15 1.55-1.65x; on two at 9 rows
