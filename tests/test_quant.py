@@ -105,13 +105,14 @@ def takes_amx_tiles(w: QuantWeight) -> bool:
 
 @pytest.mark.skipif("amx" not in ISAS, reason="AMX tiles: this CPU lacks them (or Linux did not grant them)")
 @pytest.mark.parametrize("qtype", [t for t in TYPES if t not in (T.F16, T.BF16, T.Q6_K)], ids=lambda t: t.name)
-def test_fp32_rows_through_amx_tiles(qtype):
+@pytest.mark.parametrize("n", [37, 300])
+def test_fp32_rows_through_amx_tiles(qtype, n):
     """AMX tiles multiply the codes (exact in bf16) by each fp32 row split into three bf16 parts, a block's scale
     and constant applied to its sums: within a few fp32 roundings of gguf's dequantization times x in fp64 (a
     two-part split, 16 bits of each value, gives 10-20x this error), and a row's bits the same whatever rows are
-    beside it and however many threads share the columns. 37 weight rows and 25 blocks end tiles and chunks
-    ragged; 100 rows end a group of 16 ragged."""
-    n, k = 37, 768 if qtype in K_QUANTS else 800
+    beside it and however many threads share the columns. 37 or 300 weight rows (a panel of 256 and 44) and 25
+    blocks end tiles, panels and chunks ragged; 100 rows end a group of 16 ragged."""
+    k = 768 if qtype in K_QUANTS else 800
     raw = gguf_tensor(qtype, n, k, seed=3)
     w = repack(raw, qtype, n, k)
     assert takes_amx_tiles(w)
