@@ -3,6 +3,7 @@
     python benchmarks/qlinear.py [--kernels PATH] [--rows 1,4,16,64,256] [--isa avx2]
     python benchmarks/qlinear.py --rows 1 --isa avx2,avx512   # fused Q4 and Q8 per instruction set, in turns
     python benchmarks/qlinear.py --bf16-paths                 # bf16 rows: fp32 kernels, bf16 slices, AMX tiles
+    python benchmarks/qlinear.py --rows 8,16 --isa amx,avx512 --k-quants   # Q4_K and Q6_K (groups of 16) too
 Shapes of the default model (qkv+gate/up, down, LM head); 1 to 256 activation rows; the torch threads this
 process has (2 here). 'fused' expands weight blocks in registers for all rows; 'chunked' expands ~2 MB of rows
 to fp32 and calls torch's matmul (the path above FUSED_MAX_ROWS); 'int8' rounds the activation rows to 8 bits and
@@ -37,6 +38,8 @@ def main():
     parser.add_argument("--isa", default="", help="an instruction set to run instead of this CPU's best; several "
                         "(comma-separated): the fused kernels of each, in turns, best of --rounds")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--k-quants", action="store_true", help="with several --isa: also Q4_K and Q6_K blocks "
+                        "(random codes, valid scales) at a Llama-like 3072 x 768 and 768 x 2048")
     parser.add_argument("--bf16-paths", action="store_true", help="bf16 rows through each path, in turns (AMX's "
                         "needs a CPU with AMX tiles)")
     args = parser.parse_args()
@@ -49,7 +52,7 @@ def main():
         return compare_bf16_paths(ops, rows, args.rounds)
     isa = args.isa
     if "," in isa:
-        return compare_isas(ops, isa.split(","), [int(r) for r in args.rows.split(",")], args.rounds)
+        return compare_isas(ops, isa.split(","), [int(r) for r in args.rows.split(",")], args.rounds, args.k_quants)
     print(f"kernel path: {isa or ops.best_isa()}, {torch.get_num_threads()} threads; times in ms")
     torch.manual_seed(0)
     for n, k in [(3072, 576), (576, 1536), (49152, 576)]:
@@ -82,6 +85,22 @@ def random_weights(n: int, k: int) -> dict:
             "Q8": (torch.randint(-127, 128, (n, k), dtype=torch.int8), scale, None, Q8, 32, None, None, None, 0)}
 
 
+def k_quant_weights(n: int, k: int) -> dict:
+    """qlinear's weight arguments for Q4_K and Q6_K blocks [n, k] of random bytes with small fp16 super-scales."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    from pipellm.quant.gguf_blocks import _BLOCK_BYTES, repack
+    rng = np.random.default_rng(0)
+    out = {}
+    for qtype, scales_at in ((T.Q4_K, (0, 2)), (T.Q6_K, (208,))):
+        blocks = rng.integers(0, 256, (n, k // 256, _BLOCK_BYTES[qtype]), dtype=np.uint8)
+        for at in scales_at:
+            blocks[..., at:at + 2] = (rng.random((n, k // 256, 1)) * 0.01 + 1e-4).astype(np.float16).view(np.uint8)
+        out[qtype.name] = repack(blocks.reshape(n, -1), qtype, n, k)._kernel_args()
+    return out
+
+
 def compare_bf16_paths(ops, rows: list[int], rounds: int) -> None:
     """bf16 rows (dtype="bfloat16") times Q4 (as Q4_1) and Q8 (as Q8_0) weights by each path, alternating within
     each round: the fp32 kernels (rows widened, the result rounded), weight slices expanded for torch's bf16 matmul,
@@ -106,13 +125,14 @@ def compare_bf16_paths(ops, rows: list[int], rounds: int) -> None:
             print(f"{name} {n:5d} x {k:4d}  " + "  ".join(cells), flush=True)
 
 
-def compare_isas(ops, isas: list[str], rows: list[int], rounds: int) -> None:
-    """The fused Q4 (fp16 scale and min, as Q4_1) and Q8 (as Q8_0) kernels of each instruction set, alternating
-    within each round: the machine's drifting load hits them alike."""
+def compare_isas(ops, isas: list[str], rows: list[int], rounds: int, k_quants: bool = False) -> None:
+    """The fused Q4 (fp16 scale and min, as Q4_1) and Q8 (as Q8_0) kernels of each instruction set (and Q4_K and
+    Q6_K), alternating within each round: the machine's drifting load hits them alike."""
     print(f"{torch.get_num_threads()} threads; best of {rounds} rounds, ms")
     torch.manual_seed(0)
-    for n, k in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
-        weights = random_weights(n, k)
+    shapes = [(960, 576), (3072, 576), (576, 1536), (49152, 576)]
+    for n, k in shapes + ([(3072, 768), (768, 2048)] if k_quants else []):
+        weights = random_weights(n, k) if (n, k) in shapes else k_quant_weights(n, k)
         for m in rows:
             x = torch.randn(m, k)
             best = {}

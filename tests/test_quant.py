@@ -99,19 +99,20 @@ def test_fp32_rows_in_16_lanes_equal_the_dense_kernel_on_dequantized(qtype):
 
 
 def takes_amx_tiles(w: QuantWeight) -> bool:
-    """fp32 rows from AMX_F32_MIN_ROWS on go through AMX tiles where the codes are Q4 or Q8 in groups of 32."""
-    return w.kind in (Q4, Q8) and w.group == 32
+    """fp32 rows from AMX_F32_MIN_ROWS on go through AMX tiles where the weights are Q4 or Q8 codes."""
+    return w.kind in (Q4, Q8)
 
 
 @pytest.mark.skipif("amx" not in ISAS, reason="AMX tiles: this CPU lacks them (or Linux did not grant them)")
-@pytest.mark.parametrize("qtype", [t for t in TYPES if t not in (T.F16, T.BF16, T.Q6_K)], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t not in (T.F16, T.BF16)], ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [37, 300])
 def test_fp32_rows_through_amx_tiles(qtype, n):
-    """AMX tiles multiply the codes (exact in bf16) by each fp32 row split into three bf16 parts, a block's scale
-    and constant applied to its sums: within a few fp32 roundings of gguf's dequantization times x in fp64 (a
-    two-part split, 16 bits of each value, gives 10-20x this error), and a row's bits the same whatever rows are
-    beside it and however many threads share the columns. 37 or 300 weight rows (a panel of 256 and 44) and 25
-    blocks end tiles, panels and chunks ragged; 100 rows end a group of 16 ragged."""
+    """AMX tiles multiply the codes (exact in bf16) by each fp32 row split into three bf16 parts, each group's
+    scale and constant applied to its sums (Q6_K: groups of 16, a product each): within a few fp32 roundings of
+    gguf's dequantization times x in fp64 (a two-part split, 16 bits of each value, gives 10-20x this error), and
+    a row's bits the same whatever rows are beside it and however many threads share the columns. 37 or 300
+    weight rows (a panel of 256 and 44) and 25 blocks end tiles, panels and chunks ragged; 100 rows end a group of
+    16 ragged."""
     k = 768 if qtype in K_QUANTS else 800
     raw = gguf_tensor(qtype, n, k, seed=3)
     w = repack(raw, qtype, n, k)
@@ -119,10 +120,11 @@ def test_fp32_rows_through_amx_tiles(qtype, n):
     ref_w = torch.from_numpy(dequantize(raw, qtype).reshape(n, k)).double()
     x = torch.randn(100, k, generator=torch.Generator().manual_seed(4))
     ref, mag = x.double() @ ref_w.t(), x.double().abs() @ ref_w.abs().t()
-    first = ops.qlinear(x[:ops.AMX_F32_MIN_ROWS], *w._kernel_args(), FUSED_MAX_ROWS, False, 0, "amx")
+    low = ops.AMX_F32_MIN_ROWS if w.group == 32 else ops.AMX_F32_MIN_ROWS_16  # the fewest rows the tiles take
+    first = ops.qlinear(x[:low], *w._kernel_args(), FUSED_MAX_ROWS, False, 0, "amx")
     threads = torch.get_num_threads()
     try:
-        for rows in (ops.AMX_F32_MIN_ROWS, 16, 17, 40, 100):
+        for rows in (low, 16, 17, 40, 100):
             ys = []
             for t in (1, 2):
                 torch.set_num_threads(t)
@@ -130,10 +132,9 @@ def test_fp32_rows_through_amx_tiles(qtype, n):
             y = ys[0]
             assert ((y.double() - ref[:rows]).abs() <= 3e-7 * mag[:rows]).all(), rows
             assert torch.equal(ys[1], y), rows
-            assert torch.equal(y[:ops.AMX_F32_MIN_ROWS], first), rows
-            tail = x[rows - ops.AMX_F32_MIN_ROWS:rows]
-            assert torch.equal(y[-ops.AMX_F32_MIN_ROWS:], ops.qlinear(tail, *w._kernel_args(), FUSED_MAX_ROWS, False, 0,
-                                                                      "amx")), rows
+            assert torch.equal(y[:low], first), rows
+            tail = ops.qlinear(x[rows - low:rows], *w._kernel_args(), FUSED_MAX_ROWS, False, 0, "amx")
+            assert torch.equal(y[-low:], tail), rows
     finally:
         torch.set_num_threads(threads)
 

@@ -35,6 +35,9 @@ constexpr int64_t kAmxMinRows = 3;
 // fp32 rows that take the AMX tiles with Q4/Q8 codes (gemm_f32_amx): the default model's layer shapes (Q4) at 6 rows
 // 1.47x (1 thread) and 1.18x (2 threads) the 8-lane kernel, at 5 rows 1.27x and 1.0x (BENCHMARKS.md)
 constexpr int64_t kAmxF32MinRows = 6;
+// ... with codes in groups of 16 (Q6_K), a tile product a group: at 8 rows 0.97-1.08x, at 9 1.6-1.8x (the 16-lane
+// kernel's rows there)
+constexpr int64_t kAmxF32MinRows16 = 9;
 // fp32 rows from which gemm_xt (16 lanes, x transposed) beats gemm's 8-lane tiles (AVX-512; Xeon with AMX: the
 // default model's layers and LM head on one thread at 9 rows 1.15-1.2x, at 15 1.55-1.65x; on two at 9 rows
 // 0.9-1.15x; at 8 rows its 16 lanes, half empty, do no better)
@@ -202,14 +205,15 @@ at::Tensor qmatmul(const at::Tensor& x, const pipellm::QWeight& w, int64_t N, in
     });
     return y;
   }
-  if (!bf16 && impl.amx && !int8_acts && M >= kAmxF32MinRows && w.group == 32 &&
-      (w.kind == pipellm::Q4 || w.kind == pipellm::Q8)) {
+  if (!bf16 && impl.amx && !int8_acts && (w.kind == pipellm::Q4 || w.kind == pipellm::Q8) &&
+      M >= (w.group == 16 ? kAmxF32MinRows16 : kAmxF32MinRows)) {
     // AMX tiles multiply the codes, exact in bf16, by the rows split into three bf16 parts (packed once a call)
     const int64_t nb = K / 32, groups = (M + 15) / 16;
+    const int G = int(32 / w.group);  // scales a block
     at::Tensor xp = at::empty({groups * nb * 3 * 512}, xc.options().dtype(at::kBFloat16));
-    at::Tensor sums = at::empty({groups * nb * 16}, xc.options());
+    at::Tensor sums = at::empty({groups * nb * G * 16}, xc.options());
     auto* xp16 = reinterpret_cast<uint16_t*>(xp.data_ptr<at::BFloat16>());
-    avx512::pack_f32_parts(xc.data_ptr<float>(), K, M, K, xp16, sums.data_ptr<float>());
+    avx512::pack_f32_parts(xc.data_ptr<float>(), K, M, K, G, xp16, sums.data_ptr<float>());
     at::Tensor y = at::empty({M, N}, xc.options());
     at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t b0, int64_t b1) {
       avx512::gemm_f32_amx(w, xp16, sums.data_ptr<float>(), M, y.data_ptr<float>(), N, b0 * 32,
@@ -746,6 +750,7 @@ at::Tensor greedy_pick(const Linear& lin, const at::Tensor& x, const at::Tensor&
 PYBIND11_MODULE(pipellm_kernels, m) {
   m.attr("AMX_MIN_ROWS") = kAmxMinRows;
   m.attr("AMX_F32_MIN_ROWS") = kAmxF32MinRows;
+  m.attr("AMX_F32_MIN_ROWS_16") = kAmxF32MinRows16;
   m.attr("XT_MIN_ROWS") = kXtMinRows;
   m.attr("XT_MAX_ROWS") = kXtMaxRows;
   using namespace pybind11::literals;

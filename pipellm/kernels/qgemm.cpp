@@ -1572,7 +1572,8 @@ PIPELLM_AMX_FN static inline void transpose16(__m512 (&r)[16]) {
   }
 }
 
-PIPELLM_AMX_FN void pack_f32_parts(const float* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp, float* xsum) {
+PIPELLM_AMX_FN void pack_f32_parts(const float* x, int64_t ldx, int64_t M, int64_t K, int G, uint16_t* xp,
+                                   float* xsum) {
   // xp[group of 16 rows][block][part][pair p][row r][2] = part of x[16 g + r][32 b + 2 p ...]; rows past M are 0
   const int64_t nb = K / 32, groups = (M + 15) / 16;
   for (int64_t g = 0; g < groups; g++)
@@ -1583,12 +1584,14 @@ PIPELLM_AMX_FN void pack_f32_parts(const float* x, int64_t ldx, int64_t M, int64
         lo[r] = hi[r] = _mm512_setzero_ps();
         if (m < M) lo[r] = _mm512_loadu_ps(x + m * ldx + b * 32), hi[r] = _mm512_loadu_ps(x + m * ldx + b * 32 + 16);
       }
-      __m512 sums[16];
-      for (int r = 0; r < 16; r++) sums[r] = _mm512_add_ps(lo[r], hi[r]);
-      transpose16(sums);  // lane r of sums[0] + ... + sums[15]: row r's sum
-      __m512 total = sums[0];
-      for (int i = 1; i < 16; i++) total = _mm512_add_ps(total, sums[i]);
-      _mm512_storeu_ps(xsum + (g * nb + b) * 16, total);
+      for (int h = 0; h < G; h++) {  // the block's sum, or its two halves'
+        __m512 sums[16];
+        for (int r = 0; r < 16; r++) sums[r] = G == 1 ? _mm512_add_ps(lo[r], hi[r]) : h ? hi[r] : lo[r];
+        transpose16(sums);  // lane r of sums[0] + ... + sums[15]: row r's sum
+        __m512 total = sums[0];
+        for (int i = 1; i < 16; i++) total = _mm512_add_ps(total, sums[i]);
+        _mm512_storeu_ps(xsum + ((g * nb + b) * G + h) * 16, total);
+      }
       for (int part = 0; part < 3; part++)
         for (int r = 0; r < 16; r++) {
           const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(hi[r], lo[r]);  // 32 bf16 in k order: 16 pairs
@@ -1639,22 +1642,21 @@ constexpr int64_t AMX_CHUNK = 8;    // blocks a chunk of K
 constexpr int64_t AMX_PANEL = 256;  // weight rows whose sums wait between chunks: 16 KB a row group
 
 // Weight rows n .. n+15 over blocks b0 .. b0+nbk-1: codes into a[j] (a tile: row i at a[j] + 32 i, rows past
-// `rows` 0), scales and constants into s[j][i] and c[j][i]
+// `rows` 0), scales and constants of group g of block j into s[j * G + g][i] and c[j * G + g][i]
 template <int KIND, int GROUP, int SK, bool MIN, int P>
 PIPELLM_AMX_FN static inline void expand_chunk(const QWeight& w, int64_t n, int rows, int64_t b0, int nbk,
                                                uint16_t (*a)[512], float (*s)[16], float (*c)[16]) {
+  constexpr int G = 32 / GROUP;  // s and c: [block * G + group][weight row]
   for (int i = 0; i < 16; i++) {
     if (i >= rows) {
-      for (int j = 0; j < nbk; j++) {
-        std::memset(a[j] + 32 * i, 0, 64);
-        s[j][i] = c[j][i] = 0;
-      }
+      for (int j = 0; j < nbk; j++) std::memset(a[j] + 32 * i, 0, 64);
+      for (int j = 0; j < nbk * G; j++) s[j][i] = c[j][i] = 0;
       continue;
     }
-    alignas(32) float sv[8], cv[8];
+    alignas(32) float sv[8 * G], cv[8 * G];
     consts_upto8<GROUP, SK, MIN, P>(w, n + i, b0, nbk, sv, cv);
+    for (int j = 0; j < nbk * G; j++) s[j][i] = sv[j], c[j][i] = cv[j];
     for (int j = 0; j < nbk; j++) {
-      s[j][i] = sv[j], c[j][i] = cv[j];
       if constexpr (KIND == pipellm::Q8 || P > 0) {
         __m512 lo, hi;
         codes16<KIND, P>(w, n + i, b0 + j, lo, hi);
@@ -1696,17 +1698,22 @@ PIPELLM_AMX_FN static inline void scale_tile(const float* tile, const float* s, 
 template <int KIND, int GROUP, int SK, bool MIN, int P>
 PIPELLM_AMX_FN static void gemm_f32_amx_t(const QWeight& w, const uint16_t* xp, const float* xsum, int64_t M,
                                           float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  if constexpr (GROUP != 32 || !(KIND == pipellm::Q4 || KIND == pipellm::Q8)) {
+  if constexpr (!(KIND == pipellm::Q4 || KIND == pipellm::Q8)) {
     std::abort();  // ops.cpp sends only these
   } else {
+    constexpr int G = 32 / GROUP;  // scales a block
     TileConfig cfg;
     for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    if constexpr (G == 2) {  // a product per group of 16: A tiles of 16 values a row, B tiles of 8 pairs
+      cfg.colsb[2] = cfg.colsb[3] = 32;
+      cfg.rows[5] = cfg.rows[6] = cfg.rows[7] = 8;
+    }
     _tile_loadconfig(&cfg);
     const int64_t nb = w.K / 32, groups = (M + 15) / 16;
     thread_local std::vector<float> sums;  // [group, weight row n - p0, 16 rows] between chunks
     sums.resize(groups * AMX_PANEL * 16);
     alignas(64) uint16_t a[AMX_CHUNK][512];
-    alignas(64) float s[AMX_CHUNK][16], c[AMX_CHUNK][16], tile[2][256];
+    alignas(64) float s[AMX_CHUNK * G][16], c[AMX_CHUNK * G][16], tile[2][256];
     for (int64_t p0 = n0; p0 < n1; p0 += AMX_PANEL) {
       const int64_t p1 = std::min(n1, p0 + AMX_PANEL);
       for (int64_t b0 = 0; b0 < nb; b0 += AMX_CHUNK) {
@@ -1718,9 +1725,16 @@ PIPELLM_AMX_FN static void gemm_f32_amx_t(const QWeight& w, const uint16_t* xp, 
             __m512 acc[16];
             for (int r = 0; r < 16; r++) acc[r] = b0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + 16 * r);
             const uint16_t* xg = xp + (g * nb + b0) * 1536;
-            const float* xs = xsum + (g * nb + b0) * 16;
-            // blocks in pairs through tiles 0 and 1: one block's scaling overlaps the next one's products
+            const float* xs = xsum + (g * nb + b0) * G * 16;
+            // blocks (or a block's two groups) in pairs through tiles 0 and 1: one's scaling overlaps the next
+            // one's products
             int j = 0;
+            for (; G == 2 && j < nbk; j++) {  // group h: values 16 h .. 16 h + 15 of each row, pairs 8 h .. 8 h + 7
+              PIPELLM_AMX_BLOCK(0, 2, a[j], xg + j * 1536, tile[0])
+              PIPELLM_AMX_BLOCK(1, 3, a[j] + 16, xg + j * 1536 + 256, tile[1])
+              scale_tile(tile[0], s[2 * j], c[2 * j], _mm512_loadu_ps(xs + 32 * j), acc);
+              scale_tile(tile[1], s[2 * j + 1], c[2 * j + 1], _mm512_loadu_ps(xs + 32 * j + 16), acc);
+            }
             for (; j + 2 <= nbk; j += 2) {
               PIPELLM_AMX_BLOCK(0, 2, a[j], xg + j * 1536, tile[0])
               PIPELLM_AMX_BLOCK(1, 3, a[j + 1], xg + (j + 1) * 1536, tile[1])
@@ -1790,7 +1804,7 @@ PIPELLM_AMX_FN int64_t greedy_candidates(const uint16_t* a, int64_t N, const flo
 bool amx_built() { return false; }
 void pack_bf16_rows(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) { std::abort(); }
 void gemm_bf16(const QWeight&, const uint16_t*, int64_t, uint16_t*, int64_t, int64_t, int64_t) { std::abort(); }
-void pack_f32_parts(const float*, int64_t, int64_t, int64_t, uint16_t*, float*) { std::abort(); }
+void pack_f32_parts(const float*, int64_t, int64_t, int64_t, int, uint16_t*, float*) { std::abort(); }
 void gemm_f32_amx(const QWeight&, const uint16_t*, const float*, int64_t, float*, int64_t, int64_t, int64_t) {
   std::abort();
 }

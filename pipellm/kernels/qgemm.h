@@ -96,10 +96,11 @@ inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len
   void pack_bf16_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp);                 \
   void gemm_bf16(const pipellm::QWeight& w, const uint16_t* xp, int64_t M, uint16_t* y, int64_t ldy,        \
                  int64_t n0, int64_t n1);                                                                   \
-  /* fp32 rows times Q4/Q8 codes in groups of 32 through AMX tiles (amx_built()): pack_f32_parts lays x [M, K] */ \
-  /* out as three bf16 parts, [(M + 15) / 16, K / 32, 3, 16, 16, 2], and its block sums, [(M + 15) / 16, */      \
-  /* K / 32, 16]; gemm_f32_amx writes y [M, n0:n1] in fp32, n0 a multiple of 32 */                               \
-  void pack_f32_parts(const float* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp, float* xsum);           \
+  /* fp32 rows times Q4/Q8 codes (groups of 16 or 32) through AMX tiles (amx_built()): pack_f32_parts lays */  \
+  /* x [M, K] out as three bf16 parts, [(M + 15) / 16, K / 32, 3, 16, 16, 2], and its sums per group of G = */    \
+  /* 1 or 2 a block, [(M + 15) / 16, K / 32, G, 16]; gemm_f32_amx writes y [M, n0:n1] in fp32, n0 a multiple */  \
+  /* of 32 */                                                                                                    \
+  void pack_f32_parts(const float* x, int64_t ldx, int64_t M, int64_t K, int G, uint16_t* xp, float* xsum);    \
   void gemm_f32_amx(const pipellm::QWeight& w, const uint16_t* xp, const float* xsum, int64_t M, float* y,      \
                     int64_t ldy, int64_t n0, int64_t n1);                                                       \
   /* greedy picks' candidates (ops.cpp's greedy_pick): the j of a [N] (bf16) with a_j + b_j >= max_k (a_k - */ \
