@@ -1537,9 +1537,10 @@ bool amx_built() { return true; }
 // ---- fp32 rows times codes through AMX tiles ----
 // Q4 and Q8 codes are integers below 256 in magnitude, exact in bf16, and an fp32 row is the sum of three bf16
 // parts (hi, then the rounding of what hi leaves, then of what both leave: exact but for denormals). So a tile
-// multiply of a block's codes by the three parts gives its 32-term dot products as fp32 kernels have them: each
-// product exact, the sums in fp32. The block's scale then multiplies the dot product and its constant (min and
-// offset) the row's block sum: y[m, n] = sum over blocks b, in order, of s[n, b] (codes . x) + c[n, b] sum(x).
+// multiply of a group's codes by the three parts gives its dot products as fp32 kernels have them: each product
+// exact, the sums in fp32. The group's scale then multiplies the dot product and its constant (min and offset) the
+// row's sum over the group: y[m, n] = sum over groups g, in order, of s[n, g] (codes . x) + c[n, g] sum(x). A
+// group of 32 is a tile product; groups of 16 (Q6_K) take one each, of tiles 16 values wide, which costs the same.
 // The expansion is only the codes, and a tile multiply does 8,192 products where an FMA does 16.
 PIPELLM_AMX_FN static inline __m512 bf16_low_to_ps(__m512i h) {  // the 16 bf16 in h's low half, as fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
