@@ -9,7 +9,8 @@ process has (2 here). 'fused' expands weight blocks in registers for all rows; '
 to fp32 and calls torch's matmul (the path above FUSED_MAX_ROWS); 'int8' rounds the activation rows to 8 bits and
 multiplies the codes in integers (EngineConfig.int8_activations uses that for one row only); 'bf16' takes bf16 rows
 (dtype="bfloat16": above FUSED_MAX_ROWS, bf16 weight slices and torch's bf16 matmul), against the same weights
-dense in bf16.
+dense in bf16. With the amx instruction set (the default where the CPU has AMX tiles), 6 or more fp32 rows take
+the tiles whatever 'fused' or 'chunked' asks: `--isa avx512` gives the paths without them.
 To compare two builds, run this once per build, alternating: `--kernels PATH` loads a built pipellm_kernels .so
 (copy one aside before rebuilding).
 """
