@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pydantic.json_schema import models_json_schema
 
 from benchmarks.soak import run_soak
-from pipellm import LLM, SamplingParams, kernels
+from pipellm import kernels
 from pipellm.entrypoints.protocol import ChatRequest, CompletionRequest
 from tests.conftest import VOCAB
 from tests.serving import serve

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from benchmarks.soak import free_port
 from pipellm import LLM, SamplingParams
-from pipellm.pipeline import comm, wire
+from pipellm.pipeline import comm
 from pipellm.pipeline.executor import PipelineError
 from tests.conftest import FP32
 from tests.serving import is_running, listening, serve, wait_until

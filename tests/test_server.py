@@ -6,7 +6,6 @@ import os
 import signal
 import socket
 import threading
-import time
 
 import httpx
 import openai
