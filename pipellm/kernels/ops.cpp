@@ -213,7 +213,10 @@ at::Tensor qmatmul(const at::Tensor& x, const pipellm::QWeight& w, int64_t N, in
     at::Tensor xp = at::empty({groups * nb * 3 * 512}, xc.options().dtype(at::kBFloat16));
     at::Tensor sums = at::empty({groups * nb * G * 16}, xc.options());
     auto* xp16 = reinterpret_cast<uint16_t*>(xp.data_ptr<at::BFloat16>());
-    avx512::pack_f32_parts(xc.data_ptr<float>(), K, M, K, G, xp16, sums.data_ptr<float>());
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {  // a group of 16 rows at a time, each laid out alone
+      avx512::pack_f32_parts(xc.data_ptr<float>() + g0 * 16 * K, K, std::min(M, g1 * 16) - g0 * 16, K, G,
+                             xp16 + g0 * nb * 1536, sums.data_ptr<float>() + g0 * nb * G * 16);
+    });
     at::Tensor y = at::empty({M, N}, xc.options());
     at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t b0, int64_t b1) {
       avx512::gemm_f32_amx(w, xp16, sums.data_ptr<float>(), M, y.data_ptr<float>(), N, b0 * 32,
