@@ -58,7 +58,6 @@ def recovering_llm(llama_dir):
         yield llm
 
 
-
 def test_a_stage_reaped_by_the_watchdog_while_the_driver_looks_counts_as_exited(monkeypatch):
     """The driver's wait for an exit polls a stage, then the watchdog (stopping every stage) reaps it before the
     driver opens its pidfd: an exit, not a ProcessLookupError that would kill the engine."""
@@ -76,6 +75,7 @@ def test_a_stage_reaped_by_the_watchdog_while_the_driver_looks_counts_as_exited(
     start = time.monotonic()
     executor._wait_any_exit(5.0)
     assert time.monotonic() - start < 1.0 and proc.returncode is not None
+
 
 def test_restart_gives_every_request_the_tokens_of_a_fault_free_run(recovering_llm):
     llm = recovering_llm
