@@ -1,13 +1,13 @@
-"""Greedy picks from the LM head without every fp32 logit (CompactLinear.greedy: bf16 products in AMX tiles, then
-fp32 products of the candidates), against the argmax of fp64 logits of the same weights, and in the engine against
-the full logits."""
+"""Greedy picks from the LM head without every fp32 logit (CompactLinear.greedy: products in AMX tiles of rounded
+rows, then fp32 products of the candidates), against the argmax of fp64 logits of the same weights, and in the engine
+against the full logits."""
 import pytest
 import torch
 from gguf import dequantize as gguf_dequantize
 
 from pipellm import LLM, SamplingParams
 from pipellm.quant.gguf_blocks import repack
-from pipellm.quant.linear import F32, GREEDY_MIN_ROWS, CompactLinear, QuantWeight
+from pipellm.quant.linear import F32, GREEDY_INT8_MIN_ROWS, GREEDY_MIN_ROWS, Q8, CompactLinear, QuantWeight
 from pipellm.quant.rtn import quantize
 from tests.test_quant import ISAS, TYPES, gguf_tensor
 
@@ -27,11 +27,15 @@ def reference(head: CompactLinear, x: torch.Tensor) -> torch.Tensor:
     return (x.double() @ head.parts[0].dequantize().double().t()).argmax(dim=1)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])  # codes times scales; codes times scales plus mins
-@pytest.mark.parametrize("rows", [GREEDY_MIN_ROWS, 16, 40])
-def test_greedy_equals_the_argmax_of_exact_logits(rows, method):
-    head, x = head_and_rows(5000, 128, rows, method=method)
+@pytest.mark.parametrize("method", ["int8", "int4"])  # codes times scales (int8 tiles up to 16 rows); plus mins
+@pytest.mark.parametrize("rows", [GREEDY_INT8_MIN_ROWS, GREEDY_MIN_ROWS, 16, 17, 40])
+@pytest.mark.parametrize("n, k", [(5000, 128), (1003, 32)])  # a last group of 8 and 11 weight rows; one block
+def test_greedy_equals_the_argmax_of_exact_logits(rows, method, n, k):
+    head, x = head_and_rows(n, k, rows, method=method)
     ids = head.greedy(x)
+    if method == "int4" and rows < GREEDY_MIN_ROWS:
+        assert ids is None  # the bf16 tiles do not pay below GREEDY_MIN_ROWS: the caller takes the logits
+        return
     assert ids is not None
     exact = x.double() @ head.parts[0].dequantize().double().t()
     top2 = exact.topk(2, dim=1).values
@@ -81,6 +85,30 @@ def test_rows_bf16_cannot_tell_apart_get_their_fp32_order():
     assert head.greedy(x).tolist() == expected
 
 
+def test_rows_8_bit_rounding_reorders_get_their_fp32_order():
+    # Up to 16 rows, Q8 codes meet the rows rounded to 8 bits per 32 values (scale d = max |x| / 127, set here by
+    # x[0], which every weight row ignores): x[1] = 0.45 d rounds to 0 and x[2] = 0.55 d to d. Row 7 has 10 codes at
+    # 1, row 3 has 3 at 2, the others at most 2 at each: the rounded rows put row 3 first, the exact logits row 7
+    # (4.5 d s against 1.65 d s). The bound on the rounding keeps row 7 a candidate, and its fp32 product picks it.
+    gen = torch.Generator().manual_seed(4)
+    n, k, s = 300, 64, 0.01
+    codes = torch.randint(-20, 21, (n, k), generator=gen, dtype=torch.int8)
+    codes[:, :3] = torch.randint(-2, 3, (n, 3), generator=gen, dtype=torch.int8)
+    codes[:, 0] = 0
+    codes[[3, 7], 1:3] = 0
+    codes[7, 1], codes[3, 2] = 10, 3
+    head = CompactLinear([QuantWeight(Q8, codes, torch.full((n, k // 32), s).half(), source="int8")])
+    d = 1.27 / 127
+    x = torch.zeros(GREEDY_MIN_ROWS, k)
+    x[:, 0], x[:, 1], x[:, 2] = 1.27, 0.45 * d, 0.55 * d
+    x_hat = x.clone()
+    x_hat[:, 1], x_hat[:, 2] = 0.0, d
+    w = head.parts[0].dequantize()
+    assert (x_hat @ w.t()).argmax(dim=1).tolist() == [3] * GREEDY_MIN_ROWS
+    assert reference(head, x).tolist() == [7] * GREEDY_MIN_ROWS
+    assert head.greedy(x).tolist() == [7] * GREEDY_MIN_ROWS
+
+
 def test_exact_ties_pick_the_first():
     head, x = head_and_rows(1000, 64, GREEDY_MIN_ROWS, seed=2)
     q = head.parts[0]
@@ -95,7 +123,9 @@ def test_exact_ties_pick_the_first():
 
 def test_where_the_path_does_not_apply_the_caller_computes_logits():
     head, x = head_and_rows(500, 64, 8)
-    assert head.greedy(x[:GREEDY_MIN_ROWS - 1]) is None  # too few rows to gain
+    assert head.greedy(x[:GREEDY_INT8_MIN_ROWS - 1]) is None  # too few rows to gain
+    int4, _ = head_and_rows(500, 64, 8, method="int4")
+    assert int4.greedy(x[:GREEDY_MIN_ROWS - 1]) is None  # the bf16 tiles need more
     bad = x.clone()
     bad[3, 7] = float("nan")
     assert head.greedy(bad) is None

@@ -108,6 +108,12 @@ inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len
   /* a_j is not finite */                                                                                   \
   int64_t greedy_candidates(const uint16_t* a, int64_t N, const float* n1, const float* n2, float alpha,     \
                             float beta, float c, float floor, int64_t* cand);                               \
+  /* ... their first pass for Q8 codes (group 32, no min) in AMX-INT8 tiles: pack_i8_rows lays out rows */    \
+  /* rounded by quantize_acts (q [M, K], d [M, K / 32]) as [(M + 15) / 16, K / 32, 8, 16, 4] and their scales */  \
+  /* as [(M + 15) / 16, K / 32, 16]; gemm_q8_i8_amx writes y [M, n0:n1] in bf16 */                              \
+  void pack_i8_rows(const int8_t* q, const float* d, int64_t M, int64_t K, int8_t* xp, float* xd);            \
+  void gemm_q8_i8_amx(const pipellm::QWeight& w, const int8_t* xp, const float* xd, int64_t M, uint16_t* y,   \
+                      int64_t ldy, int64_t n0, int64_t n1);                                                   \
   }
 
 PIPELLM_DECLARE_ISA(generic)
