@@ -1,8 +1,8 @@
 """Greedy picks from the default model's LM head (Q8_0, 49,152 x 576): the full fp32 logits and the sampler's argmax
 against CompactLinear.greedy (products of rounded rows in AMX tiles, then fp32 products of the candidates only), in
 alternating rounds of one run, on real final hidden states (the last norm's output over a prefilled text), and
-whether the two pick the same tokens. Needs AMX. --cold reads 256 MB between two calls, so that the head comes from
-memory, as in a stage whose layers' weights pass through the caches between two heads.
+whether the two pick the same tokens. Needs AMX. --cold rewrites 256 MB between two calls, so that the head comes
+from memory, as in a stage whose layers' weights pass through the caches between two heads.
 `cd benchmarks && python greedy_head.py [--rows 3,8,16,32] [--threads 1] [--cold]`"""
 import argparse
 import json
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--rows", default="3,8,16,32")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--cold", action="store_true", help="the head read from memory: 256 MB read between calls")
+    parser.add_argument("--cold", action="store_true", help="the head read from memory: 256 MB rewritten between calls")
     args = parser.parse_args()
     evict = torch.ones(64 * 2**20) if args.cold else None
     torch.set_num_threads(args.threads)

@@ -192,10 +192,10 @@ class CompactLinear(nn.Module):
 
     def greedy(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each row's first index of its largest x @ W^T (x [R, K] fp32), the products in fp32, computed for a few
-        candidates only (the kernels' greedy_pick, after products in the AMX tiles of the rows rounded to bf16, or
-        up to 16 rows times Q8 codes, to 8 bits); None where that path does
-        not apply (no AMX, fewer than GREEDY_MIN_ROWS rows, or GREEDY_INT8_MIN_ROWS for Q8 codes, a weight not
-        expands_alike, a bias, x not finite), and the caller computes the logits."""
+        candidates only (the kernels' greedy_pick, after products in the AMX tiles of the rows rounded to bf16, or,
+        up to 16 rows times Q8 codes, to 8 bits); None where that path does not apply (no AMX, fewer than
+        GREEDY_MIN_ROWS rows, or GREEDY_INT8_MIN_ROWS for Q8 codes, a weight not expands_alike, a bias, x not
+        finite), and the caller computes the logits."""
         ops = kernels.load()
         if (ops is None or len(self.parts) != 1 or self.bias is not None or x.dim() != 2 or x.dtype != torch.float32
                 or not x.is_cpu or len(x) < GREEDY_INT8_MIN_ROWS or ops.best_isa() != "amx"):
