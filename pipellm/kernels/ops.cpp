@@ -78,11 +78,14 @@ bool amx_granted() {
 #endif
 }
 
-// AMX-INT8 besides (every CPU with AMX so far has it; CPUID says)
+// AMX-INT8 besides (every CPU with AMX so far has it; CPUID says, asked once: in a VM each CPUID traps, ~14 us)
 bool amx_int8() {
 #if defined(__x86_64__)
-  unsigned a, b, c, d;
-  return amx_granted() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
+  static const bool has_int8 = [] {
+    unsigned a, b, c, d;
+    return amx_granted() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
+  }();
+  return has_int8;
 #else
   return false;
 #endif
@@ -687,6 +690,12 @@ at::Tensor argmax_rows(const at::Tensor& logits, const std::string& isa) {
   return out;
 }
 
+// Q8 codes with a scale per 32 (Q8_0, int8 quantization) and the int8 tiles to take them as they are
+bool greedy_int8(const pipellm::QWeight& w) {
+  return w.kind == pipellm::Q8 && w.group == 32 && !w.min &&
+         (w.scale_kind == pipellm::SCALE_F16 || w.scale_kind == pipellm::SCALE_F32) && amx_int8();
+}
+
 // Greedy picks without every fp32 logit: each row r of x [R, K] (fp32) gets the first j of the largest L[r, j],
 // where L[r, j] is x_r's fp32 dot product with weight row j, and only a few L are computed. The AMX tiles first
 // multiply bf16-rounded rows by bf16-rounded weights (~2x faster than the fp32 products at 16 rows), giving a[r, j]
@@ -695,12 +704,6 @@ at::Tensor argmax_rows(const at::Tensor& logits, const std::string& isa) {
 // norms [2, N]: each weight row's ||bf16(w)|| and ||w - bf16(w)||, rounded up (Python's, once, from dequant). The
 // tiles must round the same fp32 weights dequant gives (QuantWeight.expands_alike), which L multiplies.
 // A row whose a or L are not finite gets -1: the caller takes the full logits instead.
-// Q8 codes with a scale per 32 (Q8_0, int8 quantization) and the int8 tiles to take them as they are
-bool greedy_int8(const pipellm::QWeight& w) {
-  return w.kind == pipellm::Q8 && w.group == 32 && !w.min &&
-         (w.scale_kind == pipellm::SCALE_F16 || w.scale_kind == pipellm::SCALE_F32) && amx_int8();
-}
-
 at::Tensor greedy_pick(const Linear& lin, const at::Tensor& x, const at::Tensor& norms) {
   TORCH_CHECK(lin.parts.size() == 1 && !lin.parts[0].dense.defined() && !lin.bias.has_value(),
               "greedy_pick takes one compact weight without bias");
@@ -708,17 +711,18 @@ at::Tensor greedy_pick(const Linear& lin, const at::Tensor& x, const at::Tensor&
   const Isa& impl = kIsas[p.isa];
   const int64_t R = x.size(0), K = lin.K, N = p.N;
   TORCH_CHECK(impl.amx && !p.int8_acts, "greedy_pick needs the AMX tiles and fp32 activations");
+  const pipellm::QWeight& w = p.w;
+  const bool int8_weight = greedy_int8(w);  // the int8 tiles take from one row
+  const int64_t min_rows = int8_weight ? 1 : kAmxMinRows;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K &&
-              R >= (greedy_int8(p.w) ? 1 : kAmxMinRows), "x must be contiguous fp32 [rows >= ",
-              greedy_int8(p.w) ? 1 : kAmxMinRows, ", ", K, "]");
+              R >= min_rows, "x must be contiguous fp32 [rows >= ", min_rows, ", ", K, "]");
   TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.dim() == 2 && norms.size(0) == 2 &&
               norms.size(1) == N, "norms must be fp32 [2, ", N, "]");
-  const pipellm::QWeight& w = p.w;
   // Up to 16 rows, Q8 codes with a scale per 32 go to the int8 tiles as they are (rows rounded to 8 bits); the
   // others to the bf16 tiles expanded (rows rounded to bf16), where all of K sums in a tile: each further 16 rows
   // would pay the int8 blocks' scaling again (the default model's head, one thread: 16 rows 2.8 against 3.7 ms,
   // 32 rows 5.2 against 5.1). Either way a = x_hat . w_hat, x_hat the rows as rounded.
-  const bool int8_tiles = R <= 16 && greedy_int8(w);
+  const bool int8_tiles = R <= 16 && int8_weight;
   at::Tensor a, x_hat;
   if (int8_tiles) {
     const int64_t nb = K / 32, groups = (R + 15) / 16;

@@ -1827,6 +1827,15 @@ PIPELLM_AMX_I8_FN void pack_i8_rows(const int8_t* q, const float* d, int64_t M, 
     }
 }
 
+// Block b's integer dot products: tile C (0 or 1) = codes in tile A (2 or 3, read in place) times the rows in tile B
+// (4 or 5), stored to tile[C] (the intrinsics take tile numbers as literals)
+#define PIPELLM_AMX_I8_BLOCK(C, A, B, b)      \
+  _tile_zero(C);                              \
+  _tile_loadd(A, codes + (b) * 32, stride);   \
+  _tile_loadd(B, xg + (b) * 512, 64);         \
+  _tile_dpbssd(C, A, B);                      \
+  _tile_stored(C, tile[C], 64);
+
 // y[m, n] (bf16) = sum over blocks b, in order, of (s[n, b] d[m, b]) (codes_n . q_m over b) in fp32, for weight rows
 // n0 .. n1-1: tiles 0 and 1 take alternate blocks' sums, A tiles (2, 3) 16 weight rows x 32 codes read in place,
 // B tiles (4, 5) a block of 16 packed rows
@@ -1874,25 +1883,13 @@ PIPELLM_AMX_I8_FN static void gemm_q8_i8_amx_t(const QWeight& w, const int8_t* x
         if (next && g == 0)
           for (int64_t i = b / 2 * per; i < std::min(lines, b / 2 * per + per); i++)
             _mm_prefetch(next + 64 * i, _MM_HINT_T1);
-        _tile_zero(0);
-        _tile_loadd(2, codes + b * 32, stride);
-        _tile_loadd(4, xg + b * 512, 64);
-        _tile_dpbssd(0, 2, 4);
-        _tile_zero(1);
-        _tile_loadd(3, codes + (b + 1) * 32, stride);
-        _tile_loadd(5, xg + (b + 1) * 512, 64);
-        _tile_dpbssd(1, 3, 5);
-        _tile_stored(0, tile[0], 64);
-        _tile_stored(1, tile[1], 64);
+        PIPELLM_AMX_I8_BLOCK(0, 2, 4, b)
+        PIPELLM_AMX_I8_BLOCK(1, 3, 5, b + 1)
         scale_block(tile[0], scales.data() + b * 16, _mm512_loadu_ps(dg + b * 16), acc);
         scale_block(tile[1], scales.data() + (b + 1) * 16, _mm512_loadu_ps(dg + (b + 1) * 16), acc);
       }
       if (b < nb) {
-        _tile_zero(0);
-        _tile_loadd(2, codes + b * 32, stride);
-        _tile_loadd(4, xg + b * 512, 64);
-        _tile_dpbssd(0, 2, 4);
-        _tile_stored(0, tile[0], 64);
+        PIPELLM_AMX_I8_BLOCK(0, 2, 4, b)
         scale_block(tile[0], scales.data() + b * 16, _mm512_loadu_ps(dg + b * 16), acc);
       }
       transpose16(acc);  // acc[r] held weight row n + r's sums over the group's rows; now row 16 g + r's
@@ -1903,6 +1900,8 @@ PIPELLM_AMX_I8_FN static void gemm_q8_i8_amx_t(const QWeight& w, const int8_t* x
   }
   _tile_release();
 }
+
+#undef PIPELLM_AMX_I8_BLOCK
 
 void gemm_q8_i8_amx(const QWeight& w, const int8_t* xp, const float* xd, int64_t M, uint16_t* y, int64_t ldy,
                     int64_t n0, int64_t n1) {
