@@ -15,7 +15,7 @@ import time
 import torch
 
 from pipellm import kernels
-from pipellm.models.kv_cache import zeros_on_huge_pages
+from pipellm.models.huge_pages import zeros_on_huge_pages
 
 BLOCK, KV, HEADS, DIM = 16, 3, 9, 64
 

@@ -52,23 +52,3 @@ def test_int8_holds_about_4x_the_tokens(llama_dir):
 def test_unknown_kv_cache_dtype_is_refused(llama_dir):
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8': must be one of auto, bfloat16, int8"):
         LLM(llama_dir, kv_cache_dtype="fp8")
-
-
-def test_caches_start_zeroed_and_leave_2mb_pages_once_those_fault_in_slowly(monkeypatch):
-    """A stage's caches start zeroed whichever pages back them; once 2 MB pages take more than twice as long as 4 KB
-    ones to fault in (where Linux must first compact memory), later caches are no longer advised onto them."""
-    from pipellm.models import kv_cache
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(7))  # memory that held data
-    monkeypatch.setattr(kv_cache, "_huge_pages", True)
-    monkeypatch.setattr(kv_cache, "_small_page_s", None)
-    advised = []
-    monkeypatch.setattr(kv_cache, "_advise_huge_pages", lambda address, length: advised.append(length))
-    shape = (5, 1 << 20)  # 20 MB of fp32: whole 2 MB pages, and parts of one at either end
-    assert not kv_cache.zeros_on_huge_pages(shape, torch.float32).any()
-    assert kv_cache._small_page_s is not None and len(advised) == 1  # 4 KB pages timed first, then the rest advised
-    kv_cache._small_page_s = 1e-9  # as if 4 KB pages faulted in far faster than any 2 MB page here will
-    assert not kv_cache.zeros_on_huge_pages(shape, torch.float32).any()
-    assert len(advised) == 2 and not kv_cache._huge_pages
-    assert not kv_cache.zeros_on_huge_pages(shape, torch.int8).any()
-    assert len(advised) == 2  # from here on, 4 KB pages

@@ -1,66 +1,15 @@
 """One layer's paged KV cache, in the dtype the user chose (kv_cache_dtype): the activations' own, bfloat16, or int8
 with one scale per block and KV head. Fewer bytes per cached token hold more tokens in the same memory and read
 faster where long contexts make attention memory-bound."""
-import ctypes
-import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
 from pipellm import kernels
 from pipellm.config import KV_CACHE_DTYPES
+from pipellm.models.huge_pages import zeros_on_huge_pages
 
 INT8_MAX = 127.0
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14  # Linux
-PROBE_BYTES = 2 * HUGE_PAGE
-_huge_pages = True                  # this process's caches go on 2 MB pages, until they cost too much
-_small_page_s: float | None = None  # measured on the first cache that holds whole 2 MB pages
-log = logging.getLogger("pipellm")
-
-
-def zeros_on_huge_pages(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory Linux is asked to back with 2 MB pages before it is first touched (where
-    transparent huge pages are in "madvise" mode, the usual default), while they come cheap. Decode attention reads
-    the cache in blocks scattered over it: with 4 KB pages each block costs TLB misses, and 8 sequences at 4,096
-    tokens read 1.15x faster on 2 MB pages (BENCHMARKS.md). But once free 2 MB runs are used up, Linux compacts
-    memory to fault in each one: a stage's start then zeroed its caches at 1.7-3.7 s a GB, against 0.2 on 4 KB
-    pages. So each cache's zeroing is timed against 4 KB pages' (measured once, on the first cache), and from the
-    first that takes more than twice as long, the process's caches stay on 4 KB pages."""
-    global _huge_pages, _small_page_s
-    t = torch.empty(shape, dtype=dtype)
-    raw, base = t.view(-1).view(torch.uint8), t.data_ptr()
-    start = -(-base // HUGE_PAGE) * HUGE_PAGE - base                   # byte offsets of whole 2 MB pages in t
-    end = (base + t.nbytes) // HUGE_PAGE * HUGE_PAGE - base
-    if end - start < PROBE_BYTES or not _huge_pages:
-        return t.zero_()
-    raw[:start].zero_()
-    raw[end:].zero_()
-    if _small_page_s is None:  # seconds to fault in and zero PROBE_BYTES on 4 KB pages
-        _small_page_s = _timed_zero(raw[start:start + PROBE_BYTES])
-        start += PROBE_BYTES
-    if end > start:
-        _advise_huge_pages(base + start, end - start)
-        ratio = _timed_zero(raw[start:end]) / max(_small_page_s * (end - start) / PROBE_BYTES, 1e-9)
-        if ratio > 2:
-            _huge_pages = False
-            log.info("KV caches on 4 KB pages from here on: 2 MB pages took %.1fx the time to fault in", ratio)
-    return t
-
-
-def _timed_zero(t: torch.Tensor) -> float:
-    begin = time.perf_counter()
-    t.zero_()
-    return time.perf_counter() - begin
-
-
-def _advise_huge_pages(address: int, length: int) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(address), ctypes.c_size_t(length),
-                                                  MADV_HUGEPAGE)  # advice only: a refusal changes nothing
-    except (OSError, AttributeError):
-        pass
 
 
 def cache_dtype(kv_cache_dtype: str, activations: torch.dtype) -> torch.dtype:

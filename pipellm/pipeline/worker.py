@@ -11,6 +11,7 @@ from pipellm import structured
 from pipellm.loader.gguf import gguf_source, load_gguf_stage_weights
 from pipellm.loader.safetensors import load_stage_weights
 from pipellm.models.attention import AttentionMetadata
+from pipellm.models.huge_pages import weights_on_huge_pages
 from pipellm.models.kv_cache import KVCache, cache_dtype
 from pipellm.models.layers import share_tied_embedding, transpose_linears
 from pipellm.models.registry import build_stage_model
@@ -48,6 +49,8 @@ class StageWorker:
         set_int8_activations(self.model, ecfg.int8_activations)
         transpose_linears(self.model)
         share_tied_embedding(self.model)
+        if device.type == "cpu":
+            weights_on_huge_pages(self.model)
         self.model.eval().to(device)
         kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)
         eager_why = graphs.supported(cfg, ecfg, device, args.num_window_blocks)
