@@ -41,6 +41,20 @@ def random_caches(cfg: ModelConfig, num_blocks: int, gen: torch.Generator) -> li
     return caches
 
 
+def decode_inputs(cfg: ModelConfig, seqs: int, context: int, gen: torch.Generator) -> tuple:
+    """(ids, positions, meta, caches) of a decode step of seqs sequences at the given context, their blocks
+    scattered over random caches."""
+    width = context // BLOCK + 1
+    caches = random_caches(cfg, seqs * width, gen)
+    tables = torch.randperm(seqs * width, generator=gen).int().view(seqs, width)
+    positions = torch.full((seqs,), context)
+    slots = tables[:, context // BLOCK].long() * BLOCK + context % BLOCK
+    meta = AttentionMetadata.for_layers([False] * cfg.num_layers, None, positions,
+                                        torch.ones(seqs, dtype=torch.long), positions + 1, tables, slots, BLOCK)
+    ids = torch.randint(0, cfg.vocab_size, (seqs,), generator=gen)
+    return ids, positions, meta, caches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqs", type=int, default=1)
@@ -51,15 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cfg, model = default_model_stage()
-    width = args.context // BLOCK + 1
-    gen = torch.Generator().manual_seed(0)
-    caches = random_caches(cfg, args.seqs * width, gen)
-    tables = torch.randperm(args.seqs * width, generator=gen).int().view(args.seqs, width)
-    positions = torch.full((args.seqs,), args.context)
-    slots = tables[:, args.context // BLOCK].long() * BLOCK + args.context % BLOCK
-    meta = AttentionMetadata.for_layers([False] * cfg.num_layers, None, positions,
-                                        torch.ones(args.seqs, dtype=torch.long), positions + 1, tables, slots, BLOCK)
-    ids = torch.randint(0, cfg.vocab_size, (args.seqs,), generator=gen)
+    ids, positions, meta, caches = decode_inputs(cfg, args.seqs, args.context, torch.Generator().manual_seed(0))
     fused_applies = fused.applies
     times = {"layers": [], "fused": []}
     with torch.inference_mode():

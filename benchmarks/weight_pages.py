@@ -7,10 +7,9 @@ import statistics
 import time
 
 import torch
-from decode_step import BLOCK, default_model_stage, random_caches
+from decode_step import decode_inputs, default_model_stage
 
 from pipellm.models import huge_pages
-from pipellm.models.attention import AttentionMetadata
 
 
 def main() -> None:
@@ -27,15 +26,7 @@ def main() -> None:
     moved = huge_pages.weights_on_huge_pages(huge)  # first: the caches below must not take the cheap 2 MB pages
     print(f"weights moved to 2 MB pages: {moved >> 20} MB")
     for seqs in (int(s) for s in args.seqs.split(",")):
-        width = args.context // BLOCK + 1
-        gen = torch.Generator().manual_seed(0)
-        caches = random_caches(cfg, seqs * width, gen)
-        tables = torch.randperm(seqs * width, generator=gen).int().view(seqs, width)
-        positions = torch.full((seqs,), args.context)
-        slots = tables[:, args.context // BLOCK].long() * BLOCK + args.context % BLOCK
-        meta = AttentionMetadata.for_layers([False] * cfg.num_layers, None, positions,
-                                            torch.ones(seqs, dtype=torch.long), positions + 1, tables, slots, BLOCK)
-        ids = torch.randint(0, cfg.vocab_size, (seqs,), generator=gen)
+        ids, positions, meta, caches = decode_inputs(cfg, seqs, args.context, torch.Generator().manual_seed(0))
         times = {"4 KB": [], "2 MB": []}
         with torch.inference_mode():
             for _ in range(args.rounds):
