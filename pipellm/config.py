@@ -271,7 +271,9 @@ class EngineConfig:
     block_size: int = 16                # tokens per KV cache block
     max_model_len: int | None = None    # prompt + output tokens; None = the model's limit
     max_num_seqs: int = 64              # requests running at once at most (all batches in flight together)
-    max_num_batched_tokens: int = 512   # tokens in one step at most: small, equal steps keep stages balanced
+    max_num_batched_tokens: int | None = None  # tokens in one step at most: small, equal steps keep stages
+    #                                     balanced. None: 512, or 256 with several CPU stages, whose pipeline fills
+    #                                     (and turns from prefill to decode) a step's time per stage
     kv_cache_gib: float | None = None   # KV cache memory per stage; None: 1 GiB on a CPU; on a GPU, what
     #                                     gpu_memory_utilization leaves after the stage's weights
     kv_cache_dtype: str = "auto"        # "auto" (the activations' dtype), "bfloat16", or "int8" (a scale per block
@@ -330,6 +332,8 @@ class EngineConfig:
             bad("max_model_len", "must be an integer >= 2 or None")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             bad("max_num_seqs", "must be a positive integer")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 256 if self.pipeline_parallel_size > 1 and self.device == "cpu" else 512
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             bad("max_num_batched_tokens", "must be a positive integer")
         if self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):

@@ -387,3 +387,14 @@ def test_async_scheduling_keeps_seeded_samples_logprobs_and_aborts(llm_async, ll
         engine.step()
     assert seen == [2] and not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_steps_default_to_256_tokens_with_several_cpu_stages():
+    """A pipeline of CPU stages waits a step's time per stage to fill, and again where prefill turns to decode: its
+    steps default to 256 tokens; one stage's, and GPU stages', to 512; a budget given is kept."""
+    assert EngineConfig("m").max_num_batched_tokens == 512
+    assert EngineConfig("m", pipeline_parallel_size=2).max_num_batched_tokens == 256
+    assert EngineConfig("m", pipeline_parallel_size=2, device="cuda").max_num_batched_tokens == 512
+    assert EngineConfig("m", pipeline_parallel_size=2, max_num_batched_tokens=1024).max_num_batched_tokens == 1024
+    with pytest.raises(ValueError, match="max_num_batched_tokens=0: must be a positive integer"):
+        EngineConfig("m", max_num_batched_tokens=0)

@@ -84,7 +84,8 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads-per-stage", type=int, default=None, help="default: cores // stages")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (default 512)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (default 512; 256 with several CPU stages)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once at most (default 64)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block (default 16)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
