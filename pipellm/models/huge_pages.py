@@ -1,6 +1,6 @@
 """Memory on 2 MB pages: the KV caches and a stage's weights. Each 4 KB page a read crosses costs a TLB entry, and
 a decode step reads all of a stage's weights and its sequences' caches: the default model's one-call decode step ran
-5-8% faster with its weights on 2 MB pages (BENCHMARKS.md)."""
+4-8% faster with its weights on 2 MB pages (BENCHMARKS.md)."""
 import ctypes
 import logging
 import time
@@ -74,16 +74,18 @@ def weights_on_huge_pages(model: nn.Module) -> int:
     total = sum(_padded(ts[0]) for ts in storages.values())
     if total < WEIGHTS_MIN_BYTES or not _huge_pages:
         return 0
-    moved, group, size = 0, [], 0
-    for tensors in (*storages.values(), None):
-        if group and (tensors is None or size + _padded(tensors[0]) > ARENA_BYTES):
-            if not _huge_pages:  # the last arena faulted in slowly: the rest stays where it is
-                break
-            _move(group)
-            moved, group, size = moved + size, [], 0
-        if tensors is not None:
-            group.append(tensors)
-            size += _padded(tensors[0])
+    groups, size = [[]], 0  # the storages of each arena: up to ARENA_BYTES, or one storage past it
+    for tensors in storages.values():
+        if groups[-1] and size + _padded(tensors[0]) > ARENA_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(tensors)
+        size += _padded(tensors[0])
+    moved = 0
+    for group in groups:
+        if not _huge_pages:  # the last arena faulted in slowly: the rest stays where it is
+            break
+        moved += _move(group)
     _trim_heap()
     return moved
 
@@ -100,13 +102,15 @@ def _padded(t: torch.Tensor) -> int:  # bytes of t's storage rounded up to a 64-
     return -(-t.untyped_storage().nbytes() // 64) * 64
 
 
-def _move(group: list[list[torch.Tensor]]) -> None:
+def _move(group: list[list[torch.Tensor]]) -> int:
+    """The group's storages into one arena, in order; returns the arena's bytes."""
     arena = zeros_on_huge_pages((sum(_padded(ts[0]) for ts in group),), torch.uint8)
     offset = 0
     with torch.no_grad():
         for tensors in group:
-            old = tensors[0].untyped_storage()
+            old, step = tensors[0].untyped_storage(), _padded(tensors[0])  # before set_ moves tensors[0]
             arena[offset:offset + old.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(old, 0, (old.nbytes(),)))
             for t in tensors:  # set_ changes the tensor in place: every module holding it sees the new memory
                 t.set_(arena.untyped_storage(), offset // t.element_size() + t.storage_offset(), t.size(), t.stride())
-            offset += -(-old.nbytes() // 64) * 64
+            offset += step
+    return offset
