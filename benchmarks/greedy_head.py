@@ -1,8 +1,9 @@
 """Greedy picks from the default model's LM head (Q8_0, 49,152 x 576): the full fp32 logits and the sampler's argmax
-against CompactLinear.greedy (products of rounded rows in AMX tiles, then fp32 products of the candidates only), in
-alternating rounds of one run, on real final hidden states (the last norm's output over a prefilled text), and
-whether the two pick the same tokens. Needs AMX. --cold rewrites 256 MB between two calls, so that the head comes
-from memory, as in a stage whose layers' weights pass through the caches between two heads.
+against CompactLinear.greedy (products of rounded rows in AMX tiles, or without them in AVX512-VNNI, then fp32
+products of the candidates only), in alternating rounds of one run, on real final hidden states (the last norm's
+output over a prefilled text), and whether the two pick the same tokens. Needs AMX or AVX512-VNNI. --cold rewrites
+256 MB between two calls, so that the head comes from memory, as in a stage whose layers' weights pass through the
+caches between two heads.
 `cd benchmarks && python greedy_head.py [--rows 3,8,16,32] [--threads 1] [--cold]`"""
 import argparse
 import json
@@ -61,8 +62,8 @@ def main() -> None:
         xs = final_rows(cfg, model)
         full = lambda x: greedy_ids(head(x))  # noqa: E731
         if head.greedy(xs[:16]) is None:
-            raise SystemExit("greedy_head.py: CompactLinear.greedy does not apply here (it needs AMX)")
-        same = all(torch.equal(head.greedy(xs[s:s + n]), full(xs[s:s + n]))  # int8 tiles to 16 rows, bf16 past
+            raise SystemExit("greedy_head.py: CompactLinear.greedy does not apply here (it needs AMX or AVX512-VNNI)")
+        same = all(torch.equal(head.greedy(xs[s:s + n]), full(xs[s:s + n]))  # AMX: int8 tiles to 16 rows, bf16 past
                    for n in (16, 32) for s in range(0, len(xs) - n + 1, n))
         result = {"threads": args.threads, "cold": args.cold, "same_picks_on_all_rows": same, "rows": {}}
         for rows in map(int, args.rows.split(",")):

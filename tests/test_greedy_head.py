@@ -1,17 +1,28 @@
-"""Greedy picks from the LM head without every fp32 logit (CompactLinear.greedy: products in AMX tiles of rounded
-rows, then fp32 products of the candidates), against the argmax of fp64 logits of the same weights, and in the engine
-against the full logits."""
+"""Greedy picks from the LM head without every fp32 logit (CompactLinear.greedy: products of rounded rows in AMX
+tiles, or in AVX512-VNNI's integer products for Q8 codes, then fp32 products of the candidates), against the argmax of
+fp64 logits of the same weights, and in the engine against the full logits. Where the CPU has both, each unit test
+runs on each (PIPELLM_ISA=amx, and avx512: no tiles)."""
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 from gguf import dequantize as gguf_dequantize
 
-from pipellm import LLM, SamplingParams
+from pipellm import LLM, SamplingParams, kernels
 from pipellm.quant.gguf_blocks import repack
 from pipellm.quant.linear import F32, GREEDY_INT8_MIN_ROWS, GREEDY_MIN_ROWS, Q8, CompactLinear, QuantWeight
 from pipellm.quant.rtn import quantize
 from tests.test_quant import ISAS, TYPES, gguf_tensor
 
-pytestmark = pytest.mark.skipif("amx" not in ISAS, reason="the candidates come from AMX tiles, which this CPU lacks")
+# the first pass's instructions: AMX tiles (bf16, and int8 for Q8 codes), or without them AVX512-VNNI (Q8 codes only)
+PATHS = [isa for isa in ("amx", "avx512") if isa in ISAS and (isa == "amx" or "avx512_vnni" in kernels.cpu_flags())]
+pytestmark = pytest.mark.skipif(not PATHS, reason="the candidates come from AMX tiles or AVX512-VNNI, which this CPU "
+                                "lacks")
+
+
+@pytest.fixture(params=PATHS)
+def isa(request, monkeypatch):
+    monkeypatch.setenv("PIPELLM_ISA", request.param)  # read where a head first runs
+    return request.param
 
 
 def head_and_rows(n: int, k: int, rows: int, seed: int = 0, method: str = "int8"):
@@ -30,11 +41,11 @@ def reference(head: CompactLinear, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("method", ["int8", "int4"])  # codes times scales (int8 tiles up to 16 rows); plus mins
 @pytest.mark.parametrize("rows", [GREEDY_INT8_MIN_ROWS, GREEDY_MIN_ROWS, 16, 17, 40])
 @pytest.mark.parametrize("n, k", [(5000, 128), (1003, 32)])  # a last group of 8 and 11 weight rows; one block
-def test_greedy_equals_the_argmax_of_exact_logits(rows, method, n, k):
+def test_greedy_equals_the_argmax_of_exact_logits(rows, method, n, k, isa):
     head, x = head_and_rows(n, k, rows, method=method)
     ids = head.greedy(x)
-    if method == "int4" and rows < GREEDY_MIN_ROWS:
-        assert ids is None  # the bf16 tiles do not pay below GREEDY_MIN_ROWS: the caller takes the logits
+    if method == "int4" and (rows < GREEDY_MIN_ROWS or isa != "amx"):
+        assert ids is None  # the bf16 tiles do not pay below GREEDY_MIN_ROWS, nor exist without AMX: the logits
         return
     assert ids is not None
     exact = x.double() @ head.parts[0].dequantize().double().t()
@@ -47,16 +58,16 @@ def test_greedy_equals_the_argmax_of_exact_logits(rows, method, n, k):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_every_gguf_type_picks_exactly_or_declines(qtype):
+def test_every_gguf_type_picks_exactly_or_declines(qtype, isa):
     # Against the gguf package's own dequantization: the types whose weights the tiles round as the fp32 kernels
     # expand them pick the fp64 logits' largest; the others (bit planes with mins: Q5_1, Q5_K) leave it to the
-    # full logits.
+    # full logits. Without AMX, only Q8_0 picks (its codes in integer products).
     n, k = 3000, 256
     raw = gguf_tensor(qtype, n, k)
     head = CompactLinear([repack(raw, qtype, n, k)])
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(3))
     ids = head.greedy(x)
-    if not head.parts[0].expands_alike:
+    if not head.parts[0].expands_alike or isa != "amx" and qtype != T.Q8_0:
         assert ids is None
         return
     exact = x.double() @ torch.from_numpy(gguf_dequantize(raw, qtype).reshape(n, k)).double().t()
@@ -65,7 +76,7 @@ def test_every_gguf_type_picks_exactly_or_declines(qtype):
     assert clear.sum() >= 15 and torch.equal(ids[clear], exact.argmax(dim=1)[clear])
 
 
-def test_rows_bf16_cannot_tell_apart_get_their_fp32_order():
+def test_rows_bf16_cannot_tell_apart_get_their_fp32_order(isa):
     # Weight rows 10, 20 and 30 equal but for one code: their logits (~250) differ by ~0.04, far less than bf16
     # resolves there (~1) and far more than fp32 rounds (~1e-3 at worst), so the tiles' products tie them and the
     # fp32 products of the candidates order them.
@@ -85,11 +96,12 @@ def test_rows_bf16_cannot_tell_apart_get_their_fp32_order():
     assert head.greedy(x).tolist() == expected
 
 
-def test_rows_8_bit_rounding_reorders_get_their_fp32_order():
-    # Up to 16 rows, Q8 codes meet the rows rounded to 8 bits per 32 values (scale d = max |x| / 127, set here by
-    # x[0], which every weight row ignores): x[1] = 0.45 d rounds to 0 and x[2] = 0.55 d to d. Row 7 has 10 codes at
-    # 1, row 3 has 3 at 2, the others at most 2 at each: the rounded rows put row 3 first, the exact logits row 7
-    # (4.5 d s against 1.65 d s). The bound on the rounding keeps row 7 a candidate, and its fp32 product picks it.
+def test_rows_8_bit_rounding_reorders_get_their_fp32_order(isa):
+    # Q8 codes meet the rows rounded to 8 bits per 32 values (with AMX, up to 16 rows; scale d = max |x| / 127, set
+    # here by x[0], which every weight row ignores): x[1] = 0.45 d rounds to 0 and x[2] = 0.55 d to d. Row 7 has 10
+    # codes at 1, row 3 has 3 at 2, the others at most 2 at each: the rounded rows put row 3 first, the exact logits
+    # row 7 (4.5 d s against 1.65 d s). The bound on the rounding keeps row 7 a candidate, and its fp32 product picks
+    # it.
     gen = torch.Generator().manual_seed(4)
     n, k, s = 300, 64, 0.01
     codes = torch.randint(-20, 21, (n, k), generator=gen, dtype=torch.int8)
@@ -109,7 +121,7 @@ def test_rows_8_bit_rounding_reorders_get_their_fp32_order():
     assert head.greedy(x).tolist() == [7] * GREEDY_MIN_ROWS
 
 
-def test_exact_ties_pick_the_first():
+def test_exact_ties_pick_the_first(isa):
     head, x = head_and_rows(1000, 64, GREEDY_MIN_ROWS, seed=2)
     q = head.parts[0]
     src = int(q.dequantize().norm(dim=1).argmax())
@@ -121,11 +133,12 @@ def test_exact_ties_pick_the_first():
     assert head.greedy(x).tolist() == [first] * GREEDY_MIN_ROWS
 
 
-def test_where_the_path_does_not_apply_the_caller_computes_logits():
+def test_where_the_path_does_not_apply_the_caller_computes_logits(isa):
     head, x = head_and_rows(500, 64, 8)
     assert head.greedy(x[:GREEDY_INT8_MIN_ROWS - 1]) is None  # too few rows to gain
     int4, _ = head_and_rows(500, 64, 8, method="int4")
     assert int4.greedy(x[:GREEDY_MIN_ROWS - 1]) is None  # the bf16 tiles need more
+    assert (int4.greedy(x) is None) == (isa != "amx")  # and without AMX, they are not there
     bad = x.clone()
     bad[3, 7] = float("nan")
     assert head.greedy(bad) is None

@@ -690,10 +690,25 @@ at::Tensor argmax_rows(const at::Tensor& logits, const std::string& isa) {
   return out;
 }
 
-// Q8 codes with a scale per 32 (Q8_0, int8 quantization) and the int8 tiles to take them as they are
-bool greedy_int8(const pipellm::QWeight& w) {
+// AVX512-VNNI (CPUID, asked once)
+bool vnni() {
+#if defined(__x86_64__)
+  static const bool has_vnni = [] {
+    __builtin_cpu_init();
+    return bool(__builtin_cpu_supports("avx512vnni"));
+  }();
+  return has_vnni;
+#else
+  return false;
+#endif
+}
+
+// Q8 codes with a scale per 32 (Q8_0, int8 quantization), and integer products to take them as they are: the
+// AMX-INT8 tiles, or, in the avx512 code without tiles, AVX512-VNNI
+bool greedy_int8(const pipellm::QWeight& w, const Isa& impl) {
   return w.kind == pipellm::Q8 && w.group == 32 && !w.min &&
-         (w.scale_kind == pipellm::SCALE_F16 || w.scale_kind == pipellm::SCALE_F32) && amx_int8();
+         (w.scale_kind == pipellm::SCALE_F16 || w.scale_kind == pipellm::SCALE_F32) &&
+         (impl.amx ? amx_int8() : impl.xt && vnni());
 }
 
 // Greedy picks without every fp32 logit: each row r of x [R, K] (fp32) gets the first j of the largest L[r, j],
@@ -710,21 +725,23 @@ at::Tensor greedy_pick(const Linear& lin, const at::Tensor& x, const at::Tensor&
   const Linear::Part& p = lin.parts[0];
   const Isa& impl = kIsas[p.isa];
   const int64_t R = x.size(0), K = lin.K, N = p.N;
-  TORCH_CHECK(impl.amx && !p.int8_acts, "greedy_pick needs the AMX tiles and fp32 activations");
   const pipellm::QWeight& w = p.w;
-  const bool int8_weight = greedy_int8(w);  // the int8 tiles take from one row
+  const bool int8_weight = greedy_int8(w, impl);  // the int8 products take from one row
+  TORCH_CHECK((impl.amx || int8_weight) && !p.int8_acts,
+              "greedy_pick needs fp32 activations and the AMX tiles, or AVX512-VNNI and Q8 codes with a scale per 32");
   const int64_t min_rows = int8_weight ? 1 : kAmxMinRows;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K &&
               R >= min_rows, "x must be contiguous fp32 [rows >= ", min_rows, ", ", K, "]");
   TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.dim() == 2 && norms.size(0) == 2 &&
               norms.size(1) == N, "norms must be fp32 [2, ", N, "]");
-  // Up to 16 rows, Q8 codes with a scale per 32 go to the int8 tiles as they are (rows rounded to 8 bits); the
-  // others to the bf16 tiles expanded (rows rounded to bf16), where all of K sums in a tile: each further 16 rows
-  // would pay the int8 blocks' scaling again (the default model's head, one thread: 16 rows 2.8 against 3.7 ms,
-  // 32 rows 5.2 against 5.1). Either way a = x_hat . w_hat, x_hat the rows as rounded.
-  const bool int8_tiles = R <= 16 && int8_weight;
+  // With the tiles, up to 16 rows, Q8 codes with a scale per 32 go to the int8 tiles as they are (rows rounded to 8
+  // bits); the others to the bf16 tiles expanded (rows rounded to bf16), where all of K sums in a tile: each
+  // further 16 rows would pay the int8 blocks' scaling again (the default model's head, one thread: 16 rows 2.8
+  // against 3.7 ms, 32 rows 5.2 against 5.1). Without tiles, those codes meet the 8-bit rows in AVX512-VNNI's
+  // integer products, whatever the rows. Either way a = x_hat . w_hat, x_hat the rows as rounded.
+  const bool int8 = int8_weight && (!impl.amx || R <= 16);
   at::Tensor a, x_hat;
-  if (int8_tiles) {
+  if (int8) {
     const int64_t nb = K / 32, groups = (R + 15) / 16;
     at::Tensor q = at::empty({R, K}, x.options().dtype(at::kChar));
     at::Tensor scales = at::empty({4 * R * nb}, x.options());  // d [R, nb], then quantize_acts' sums (unused)
@@ -734,13 +751,23 @@ at::Tensor greedy_pick(const Linear& lin, const at::Tensor& x, const at::Tensor&
                        x_hat.data_ptr<float>());
     at::Tensor xp = at::empty({groups * nb * 512}, q.options());
     at::Tensor xd = at::empty({groups * nb * 16}, x.options());
-    avx512::pack_i8_rows(q.data_ptr<int8_t>(), d, R, K, xp.data_ptr<int8_t>(), xd.data_ptr<float>());
-    a = at::empty({R, N}, x.options().dtype(at::kBFloat16));
-    auto* a16 = reinterpret_cast<uint16_t*>(a.data_ptr<at::BFloat16>());
-    at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
-      avx512::gemm_q8_i8_amx(w, xp.data_ptr<int8_t>(), xd.data_ptr<float>(), R, a16, N, b0 * 16,
-                             std::min(b1 * 16, N));
-    });
+    at::Tensor xc = at::empty({impl.amx ? 0 : groups * nb * 16}, x.options().dtype(at::kInt));
+    avx512::pack_i8_rows(q.data_ptr<int8_t>(), d, R, K, xp.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                         impl.amx ? nullptr : xc.data_ptr<int32_t>());
+    if (impl.amx) {
+      a = at::empty({R, N}, x.options().dtype(at::kBFloat16));
+      auto* a16 = reinterpret_cast<uint16_t*>(a.data_ptr<at::BFloat16>());
+      at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
+        avx512::gemm_q8_i8_amx(w, xp.data_ptr<int8_t>(), xd.data_ptr<float>(), R, a16, N, b0 * 16,
+                               std::min(b1 * 16, N));
+      });
+    } else {
+      a = at::empty({groups * 16, (N + 7) / 8 * 8}, x.options());  // [rows to 16, N to 8]: the kernel's tiles
+      at::parallel_for(0, (N + 7) / 8, 1, [&](int64_t b0, int64_t b1) {
+        avx512::gemm_q8_i8_vnni(w, xp.data_ptr<int8_t>(), xd.data_ptr<float>(), xc.data_ptr<int32_t>(), R,
+                                a.data_ptr<float>(), a.size(1), b0 * 8, std::min(b1 * 8, N));
+      });
+    }
   } else {
     const at::Tensor xb = x.to(at::kBFloat16);  // rounded to nearest even, as the tiles take it
     a = qmatmul(xb, w, N, p.fused_max_rows, false, 0, impl);  // [R, N] bf16, through the tiles
@@ -748,7 +775,13 @@ at::Tensor greedy_pick(const Linear& lin, const at::Tensor& x, const at::Tensor&
   }
   at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
   const float *xs = x.data_ptr<float>(), *n1 = norms.data_ptr<float>(), *n2 = n1 + N;
-  const uint16_t* as = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+  const int64_t lda = a.size(1);
+  const auto candidates = [&](int64_t r, float alpha, float beta, float c, float floor, int64_t* cand) {
+    if (a.scalar_type() == at::kFloat)
+      return avx512::greedy_candidates(a.data_ptr<float>() + r * lda, N, n1, n2, alpha, beta, c, floor, cand);
+    const auto* ar = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()) + r * lda;
+    return avx512::greedy_candidates(ar, N, n1, n2, alpha, beta, c, floor, cand);
+  };
   // ||x|| and ||x - x_hat|| a row, in fp64 (x - x_hat is exact there: x_hat is 0 or within a factor of 2 of x)
   const at::Tensor x_norms = at::linalg_vector_norm(x, 2, 1, false, at::kDouble);
   const at::Tensor err_norms =
@@ -764,18 +797,18 @@ at::Tensor greedy_pick(const Linear& lin, const at::Tensor& x, const at::Tensor&
     cand.resize(N);
     for (int64_t r = r0; r < r1; r++) {
       const float* xr = xs + r * K;
-      const uint16_t* ar = as + r * N;
       const double nx = nxs[r], ex = exs[r];
       // bf16 tiles: |a - L| <= ||x - bf16(x)|| ||bf16(w)|| + ||x|| ||w - bf16(w)|| (the rounded inputs) + gamma
       // (||bf16(x)|| ||bf16(w)|| + ||x|| ||w||) (the tiles' sums, and L's) + 2^-8 |a| (a is rounded to bf16) +
       // 2^-100 (1 + sqrt(K) ||x||) (the tiles' flushed denormals); each coefficient rounded up by 2^-10, which also
-      // covers the fp32 roundings of the comparisons below. int8 tiles: the weights as they are (||w|| <= n1 + n2),
-      // exact integer sums, the fp32 sums of their scaled blocks and L's within gamma (||x_hat|| + ||x||) ||w||.
+      // covers the fp32 roundings of the comparisons below. int8 products: the weights as they are (||w|| <= n1 +
+      // n2), exact integer sums, the fp32 sums of their scaled blocks and L's within gamma (||x_hat|| + ||x||) ||w||
+      // (VNNI's a stays fp32: 2^-8 |a| holds more than it needs).
       const float alpha = float((ex + gamma * (2 * nx + ex)) * up);
-      const float beta = int8_tiles ? alpha : float(nx * (1 + gamma) * up);
+      const float beta = int8 ? alpha : float(nx * (1 + gamma) * up);
       const float c = float(std::ldexp(1.0, -8) * up);
       const float floor = float(std::ldexp(1.0, -100) * (1 + std::sqrt(double(K)) * nx) * up);
-      const int64_t n = avx512::greedy_candidates(ar, N, n1, n2, alpha, beta, c, floor, cand.data());
+      const int64_t n = candidates(r, alpha, beta, c, floor, cand.data());
       bool finite = n >= 0 && std::isfinite(nx);
       int64_t best = -1;
       float best_l = 0;
@@ -821,8 +854,9 @@ PYBIND11_MODULE(pipellm_kernels, m) {
   m.def("argmax_rows", &argmax_rows, nogil, "logits"_a, "isa"_a = "");
   m.def("rotary_", &rotary_);
   m.def("greedy_pick", &greedy_pick, nogil, "linear"_a, "x"_a, "norms"_a);
-  m.def("greedy_int8", [](const Linear& lin) { return lin.parts.size() == 1 && greedy_int8(lin.parts[0].w); },
-        "whether greedy_pick takes this weight's codes to the int8 tiles as they are (up to 16 rows)");
+  m.def("greedy_int8",
+        [](const Linear& lin) { return lin.parts.size() == 1 && greedy_int8(lin.parts[0].w, kIsas[lin.parts[0].isa]); },
+        "whether greedy_pick takes this weight's codes as they are to integer products (AMX-INT8: up to 16 rows)");
   pybind11::class_<Linear>(m, "Linear", "y = x @ W^T + b, the weight's arguments checked and bound once")
       .def(pybind11::init(&compact_linear), "qs"_a, "scale"_a, "min"_a, "kind"_a, "group"_a, "super_scale"_a,
            "super_min"_a, "high"_a, "offset"_a, "fused_max_rows"_a, "int8_acts"_a, "integer_max_rows"_a, "isa"_a)

@@ -1387,6 +1387,136 @@ void gemm_xt(const QWeight&, const float*, int64_t, int64_t, float*, int64_t, in
 void pack_xt(const float*, int64_t, int64_t, int64_t, int64_t, float*) { std::abort(); }
 #endif
 
+// Rows rounded to 8 bits (quantize_acts: q [M, K], d [M, K / 32]) as the int8 products below and the AMX-INT8 tiles
+// take them: xp[group of 16 rows][block][quad k][row r][4] = q[16 g + r][32 b + 4 k ...], xd[group][block][row] = its
+// scale, and where xc is given, xc[group][block][row] = -128 times the block's sum of codes; rows past M are 0
+void pack_i8_rows(const int8_t* q, const float* d, int64_t M, int64_t K, int8_t* xp, float* xd, int32_t* xc) {
+  const int64_t nb = K / 32;
+  for (int64_t g = 0; g < (M + 15) / 16; g++)
+    for (int64_t b = 0; b < nb; b++) {
+      int8_t* out = xp + (g * nb + b) * 512;
+      for (int r = 0; r < 16; r++) {
+        const int64_t m = g * 16 + r;
+        const int8_t* row = q + m * K + b * 32;
+        for (int k = 0; k < 8; k++) {
+          if (m < M) std::memcpy(out + (k * 16 + r) * 4, row + 4 * k, 4);
+          else std::memset(out + (k * 16 + r) * 4, 0, 4);
+        }
+        xd[(g * nb + b) * 16 + r] = m < M ? d[m * nb + b] : 0.0f;
+        if (xc) {
+          int32_t sum = 0;
+          for (int j = 0; j < 32 && m < M; j++) sum += row[j];
+          xc[(g * nb + b) * 16 + r] = -128 * sum;
+        }
+      }
+    }
+}
+
+#ifdef __AVX512F__
+// ---- greedy picks' first pass on AVX512-VNNI (no AMX tiles): those rows times Q8 codes (a scale per 32, no min) as
+// they lie in memory, 16 rows in a vector's lanes. vpdpbusd multiplies unsigned by signed bytes: a weight row's 4
+// codes, broadcast, become unsigned by + 128 (an xor), and xc takes the 128 times the rows' codes back off. Each
+// block's integer sums are exact; their scaling in fp32 is the int8 tiles' (greedy_pick bounds both alike).
+#define PIPELLM_VNNI_FN __attribute__((target("avx512vnni,avx512f,avx512bw,avx512vl")))
+template <int SK>
+PIPELLM_VNNI_FN static void gemm_q8_i8_vnni_t(const QWeight& w, const int8_t* xp, const float* xd, const int32_t* xc,
+                                              int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int R = 8;  // weight rows a tile, their sums in registers; the tile's codes stay in L1 for every group
+  const int64_t nb = w.K / 32, groups = (M + 15) / 16;
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  for (int64_t n = n0; n < n1; n += R) {
+    int64_t row[R];  // past n1 (the last tile of N only), row n1 - 1 again, into y's padding
+    for (int i = 0; i < R; i++) row[i] = std::min(n + i, n1 - 1);
+    // the next tile's codes (contiguous), a share each block, to L1
+    const char* next = reinterpret_cast<const char*>(w.qs) + (n + R) * w.qs_stride;
+    const int64_t lines = n + 2 * R <= n1 ? R * w.qs_stride / 64 : 0, per = (lines + nb - 1) / nb;
+    for (int64_t g = 0; g < groups; g++) {
+      __m512 acc[R];
+      for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; b++) {
+        if (g == 0)
+          for (int64_t l = b * per; l < std::min(lines, b * per + per); l++) _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+        const int8_t* xb = xp + (g * nb + b) * 512;
+        __m512i dot[R];
+        for (int i = 0; i < R; i++) dot[i] = _mm512_loadu_si512(xc + (g * nb + b) * 16);
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+          const __m512i xk = _mm512_load_si512(xb + 64 * k);
+#pragma GCC unroll 8
+          for (int i = 0; i < R; i++) {
+            int32_t quad;  // codes 32 b + 4 k .. + 3 of weight row i
+            std::memcpy(&quad, reinterpret_cast<const int8_t*>(w.qs) + row[i] * w.qs_stride + 32 * b + 4 * k, 4);
+            dot[i] = _mm512_dpbusd_epi32(dot[i], _mm512_xor_si512(_mm512_set1_epi32(quad), flip), xk);
+          }
+        }
+        const __m512 dv = _mm512_loadu_ps(xd + (g * nb + b) * 16);
+        for (int i = 0; i < R; i++) {
+          const __m512 s = _mm512_mul_ps(_mm512_set1_ps(scale_at<SK>(w, row[i] * w.s_stride + b)), dv);
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), s, acc[i]);
+        }
+      }
+      store_transposed(acc, y + g * 16 * ldy + n, ldy);  // y[16 g + r, n + i] = acc[i][r]
+    }
+  }
+}
+#undef PIPELLM_VNNI_FN
+
+void gemm_q8_i8_vnni(const QWeight& w, const int8_t* xp, const float* xd, const int32_t* xc, int64_t M, float* y,
+                     int64_t ldy, int64_t n0, int64_t n1) {
+  if (w.scale_kind == pipellm::SCALE_F32)
+    return gemm_q8_i8_vnni_t<pipellm::SCALE_F32>(w, xp, xd, xc, M, y, ldy, n0, n1);
+  gemm_q8_i8_vnni_t<pipellm::SCALE_F16>(w, xp, xd, xc, M, y, ldy, n0, n1);
+}
+
+// greedy_pick's candidates from a [N], bf16 (the tiles') or fp32
+template <typename T>
+static int64_t greedy_candidates_t(const T* a, int64_t N, const float* n1, const float* n2, float alpha, float beta,
+                                   float c, float floor, int64_t* cand) {
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta), vc = _mm512_set1_ps(c);
+  const __m512 vf = _mm512_set1_ps(floor), inf = _mm512_set1_ps(INFINITY);
+  const auto load = [&](int64_t j, __mmask16 m) {
+    if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(m, a + j);
+    else  // bf16 -> fp32: the 16 bits on top
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, a + j)), 16));
+  };
+  const auto bound = [&](__m512 v, int64_t j, __mmask16 m) {
+    const __m512 b = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m, n2 + j),
+                                     _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, n1 + j), vf));
+    return _mm512_fmadd_ps(vc, _mm512_abs_ps(v), b);
+  };
+  const auto mask = [&](int64_t j) { return N - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (N - j)) - 1); };
+  __m512 lo = _mm512_set1_ps(-INFINITY);
+  __mmask16 bad = 0;
+  for (int64_t j = 0; j < N; j += 16) {
+    const __mmask16 m = mask(j);
+    const __m512 v = load(j, m);
+    bad |= _mm512_mask_cmp_ps_mask(m, _mm512_abs_ps(v), inf, _CMP_NLT_UQ);  // NaN or infinity
+    lo = _mm512_mask_max_ps(lo, m, lo, _mm512_sub_ps(v, bound(v, j, m)));
+  }
+  if (bad) return -1;
+  const __m512 thr = _mm512_set1_ps(_mm512_reduce_max_ps(lo));
+  int64_t n = 0;
+  for (int64_t j = 0; j < N; j += 16) {
+    const __mmask16 m = mask(j);
+    const __m512 v = load(j, m);
+    for (uint32_t keep = _mm512_mask_cmp_ps_mask(m, _mm512_add_ps(v, bound(v, j, m)), thr, _CMP_GE_OQ); keep;
+         keep &= keep - 1)
+      cand[n++] = j + __builtin_ctz(keep);
+  }
+  return n;
+}
+
+
+int64_t greedy_candidates(const uint16_t* a, int64_t N, const float* n1, const float* n2, float alpha, float beta,
+                          float c, float floor, int64_t* cand) {
+  return greedy_candidates_t(a, N, n1, n2, alpha, beta, c, floor, cand);
+}
+int64_t greedy_candidates(const float* a, int64_t N, const float* n1, const float* n2, float alpha, float beta,
+                          float c, float floor, int64_t* cand) {
+  return greedy_candidates_t(a, N, n1, n2, alpha, beta, c, floor, cand);
+}
+#endif
+
 void decode_attention(const DecodeArgs& a, int64_t u0, int64_t u1) {
   if (a.cache_kind == pipellm::CACHE_BF16) return decode_attention_t<pipellm::CACHE_BF16>(a, u0, u1);
   if (a.cache_kind == pipellm::CACHE_I8) return decode_attention_t<pipellm::CACHE_I8>(a, u0, u1);
@@ -1768,40 +1898,6 @@ void gemm_f32_amx(const QWeight& w, const uint16_t* xp, const float* xsum, int64
   PIPELLM_DISPATCH(gemm_f32_amx_t, w, xp, xsum, M, y, ldy, n0, n1)
 }
 
-PIPELLM_AMX_FN int64_t greedy_candidates(const uint16_t* a, int64_t N, const float* n1, const float* n2, float alpha,
-                                         float beta, float c, float floor, int64_t* cand) {
-  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta), vc = _mm512_set1_ps(c);
-  const __m512 vf = _mm512_set1_ps(floor);
-  const auto load = [&](int64_t j, __mmask16 m) {  // bf16 -> fp32: the 16 bits on top
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, a + j)), 16));
-  };
-  const auto bound = [&](__m512 v, int64_t j, __mmask16 m) {
-    const __m512 b = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m, n2 + j),
-                                     _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, n1 + j), vf));
-    return _mm512_fmadd_ps(vc, _mm512_abs_ps(v), b);
-  };
-  const auto mask = [&](int64_t j) { return N - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (N - j)) - 1); };
-  __m512 lo = _mm512_set1_ps(-INFINITY);
-  __mmask16 bad = 0;
-  for (int64_t j = 0; j < N; j += 16) {
-    const __mmask16 m = mask(j);
-    const __m512 v = load(j, m);
-    bad |= _mm512_mask_fpclass_ps_mask(m, v, 0x99);  // NaN or infinity
-    lo = _mm512_mask_max_ps(lo, m, lo, _mm512_sub_ps(v, bound(v, j, m)));
-  }
-  if (bad) return -1;
-  const __m512 thr = _mm512_set1_ps(_mm512_reduce_max_ps(lo));
-  int64_t n = 0;
-  for (int64_t j = 0; j < N; j += 16) {
-    const __mmask16 m = mask(j);
-    const __m512 v = load(j, m);
-    for (uint32_t keep = _mm512_mask_cmp_ps_mask(m, _mm512_add_ps(v, bound(v, j, m)), thr, _CMP_GE_OQ); keep;
-         keep &= keep - 1)
-      cand[n++] = j + __builtin_ctz(keep);
-  }
-  return n;
-}
-
 // ---- greedy picks' first pass: 8-bit rows times 8-bit codes in AMX-INT8 tiles ----
 // An LM head's Q8 codes (one fp16 or fp32 scale per 32, no min) go to the tiles as they lie in memory: no expansion,
 // which is most of what the bf16 tiles cost there. The rows come rounded to 8 bits per 32 (quantize_acts), so a
@@ -1809,23 +1905,6 @@ PIPELLM_AMX_FN int64_t greedy_candidates(const uint16_t* a, int64_t N, const flo
 // a ~ x_hat . w, which greedy_pick bounds by ||w|| ||x - x_hat|| and the fp32 sums' rounding.
 #define PIPELLM_AMX_I8_FN \
   __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512bf16,avx512dq,avx512f,avx512bw,avx512vl")))
-
-PIPELLM_AMX_I8_FN void pack_i8_rows(const int8_t* q, const float* d, int64_t M, int64_t K, int8_t* xp, float* xd) {
-  // xp[group of 16 rows][block][quad k][row r][4] = q[16 g + r][32 b + 4 k ...], xd[group][block][row] = its scale;
-  // rows past M are 0
-  const int64_t nb = K / 32;
-  for (int64_t g = 0; g < (M + 15) / 16; g++)
-    for (int64_t b = 0; b < nb; b++) {
-      int8_t* out = xp + (g * nb + b) * 512;
-      for (int k = 0; k < 8; k++)
-        for (int r = 0; r < 16; r++) {
-          const int64_t m = g * 16 + r;
-          if (m < M) std::memcpy(out + (k * 16 + r) * 4, q + m * K + b * 32 + 4 * k, 4);
-          else std::memset(out + (k * 16 + r) * 4, 0, 4);
-        }
-      for (int r = 0; r < 16; r++) xd[(g * nb + b) * 16 + r] = g * 16 + r < M ? d[(g * 16 + r) * nb + b] : 0.0f;
-    }
-}
 
 // Block b's integer dot products: tile C (0 or 1) = codes in tile A (2 or 3, read in place) times the rows in tile B
 // (4 or 5), stored to tile[C] (the intrinsics take tile numbers as literals)
@@ -1917,10 +1996,6 @@ void pack_f32_parts(const float*, int64_t, int64_t, int64_t, int, uint16_t*, flo
 void gemm_f32_amx(const QWeight&, const uint16_t*, const float*, int64_t, float*, int64_t, int64_t, int64_t) {
   std::abort();
 }
-int64_t greedy_candidates(const uint16_t*, int64_t, const float*, const float*, float, float, float, float, int64_t*) {
-  std::abort();
-}
-void pack_i8_rows(const int8_t*, const float*, int64_t, int64_t, int8_t*, float*) { std::abort(); }
 void gemm_q8_i8_amx(const QWeight&, const int8_t*, const float*, int64_t, uint16_t*, int64_t, int64_t, int64_t) {
   std::abort();
 }

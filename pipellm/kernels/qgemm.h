@@ -103,15 +103,21 @@ inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len
   void pack_f32_parts(const float* x, int64_t ldx, int64_t M, int64_t K, int G, uint16_t* xp, float* xsum);    \
   void gemm_f32_amx(const pipellm::QWeight& w, const uint16_t* xp, const float* xsum, int64_t M, float* y,      \
                     int64_t ldy, int64_t n0, int64_t n1);                                                       \
-  /* greedy picks' candidates (ops.cpp's greedy_pick): the j of a [N] (bf16) with a_j + b_j >= max_k (a_k - */ \
-  /* b_k), b_j = alpha n1_j + beta n2_j + c |a_j| + floor, ascending into cand; how many, or -1 where some */    \
-  /* a_j is not finite */                                                                                   \
+  /* greedy picks' candidates (ops.cpp's greedy_pick; the avx512 build): the j of a [N] (bf16 or fp32) with */  \
+  /* a_j + b_j >= max_k (a_k - b_k), b_j = alpha n1_j + beta n2_j + c |a_j| + floor, ascending into cand; how */  \
+  /* many, or -1 where some a_j is not finite */                                                              \
   int64_t greedy_candidates(const uint16_t* a, int64_t N, const float* n1, const float* n2, float alpha,     \
                             float beta, float c, float floor, int64_t* cand);                               \
-  /* ... their first pass for Q8 codes (group 32, no min) in AMX-INT8 tiles: pack_i8_rows lays out rows */    \
-  /* rounded by quantize_acts (q [M, K], d [M, K / 32]) as [(M + 15) / 16, K / 32, 8, 16, 4] and their scales */  \
-  /* as [(M + 15) / 16, K / 32, 16]; gemm_q8_i8_amx writes y [M, n0:n1] in bf16 */                              \
-  void pack_i8_rows(const int8_t* q, const float* d, int64_t M, int64_t K, int8_t* xp, float* xd);            \
+  int64_t greedy_candidates(const float* a, int64_t N, const float* n1, const float* n2, float alpha,        \
+                            float beta, float c, float floor, int64_t* cand);                               \
+  /* ... their first pass for Q8 codes (group 32, no min) in integers: pack_i8_rows lays out rows rounded by */  \
+  /* quantize_acts (q [M, K], d [M, K / 32]) as [(M + 15) / 16, K / 32, 8, 16, 4], their scales as */            \
+  /* [(M + 15) / 16, K / 32, 16], and, where xc is given, -128 times their codes' sums a block alike; */         \
+  /* gemm_q8_i8_amx (AMX-INT8 tiles) writes y [M, n0:n1] in bf16; gemm_q8_i8_vnni (AVX512-VNNI) writes y */       \
+  /* [(M + 15) / 16 * 16, n0:n1 rounded up to 8] in fp32, n0 a multiple of 8 */                                  \
+  void pack_i8_rows(const int8_t* q, const float* d, int64_t M, int64_t K, int8_t* xp, float* xd, int32_t* xc); \
+  void gemm_q8_i8_vnni(const pipellm::QWeight& w, const int8_t* xp, const float* xd, const int32_t* xc,       \
+                       int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1);                             \
   void gemm_q8_i8_amx(const pipellm::QWeight& w, const int8_t* xp, const float* xd, int64_t M, uint16_t* y,   \
                       int64_t ldy, int64_t n0, int64_t n1);                                                   \
   }

@@ -20,7 +20,7 @@ INTEGER_MAX_ROWS = 1  # int8_activations: rows multiplied in integers; more go t
 # rows from which CompactLinear.greedy beats the full logits: the tiles' cost is flat in the rows (the default model's
 # LM head on one thread, ms, full / greedy: 3 rows 3.0 / 3.2, 4 3.4 / 3.4, 5 4.1 / 3.4, 16 6.6 / 3.4; BENCHMARKS.md);
 # Q8 codes with a scale per 32 go to the int8 tiles unexpanded, which pay from 2 rows (1 row 1.35 / 1.99, 2 rows
-# 2.44 / 2.00, 3 rows 2.99 / 2.03)
+# 2.44 / 2.00, 3 rows 2.99 / 2.03), as do AVX512-VNNI's integer products without AMX (AMD EPYC: 2 rows 4.8 / 3.4)
 GREEDY_MIN_ROWS = 5
 GREEDY_INT8_MIN_ROWS = 2
 
@@ -192,19 +192,21 @@ class CompactLinear(nn.Module):
 
     def greedy(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each row's first index of its largest x @ W^T (x [R, K] fp32), the products in fp32, computed for a few
-        candidates only (the kernels' greedy_pick, after products in the AMX tiles of the rows rounded to bf16, or,
-        up to 16 rows times Q8 codes, to 8 bits); None where that path does not apply (no AMX, fewer than
+        candidates only (the kernels' greedy_pick, after products in the AMX tiles of the rows rounded to bf16, or
+        of the rows rounded to 8 bits times Q8 codes, in the AMX-INT8 tiles up to 16 rows, or without AMX in
+        AVX512-VNNI); None where that path does not apply (neither AMX nor VNNI with Q8 codes, fewer than
         GREEDY_MIN_ROWS rows, or GREEDY_INT8_MIN_ROWS for Q8 codes, a weight not expands_alike, a bias, x not
         finite), and the caller computes the logits."""
         ops = kernels.load()
         if (ops is None or len(self.parts) != 1 or self.bias is not None or x.dim() != 2 or x.dtype != torch.float32
-                or not x.is_cpu or len(x) < GREEDY_INT8_MIN_ROWS or ops.best_isa() != "amx"):
+                or not x.is_cpu or len(x) < GREEDY_INT8_MIN_ROWS):
             return None
         part = self.parts[0]
         if part.int8_activations or not part.expands_alike:
             return None
         call = (self._calls or self._prepare())[0]
-        if len(x) < GREEDY_MIN_ROWS and not ops.greedy_int8(call):
+        int8 = ops.greedy_int8(call)
+        if not int8 and (len(x) < GREEDY_MIN_ROWS or ops.best_isa() != "amx"):
             return None
         if self._norms is None:
             self._norms = part.bf16_error_norms()
