@@ -1519,6 +1519,17 @@ int64_t greedy_candidates(const float* a, int64_t N, const float* n1, const floa
                           float c, float floor, int64_t* cand) {
   return greedy_candidates_t(a, N, n1, n2, alpha, beta, c, floor, cand);
 }
+#else
+void gemm_q8_i8_vnni(const QWeight&, const int8_t*, const float*, const int32_t*, int64_t, float*, int64_t, int64_t,
+                     int64_t) {
+  std::abort();
+}
+int64_t greedy_candidates(const uint16_t*, int64_t, const float*, const float*, float, float, float, float, int64_t*) {
+  std::abort();
+}
+int64_t greedy_candidates(const float*, int64_t, const float*, const float*, float, float, float, float, int64_t*) {
+  std::abort();
+}
 #endif
 
 void decode_attention(const DecodeArgs& a, int64_t u0, int64_t u1) {
