@@ -1438,8 +1438,8 @@ PIPELLM_VNNI_FN static void gemm_q8_i8_vnni_t(const QWeight& w, const int8_t* xp
       __m512 acc[R];
       for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
       for (int64_t b = 0; b < nb; b++) {
-        if (g == 0)
-          for (int64_t l = b * per; l < std::min(lines, b * per + per); l++) _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+        for (int64_t l = b * per; g == 0 && l < std::min(lines, b * per + per); l++)
+          _mm_prefetch(next + 64 * l, _MM_HINT_T0);
         const int8_t* xb = xp + (g * nb + b) * 512;
         __m512i dot[R];
         for (int i = 0; i < R; i++) dot[i] = _mm512_loadu_si512(xc + (g * nb + b) * 16);
@@ -1509,7 +1509,6 @@ static int64_t greedy_candidates_t(const T* a, int64_t N, const float* n1, const
   }
   return n;
 }
-
 
 int64_t greedy_candidates(const uint16_t* a, int64_t N, const float* n1, const float* n2, float alpha, float beta,
                           float c, float floor, int64_t* cand) {

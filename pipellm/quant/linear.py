@@ -20,7 +20,8 @@ INTEGER_MAX_ROWS = 1  # int8_activations: rows multiplied in integers; more go t
 # rows from which CompactLinear.greedy beats the full logits: the tiles' cost is flat in the rows (the default model's
 # LM head on one thread, ms, full / greedy: 3 rows 3.0 / 3.2, 4 3.4 / 3.4, 5 4.1 / 3.4, 16 6.6 / 3.4; BENCHMARKS.md);
 # Q8 codes with a scale per 32 go to the int8 tiles unexpanded, which pay from 2 rows (1 row 1.35 / 1.99, 2 rows
-# 2.44 / 2.00, 3 rows 2.99 / 2.03), as do AVX512-VNNI's integer products without AMX (AMD EPYC: 2 rows 4.8 / 3.4)
+# 2.44 / 2.00, 3 rows 2.99 / 2.03); without AMX, AVX512-VNNI's integer products pay from GREEDY_MIN_ROWS (AMD EPYC,
+# one thread: 4 rows 3.41 / 3.41, 5 rows 3.86 / 3.46, 16 rows 10.8 / 3.7)
 GREEDY_MIN_ROWS = 5
 GREEDY_INT8_MIN_ROWS = 2
 
@@ -195,8 +196,8 @@ class CompactLinear(nn.Module):
         candidates only (the kernels' greedy_pick, after products in the AMX tiles of the rows rounded to bf16, or
         of the rows rounded to 8 bits times Q8 codes, in the AMX-INT8 tiles up to 16 rows, or without AMX in
         AVX512-VNNI); None where that path does not apply (neither AMX nor VNNI with Q8 codes, fewer than
-        GREEDY_MIN_ROWS rows, or GREEDY_INT8_MIN_ROWS for Q8 codes, a weight not expands_alike, a bias, x not
-        finite), and the caller computes the logits."""
+        GREEDY_MIN_ROWS rows, or GREEDY_INT8_MIN_ROWS for Q8 codes in the AMX-INT8 tiles, a weight not
+        expands_alike, a bias, x not finite), and the caller computes the logits."""
         ops = kernels.load()
         if (ops is None or len(self.parts) != 1 or self.bias is not None or x.dim() != 2 or x.dtype != torch.float32
                 or not x.is_cpu or len(x) < GREEDY_INT8_MIN_ROWS):
@@ -205,8 +206,8 @@ class CompactLinear(nn.Module):
         if part.int8_activations or not part.expands_alike:
             return None
         call = (self._calls or self._prepare())[0]
-        int8 = ops.greedy_int8(call)
-        if not int8 and (len(x) < GREEDY_MIN_ROWS or ops.best_isa() != "amx"):
+        tiles, int8 = ops.best_isa() == "amx", ops.greedy_int8(call)
+        if not (tiles or int8) or len(x) < (GREEDY_INT8_MIN_ROWS if tiles and int8 else GREEDY_MIN_ROWS):
             return None
         if self._norms is None:
             self._norms = part.bf16_error_norms()
