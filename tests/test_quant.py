@@ -67,11 +67,11 @@ def test_matmul_matches_fp32_matmul_of_dequantized(qtype, num_rows):
     x8 = gguf_q8_0_round_trip(x).double()
     for int8_acts, integer in ((False, 0), (True, 0), (True, 1 << 30)) if w.kind in (Q4, Q8) else ((False, 0),):
         for isa in ISAS:
-            for fused in (0, 1 << 30):  # both the fused kernel and expand-then-torch.mm (or the integer one)
-                y = ops.qlinear(x, *w._kernel_args(), fused, int8_acts, integer, isa)
+            for fused_max in (0, 1 << 30):  # both the fused kernel and expand-then-torch.mm (or the integer one)
+                y = ops.qlinear(x, *w._kernel_args(), fused_max, int8_acts, integer, isa)
                 assert y.shape == (num_rows, n) and y.dtype == torch.float32
                 expected = x8 @ ref_w.t() if int8_acts else ref
-                assert (y.double() - expected).abs().max().item() <= tol, (isa, fused, int8_acts, integer)
+                assert (y.double() - expected).abs().max().item() <= tol, (isa, fused_max, int8_acts, integer)
 
 
 @pytest.mark.skipif("avx512" not in ISAS, reason="the 16-lane path is in the AVX-512 build only")

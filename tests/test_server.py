@@ -12,7 +12,6 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.soak import free_port
 from pipellm import SamplingParams, StructuredOutputsParams
 from pipellm.loader.model_folder import load_tokenizer
 from tests.serving import KEY, Server, is_running, serve, wait_until
