@@ -97,7 +97,8 @@ def test_rows_bf16_cannot_tell_apart_get_their_fp32_order(isa):
     assert head.greedy(x).tolist() == expected
 
 
-def test_rows_8_bit_rounding_reorders_get_their_fp32_order(isa):
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])  # GGUF's Q8_0, and fp32 scales
+def test_rows_8_bit_rounding_reorders_get_their_fp32_order(isa, scale_dtype):
     # Q8 codes meet the rows rounded to 8 bits per 32 values (with AMX, up to 16 rows; scale d = max |x| / 127, set
     # here by x[0], which every weight row ignores): x[1] = 0.45 d rounds to 0 and x[2] = 0.55 d to d. Row 7 has 10
     # codes at 1, row 3 has 3 at 2, the others at most 2 at each: the rounded rows put row 3 first, the exact logits
@@ -110,7 +111,7 @@ def test_rows_8_bit_rounding_reorders_get_their_fp32_order(isa):
     codes[:, 0] = 0
     codes[[3, 7], 1:3] = 0
     codes[7, 1], codes[3, 2] = 10, 3
-    head = CompactLinear([QuantWeight(Q8, codes, torch.full((n, k // 32), s).half(), source="int8")])
+    head = CompactLinear([QuantWeight(Q8, codes, torch.full((n, k // 32), s, dtype=scale_dtype), source="int8")])
     d = 1.27 / 127
     x = torch.zeros(GREEDY_MIN_ROWS, k)
     x[:, 0], x[:, 1], x[:, 2] = 1.27, 0.45 * d, 0.55 * d
