@@ -1401,17 +1401,15 @@ void pack_i8_rows(const int8_t* q, const float* d, int64_t M, int64_t K, int8_t*
       int8_t* out = xp + (g * nb + b) * 512;
       for (int r = 0; r < 16; r++) {
         const int64_t m = g * 16 + r;
-        const int8_t* row = q + m * K + b * 32;
+        int32_t sum = 0;
         for (int k = 0; k < 8; k++) {
-          if (m < M) std::memcpy(out + (k * 16 + r) * 4, row + 4 * k, 4);
-          else std::memset(out + (k * 16 + r) * 4, 0, 4);
+          int8_t* quad = out + (k * 16 + r) * 4;
+          if (m < M) std::memcpy(quad, q + m * K + b * 32 + 4 * k, 4);
+          else std::memset(quad, 0, 4);
+          sum += quad[0] + quad[1] + quad[2] + quad[3];
         }
         xd[(g * nb + b) * 16 + r] = m < M ? d[m * nb + b] : 0.0f;
-        if (xc) {
-          int32_t sum = 0;
-          for (int j = 0; j < 32 && m < M; j++) sum += row[j];
-          xc[(g * nb + b) * 16 + r] = -128 * sum;
-        }
+        if (xc) xc[(g * nb + b) * 16 + r] = -128 * sum;
       }
     }
 }
