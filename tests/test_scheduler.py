@@ -95,12 +95,16 @@ def test_max_num_seqs_bounds_the_requests_of_every_batch_in_flight_together():
     sched = Scheduler(BlockManager(32, 4), max_num_seqs=2, max_num_batched_tokens=64)
     for name in "abc":
         sched.add(_req(name, 3))
-    first = sched.schedule(max_num_seqs=1)  # two batches in flight, as the engine fills a 2-stage pipeline
-    second = sched.schedule(max_num_seqs=1)
-    assert [r.request_id for r in first.requests + second.requests] == ["a", "b"]
+    # two batches in flight, as the engine fills a 2-stage pipeline: one decode each, prompts by the token budget
+    first = sched.schedule(max_num_seqs=1)
+    assert [r.request_id for r in first.requests] == ["a", "b"]
     assert sched.schedule(max_num_seqs=1) is None and [r.request_id for r in sched.waiting] == ["c"]
     _return_tokens(first)
-    sched.finish(first.requests[0], "stop")
+    second, third = sched.schedule(max_num_seqs=1), sched.schedule(max_num_seqs=1)
+    assert [r.request_id for r in second.requests + third.requests] == ["a", "b"]
+    assert second.num_new_tokens == third.num_new_tokens == [1]
+    _return_tokens(second)
+    sched.finish(second.requests[0], "stop")
     assert [r.request_id for r in sched.schedule().requests] == ["c"]  # a running request ended: room for one
 
 
@@ -128,28 +132,30 @@ def test_preemption_frees_blocks_and_recomputes_later():
     assert batch.stage_batch.finished_req_ids == ["a"]
 
 
-@pytest.mark.parametrize("run_ahead", [0, 8])
-def test_a_stage_rebuilds_every_block_table_from_the_changes_alone(run_ahead):
+@pytest.mark.parametrize("ahead", ["none", "run_ahead", "chunks_ahead"])
+def test_a_stage_rebuilds_every_block_table_from_the_changes_alone(ahead):
     """Each batch sends only the block ids its requests' rows gained. Through growth, preemption, prefix hits, rows
-    reused after a request finishes, and async scheduling's batches ahead, a stage's tables built from the changes
-    equal the requests' own block ids, batch after batch."""
+    reused after a request finishes, async scheduling's batches ahead and prompt chunks sent while the chunk before
+    is out, a stage's tables built from the changes equal the requests' own block ids, batch after batch."""
     bm = BlockManager(num_blocks=10, block_size=4, enable_caching=True)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=12, run_ahead_max_seqs=run_ahead)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=12, run_ahead_max_seqs=8 * (ahead == "run_ahead"),
+                      chunks_ahead=ahead == "chunks_ahead")
     stage = StageBlockTables()
-    for rid, prompt in [("a", 9), ("b", 5), ("c", 9), ("d", 3)]:  # c's prompt starts as a's: a prefix hit
+    for rid, prompt in [("a", 9), ("b", 5), ("c", 9), ("d", 3), ("e", 9)]:  # c's and e's prompts are a's: prefix hits
         sched.add(_req(rid, prompt, max_tokens=8))
-    sent = held = 0
+    sent = held = chunks_ahead = 0
     in_flight = deque()
     while sched.num_unfinished or in_flight:
         batch = sched.schedule()
         if batch is not None:
+            chunks_ahead += any(r.in_flight == 2 and not r.num_ahead for r in batch.requests)
             expected = [list(r.block_ids) for r in batch.requests]
             changes = batch.stage_batch.table_changes
             tables = stage.apply(changes, len(expected), batch.batch_id)
             assert tables.tolist() == [e + [0] * (tables.shape[1] - len(e)) for e in expected]
             sent, held = sent + len(changes.new_ids), held + sum(map(len, expected))
             in_flight.append(batch)
-        if batch is None or len(in_flight) == 2 or not run_ahead:
+        if batch is None or len(in_flight) == 2 or ahead == "none":
             done = in_flight.popleft()
             _return_tokens(done)
             for r in done.requests:
@@ -159,6 +165,7 @@ def test_a_stage_rebuilds_every_block_table_from_the_changes_alone(run_ahead):
                     bm.free(r)  # as the engine does once a stopped request's batches are back
     assert sched.num_preemptions > 0 and bm.num_prefix_hits > 0 and bm.num_rows < 8
     assert sent < held / 3  # decode steps send no block ids but a new block's
+    assert (chunks_ahead > 0) == (ahead == "chunks_ahead")
 
 
 def test_finished_and_aborted_requests_free_every_block(llama_dir):
@@ -193,18 +200,53 @@ def test_request_ids_are_unique_and_every_completion_is_found_by_its_request_id(
     assert engine.block_manager.num_free_blocks == engine.num_blocks
 
 
-@pytest.mark.parametrize("pp,steps", [(2, 1), (1, 6)])
-def test_memory_pressure_preempts_without_changing_greedy_output(llama_dir, checkpoints, pp, steps):
+def spy_chunks_ahead(llm: LLM) -> list[bool]:
+    """Per batch the engine sends: whether a request in it already had a batch out (a prompt chunk sent ahead)."""
+    seen, schedule = [], llm.engine.scheduler.schedule
+
+    def spy(*args, **kwargs):
+        batch = schedule(*args, **kwargs)
+        if batch is not None:
+            seen.append(any(r.in_flight > 1 for r in batch.requests))
+        return batch
+    llm.engine.scheduler.schedule = spy
+    return seen
+
+
+@pytest.mark.parametrize("pp,steps,budget", [(2, 1, None), (1, 6, None), (2, 1, 8)])
+def test_memory_pressure_preempts_without_changing_greedy_output(llama_dir, checkpoints, pp, steps, budget):
     prompts = [{"prompt_token_ids": [(i * 7 + j) % 300 + 1 for j in range(10 + 3 * i)]} for i in range(10)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     expected = hf_greedy_ids(checkpoints["llama"][1], [p["prompt_token_ids"] for p in prompts], params.max_tokens)
-    # 16 blocks of 16 tokens for 10 requests needing up to 4 blocks each (and blocks for several steps ahead).
-    with LLM(llama_dir, pipeline_parallel_size=pp, num_kv_blocks=16, dtype=FP32, num_scheduler_steps=steps) as tight:
+    # 16 blocks of 16 tokens for 10 requests needing up to 4 blocks each (and blocks for several steps ahead);
+    # with a budget of 8 tokens a step, prompts go in chunks, sent while the chunk before is out
+    with LLM(llama_dir, pipeline_parallel_size=pp, num_kv_blocks=16, dtype=FP32, num_scheduler_steps=steps,
+             max_num_batched_tokens=budget) as tight:
+        ahead = spy_chunks_ahead(tight)
         got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
         preempted = tight.engine.scheduler.num_preemptions
         assert tight.engine.block_manager.num_free_blocks == 16
     assert got == expected
     assert preempted > 0
+    assert any(ahead) or budget is None
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_prompt_chunks_sent_ahead_match_hf_greedy(checkpoints, pp):
+    """Several stages: a prompt's next chunk goes out while the one before is still in the pipeline, so a long
+    prompt's chunks fill every stage. Greedy ids equal HF's, prefix-cache hits included (a prompt repeated, and one
+    sharing the first's head, taking blocks whose K/V batches still out may be writing)."""
+    base = [(5 * i + 3) % 300 + 1 for i in range(70)]
+    prompts = [base, [(7 * i + 1) % 300 + 1 for i in range(45)], base[:40] + [9, 8, 7], base]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = hf_greedy_ids(checkpoints["llama"][1], prompts, params.max_tokens)
+    with LLM(checkpoints["llama"][0], pipeline_parallel_size=pp, dtype=FP32, max_num_batched_tokens=16) as llm:
+        ahead = spy_chunks_ahead(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        hits = llm.engine.block_manager.num_prefix_hits
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert any(ahead) and hits > 0
 
 
 @pytest.fixture(scope="module")

@@ -102,14 +102,15 @@ class BlockManager:
         assert all(self.ref_counts[b] == 1 and self.block_hashes[b] is None
                    for b in req.block_ids[req.num_computed_tokens // self.block_size:])
 
-    def allocate_ahead(self, req: Request) -> None:
-        """A slot for one token past those of req's batch out (async scheduling, one stage). Its full blocks are
-        cached already: their K/V is written by batches sent before any batch that could take them from the cache,
-        and one stage runs batches in the order they were sent."""
-        assert req.in_flight and req.num_computed_tokens == req.num_tokens and not self.window_ring
-        assert self.can_allocate(req, 1), "allocate_ahead() without can_allocate()"
+    def allocate_ahead(self, req: Request, num_new_tokens: int) -> None:
+        """Slots for num_new_tokens past those of req's batch out: the token that batch samples (async scheduling,
+        one stage) or a prompt's next chunk (several stages). Its full blocks are cached already: their K/V is
+        written by batches sent before any batch that could take them from the cache, and every stage runs batches
+        in the order they were sent."""
+        assert req.in_flight and not self.window_ring
+        assert self.can_allocate(req, num_new_tokens), "allocate_ahead() without can_allocate()"
         self._cache_computed_blocks(req)
-        req.block_ids.extend(self._take_free() for _ in range(self.num_blocks_needed(req, 1)))
+        req.block_ids.extend(self._take_free() for _ in range(self.num_blocks_needed(req, num_new_tokens)))
 
     def free(self, req: Request) -> None:
         assert not req.in_flight, "free() while the request's batch is out: its blocks are still being written"
@@ -167,8 +168,8 @@ class BlockManager:
             self.num_prefix_hits += req.num_computed_tokens
 
     def _cache_computed_blocks(self, req: Request) -> None:
-        # Called while req has no batch out, so num_computed_tokens counts K/V that really are in the cache (or, one
-        # stage, by batches sent before any that may read it)
+        # num_computed_tokens counts K/V in the cache, or written by batches out, sent before any batch that may
+        # read it (every stage runs batches in the order they were sent)
         if not self.enable_caching:
             return
         num_full = req.num_computed_tokens // self.block_size

@@ -109,6 +109,7 @@ class LLMEngine:
                                    num_scheduler_steps=config.num_scheduler_steps,
                                    steps_alone=config.batches_in_flight > 1,
                                    run_ahead_max_seqs=self._run_ahead_max_seqs(),
+                                   chunks_ahead=config.pipeline_parallel_size > 1 and config.batches_in_flight > 1,
                                    speculative_config=config.speculative_config)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler)
         self.requests: dict[str, Request] = {}
@@ -291,7 +292,7 @@ class LLMEngine:
                 # one stage: a batch out and, while few requests run, the next step of its decodes sent ahead of it
                 batch = self.scheduler.schedule()
             else:
-                # Split the work evenly over the batches in flight, in requests, and in tokens over the batch slots
+                # Split the work evenly over the batches in flight, in decodes, and in tokens over the batch slots
                 # still free, so that no stage waits behind a big batch.
                 seqs = -(-self.scheduler.num_unfinished // num_batches)
                 tokens = -(-self.scheduler.num_schedulable_tokens // (num_batches - len(self.in_flight)))

@@ -30,13 +30,16 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  recompute_past: int | None = None, send_rope_lens: bool = False, num_scheduler_steps: int = 1,
-                 steps_alone: bool = False, run_ahead_max_seqs: int = 0,
+                 steps_alone: bool = False, run_ahead_max_seqs: int = 0, chunks_ahead: bool = False,
                  speculative_config: SpeculativeConfig | None = None):
         self.block_manager = block_manager
         self.speculative_config = speculative_config
         # async scheduling (one stage): while at most this many requests run, a decoding request whose batch is out
         # may join the next batch too, its input the token the stage samples for it in the batch before
         self.run_ahead_max_seqs = run_ahead_max_seqs
+        # several stages: a prompt's next chunk may go out while its last is still in the pipeline (each stage runs
+        # batches in the order they were sent, so its K/V is written first), and a long prompt's chunks fill stages
+        self.chunks_ahead = chunks_ahead
         # several steps a batch; with steps_alone (several stages), only for a batch of every running request: its
         # stages pass each step on to each other, and a second batch in flight would wait for all of its steps
         self.num_scheduler_steps, self.steps_alone = num_scheduler_steps, steps_alone
@@ -95,12 +98,15 @@ class Scheduler:
 
     @property
     def num_schedulable_tokens(self) -> int:
-        """Tokens that requests not in flight could run now."""
-        return sum(r.num_pending_tokens for r in self.running if not r.in_flight) + \
+        """Tokens that requests could run now (those not in flight, and prompt chunks that may go ahead)."""
+        return sum(r.num_pending_tokens for r in self.running if not r.in_flight or self._can_chunk_ahead(r)) + \
             sum(r.num_pending_tokens for r in self.waiting)
 
     def schedule(self, max_num_seqs: int | None = None, max_num_tokens: int | None = None) -> ScheduledBatch | None:
-        """Picks requests not in flight, within the token budget and free KV blocks. None if nothing can run."""
+        """Picks requests not in flight (and prompts' next chunks, chunks_ahead), within the token budget and free KV
+        blocks. None if nothing can run.
+        max_num_seqs bounds the requests that run one token (decodes); prompts, new or going on, take the token
+        budget, so that the batches in flight split the prompts' tokens as well as the decodes."""
         if self.run_ahead_max_seqs and any(r.in_flight for r in self.running) and \
                 not any(self._can_run_ahead(r) for r in self.running):
             return None  # one stage: a second batch only to run decodes ahead, never a split of the requests
@@ -108,16 +114,22 @@ class Scheduler:
         budget = min(self.max_num_batched_tokens, max_num_tokens or self.max_num_batched_tokens)
         chosen: list[tuple[Request, int]] = []
         for req in list(self.running):
-            if len(chosen) == max_seqs or budget == 0:
+            if len(chosen) == self.max_num_seqs or budget == 0:
                 break
-            if req not in self.running:
+            if req not in self.running or (len(chosen) >= max_seqs and req.num_pending_tokens <= 1):
                 continue
             if req.in_flight:
                 if self._can_run_ahead(req):
-                    self.block_manager.allocate_ahead(req)
+                    self.block_manager.allocate_ahead(req, 1)
                     req.num_ahead = 1
                     chosen.append((req, 1))
                     budget -= 1
+                elif self._can_chunk_ahead(req):
+                    n = min(req.num_pending_tokens, budget)
+                    if self.block_manager.can_allocate(req, n):  # no preemption for it: the others' turn comes first
+                        self.block_manager.allocate_ahead(req, n)
+                        chosen.append((req, n))
+                        budget -= n
                 continue
             if self.recompute_past is not None and req.rope_len <= self.recompute_past < req.num_tokens:
                 self._preempt(req)
@@ -137,7 +149,7 @@ class Scheduler:
             chosen.append((req, n))
             budget -= n
         # max_num_seqs bounds the running requests of every batch in flight together, as vLLM's does
-        while self.waiting and len(chosen) < max_seqs and len(self.running) < self.max_num_seqs and budget > 0:
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
             # its K/V is already there: compute only the rest
             cached = self.block_manager.cached_prefix(req) if req.use_prefix_cache else []
@@ -165,7 +177,7 @@ class Scheduler:
             return
         for i, (req, n) in enumerate(chosen):
             left = min(room, spec.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1)
-            if (n != req.num_pending_tokens or req.num_ahead or left < 1
+            if (n != req.num_pending_tokens or req.num_ahead or req.in_flight or left < 1
                     or not speculative.can_speculate(req.params, len(req.output_token_ids))):
                 continue
             drafts = speculative.propose(req.token_array(), left, spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -184,12 +196,19 @@ class Scheduler:
                 and not self.block_manager.window_ring and not self.send_rope_lens and self.recompute_past is None
                 and self.block_manager.can_allocate(req, 1))
 
+    def _can_chunk_ahead(self, req: Request) -> bool:
+        """Whether req, with a batch out, may run its next known tokens in the next batch too (chunks_ahead): only
+        prompt (or recomputed) tokens, as the batch out samples no token for it."""
+        return (self.chunks_ahead and req.num_pending_tokens > 0 and req.params.prompt_logprobs is None
+                and not self.block_manager.window_ring and not self.send_rope_lens and self.recompute_past is None)
+
     def _num_steps(self, chosen: list[tuple[Request, int]]) -> int:
         """How many decode steps the stage runs in a row (num_scheduler_steps), with their blocks allocated: only
         when every chosen request decodes, none waits to start, and each has that many tokens left to generate."""
         steps = self.num_scheduler_steps
         if steps == 1 or self.waiting or self.block_manager.window_ring or self.send_rope_lens or any(
-                n != 1 or r.num_pending_tokens != 1 or r.num_ahead or r.params.prompt_logprobs is not None
+                n != 1 or r.num_pending_tokens != 1 or r.num_ahead or r.in_flight
+                or r.params.prompt_logprobs is not None
                 for r, n in chosen) or (
                 self.steps_alone and len(chosen) < len(self.running)):
             return 1
