@@ -73,6 +73,20 @@ def hf_greedy_ids(model, prompts: list[list[int]], max_new_tokens: int, device: 
                 for p in prompts]
 
 
+def spy_chunks_ahead(llm) -> list[bool]:
+    """Per batch the engine sends from now on: whether a request in it already had a batch out (a prompt's chunk
+    sent ahead of the one before)."""
+    seen, schedule = [], llm.engine.scheduler.schedule
+
+    def spy(*args, **kwargs):
+        batch = schedule(*args, **kwargs)
+        if batch is not None:
+            seen.append(any(r.in_flight > 1 for r in batch.requests))
+        return batch
+    llm.engine.scheduler.schedule = spy
+    return seen
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """arch -> (folder, HF model). Built once per test session."""

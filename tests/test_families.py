@@ -4,7 +4,7 @@ import torch
 
 from pipellm import LLM, SamplingParams
 from pipellm.config import ModelConfig
-from tests.conftest import VOCAB, NUM_LAYERS, save_tokenizer
+from tests.conftest import VOCAB, NUM_LAYERS, save_tokenizer, spy_chunks_ahead
 from tests.test_parity import NEW_TOKENS, PROMPTS
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=NUM_LAYERS,
@@ -119,11 +119,18 @@ def test_family_matches_hf(family, name, pp, partition, budget):
         kv_cache_gib = 30 * (2 * 16 * cfg.num_kv_heads * cfg.head_dim * 4) / 2 ** 30
     with LLM(folder, pipeline_parallel_size=pp, layer_partition=partition, dtype="float32",
              max_num_batched_tokens=budget, kv_cache_gib=kv_cache_gib) as llm:
+        ahead = spy_chunks_ahead(llm)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts_of(name)], params, use_tqdm=False)
         window_ring = llm.engine.window_ring
         assert llm.engine.max_model_len == ModelConfig.from_pretrained(folder).max_context
     # ... a sliding layer's sequence cycling through a ring of 4 blocks (PP=2 steps 16 tokens), not 10 (150 tokens)
     assert window_ring == (4 if name.startswith("gemma") and pp == 2 else 0)
+    # ... and prompts' chunks sent while the one before is out (at PP=2, 16 tokens a step), rings included; never
+    # where rotary scales with each sequence's known length
+    if name in ("llama-dynamic", "phi3-longrope"):
+        assert not any(ahead)
+    elif pp == 2:
+        assert any(ahead)
     assert_matches_hf(outputs, reference)
 
 

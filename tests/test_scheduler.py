@@ -10,7 +10,7 @@ from pipellm.engine.scheduler import Scheduler
 from pipellm.engine.sequence import Request, RequestStatus
 from pipellm.pipeline.block_tables import StageBlockTables
 from pipellm.pipeline.messages import AHEAD_TOKEN
-from tests.conftest import FP32, hf_greedy_ids
+from tests.conftest import FP32, hf_greedy_ids, spy_chunks_ahead
 
 
 def _req(rid: str, num_prompt: int, max_tokens: int = 4) -> Request:
@@ -198,19 +198,6 @@ def test_request_ids_are_unique_and_every_completion_is_found_by_its_request_id(
     assert [len(c.token_ids) for c in out.outputs] == [3, 3] and out.finished
     assert not engine.requests and not engine.groups
     assert engine.block_manager.num_free_blocks == engine.num_blocks
-
-
-def spy_chunks_ahead(llm: LLM) -> list[bool]:
-    """Per batch the engine sends: whether a request in it already had a batch out (a prompt chunk sent ahead)."""
-    seen, schedule = [], llm.engine.scheduler.schedule
-
-    def spy(*args, **kwargs):
-        batch = schedule(*args, **kwargs)
-        if batch is not None:
-            seen.append(any(r.in_flight > 1 for r in batch.requests))
-        return batch
-    llm.engine.scheduler.schedule = spy
-    return seen
 
 
 @pytest.mark.parametrize("pp,steps,budget", [(2, 1, None), (1, 6, None), (2, 1, 8)])

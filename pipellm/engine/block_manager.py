@@ -104,13 +104,15 @@ class BlockManager:
 
     def allocate_ahead(self, req: Request, num_new_tokens: int) -> None:
         """Slots for num_new_tokens past those of req's batch out: the token that batch samples (async scheduling,
-        one stage) or a prompt's next chunk (several stages). Its full blocks are cached already: their K/V is
-        written by batches sent before any batch that could take them from the cache, and every stage runs batches
-        in the order they were sent."""
-        assert req.in_flight and not self.window_ring
+        one stage) or a prompt's next chunk (several stages). Every stage runs batches in the order they were sent,
+        so the batch out writes its K/V before a later batch reads it (its full blocks join the prefix cache now),
+        and reads a sliding window's ring slot before the next chunk writes over it."""
+        assert req.in_flight
         assert self.can_allocate(req, num_new_tokens), "allocate_ahead() without can_allocate()"
         self._cache_computed_blocks(req)
         req.block_ids.extend(self._take_free() for _ in range(self.num_blocks_needed(req, num_new_tokens)))
+        req.window_block_ids.extend(self.window_free.popleft()
+                                    for _ in range(self._window_blocks_needed(req, num_new_tokens)))
 
     def free(self, req: Request) -> None:
         assert not req.in_flight, "free() while the request's batch is out: its blocks are still being written"

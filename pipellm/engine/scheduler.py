@@ -200,7 +200,7 @@ class Scheduler:
         """Whether req, with a batch out, may run its next known tokens in the next batch too (chunks_ahead): only
         prompt (or recomputed) tokens, as the batch out samples no token for it."""
         return (self.chunks_ahead and req.num_pending_tokens > 0 and req.params.prompt_logprobs is None
-                and not self.block_manager.window_ring and not self.send_rope_lens and self.recompute_past is None)
+                and not self.send_rope_lens and self.recompute_past is None)
 
     def _num_steps(self, chosen: list[tuple[Request, int]]) -> int:
         """How many decode steps the stage runs in a row (num_scheduler_steps), with their blocks allocated: only
