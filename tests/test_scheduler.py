@@ -168,6 +168,27 @@ def test_a_stage_rebuilds_every_block_table_from_the_changes_alone(ahead):
     assert (chunks_ahead > 0) == (ahead == "chunks_ahead")
 
 
+def test_a_prompt_aborted_with_a_chunk_out_frees_its_blocks_once_it_is_back(llama_dir, checkpoints):
+    with LLM(llama_dir, pipeline_parallel_size=2, dtype=FP32, max_num_batched_tokens=16) as llm:
+        engine = llm.engine
+        prompt = [(3 * i) % 300 + 1 for i in range(100)]
+        engine.add_request("x", prompt, SamplingParams(max_tokens=5))
+        engine.step()  # two chunks sent, the second while the first was out; the first is back
+        req = engine.requests[engine.groups["x"][0]]
+        assert req.in_flight == 1 and req.num_computed_tokens == 32
+        engine.abort_request("x")
+        assert engine.block_manager.num_free_blocks < engine.num_blocks  # the chunk out still writes its blocks
+        engine.step(fill=False)
+        assert not engine.in_flight and engine.block_manager.num_free_blocks == engine.num_blocks
+        # its two blocks stay in the prefix cache, with the K/V both chunks wrote: a prompt starting as it equals HF
+        second = prompt[:40] + [7, 8, 9]
+        expected = hf_greedy_ids(checkpoints["llama"][1], [second], 8)
+        out = llm.generate({"prompt_token_ids": second}, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                         ignore_eos=True), use_tqdm=False)
+        assert engine.block_manager.num_prefix_hits == 32
+    assert out[0].outputs[0].token_ids == expected[0]
+
+
 def test_finished_and_aborted_requests_free_every_block(llama_dir):
     with LLM(llama_dir, pipeline_parallel_size=2) as llm:
         engine = llm.engine
