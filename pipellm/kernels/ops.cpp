@@ -91,6 +91,19 @@ bool amx_int8() {
 #endif
 }
 
+// AVX512-VNNI (CPUID, asked once)
+bool vnni() {
+#if defined(__x86_64__)
+  static const bool has_vnni = [] {
+    __builtin_cpu_init();
+    return bool(__builtin_cpu_supports("avx512vnni"));
+  }();
+  return has_vnni;
+#else
+  return false;
+#endif
+}
+
 bool has(const char* isa) {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
@@ -688,19 +701,6 @@ at::Tensor argmax_rows(const at::Tensor& logits, const std::string& isa) {
     impl.argmax_rows(logits.data_ptr<float>(), V, r0, r1, out.data_ptr<int64_t>());
   });
   return out;
-}
-
-// AVX512-VNNI (CPUID, asked once)
-bool vnni() {
-#if defined(__x86_64__)
-  static const bool has_vnni = [] {
-    __builtin_cpu_init();
-    return bool(__builtin_cpu_supports("avx512vnni"));
-  }();
-  return has_vnni;
-#else
-  return false;
-#endif
 }
 
 // Q8 codes with a scale per 32 (Q8_0, int8 quantization), and integer products to take them as they are: the
