@@ -9,6 +9,7 @@
 Writes every figure to --json and exits 1 if any check failed. `--device cpu` runs the same checks on the CPU (to
 check this script where no GPU is)."""
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ import tempfile
 import time
 import traceback
 from importlib.util import find_spec
+from unittest import mock
 
 import torch
 
@@ -85,6 +87,8 @@ def main():
         check("cuda", lambda: (False, "torch sees no GPU"))
         sys.exit(1)
     check("paged attention vs a dense reference", lambda: attention(args.device))
+    if on_gpu:
+        check("decode attention at long contexts, Triton vs gather", long_decode_attention)
     with tempfile.TemporaryDirectory() as tmp:
         for arch in () if args.skip_tiny else ("llama", "qwen2", "gpt2"):
             folder = os.path.join(tmp, arch)
@@ -100,6 +104,10 @@ def main():
         if not args.skip_bench:
             results["bench"] = bench(tmp, args.device, pp2_device, "bfloat16" if on_gpu else "float32",
                                      args.random_bench_model)
+    if on_gpu:  # in this process (PP=1's stage); a stage process of its own logs a warning
+        from pipellm import kernels
+        check("the Triton decode kernel never fell back to the gather",
+              lambda: (not kernels.GPU_FAILURE, kernels.GPU_FAILURE[0] if kernels.GPU_FAILURE else "no failure"))
     save()
     print(f"{len(failed)} check(s) failed: {failed}" if failed else "all checks passed", flush=True)
     sys.exit(1 if failed else 0)
@@ -107,23 +115,82 @@ def main():
 
 def attention(device: str):
     """tests/test_attention.py's steps (decodes, prefills, chunks after cached prefixes, mixed; grouped heads; fp32
-    and bf16, soft-capped scores, an int8 cache) through paged attention on the device, against its dense
-    reference."""
+    and bf16, soft-capped scores, an int8 cache, a sliding window) through paged attention on the device, against
+    its dense reference. On a GPU the decodes go three ways: through Triton's kernel (contexts in one part, then
+    split into parts of 16 keys and merged) and through the gather for SDPA (its path where Triton is missing)."""
+    from pipellm import kernels
+    from pipellm.models import attention as paged
     from tests.test_attention import STEPS, _run
 
+    gpu = kernels.gpu() if device != "cpu" else None
+    results["host"]["decode_attention"] = "triton" if gpu is not None else "C++ kernels or gather"
+    paths = {"default": {}}
+    if gpu is not None:
+        paths |= {"triton, split": dict(target=gpu, attribute="SPLIT_KEYS", new=16),
+                  "gather": dict(target=paged, attribute="decode_kernels", new=lambda q: None)}
     worst = {}
-    # (activations, KV cache, soft-capped scores, tolerance); the last two attend chunk by chunk
+    # (activations, KV cache, soft-capped scores, window, tolerance); the last ones attend chunk by chunk
     f32, bf16 = torch.float32, torch.bfloat16
-    for act, kv, softcap, tol in ((f32, f32, None, 1e-4), (bf16, bf16, None, 3e-2), (f32, f32, 0.5, 1e-4),
-                                  (f32, torch.int8, None, 4e-2)):
-        for name, steps in STEPS.items():
-            out, dense = _run(steps, 6, 2, None, seed=len(name), kv_dtype=kv, dim=64, act_dtype=act, softcap=softcap,
-                              device=device)
-            case = f"{name}, {act}, KV {kv}, softcap {softcap}"
-            worst[case] = err = (out.float() - dense).abs().max().item()
-            if not err <= tol:
-                return False, f"{case}: max error {err:.2e} (tolerance {tol})"
-    return True, f"{len(worst)} cases, max error {max(worst.values()):.1e}"
+    for path, patch in paths.items():
+        for act, kv, softcap, window, tol in ((f32, f32, None, None, 1e-4), (bf16, bf16, None, None, 3e-2),
+                                              (f32, f32, 0.5, None, 1e-4), (f32, torch.int8, None, None, 4e-2),
+                                              (bf16, bf16, None, 5, 3e-2)):
+            for name, steps in STEPS.items():
+                with mock.patch.object(**patch) if patch else contextlib.nullcontext():
+                    out, dense = _run(steps, 6, 2, window, seed=len(name), kv_dtype=kv, dim=64, act_dtype=act,
+                                      softcap=softcap, device=device)
+                case = f"{path}: {name}, {act}, KV {kv}, softcap {softcap}, window {window}"
+                worst[case] = err = (out.float() - dense).abs().max().item()
+                if not err <= tol:
+                    return False, f"{case}: max error {err:.2e} (tolerance {tol})"
+    if kernels.GPU_FAILURE:  # the decodes went to the gather instead
+        return False, f"the Triton kernel failed: {kernels.GPU_FAILURE[0]}"
+    return True, f"{len(worst)} cases ({', '.join(paths)}), max error {max(worst.values()):.1e}"
+
+
+def long_decode_attention(device: str = "cuda", shapes=((32, 256), (32, 2048), (1, 8192), (4, 32768))):
+    """Long contexts (up to 4 sequences x 32,768 keys, split into 64 parts) at the default model's heads (9 query,
+    3 KV, 64 wide; bf16 cache, 16-token blocks): Triton's kernel equals the gather for SDPA, and the time of a
+    layer's call of each (ms; a figure, not a target)."""
+    from pipellm import kernels
+    from pipellm.models import attention as paged
+    from pipellm.models.attention import AttentionMetadata
+    from pipellm.models.kv_cache import KVCache
+
+    if kernels.gpu() is None:
+        return None, "Triton is missing"
+    out, worst = {}, 0.0
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
+    for num_seqs, context in shapes:
+        blocks = -(-context // 16)
+        cache = KVCache.allocate(num_seqs * blocks + 1, 16, 3, 64, torch.bfloat16, dev)
+        cache.k.normal_(), cache.v.normal_()
+        tables = torch.randperm(num_seqs * blocks).add(1).view(num_seqs, blocks).int()
+        lens = torch.full((num_seqs,), context)
+        meta = AttentionMetadata.build(lens - 1, torch.ones(num_seqs, dtype=torch.long), lens, tables,
+                                       torch.zeros(num_seqs, dtype=torch.long), 16).to(dev)
+        q = torch.randn(num_seqs, 9, 64, dtype=torch.bfloat16, device=dev)
+        kv = torch.randn(num_seqs, 3, 64, dtype=torch.bfloat16, device=dev)
+        row, outs = {}, []
+        for path, kernels_for in (("triton", paged.decode_kernels), ("gather", lambda q: None)):
+            with mock.patch.object(paged, "decode_kernels", kernels_for):
+                outs.append(paged.paged_attention(q, kv, kv, cache, meta, 0.125).float())
+                for _ in range(2):
+                    paged.paged_attention(q, kv, kv, cache, meta, 0.125)
+                sync()
+                start = time.perf_counter()
+                for _ in range(20):
+                    paged.paged_attention(q, kv, kv, cache, meta, 0.125)
+                sync()
+                row[path] = round((time.perf_counter() - start) / 20 * 1e3, 3)
+        worst = max(worst, (outs[0] - outs[1]).abs().max().item())
+        out[f"{num_seqs} x {context}"] = row
+    results["decode_attention_ms"] = out
+    if kernels.GPU_FAILURE:
+        return False, f"the Triton kernel failed: {kernels.GPU_FAILURE[0]}"
+    times = "; ".join(f"{k}: {v['triton']} vs {v['gather']} ms" for k, v in out.items())
+    return worst <= 2e-2, f"max difference {worst:.1e} (bf16); triton vs gather, sequences x keys: {times}"
 
 
 def bench(tmp: str, device: str, pp2_device: str, dtype: str, random: bool) -> dict:

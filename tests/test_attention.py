@@ -1,6 +1,8 @@
 """Paged attention of every kind of step against a dense reference computed from each sequence's full K/V: ragged
 lengths, shuffled block tables, cached prefixes, mixed steps, sliding windows, grouped-query heads."""
+import importlib
 import math
+import os
 
 import pytest
 import torch
@@ -12,15 +14,36 @@ from pipellm.models.kv_cache import KVCache, _write_int8
 BLOCK = 4
 
 
-@pytest.fixture(autouse=True, params=["kernel", "torch"])
+@pytest.fixture(autouse=True, params=["kernel", "torch", "triton"])
 def decode_path(request, monkeypatch):
-    """Decode rows through our C++ kernels (K/V read in place, int8 written), and through the plain-torch twins."""
+    """Decode rows through our C++ kernels (K/V read in place, int8 written), through the plain-torch twins, and
+    through a GPU's Triton kernels, which Triton's interpreter runs here on the CPU. Their contexts split into parts
+    of 16 keys, so that the longer ones are merged from several (a GPU's split at 512)."""
     if request.param == "torch":
         none = type("NoKernels", (), {"load": staticmethod(lambda: None), "for_tensor": staticmethod(lambda x: None)})
         monkeypatch.setattr("pipellm.models.attention.kernels", none)
         monkeypatch.setattr("pipellm.models.kv_cache.kernels", none)
+    elif request.param == "triton":
+        gpu = interpreted_gpu_kernels()
+        monkeypatch.setattr(gpu, "SPLIT_KEYS", 16)
+        calls, failures = [], []
+        monkeypatch.setattr("pipellm.models.attention.decode_kernels", lambda q: calls.append(1) or gpu)
+        monkeypatch.setattr(kernels, "GPU_FAILURE", failures)
+        yield
+        name = request.node.name  # every paged attention step with decode rows sent them through it, and it ran
+        assert calls or not ("paged_attention" in name and ("decode" in name or "mixed" in name))
+        assert not failures, failures
+        return
     else:
         assert kernels.load() is not None
+    yield
+
+
+def interpreted_gpu_kernels():
+    """pipellm.kernels.triton_decode with its kernels run by Triton's interpreter, on the CPU tensors given them."""
+    os.environ["TRITON_INTERPRET"] = "1"  # read where triton.jit wraps each kernel: at import
+    import pipellm.kernels.triton_decode as gpu
+    return gpu if type(gpu._decode).__name__ == "InterpretedFunction" else importlib.reload(gpu)
 
 
 def _dense(q, keys, values, q_pos, window, softcap=None):

@@ -222,3 +222,28 @@ def test_prefill_attention_on_a_gpu_leaves_cudnn_out():
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     with device.prefill_attention_backends(torch.device("cpu")):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_a_gpu_decode_kernel_that_fails_leaves_the_decodes_to_the_gather(monkeypatch, caplog):
+    """Triton compiling for a GPU it was not checked on may raise: the step still attends, over gathered blocks
+    (equal to the dense reference), one warning says why, and later steps go to the gather without trying again."""
+    from pipellm import kernels
+    from tests.test_attention import STEPS, _run
+
+    calls = []
+
+    class Failing:
+        @staticmethod
+        def paged_decode_attention(*args):
+            calls.append(1)
+            raise RuntimeError("PassManager::run failed")
+    monkeypatch.setattr(kernels, "GPU_FAILURE", [])
+    monkeypatch.setattr(kernels, "_triton_decode", lambda: Failing)
+    monkeypatch.setattr("pipellm.models.attention.decode_kernels", lambda q: kernels.gpu())  # as for a GPU's q
+    for step in range(2):
+        out, dense = _run(STEPS["mixed"], 6, 2, None, seed=step)
+        torch.testing.assert_close(out, dense, atol=1e-5, rtol=0)
+    assert len(calls) == 1 and kernels.gpu() is None
+    assert [r.getMessage() for r in caplog.records if "GPU decode kernel failed" in r.getMessage()] == [
+        "the GPU decode kernel failed (RuntimeError: PassManager::run failed); decodes gather their K/V blocks from "
+        "now on"]

@@ -34,6 +34,32 @@ def for_tensor(x):
     return load() if x.device.type == "cpu" else None
 
 
+GPU_FAILURE: list[str] = []  # why a GPU kernel's launch failed, once: the decodes gather from then on
+
+
+def gpu():
+    """The GPU's paged decode attention (triton_decode.py; CUDA builds of torch bring Triton), or None: Triton is
+    missing, or the kernel failed once here."""
+    return None if GPU_FAILURE else _triton_decode()
+
+
+@functools.cache
+def _triton_decode():
+    try:
+        from pipellm.kernels import triton_decode as module
+    except ImportError as e:
+        log.warning("GPU decode kernels unavailable (%s); decodes gather their K/V blocks instead", e)
+        return None
+    return module
+
+
+def gpu_failed(e: Exception) -> None:
+    """A GPU kernel's launch raised (Triton compiling for a GPU or shape it was not checked on): say so once, and
+    let the decodes gather their blocks from now on rather than fail."""
+    GPU_FAILURE.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    log.warning("the GPU decode kernel failed (%s); decodes gather their K/V blocks from now on", GPU_FAILURE[0])
+
+
 @functools.cache
 def cpuinfo(field: str) -> str:
     """A field of the first CPU in Linux's /proc/cpuinfo ("flags", "model name"); empty where unknown."""

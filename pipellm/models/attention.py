@@ -222,13 +222,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         d = meta.decode
         rows = q if d.token_idx is None else q[d.token_idx]
         num_seqs = len(rows)
-        ops = kernels.for_tensor(q) if q.dtype in (torch.float32, torch.bfloat16) else None
+        ops, o = decode_kernels(q), None
         if ops is not None:  # reads K/V in place through the block tables: no gathered copy. It computes in fp32:
             # bf16 rows are widened (a few KB), which costs far less than torch's SDPA on gathered bf16 K/V
-            o = ops.paged_decode_attention(rows.float().contiguous(), cache.k, cache.v, cache.k_scale, cache.v_scale,
-                                           d.block_tables, d.seq_lens, d.window, scale, softcap or 0.0,
-                                           "").to(q.dtype)                                     # [Bd, H, D]
-        else:
+            try:
+                o = ops.paged_decode_attention(rows.float().contiguous(), cache.k, cache.v, cache.k_scale,
+                                               cache.v_scale, d.block_tables, d.seq_lens, d.window, scale,
+                                               softcap or 0.0, "").to(q.dtype)                 # [Bd, H, D]
+            except Exception as e:
+                if ops is kernels.load():  # our C++ kernels were built and checked here: a failure is a bug
+                    raise
+                kernels.gpu_failed(e)
+        if o is None:
             queries = rows.view(num_seqs, 1, num_heads, head_dim).transpose(1, 2)      # [Bd, H, 1, D]
             ids = d.block_ids
             o = _attend(queries, cache.keys(ids, num_seqs, q.dtype), cache.values(ids, num_seqs, q.dtype), d.mask,
@@ -253,6 +258,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
                             p.mask, scale, softcap)                                    # [1, H, q, D]
             out[p.start:p.end] = o[0].transpose(0, 1)
     return out
+
+
+def decode_kernels(q: torch.Tensor):
+    """The kernels whose paged_decode_attention reads K/V in place: our C++ ones on a CPU, Triton's on a GPU; None
+    where neither runs (the decodes then gather their blocks for SDPA)."""
+    if q.is_cuda:
+        return kernels.gpu()
+    return kernels.for_tensor(q) if q.dtype in (torch.float32, torch.bfloat16) else None
 
 
 def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, p: PrefillChunk,

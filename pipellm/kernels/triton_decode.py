@@ -1,0 +1,115 @@
+"""A GPU's paged decode attention, in Triton: each decode row reads its K/V in place through its block table, as our
+C++ kernel does on a CPU (the same call, ops.paged_decode_attention), with no gathered copy padded to the longest
+context. Contexts past SPLIT_KEYS keys are split over several programs, whose parts are merged by their running
+maxima (flash-decoding), so that one long sequence keeps more than a few of the GPU's units busy.
+
+The tests run these kernels on the CPU in Triton's interpreter (TRITON_INTERPRET=1) against the dense reference."""
+import torch
+import triton
+import triton.language as tl
+
+SPLIT_KEYS = 512  # keys a program reads at most (vLLM's partition); a context past it is split
+
+
+@triton.jit
+def _decode(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, stats_ptr,
+            table_width, window, scale, softcap, blocks_per_split,
+            H: tl.constexpr, KV: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr,
+            D_P: tl.constexpr, BS: tl.constexpr, BS_P: tl.constexpr, INT8: tl.constexpr, SOFTCAP: tl.constexpr,
+            SPLIT: tl.constexpr):
+    """One program: sequence b, KV head h (its GROUP query heads together), split s of the context's blocks."""
+    b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # the first key the row sees
+    lo = tl.maximum(first // BS, s * blocks_per_split)
+    hi = tl.minimum((seq_len + BS - 1) // BS, (s + 1) * blocks_per_split)
+    g, d, t = tl.arange(0, GROUP_P), tl.arange(0, D_P), tl.arange(0, BS_P)
+    heads = h * GROUP + g                                                         # [G] query heads of KV head h
+    qd_mask = (g[:, None] < GROUP) & (d[None, :] < D)
+    q = tl.load(q_ptr + (b * H + heads)[:, None] * D + d[None, :], mask=qd_mask, other=0.0)   # [G, D]
+    m = tl.full([GROUP_P], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, D_P], tl.float32)
+    for j in range(lo, hi):
+        block = tl.load(tables_ptr + b * table_width + j).to(tl.int64)
+        pos = j * BS + t
+        seen = (t < BS) & (pos >= first) & (pos < seq_len)                       # [BS]
+        rows = ((block * BS + t) * KV + h)[:, None] * D + d[None, :]             # [BS, D] into [blocks, BS, KV, D]
+        td_mask = seen[:, None] & (d[None, :] < D)
+        k = tl.load(k_ptr + rows, mask=td_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + rows, mask=td_mask, other=0.0).to(tl.float32)
+        if INT8:
+            k = k * tl.load(ks_ptr + block * KV + h)
+            v = v * tl.load(vs_ptr + block * KV + h)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale            # [G, BS]
+        if SOFTCAP:  # softcap * tanh(scores / softcap), as 2 * sigmoid(2x) - 1
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        scores = tl.where(seen[None, :], scores, float("-inf"))
+        top = tl.maximum(m, tl.max(scores, axis=1))                              # finite: a block holds a seen key
+        p = tl.exp(scores - top[:, None])                                         # [G, BS]
+        rescale = tl.exp(m - top)
+        total = total * rescale + tl.sum(p, axis=1)
+        acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)   # [G, D]
+        m = top
+    if SPLIT:  # this split's unnormalised sum, maximum and total, for _merge (a split with no keys: 0, -inf, 0)
+        part = ((b * tl.num_programs(2) + s) * H + heads)
+        tl.store(part_ptr + part[:, None] * D + d[None, :], acc, mask=qd_mask)
+        tl.store(stats_ptr + part * 2, m, mask=g < GROUP)
+        tl.store(stats_ptr + part * 2 + 1, total, mask=g < GROUP)
+    else:
+        tl.store(out_ptr + (b * H + heads)[:, None] * D + d[None, :], acc / total[:, None], mask=qd_mask)
+
+
+@triton.jit
+def _merge(part_ptr, stats_ptr, out_ptr, num_splits, H: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+           SPLITS_P: tl.constexpr):
+    """One program per sequence b and query head h: its splits' parts, each rescaled to their common maximum."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    s, d = tl.arange(0, SPLITS_P), tl.arange(0, D_P)
+    part = (b * num_splits + s) * H + h                                           # [S]
+    top = tl.load(stats_ptr + part * 2, mask=s < num_splits, other=float("-inf"))
+    w = tl.exp(top - tl.max(top, axis=0))                                         # [S], 0 for a split with no keys
+    total = tl.sum(w * tl.load(stats_ptr + part * 2 + 1, mask=s < num_splits, other=0.0), axis=0)
+    sd_mask = (s[:, None] < num_splits) & (d[None, :] < D)
+    acc = tl.sum(w[:, None] * tl.load(part_ptr + part[:, None] * D + d[None, :], mask=sd_mask, other=0.0), axis=0)
+    tl.store(out_ptr + (b * H + h) * D + d, acc / total, mask=d < D)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, window: int, scale: float, softcap: float,
+                           isa: str = "") -> torch.Tensor:
+    """q [B, H, D] fp32 -> [B, H, D] fp32: each row over keys window-wise before seq_lens[b] [B] (0: no window),
+    through block_tables [B, width] int64 into the caches [blocks, block_size, KV, D] (fp32, bf16, fp16 or int8 with
+    scales [blocks, KV]). softcap 0: none. The arguments of the C++ kernel's call; isa is the CPU's and unused here.
+    Ids and lengths are not checked against the cache: that would wait for the GPU (and a CUDA graph's capture
+    refuses it); the scheduler's tables are checked where they are built."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv, block_size = k_cache.shape[2], k_cache.shape[1]
+    if not (q.dtype == torch.float32 and q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim and num_heads % num_kv == 0):
+        raise ValueError("q must be contiguous fp32 [B, H, D], the caches contiguous [blocks, block_size, KV, D] "
+                         "alike, and H a multiple of KV")
+    int8 = k_cache.dtype == torch.int8
+    if int8 != (k_scale is not None) or int8 != (v_scale is not None):
+        raise ValueError("int8 caches, and only they, need scales")
+    if block_tables.dtype != torch.int64 or not block_tables.is_contiguous() or block_tables.shape[0] != num_seqs \
+            or seq_lens.dtype != torch.int64 or seq_lens.shape != (num_seqs,):
+        raise ValueError("block_tables must be contiguous int64 [B, width], seq_lens int64 [B]")
+    group = num_heads // num_kv
+    blocks_per_split = max(1, SPLIT_KEYS // block_size)
+    num_splits = triton.cdiv(block_tables.shape[1], blocks_per_split)  # from the tables' width: fixed in a graph
+    out = torch.empty_like(q)
+    split = num_splits > 1
+    part = torch.empty(num_seqs, num_splits, num_heads, head_dim, device=q.device) if split else out
+    stats = torch.empty(num_seqs, num_splits, num_heads, 2, device=q.device) if split else out
+    d_p = triton.next_power_of_2(head_dim)
+    _decode[(num_seqs, num_kv, num_splits)](
+        q, k_cache, v_cache, k_scale if int8 else q, v_scale if int8 else q, block_tables, seq_lens, out, part, stats,
+        block_tables.shape[1], window, scale, softcap, blocks_per_split,
+        H=num_heads, KV=num_kv, GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=head_dim, D_P=d_p,
+        BS=block_size, BS_P=triton.next_power_of_2(block_size), INT8=int8, SOFTCAP=softcap > 0, SPLIT=split)
+    if split:
+        _merge[(num_seqs, num_heads)](part, stats, out, num_splits, H=num_heads, D=head_dim, D_P=d_p,
+                                      SPLITS_P=triton.next_power_of_2(num_splits))
+    return out
