@@ -4,6 +4,10 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # a GPU's Triton kernels run here in Triton's interpreter (test_attention.py); it
+    # is read where triton wraps its kernels, its own helpers too: at its first import, before any test module's
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 CORPUS = ["The capital of France is Paris.", "Once upon a time, there was a little girl.",

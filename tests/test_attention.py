@@ -1,8 +1,6 @@
 """Paged attention of every kind of step against a dense reference computed from each sequence's full K/V: ragged
 lengths, shuffled block tables, cached prefixes, mixed steps, sliding windows, grouped-query heads."""
-import importlib
 import math
-import os
 
 import pytest
 import torch
@@ -17,15 +15,17 @@ BLOCK = 4
 @pytest.fixture(autouse=True, params=["kernel", "torch", "triton"])
 def decode_path(request, monkeypatch):
     """Decode rows through our C++ kernels (K/V read in place, int8 written), through the plain-torch twins, and
-    through a GPU's Triton kernels, which Triton's interpreter runs here on the CPU. Their contexts split into parts
-    of 16 keys, so that the longer ones are merged from several (a GPU's split at 512)."""
+    through a GPU's Triton kernels, which Triton's interpreter runs here on the CPU, as on a GPU of 32 units with
+    parts of at most 32 keys: the short contexts in one part, the middling ones split to fill the units, the long
+    ones at 32 keys a part (a GPU's: 512)."""
     if request.param == "torch":
         none = type("NoKernels", (), {"load": staticmethod(lambda: None), "for_tensor": staticmethod(lambda x: None)})
         monkeypatch.setattr("pipellm.models.attention.kernels", none)
         monkeypatch.setattr("pipellm.models.kv_cache.kernels", none)
     elif request.param == "triton":
         gpu = interpreted_gpu_kernels()
-        monkeypatch.setattr(gpu, "SPLIT_KEYS", 16)
+        monkeypatch.setattr(gpu, "SPLIT_KEYS", 32)
+        monkeypatch.setattr(gpu, "_units", lambda device: 32)
         calls, failures = [], []
         monkeypatch.setattr("pipellm.models.attention.decode_kernels", lambda q: calls.append(1) or gpu)
         monkeypatch.setattr(kernels, "GPU_FAILURE", failures)
@@ -40,10 +40,11 @@ def decode_path(request, monkeypatch):
 
 
 def interpreted_gpu_kernels():
-    """pipellm.kernels.triton_decode with its kernels run by Triton's interpreter, on the CPU tensors given them."""
-    os.environ["TRITON_INTERPRET"] = "1"  # read where triton.jit wraps each kernel: at import
+    """pipellm.kernels.triton_decode with its kernels run by Triton's interpreter, on the CPU tensors given them
+    (conftest.py sets TRITON_INTERPRET where no GPU is)."""
     import pipellm.kernels.triton_decode as gpu
-    return gpu if type(gpu._decode).__name__ == "InterpretedFunction" else importlib.reload(gpu)
+    assert type(gpu._decode).__name__ == "InterpretedFunction", "TRITON_INTERPRET=1 must be set before triton loads"
+    return gpu
 
 
 def _dense(q, keys, values, q_pos, window, softcap=None):

@@ -14,6 +14,7 @@ from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.pipeline import graphs
 from pipellm.pipeline.partition import StageLayers
+from tests.test_attention import interpreted_gpu_kernels
 from tests.test_fused import BLOCK, PROMPTS, WIDTH, _step, _tables, folders  # noqa: F401 (a fixture)
 
 SCRATCH = 3 * WIDTH  # the block past the tables' 3 * WIDTH
@@ -37,14 +38,22 @@ def _caches(cfg, model) -> list[KVCache]:
     return [KVCache.allocate(SCRATCH + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32) for _ in model.layers]
 
 
-@pytest.mark.parametrize("plain", [False, True], ids=["kernels", "torch-ops"])
+@pytest.mark.parametrize("path", ["kernels", "torch-ops", "triton"])
 @pytest.mark.parametrize("arch,split", [("llama", None), ("llama", 1), ("gemma3", None), ("gpt2", None)])
-def test_padded_decode_steps_equal_the_eager_steps(folders, monkeypatch, arch, split, plain):  # noqa: F811
+def test_padded_decode_steps_equal_the_eager_steps(folders, monkeypatch, arch, split, path):  # noqa: F811
     """Three ragged sequences decode 3 steps: padded to 4 rows and a power of two of blocks, each step's hidden
-    states equal the eager step's within 1e-5, and so do the caches' blocks the driver owns. plain: the kernels off,
-    as on a GPU (SDPA over the gathered blocks with the graph's mask). Gemma 3 mixes sliding and full layers."""
-    if plain:
+    states equal the eager step's within fp32's rounding (1e-5, and 4e-6 of the largest value, ~30: torch's
+    matmuls round 4 rows unlike 3), and so do the caches' blocks the driver owns. torch-ops: the kernels off (SDPA over the
+    gathered blocks with the graph's mask, a GPU's path without Triton); triton: the decodes in a GPU's Triton
+    kernel, run by Triton's interpreter (the C++ kernels off too). Gemma 3 mixes sliding and full layers."""
+    calls, failures = [], []
+    if path != "kernels":  # as on a GPU, where our C++ kernels do not run, a layer's or a whole decoder stack's
         monkeypatch.setattr(kernels, "for_tensor", lambda x: None)
+        monkeypatch.setattr("pipellm.models.fused.applies", lambda x, meta: False)
+    if path == "triton":
+        gpu = interpreted_gpu_kernels()
+        monkeypatch.setattr(kernels, "GPU_FAILURE", failures)
+        monkeypatch.setattr("pipellm.models.attention.decode_kernels", lambda q: calls.append(1) or gpu)
     cfg, stages = _stages(folders(arch), split)
     tables = _tables(2)
     runs = []
@@ -77,11 +86,13 @@ def test_padded_decode_steps_equal_the_eager_steps(folders, monkeypatch, arch, s
         runs.append((outs, caches))
     (eager, eager_caches), (padded, padded_caches) = runs
     for a, b in zip(eager, padded):
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+        err, scale = (b - a).abs().max().item(), a.abs().max().item()
+        assert err <= 1e-5 + 4e-6 * scale, (err, scale)
     for stage_a, stage_b in zip(eager_caches, padded_caches):
         for a, b in zip(stage_a, stage_b):
             torch.testing.assert_close(b.k[:SCRATCH], a.k[:SCRATCH], atol=1e-5, rtol=0)
             torch.testing.assert_close(b.v[:SCRATCH], a.v[:SCRATCH], atol=1e-5, rtol=0)
+    assert not failures and bool(calls) == (path == "triton")
 
 
 def _hidden_step(model, hidden, query_lens: list[int], starts: list[int], tables, caches):

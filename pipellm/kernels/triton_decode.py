@@ -1,14 +1,17 @@
 """A GPU's paged decode attention, in Triton: each decode row reads its K/V in place through its block table, as our
 C++ kernel does on a CPU (the same call, ops.paged_decode_attention), with no gathered copy padded to the longest
-context. Contexts past SPLIT_KEYS keys are split over several programs, whose parts are merged by their running
-maxima (flash-decoding), so that one long sequence keeps more than a few of the GPU's units busy.
+context. A context is split over several programs, whose parts are merged by their running maxima (flash-decoding):
+past SPLIT_KEYS keys, and wherever a program a sequence and KV head would leave the GPU's units idle.
 
 The tests run these kernels on the CPU in Triton's interpreter (TRITON_INTERPRET=1) against the dense reference."""
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-SPLIT_KEYS = 512  # keys a program reads at most (vLLM's partition); a context past it is split
+SPLIT_KEYS = 512  # keys a program reads at most (vLLM's partition)
+MIN_SPLIT_BLOCKS = 4  # blocks a program reads at least, where a context is split only to fill the GPU
 
 
 @triton.jit
@@ -97,8 +100,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             or seq_lens.dtype != torch.int64 or seq_lens.shape != (num_seqs,):
         raise ValueError("block_tables must be contiguous int64 [B, width], seq_lens int64 [B]")
     group = num_heads // num_kv
-    blocks_per_split = max(1, SPLIT_KEYS // block_size)
-    num_splits = triton.cdiv(block_tables.shape[1], blocks_per_split)  # from the tables' width: fixed in a graph
+    num_splits, blocks_per_split = _splits(num_seqs, num_kv, block_tables.shape[1], block_size, q.device)
     out = torch.empty_like(q)
     split = num_splits > 1
     part = torch.empty(num_seqs, num_splits, num_heads, head_dim, device=q.device) if split else out
@@ -113,3 +115,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _merge[(num_seqs, num_heads)](part, stats, out, num_splits, H=num_heads, D=head_dim, D_P=d_p,
                                       SPLITS_P=triton.next_power_of_2(num_splits))
     return out
+
+
+def _splits(num_seqs: int, num_kv: int, width: int, block_size: int, device: torch.device) -> tuple[int, int]:
+    """(splits, blocks a split) of contexts `width` blocks wide: SPLIT_KEYS keys a program at most, and more splits
+    (of MIN_SPLIT_BLOCKS at least) where fewer programs than _units would run. From shapes alone: a CUDA graph's
+    are fixed."""
+    least = triton.cdiv(width, max(1, SPLIT_KEYS // block_size))
+    to_fill = min(triton.cdiv(_units(device), num_seqs * num_kv), triton.cdiv(width, MIN_SPLIT_BLOCKS))
+    per_split = triton.cdiv(width, max(least, to_fill))
+    return triton.cdiv(width, per_split), per_split
+
+
+@functools.cache
+def _units(device: torch.device) -> int:
+    """Programs that keep a GPU busy: two a streaming multiprocessor (flash-decoding's rule); one on a CPU, where
+    Triton's interpreter runs them in turn."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
