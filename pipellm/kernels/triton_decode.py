@@ -82,11 +82,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, window: int, scale: float, softcap: float,
                            isa: str = "") -> torch.Tensor:
-    """q [B, H, D] fp32 -> [B, H, D] fp32: each row over keys window-wise before seq_lens[b] [B] (0: no window),
-    through block_tables [B, width] int64 into the caches [blocks, block_size, KV, D] (fp32, bf16, fp16 or int8 with
-    scales [blocks, KV]). softcap 0: none. The arguments of the C++ kernel's call; isa is the CPU's and unused here.
-    Ids and lengths are not checked against the cache: that would wait for the GPU (and a CUDA graph's capture
-    refuses it); the scheduler's tables are checked where they are built."""
+    """q [B, H, D] fp32 -> [B, H, D] fp32: row b attends over the keys before seq_lens[b] ([B] int64; the last
+    `window` of them where window > 0), through block_tables [B, width] int64 into the caches [blocks, block_size,
+    KV, D] (fp32, bf16, fp16, or int8 with scales [blocks, KV]). softcap 0: none. The C++ kernel's call; isa is the
+    CPU's, unused here. Ids and lengths are not checked against the cache, as the C++ kernel does: that would wait
+    for the GPU, and a CUDA graph's capture refuses it (the block manager hands out only the cache's blocks)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv, block_size = k_cache.shape[2], k_cache.shape[1]
     if not (q.dtype == torch.float32 and q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -105,12 +105,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     split = num_splits > 1
     part = torch.empty(num_seqs, num_splits, num_heads, head_dim, device=q.device) if split else out
     stats = torch.empty(num_seqs, num_splits, num_heads, 2, device=q.device) if split else out
-    d_p = triton.next_power_of_2(head_dim)
+    d_p, group_p, bs_p = triton.next_power_of_2(head_dim), max(2, triton.next_power_of_2(group)), \
+        triton.next_power_of_2(block_size)
     _decode[(num_seqs, num_kv, num_splits)](
         q, k_cache, v_cache, k_scale if int8 else q, v_scale if int8 else q, block_tables, seq_lens, out, part, stats,
         block_tables.shape[1], window, scale, softcap, blocks_per_split,
-        H=num_heads, KV=num_kv, GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=head_dim, D_P=d_p,
-        BS=block_size, BS_P=triton.next_power_of_2(block_size), INT8=int8, SOFTCAP=softcap > 0, SPLIT=split)
+        H=num_heads, KV=num_kv, GROUP=group, GROUP_P=group_p, D=head_dim, D_P=d_p, BS=block_size, BS_P=bs_p,
+        INT8=int8, SOFTCAP=softcap > 0, SPLIT=split,
+        num_warps=8 if group_p * bs_p * d_p >= 16384 else 4)  # the [G, BS, D] products, in registers
     if split:
         _merge[(num_seqs, num_heads)](part, stats, out, num_splits, H=num_heads, D=head_dim, D_P=d_p,
                                       SPLITS_P=triton.next_power_of_2(num_splits))
