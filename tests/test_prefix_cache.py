@@ -43,11 +43,11 @@ def test_second_request_reuses_the_prefix_blocks():
     a = _req("a", range(1, 11))                      # 2 full blocks + 2 tokens
     sched.add(a)
     first = sched.schedule()
-    assert a.block_ids == [0, 1, 2] and bm.cached == {}  # nothing is cached while its batch is out
+    assert a.block_ids == [0, 1, 2] and sorted(bm.cached.values()) == [0, 1]  # its full blocks, as it is sent
     _return_tokens(first)
     b = _req("b", list(range(1, 9)) + [50, 51, 52])  # same first 2 blocks
     sched.add(b)
-    assert bm.cached_prefix(b) == []                 # a's blocks are registered when the scheduler next takes it
+    assert bm.cached_prefix(b) == [0, 1]
     second = sched.schedule()
     assert second.requests == [a, b] and second.num_new_tokens == [1, 3]
     assert b.block_ids == [0, 1, 3] and bm.ref_counts[:4] == [2, 2, 1, 1]
@@ -57,6 +57,23 @@ def test_second_request_reuses_the_prefix_blocks():
     assert second.stage_batch.seq_lens.tolist() == [11, 11]
     assert (bm.num_prefix_queries, bm.num_prefix_hits) == (10 + 11, 2 * BS)
     assert bm.prefix_hit_rate == 8 / 21
+
+
+def test_a_prompt_takes_the_blocks_of_a_batch_still_out():
+    """With several batches in flight (several stages), the next batch is built while the one before is still in the
+    pipeline. Every stage runs batches in the order they were sent, so a prompt in the next batch may take the full
+    blocks that batch is writing: it runs only its own tokens."""
+    sched = Scheduler(BlockManager(16, BS), max_num_seqs=8, max_num_batched_tokens=64)
+    bm = sched.block_manager
+    a = _req("a", range(1, 11))
+    sched.add(a)
+    first = sched.schedule()
+    b = _req("b", list(range(1, 9)) + [50, 51, 52])
+    sched.add(b)
+    second = sched.schedule()                        # a is still out
+    assert first.requests == [a] and a.in_flight and second.requests == [b]
+    assert b.block_ids[:2] == a.block_ids[:2] and bm.num_prefix_hits == 2 * BS
+    assert second.stage_batch.positions.tolist() == [8, 9, 10]
 
 
 def test_admission_sets_num_computed_tokens_to_the_cached_length():
@@ -162,28 +179,28 @@ def test_no_leaks_after_preempt_finish_and_abort():
     sched.add(a)
     sched.add(b)
     batch = sched.schedule()
-    assert a.block_ids == [0, 1] and b.block_ids == [2, 3]  # admitted together: nothing cached yet
+    # admitted together, so b computes its own copies of a's blocks; a's are the ones indexed, as a is sent first
+    assert a.block_ids == [0, 1] and b.block_ids == [2, 3] and sorted(bm.cached.values()) == [0, 1]
     _return_tokens(batch)
-    # "a" needs a third block: "b" is preempted; its computed blocks are cached as it frees them, and a's
-    # identical blocks become second copies. a's new block evicts b's tail (block 3).
+    # "a" needs a third block: "b" is preempted and its copies freed. It comes straight back on a's two blocks and
+    # recomputes only its last token, into a block of its own.
     batch = sched.schedule()
-    assert batch.requests == [a] and a.block_ids == [0, 1, 3] and b.num_preemptions == 1
-    assert bm.cached_prefix(b) == [2] and list(sched.waiting) == [b]  # 1 free block: not enough for b yet
+    assert batch.requests == [a, b] and batch.num_new_tokens == [1, 1] and b.num_preemptions == 1
+    assert a.block_ids == [0, 1, 2] and b.block_ids == [0, 1, 3] and bm.ref_counts == [2, 2, 1, 1]
     _return_tokens(batch)
     sched.finish(a, "length")
-    assert bm.num_free_blocks == 4
-    # a's copy of the second block took over the index when b's own copy was evicted: b comes back on its own
-    # first block and a's second, and recomputes only its last token.
-    batch = sched.schedule()
-    assert batch.requests == [b] and batch.num_new_tokens == [1] and b.block_ids == [2, 1, 0]
+    assert bm.ref_counts == [1, 1, 0, 1] and bm.num_free_blocks == 1
     # Aborted while its batch is out: its blocks are kept until the batch returns, then freed.
+    batch = sched.schedule()
+    assert batch.requests == [b]
     sched.finish(b, "abort")
-    assert bm.num_free_blocks < 4
+    assert bm.num_free_blocks == 1
     for req in batch.requests:
         req.in_flight = False
         bm.free(req)
     assert bm.num_free_blocks == 4 and bm.ref_counts == [0] * 4 and bm.usage == 0.0
     assert sched.num_unfinished == 0
+    assert bm.cached_prefix(_req("c", range(1, 10))) == [0, 1]  # the prompt's blocks stay cached, free
 
 
 # ---- end to end: tiny random Llama, 2 stages ----------------------------------------------------------------
@@ -219,6 +236,11 @@ def test_prefix_caching_keeps_greedy_output(llama_dir, checkpoints):
         # 2 full blocks of 16.
         assert bm.num_prefix_hits == 22 * 32 and bm.prefix_hit_rate == 704 / bm.num_prefix_queries
         assert bm.num_free_blocks == on.engine.num_blocks and bm.usage == 0.0
+    # 64 tokens a batch: the first prompt's batch is still out when the next batch admits the second prompt, which
+    # takes the blocks that batch is writing (as every prompt after it): 22 hits, not 21
+    with LLM(llama_dir, pipeline_parallel_size=2, max_num_batched_tokens=64, dtype=FP32) as small:
+        assert _token_ids(small.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        assert small.engine.block_manager.num_prefix_hits == 22 * 32
 
 
 def test_same_prompt_twice_hits_the_cache(llm_pp2):

@@ -92,7 +92,7 @@ class BlockManager:
         assert self.can_allocate(req, num_new_tokens, cached), "allocate() without can_allocate()"
         if req.block_ids:
             assert not cached, "cached blocks are taken on admission only"
-            self._cache_computed_blocks(req)
+            self.cache_sent_blocks(req)
         else:
             self._admit(req, cached)
         req.block_ids.extend(self._take_free() for _ in range(self.num_blocks_needed(req, num_new_tokens)))
@@ -105,18 +105,17 @@ class BlockManager:
     def allocate_ahead(self, req: Request, num_new_tokens: int) -> None:
         """Slots for num_new_tokens past those of req's batch out: the token that batch samples (async scheduling,
         one stage) or a prompt's next chunk (several stages). Every stage runs batches in the order they were sent,
-        so the batch out writes its K/V before a later batch reads it (its full blocks join the prefix cache now),
-        and reads a sliding window's ring slot before the next chunk writes over it."""
+        so the batch out writes its K/V before a later batch reads it, and reads a sliding window's ring slot before
+        the next chunk writes over it."""
         assert req.in_flight
         assert self.can_allocate(req, num_new_tokens), "allocate_ahead() without can_allocate()"
-        self._cache_computed_blocks(req)
         req.block_ids.extend(self._take_free() for _ in range(self.num_blocks_needed(req, num_new_tokens)))
         req.window_block_ids.extend(self.window_free.popleft()
                                     for _ in range(self._window_blocks_needed(req, num_new_tokens)))
 
     def free(self, req: Request) -> None:
         assert not req.in_flight, "free() while the request's batch is out: its blocks are still being written"
-        self._cache_computed_blocks(req)
+        self.cache_sent_blocks(req)
         for b in req.block_ids:
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0
@@ -137,6 +136,24 @@ class BlockManager:
         if req.table_row >= 0:  # its batches are back: none still reads the row
             self.free_rows.append(req.table_row)
             req.table_row = -1
+
+    def cache_sent_blocks(self, req: Request) -> None:
+        """Indexes req's full blocks of known tokens whose K/V is in the cache or written by batches out: every stage
+        runs batches in the order they were sent, so a later prompt that takes them reads them after they are
+        written. The scheduler calls this as it sends a batch: a prompt admitted into the next batch, while this one
+        is still in the pipeline, already finds them."""
+        if not self.enable_caching:
+            return
+        # tokens past num_tokens (drafts, multi-step's, async scheduling's run-ahead) are not known yet
+        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        start = num_full
+        while start > 0 and self.block_hashes[req.block_ids[start - 1]] is None:  # hashed blocks form a prefix
+            start -= 1
+        self._hash_blocks(req, num_full)
+        for i in range(start, num_full):
+            b, h = req.block_ids[i], req.block_hashes[i]
+            self.block_hashes[b] = h
+            self.cached.setdefault(h, b)  # a second copy (computed at the same time) is not indexed
 
     # ---- internals ------------------------------------------------------------------------------------------
 
@@ -168,21 +185,6 @@ class BlockManager:
         if self.enable_caching:
             self.num_prefix_queries += req.num_tokens
             self.num_prefix_hits += req.num_computed_tokens
-
-    def _cache_computed_blocks(self, req: Request) -> None:
-        # num_computed_tokens counts K/V in the cache, or written by batches out, sent before any batch that may
-        # read it (every stage runs batches in the order they were sent)
-        if not self.enable_caching:
-            return
-        num_full = req.num_computed_tokens // self.block_size
-        start = num_full
-        while start > 0 and self.block_hashes[req.block_ids[start - 1]] is None:  # hashed blocks form a prefix
-            start -= 1
-        self._hash_blocks(req, num_full)
-        for i in range(start, num_full):
-            b, h = req.block_ids[i], req.block_hashes[i]
-            self.block_hashes[b] = h
-            self.cached.setdefault(h, b)  # a second copy (computed at the same time) is not indexed
 
     def _take_free(self) -> int:
         # An empty block first; else evict the least recently freed cached one.

@@ -261,6 +261,7 @@ class Scheduler:
             r.num_computed_tokens += n if steps == 1 else steps
             r.in_flight += 1
             r.rope_len = r.num_tokens
+            self.block_manager.cache_sent_blocks(r)
         for r in sampled:
             r.is_known_to_sampler = True
         batch = StageBatch(self.num_batches, ids, positions, slots, counts, seq_lens, None, logits_indices,
