@@ -43,9 +43,9 @@ def _caches(cfg, model) -> list[KVCache]:
 def test_padded_decode_steps_equal_the_eager_steps(folders, monkeypatch, arch, split, path):  # noqa: F811
     """Three ragged sequences decode 3 steps: padded to 4 rows and a power of two of blocks, each step's hidden
     states equal the eager step's within fp32's rounding (1e-5, and 4e-6 of the largest value, ~30: torch's
-    matmuls round 4 rows unlike 3), and so do the caches' blocks the driver owns. torch-ops: the kernels off (SDPA over the
-    gathered blocks with the graph's mask, a GPU's path without Triton); triton: the decodes in a GPU's Triton
-    kernel, run by Triton's interpreter (the C++ kernels off too). Gemma 3 mixes sliding and full layers."""
+    matmuls round 4 rows unlike 3), and so do the caches' blocks the driver owns. torch-ops: the kernels off (SDPA
+    over the gathered blocks with the graph's mask, a GPU's path without Triton); triton: the decodes in a GPU's
+    Triton kernel, run by Triton's interpreter (the C++ kernels off too). Gemma 3 mixes sliding and full layers."""
     calls, failures = [], []
     if path != "kernels":  # as on a GPU, where our C++ kernels do not run, a layer's or a whole decoder stack's
         monkeypatch.setattr(kernels, "for_tensor", lambda x: None)
