@@ -230,7 +230,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
                                                cache.v_scale, d.block_tables, d.seq_lens, d.window, scale,
                                                softcap or 0.0, "").to(q.dtype)                 # [Bd, H, D]
             except Exception as e:
-                if ops is kernels.load():  # our C++ kernels were built and checked here: a failure is a bug
+                # our C++ kernels were built and checked here: a failure is a bug (for_tensor, not load(): a GPU
+                # stage never loads them, and would build them now)
+                if ops is kernels.for_tensor(q):
                     raise
                 kernels.gpu_failed(e)
         if o is None:
