@@ -23,7 +23,7 @@ def decode_path(request, monkeypatch):
         monkeypatch.setattr("pipellm.models.attention.kernels", none)
         monkeypatch.setattr("pipellm.models.kv_cache.kernels", none)
     elif request.param == "triton":
-        gpu = interpreted_gpu_kernels()
+        gpu = interpreted_gpu_kernels(monkeypatch)
         monkeypatch.setattr(gpu, "SPLIT_KEYS", 32)
         monkeypatch.setattr(gpu, "_units", lambda device: 32)
         calls, failures = [], []
@@ -39,11 +39,27 @@ def decode_path(request, monkeypatch):
     yield
 
 
-def interpreted_gpu_kernels():
+def interpreted_gpu_kernels(monkeypatch):
     """pipellm.kernels.triton_decode with its kernels run by Triton's interpreter, on the CPU tensors given them
-    (conftest.py sets TRITON_INTERPRET where no GPU is)."""
+    (conftest.py sets TRITON_INTERPRET where no GPU is). The interpreter holds bf16 as its bits (uint16), and its
+    tl.dot multiplies those (triton-lang/triton#11584, not supported yet): here it takes bf16 operands by their
+    values, as a GPU's tensor cores do."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
     import pipellm.kernels.triton_decode as gpu
     assert type(gpu._decode).__name__ == "InterpretedFunction", "TRITON_INTERPRET=1 must be set before triton loads"
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def as_fp32(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        return interpreter.TensorHandle(interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None)
+                                        .view(np.float32), tl.float32)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
+                        lambda self, a, b, *rest: dot(self, as_fp32(a), as_fp32(b), *rest))
     return gpu
 
 

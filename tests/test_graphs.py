@@ -51,7 +51,7 @@ def test_padded_decode_steps_equal_the_eager_steps(folders, monkeypatch, arch, s
         monkeypatch.setattr(kernels, "for_tensor", lambda x: None)
         monkeypatch.setattr("pipellm.models.fused.applies", lambda x, meta: False)
     if path == "triton":
-        gpu = interpreted_gpu_kernels()
+        gpu = interpreted_gpu_kernels(monkeypatch)
         monkeypatch.setattr(kernels, "GPU_FAILURE", failures)
         monkeypatch.setattr("pipellm.models.attention.decode_kernels", lambda q: calls.append(1) or gpu)
     cfg, stages = _stages(folders(arch), split)

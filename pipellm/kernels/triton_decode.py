@@ -3,7 +3,8 @@ C++ kernel does on a CPU (the same call, ops.paged_decode_attention), with no ga
 context. A context is split over several programs, whose parts are merged by their running maxima (flash-decoding):
 past SPLIT_KEYS keys, and wherever a program a sequence and KV head would leave the GPU's units idle.
 
-The tests run these kernels on the CPU in Triton's interpreter (TRITON_INTERPRET=1) against the dense reference."""
+The tests run these kernels on the CPU in Triton's interpreter (TRITON_INTERPRET=1) against the dense reference
+(test_attention.py), and compile them for NVIDIA GPUs with Triton's own ptxas (test_triton_compile.py)."""
 import functools
 
 import torch
@@ -19,8 +20,11 @@ def _decode(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, 
             table_width, window, scale, softcap, blocks_per_split,
             H: tl.constexpr, KV: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr,
             D_P: tl.constexpr, BS: tl.constexpr, BS_P: tl.constexpr, INT8: tl.constexpr, SOFTCAP: tl.constexpr,
-            SPLIT: tl.constexpr):
-    """One program: sequence b, KV head h (its GROUP query heads together), split s of the context's blocks."""
+            SPLIT: tl.constexpr, DOT: tl.constexpr):
+    """One program: sequence b, KV head h (its GROUP query heads together), split s of the context's blocks.
+    DOT: the group's scores and weighted values as matrix products (GROUP_P, D_P, BS_P >= 16), on the tensor cores
+    in the cache's 16-bit type (int8 codes are exact in bf16, their scales applied after) and in fp32 for an fp32
+    cache; else as products broadcast in registers, for a group of one head."""
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # the first key the row sees
@@ -29,7 +33,9 @@ def _decode(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, 
     g, d, t = tl.arange(0, GROUP_P), tl.arange(0, D_P), tl.arange(0, BS_P)
     heads = h * GROUP + g                                                         # [G] query heads of KV head h
     qd_mask = (g[:, None] < GROUP) & (d[None, :] < D)
-    q = tl.load(q_ptr + (b * H + heads)[:, None] * D + d[None, :], mask=qd_mask, other=0.0)   # [G, D]
+    LOW: tl.constexpr = DOT and k_ptr.dtype.element_ty != tl.float32
+    OPERAND: tl.constexpr = (tl.bfloat16 if INT8 else k_ptr.dtype.element_ty) if LOW else tl.float32
+    q = tl.load(q_ptr + (b * H + heads)[:, None] * D + d[None, :], mask=qd_mask, other=0.0).to(OPERAND)  # [G, D]
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, D_P], tl.float32)
@@ -39,12 +45,18 @@ def _decode(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, 
         seen = (t < BS) & (pos >= first) & (pos < seq_len)                       # [BS]
         rows = ((block * BS + t) * KV + h)[:, None] * D + d[None, :]             # [BS, D] into [blocks, BS, KV, D]
         td_mask = seen[:, None] & (d[None, :] < D)
-        k = tl.load(k_ptr + rows, mask=td_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + rows, mask=td_mask, other=0.0).to(tl.float32)
-        if INT8:
-            k = k * tl.load(ks_ptr + block * KV + h)
-            v = v * tl.load(vs_ptr + block * KV + h)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale            # [G, BS]
+        k = tl.load(k_ptr + rows, mask=td_mask, other=0.0)
+        v = tl.load(v_ptr + rows, mask=td_mask, other=0.0)
+        if INT8:  # codes by way of fp32 (exact in both): Triton's interpreter casts int8 to bf16 by their bits
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = k.to(OPERAND), v.to(OPERAND)
+        k_scale = tl.load(ks_ptr + block * KV + h) if INT8 else 1.0
+        v_scale = tl.load(vs_ptr + block * KV + h) if INT8 else 1.0
+        if DOT:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")              # [G, BS]
+        else:
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        scores = scores * (scale * k_scale)
         if SOFTCAP:  # softcap * tanh(scores / softcap), as 2 * sigmoid(2x) - 1
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
         scores = tl.where(seen[None, :], scores, float("-inf"))
@@ -52,7 +64,11 @@ def _decode(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, 
         p = tl.exp(scores - top[:, None])                                         # [G, BS]
         rescale = tl.exp(m - top)
         total = total * rescale + tl.sum(p, axis=1)
-        acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)   # [G, D]
+        if DOT:
+            values = tl.dot(p.to(OPERAND), v, input_precision="ieee")            # [G, D]
+        else:
+            values = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * rescale[:, None] + values * v_scale
         m = top
     if SPLIT:  # this split's unnormalised sum, maximum and total, for _merge (a split with no keys: 0, -inf, 0)
         part = ((b * tl.num_programs(2) + s) * H + heads)
@@ -99,24 +115,32 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if block_tables.dtype != torch.int64 or not block_tables.is_contiguous() or block_tables.shape[0] != num_seqs \
             or seq_lens.dtype != torch.int64 or seq_lens.shape != (num_seqs,):
         raise ValueError("block_tables must be contiguous int64 [B, width], seq_lens int64 [B]")
-    group = num_heads // num_kv
     num_splits, blocks_per_split = _splits(num_seqs, num_kv, block_tables.shape[1], block_size, q.device)
     out = torch.empty_like(q)
     split = num_splits > 1
     part = torch.empty(num_seqs, num_splits, num_heads, head_dim, device=q.device) if split else out
     stats = torch.empty(num_seqs, num_splits, num_heads, 2, device=q.device) if split else out
-    d_p, group_p, bs_p = triton.next_power_of_2(head_dim), max(2, triton.next_power_of_2(group)), \
-        triton.next_power_of_2(block_size)
     _decode[(num_seqs, num_kv, num_splits)](
         q, k_cache, v_cache, k_scale if int8 else q, v_scale if int8 else q, block_tables, seq_lens, out, part, stats,
-        block_tables.shape[1], window, scale, softcap, blocks_per_split,
-        H=num_heads, KV=num_kv, GROUP=group, GROUP_P=group_p, D=head_dim, D_P=d_p, BS=block_size, BS_P=bs_p,
-        INT8=int8, SOFTCAP=softcap > 0, SPLIT=split,
-        num_warps=8 if group_p * bs_p * d_p >= 16384 else 4)  # the [G, BS, D] products, in registers
+        block_tables.shape[1], window, scale, softcap, blocks_per_split, INT8=int8, SOFTCAP=softcap > 0, SPLIT=split,
+        **_config(num_heads, num_kv, head_dim, block_size))
     if split:
-        _merge[(num_seqs, num_heads)](part, stats, out, num_splits, H=num_heads, D=head_dim, D_P=d_p,
-                                      SPLITS_P=triton.next_power_of_2(num_splits))
+        _merge[(num_seqs, num_heads)](part, stats, out, num_splits, H=num_heads, D=head_dim,
+                                      D_P=triton.next_power_of_2(head_dim), SPLITS_P=triton.next_power_of_2(num_splits))
     return out
+
+
+def _config(num_heads: int, num_kv: int, head_dim: int, block_size: int) -> dict:
+    """_decode's shapes and warps. A group of query heads shares each K/V read in matrix products (as vLLM's and
+    SGLang's decode kernels do); one head a group takes broadcast products. Warps by what a program holds in
+    registers (ptxas spills none at the shapes of tests/test_triton_compile.py)."""
+    group = num_heads // num_kv
+    dot = group > 1
+    least = 16 if dot else 2  # a product's smallest side; else arange's
+    d_p, group_p, bs_p = (max(least, triton.next_power_of_2(n)) for n in (head_dim, group, block_size))
+    warps = (8 if d_p >= 256 else 4) if dot else (8 if group_p * bs_p * d_p >= 16384 else 4)
+    return dict(H=num_heads, KV=num_kv, GROUP=group, GROUP_P=group_p, D=head_dim, D_P=d_p, BS=block_size,
+                BS_P=bs_p, DOT=dot, num_warps=warps)
 
 
 def _splits(num_seqs: int, num_kv: int, width: int, block_size: int, device: torch.device) -> tuple[int, int]:
