@@ -4,8 +4,9 @@ make machine code of them for the T4 (sm_75), A100 (sm_80), H100 and H200 (sm_90
 interpreter, which runs them in test_attention.py, checks neither that they compile nor that their tiles fit in
 registers (ptxas spills none here).
 
-Run as a script (by the test, without TRITON_INTERPRET), it compiles the cases given as JSON and prints each one's
-registers and spilled bytes as JSON."""
+Run as a script without TRITON_INTERPRET, it compiles the cases given as JSON (the test's), or this file's, and
+prints each one's registers and spilled bytes.
+    TRITON_CACHE_DIR=$(mktemp -d) .venv/bin/python tests/test_triton_compile.py"""
 import contextlib
 import io
 import json
@@ -111,6 +112,11 @@ def _compile_all(decode_cases: list, merge_cases: list) -> dict:
     return results
 
 
-if __name__ == "__main__":
-    cases = json.loads(sys.argv[1])
-    print(json.dumps(_compile_all(cases["decode"], cases["merge"])))
+if __name__ == "__main__":  # with no argument: this file's cases, a line each
+    given = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {"decode": CASES, "merge": MERGES}
+    results = _compile_all(given["decode"], given["merge"])
+    if len(sys.argv) > 1:
+        print(json.dumps(results))
+    else:
+        for name, r in {**results["decode"], **results["merge"]}.items():
+            print(f"{name:52}", r["error"] or f"{r['registers']} registers, {r['spilled']} bytes spilled")
