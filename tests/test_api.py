@@ -85,6 +85,22 @@ def test_min_tokens_and_logit_bias_match_hf(llm_pp2, checkpoints):
         assert out.token_ids[0] != plain[0]
 
 
+def test_min_tokens_holds_eos_back_under_ignore_eos_too(llm_pp2, checkpoints):
+    """As vLLM's min_tokens and HF's min_new_tokens: before min_tokens, EOS is kept out even where ignore_eos lets
+    it be drawn as any other token. This prompt's greedy continuation starts with EOS (id 0)."""
+    model, prompt = checkpoints["llama"][1], [4, 288, 272, 256, 240]
+
+    def hf(**kwargs):
+        with torch.no_grad():
+            return model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                  **kwargs)[0, len(prompt):].tolist()
+
+    drawn = _ids(llm_pp2, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert drawn == hf(eos_token_id=None) and drawn[0] == 0
+    held = _ids(llm_pp2, prompt, SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0, ignore_eos=True))
+    assert held == hf(min_new_tokens=8) and 0 not in held
+
+
 def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples(llm_pp2):
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
     a = _ids(llm_pp2, [5, 6, 7], params)

@@ -59,11 +59,11 @@ class InputProcessor:
         return self._structured_tokenizer
 
     def min_tokens_stop_ids(self, params: SamplingParams) -> list[int]:
-        """The tokens the sampler keeps out before params.min_tokens: EOS (unless ignored) and the stop tokens."""
+        """The tokens the sampler keeps out before params.min_tokens: EOS and the stop tokens. EOS under ignore_eos
+        too, as vLLM and HF's min_new_tokens: ignore_eos decides whether it ends the output, not when it may come."""
         if not params.min_tokens:
             return []
-        eos = set() if params.ignore_eos else self.eos_token_ids
-        return sorted(t for t in eos | set(params.stop_token_ids) if t < self.model_config.vocab_size)
+        return sorted(t for t in self.eos_token_ids | set(params.stop_token_ids) if t < self.model_config.vocab_size)
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens, at the start of a text and after a space (as vLLM), each token sequence once."""
