@@ -1,0 +1,115 @@
+"""A soak of correctness: random engine configurations (stages, partitions, block sizes, token budgets, batch sizes,
+prefix caching, multi-step decoding, a KV cache small enough to preempt) over the tested families' tiny random
+checkpoints, each run checked two ways:
+- greedy: the ids equal HF transformers' `generate` (EOS ignored on both sides: HF's min_new_tokens would mask it,
+  while vLLM's and pipellm's ignore_eos let it be drawn as any other token);
+- seeded sampling (temperature, top-p, top-k, a seed a request): the tokens equal those of the same requests under
+  the defaults at one stage.
+Prints a line a run (with the preemptions the small caches caused) and the failing runs' seeds; exits 1 if any
+failed. Each run draws from its own seed, so
+`--seed S --runs 1` replays run S.
+
+    python benchmarks/parity_fuzz.py [--seed 0] [--runs 40]
+"""
+import argparse
+import os
+import random
+import sys
+import tempfile
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests.*
+
+from pipellm import LLM, SamplingParams  # noqa: E402
+from tests.conftest import ARCHS, NUM_LAYERS, make_checkpoint, save_tokenizer  # noqa: E402
+from tests.test_families import FAMILIES, family_config  # noqa: E402
+
+
+def checkpoint(name: str, folder: str):
+    if name in ARCHS:
+        return make_checkpoint(name, folder)
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(name), attn_implementation="eager").eval()
+    model.save_pretrained(folder)
+    save_tokenizer(folder)
+    return model
+
+
+def engine_options(rng: random.Random) -> dict:
+    pp = rng.choice([1, 2, 2, 3])
+    kw = dict(pipeline_parallel_size=pp, dtype="float32", block_size=rng.choice([2, 4, 8, 16]),
+              max_num_batched_tokens=rng.choice([8, 16, 32, 64, 256]), max_num_seqs=rng.choice([2, 4, 8, 16]),
+              enable_prefix_caching=rng.random() < 0.7)
+    if rng.random() < 0.3:
+        kw["num_scheduler_steps"] = rng.choice([2, 4])
+    if pp > 1 and rng.random() < 0.5:
+        cuts = sorted(rng.sample(range(1, NUM_LAYERS), pp - 1))
+        kw["layer_partition"] = [b - a for a, b in zip([0, *cuts], [*cuts, NUM_LAYERS])]
+    if rng.random() < 0.2:
+        # a few blocks a layer, shared by up to 16 requests: they are preempted and come back
+        kw |= dict(kv_cache_gib=rng.choice([0.0001, 0.0002]), max_num_seqs=16)
+    return kw
+
+
+def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
+    rng = random.Random(seed)
+    name = rng.choice([*FAMILIES, *ARCHS])
+    folder = os.path.join(tmp, name)
+    if name not in models:
+        models[name] = checkpoint(name, folder)
+    hf = models[name]
+    kw = engine_options(rng)
+    shared = [rng.randrange(3, 300) for _ in range(rng.randrange(1, 40))]  # a prefix some prompts share
+    n = rng.randrange(1, 20)
+    prompts = [shared[:rng.randrange(len(shared) + 1)] + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 30))]
+               for _ in range(rng.randrange(1, 9))]
+    sampled = [SamplingParams(max_tokens=n, temperature=rng.choice([0.5, 0.8, 1.2]), top_p=rng.choice([1.0, 0.9]),
+                              top_k=rng.choice([0, 20]), seed=rng.randrange(1 << 30), ignore_eos=True)
+               for _ in prompts]
+    with LLM(folder, **kw) as llm:
+        # within the context a small cache leaves (the engine lowers max_model_len to it)
+        longest = min(hf.config.max_position_embeddings, llm.engine.max_model_len) - n
+        inputs = [{"prompt_token_ids": p[:longest]} for p in prompts]
+        greedy = llm.generate(inputs, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
+        drawn = llm.generate(inputs, sampled, use_tqdm=False)
+        preemptions = llm.engine.scheduler.num_preemptions
+    about = f"{name} {kw} prompts of {[len(i['prompt_token_ids']) for i in inputs]} tokens, {preemptions} preemptions"
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([i["prompt_token_ids"]]), max_new_tokens=n, do_sample=False,
+                                pad_token_id=0, eos_token_id=None)[0, len(i["prompt_token_ids"]):].tolist()
+                    for i in inputs]
+    with LLM(folder, dtype="float32") as llm:
+        reference = llm.generate(inputs, sampled, use_tqdm=False)
+    if [o.outputs[0].token_ids for o in greedy] != expected:
+        return False, f"{about}: greedy ids differ from HF's"
+    if [o.outputs[0].token_ids for o in drawn] != [o.outputs[0].token_ids for o in reference]:
+        return False, f"{about}: seeded samples differ from one stage's"
+    return True, about
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=0, help="the first run's seed; run i draws from seed + i")
+    parser.add_argument("--runs", type=int, default=40)
+    args = parser.parse_args()
+    models, failed = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.seed, args.seed + args.runs):
+            try:
+                ok, about = one_run(seed, models, tmp)
+            except Exception as e:  # a run that breaks is a failed run; the others still go
+                ok, about = False, f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            print(f"{'ok' if ok else 'FAIL'} seed {seed}: {about}", flush=True)
+            if not ok:
+                failed.append(seed)
+    print(f"{len(failed)} of {args.runs} runs failed: seeds {failed}" if failed else f"all {args.runs} runs passed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
