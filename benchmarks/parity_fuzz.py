@@ -23,20 +23,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests.*
 
 from pipellm import LLM, SamplingParams  # noqa: E402
-from tests.conftest import ARCHS, NUM_LAYERS, make_checkpoint, save_tokenizer  # noqa: E402
-from tests.test_families import FAMILIES, family_config  # noqa: E402
+from tests.conftest import ARCHS, NUM_LAYERS, make_checkpoint  # noqa: E402
+from tests.test_families import FAMILIES, make_family_checkpoint  # noqa: E402
 
 
 def checkpoint(name: str, folder: str):
-    if name in ARCHS:
-        return make_checkpoint(name, folder)
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(family_config(name), attn_implementation="eager").eval()
-    model.save_pretrained(folder)
-    save_tokenizer(folder)
-    return model
+    return make_checkpoint(name, folder) if name in ARCHS else make_family_checkpoint(name, folder)
 
 
 def engine_options(rng: random.Random) -> dict:

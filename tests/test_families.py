@@ -87,21 +87,26 @@ def assert_matches_hf(outputs, reference) -> None:
                 assert abs(lp.logprob - ref_logprobs[step, token_id].item()) < 1e-4, (step, token_id)
 
 
+def make_family_checkpoint(name: str, folder: str):
+    """A random checkpoint of family_config(name) (seed 0) with the tests' tokenizer, saved to folder; the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(name), attn_implementation="eager").eval()
+    model.save_pretrained(folder)
+    save_tokenizer(folder)
+    return model
+
+
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """name -> (folder, HF greedy reference per prompt); each family built on first use."""
-    from transformers import AutoModelForCausalLM
-
     built = {}
 
     def get(name):
         if name not in built:
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(family_config(name), attn_implementation="eager").eval()
             folder = str(tmp_path_factory.mktemp(name))
-            model.save_pretrained(folder)
-            save_tokenizer(folder)
-            built[name] = (folder, hf_greedy(model, prompts_of(name)))
+            built[name] = (folder, hf_greedy(make_family_checkpoint(name, folder), prompts_of(name)))
         return built[name]
     return get
 

@@ -27,17 +27,14 @@ WIDTH = 12  # blocks a sequence
 def folders(checkpoints, tmp_path_factory):
     """arch -> checkpoint folder: conftest's, and families with q/k norms (qwen3), Gemma's norms, GeGLU and sliding
     layers of their own rotary (gemma3), soft-capped scores (gemma2) or experts (mixtral); built on first use."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.test_families import family_config
+    from tests.test_families import make_family_checkpoint
 
     built = {arch: folder for arch, (folder, _) in checkpoints.items()}
 
     def get(arch: str) -> str:
         if arch not in built:
-            torch.manual_seed(0)
             folder = str(tmp_path_factory.mktemp(arch))
-            AutoModelForCausalLM.from_config(family_config(arch), attn_implementation="eager").save_pretrained(folder)
+            make_family_checkpoint(arch, folder)
             built[arch] = folder
         return built[arch]
     return get

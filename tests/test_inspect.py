@@ -75,12 +75,8 @@ def test_lens_and_attention_match_hf(checkpoints, arch, pp, partition, chunk):
 
 def test_gemma2_soft_capping_matches_hf(tmp_path):
     """Soft-capped attention scores and logits, and Gemma's norms, through the lens and the attention weights."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.test_families import family_config
-    torch.manual_seed(0)
-    hf_model = AutoModelForCausalLM.from_config(family_config("gemma2"), attn_implementation="eager").eval()
-    hf_model.save_pretrained(tmp_path)
+    from tests.test_families import make_family_checkpoint
+    hf_model = make_family_checkpoint("gemma2", str(tmp_path))
     with LLM(str(tmp_path), pipeline_parallel_size=2, dtype="float32") as llm:
         data = llm.inspect({"prompt_token_ids": PROMPT})
     assert_matches_hf(data, hf_reference(hf_model, PROMPT), hf_model.config.num_hidden_layers)
