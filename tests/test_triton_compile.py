@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="Triton (the test extra, on Linux) is not installed: it compiles the GPU kernels")
 
 # query heads, KV heads, head size: groups of 1 to 16 query heads a KV head, heads 64 to 256 wide
 MODELS = {"SmolLM2-135M": (9, 3, 64), "Llama-3.1-8B": (32, 8, 128), "Llama-3.1-70B": (64, 8, 128),
