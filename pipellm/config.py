@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipellm.device import check_name
+from pipellm.pipeline.partition import parse_partition
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
@@ -320,8 +321,8 @@ class EngineConfig:
 
         if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
             bad("pipeline_parallel_size", "must be an integer >= 1")
-        if isinstance(self.layer_partition, str) and self.layer_partition != "auto":
-            bad("layer_partition", 'must be a list of layer counts per stage, "auto" or None')
+        if isinstance(self.layer_partition, str):
+            self.layer_partition = parse_partition(self.layer_partition)
         if self.dtype not in DTYPES and self.dtype != "auto":
             bad("dtype", f"must be one of auto, {', '.join(DTYPES)}")
         if self.quantization not in (None, "int8", "int4"):

@@ -1,5 +1,6 @@
 import pytest
 
+from pipellm.config import EngineConfig
 from pipellm.pipeline.partition import even_partition, make_partition
 from tests.conftest import FP32
 
@@ -87,3 +88,10 @@ def test_engine_resolves_auto_dtype(llama_dir):
         assert [r.weight_bytes[0][0] for r in llm.engine.inspect()] == [{"float32": "F32"}.get(dtype, "BF16")]
     assert dtype == profile.auto_dtype(1, compact=False)[0]
     assert dtype == "float32" or kernels.has_bf16_matmul()
+
+
+def test_partition_given_as_the_cli_writes_it():
+    assert EngineConfig(None, 2, layer_partition="3, 1").layer_partition == [3, 1]
+    assert EngineConfig(None, 2, layer_partition="auto").layer_partition == "auto"
+    with pytest.raises(ValueError, match=r"layer_partition '3;1': give layer counts per stage, such as \"15,15\""):
+        EngineConfig(None, 2, layer_partition="3;1")

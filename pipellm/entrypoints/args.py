@@ -4,6 +4,8 @@ import json
 import os
 import re
 
+from pipellm.pipeline.partition import parse_partition
+
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k")
 
 
@@ -17,12 +19,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _partition(text: str) -> list[int] | str:
-    if text == "auto":
-        return text
     try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--layer-partition {text!r}: give layer counts per stage, e.g. 15,15")
+        return parse_partition(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--layer-partition {text!r}: give layer counts per stage, e.g. 15,15") from e
 
 
 def _num_bytes(text: str) -> int:

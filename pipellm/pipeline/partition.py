@@ -30,6 +30,17 @@ def even_partition(num_layers: int, num_stages: int) -> list[int]:
     return sizes
 
 
+def parse_partition(text: str) -> list[int] | str:
+    """A partition as the CLI writes it: "auto", or layer counts per stage such as "15,15"."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"layer_partition {text!r}: give layer counts per stage, such as \"15,15\" or [15, 15], "
+                         "or \"auto\"") from None
+
+
 def make_partition(num_layers: int, num_stages: int, layer_partition: list[int] | None = None) -> list[StageLayers]:
     if num_stages > num_layers:
         raise ValueError(f"pipeline_parallel_size={num_stages} is greater than the model's {num_layers} layers; "
