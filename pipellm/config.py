@@ -314,6 +314,8 @@ class EngineConfig:
     #                                     the stage's compute (on a CPU while at most 8 requests run); a request that
     #                                     stops has computed one token more, dropped. One stage only; None: on there
     speculative_config: SpeculativeConfig | None = None  # n-gram speculative decoding; a dict of its fields too
+    max_logprobs: int = 20              # top log-probabilities a request may ask for a token (logprobs,
+    #                                     prompt_logprobs) at most; -1: no cap (vLLM's name and default)
 
     def __post_init__(self):
         def bad(name, why):
@@ -366,6 +368,8 @@ class EngineConfig:
         if self.async_scheduling and self.num_scheduler_steps > 1:
             bad("async_scheduling", "and num_scheduler_steps > 1 are two ways to keep the stage from waiting on the "
                                     "driver; choose one")
+        if type(self.max_logprobs) is not int or self.max_logprobs < -1:
+            bad("max_logprobs", "must be an integer >= 0, or -1 for no cap")
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.speculative_config is not None:
             if self.num_scheduler_steps > 1:

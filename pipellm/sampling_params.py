@@ -1,4 +1,5 @@
 import json
+import numbers
 from dataclasses import dataclass
 
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -37,6 +38,10 @@ class StructuredOutputsParams:
         return next((k, getattr(self, k)) for k in ("json", "regex", "grammar") if getattr(self, k) is not None)
 
 
+def _as_list(value):
+    return [] if value is None else list(value) if isinstance(value, tuple) else value
+
+
 @dataclass
 class SamplingParams:
     n: int = 1                          # completions per prompt
@@ -65,10 +70,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # hold the output to a schema, regex or grammar
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # a string, a tuple or None as the list they mean; anything else is left for _check to name
+        self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop)
+        self.stop_token_ids = _as_list(self.stop_token_ids)
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {t: float(b) if type(b) is int else b for t, b in self.logit_bias.items()}
         if self.top_k == 0:
@@ -79,6 +83,9 @@ class SamplingParams:
         def bad(name, why):
             raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not isinstance(getattr(self, name), numbers.Real):
+                bad(name, "must be a number")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an integer >= 1")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -105,9 +112,10 @@ class SamplingParams:
             bad("prompt_logprobs", "must be None or an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer or None")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or any(not isinstance(t, int) or t < 0
+                                                            for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative token ids")
         if type(self.min_tokens) is not int or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")

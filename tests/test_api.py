@@ -1,4 +1,5 @@
 """The vLLM-style API: inputs, outputs, sampling options, and errors that leave the engine usable."""
+import math
 import os
 import re
 
@@ -6,6 +7,8 @@ import pytest
 import torch
 
 from pipellm import LLM, CompletionOutput, RequestOutput, SamplingParams, device
+from pipellm.config import EngineConfig
+from tests.conftest import FP32
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -129,6 +132,19 @@ def test_logprobs_are_returned_per_token(llm_pp2):
     assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
 
 
+def test_logprobs_past_max_logprobs_are_refused(llm_pp2, llama_dir):
+    for name in ("logprobs", "prompt_logprobs"):  # vLLM's default cap: 20
+        with pytest.raises(ValueError, match=rf"SamplingParams.{name}=21 is over the engine's max_logprobs=20"):
+            llm_pp2.generate("Hello", SamplingParams(max_tokens=2, **{name: 21}), use_tqdm=False)
+    with LLM(llama_dir, dtype=FP32, max_logprobs=-1) as llm:  # no cap: the whole vocabulary
+        vocab = llm.engine.model_config.vocab_size
+        out = llm.generate("Hello", SamplingParams(max_tokens=2, logprobs=vocab), use_tqdm=False)[0].outputs[0]
+    assert [len(e) for e in out.logprobs] == [vocab, vocab]
+    assert [sum(math.exp(lp.logprob) for lp in e.values()) for e in out.logprobs] == pytest.approx([1, 1], abs=1e-4)
+    with pytest.raises(ValueError, match="max_logprobs=-2: must be an integer >= 0, or -1"):
+        EngineConfig(None, max_logprobs=-2)
+
+
 def test_chat_applies_the_template(llm_pp2):
     tok = llm_pp2.get_tokenizer()
     messages = [{"role": "user", "content": "Hello"}]
@@ -197,6 +213,8 @@ def test_truncate_prompt_tokens_keeps_the_end_of_a_long_prompt(llm_pp2):
     (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
     (dict(bad_words=[" "]), "bad_words"), (dict(bad_words="word"), "bad_words"),
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(temperature="0.5"), "temperature"), (dict(top_p=None), "top_p"), (dict(stop=5), "stop"),
+    (dict(stop_token_ids=7), "stop_token_ids"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):

@@ -350,6 +350,11 @@ def test_logprobs(server, llm_pp2):
     for item in content:
         assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
         assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)  # greedy takes the top token
+    for create, kwargs in ((server.client().completions.create, dict(prompt=PROMPT, logprobs=21)),
+                           (server.client().chat.completions.create,
+                            dict(messages=MESSAGES, logprobs=True, top_logprobs=21))):
+        with pytest.raises(openai.BadRequestError, match="logprobs=21 is over the engine's max_logprobs=20"):
+            create(model=NAME, max_tokens=2, **kwargs)
 
 
 def test_echo_returns_the_prompt_with_its_logprobs(server, llm_pp2):

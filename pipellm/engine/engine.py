@@ -101,7 +101,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = self._eos_token_ids()
         self.inputs = InputProcessor(self.tokenizer, self.model_config, self.model_dir, self.max_model_len,
-                                     self.eos_token_ids)
+                                     self.eos_token_ids, config.max_logprobs)
         self.block_manager = self._block_manager()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" else None,

@@ -8,9 +8,9 @@ from pipellm.sampling_params import SamplingParams
 
 class InputProcessor:
     def __init__(self, tokenizer, model_config: ModelConfig, model_dir: str, max_model_len: int,
-                 eos_token_ids: set[int]):
+                 eos_token_ids: set[int], max_logprobs: int):
         self.tokenizer, self.model_config, self.model_dir = tokenizer, model_config, model_dir
-        self.max_model_len, self.eos_token_ids = max_model_len, eos_token_ids
+        self.max_model_len, self.eos_token_ids, self.max_logprobs = max_model_len, eos_token_ids, max_logprobs
         self._structured_tokenizer = None  # llguidance's, made on the first request with structured outputs
         self._grammars_checked: set[tuple[str, str]] = set()  # (kind, text) that compiled, for prompts that share one
 
@@ -42,6 +42,11 @@ class InputProcessor:
             bad = [t for t in getattr(params, name) or () if t >= vocab]
             if bad:
                 raise ValueError(f"SamplingParams.{name} has token ids outside [0, {vocab}): {bad[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if self.max_logprobs >= 0 and (getattr(params, name) or 0) > self.max_logprobs:
+                raise ValueError(f"SamplingParams.{name}={getattr(params, name)} is over the engine's max_logprobs="
+                                 f"{self.max_logprobs}; ask for fewer, or start the engine with a larger "
+                                 "max_logprobs (--max-logprobs; -1: no cap)")
         if params.bad_words and self.tokenizer is None:
             raise ValueError(f"SamplingParams.bad_words needs a tokenizer, and the model at {self.model_dir} has none")
         spec = params.structured_outputs

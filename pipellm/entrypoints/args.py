@@ -82,6 +82,8 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
                    help='n-gram speculative decoding, as vLLM\'s: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-logprobs", type=int, default=None,
+                   help="top log-probabilities a request may ask for a token at most (default 20; -1: no cap)")
     p.add_argument("--threads-per-stage", type=int, default=None, help="default: cores // stages")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,

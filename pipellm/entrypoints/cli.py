@@ -24,7 +24,8 @@ def _engine_kwargs(args, restart_default: bool = False) -> dict:
                     kv_cache_gib=kv_cache_gib, num_scheduler_steps=args.num_scheduler_steps, device=args.device,
                     gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                     async_scheduling=args.async_scheduling,
-                    speculative_config=args.speculative_config)  # unset: engine defaults
+                    speculative_config=args.speculative_config,
+                    max_logprobs=args.max_logprobs)  # unset: engine defaults
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     if args.distributed_executor_backend == "external_launcher":
         kwargs.update(master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),

@@ -7,7 +7,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pipellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128                 # completions per prompt
-MAX_LOGPROBS = 20           # top log-probabilities per token
 
 
 class APIError(Exception):
@@ -125,8 +124,6 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     structured_outputs = _structured_outputs(req)
     if get("n", 1) > MAX_N:
         raise APIError(400, f"n={req.n}: at most {MAX_N} completions per prompt", param="n")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise APIError(400, f"logprobs={logprobs}: must be in [0, {MAX_LOGPROBS}]", param="logprobs")
     try:
         return SamplingParams(n=get("n", 1), max_tokens=max_tokens, temperature=get("temperature", 1.0),
                               top_p=get("top_p", 1.0), top_k=get("top_k", -1), min_p=get("min_p", 0.0),
