@@ -1,5 +1,6 @@
 """The offline API: LLM(...).generate(prompts) and LLM(...).chat(messages), as in vLLM."""
 import contextlib
+import difflib
 import itertools
 import weakref
 from collections.abc import Iterator
@@ -15,6 +16,44 @@ from pipellm.sampling_params import SamplingParams
 
 PromptType = str | dict
 
+_LOCAL_ONLY = "pipellm loads local folders and GGUF files, with no hub download: give model a local path"
+# vLLM's options that pipellm has no field for: (values that ask for what pipellm does anyway, what to give instead)
+_VLLM_ONLY = {
+    "tensor_parallel_size": ((1,), "pipellm splits a model by layers, into pipeline stages: give "
+                                   "pipeline_parallel_size instead"),
+    "trust_remote_code": ((True, False), ""),  # pipellm runs no code from a checkpoint either way
+    "enable_chunked_prefill": ((True, None), "pipellm always runs a prompt in chunks of max_num_batched_tokens: "
+                                             "give a larger max_num_batched_tokens for fewer, longer chunks"),
+    "tokenizer": ((None,), "pipellm reads the tokenizer from the model's folder (tokenizer.json) or its GGUF file"),
+    "revision": ((None,), _LOCAL_ONLY), "tokenizer_revision": ((None,), _LOCAL_ONLY),
+    "download_dir": ((None,), _LOCAL_ONLY),
+}
+
+
+def _engine_options(kwargs: dict) -> dict:
+    """kwargs without the vLLM options that ask for what pipellm does anyway; ValueError naming any other option
+    that EngineConfig does not have, with what to give instead."""
+    fields = EngineConfig.__dataclass_fields__
+    out = {}
+    for name, value in kwargs.items():
+        if name in fields:
+            out[name] = value
+        elif name == "kv_cache_memory_bytes":  # vLLM's unit, as the CLI's flag
+            if "kv_cache_gib" in kwargs:
+                raise ValueError("give kv_cache_gib or kv_cache_memory_bytes, not both")
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"kv_cache_memory_bytes={value!r}: must be a positive integer")
+            out["kv_cache_gib"] = value / 2 ** 30
+        elif name in _VLLM_ONLY:
+            fine, instead = _VLLM_ONLY[name]
+            if not any(value is f or type(value) is type(f) and value == f for f in fine):
+                raise ValueError(f"{name}={value!r}: {instead}")
+        else:
+            close = difflib.get_close_matches(name, fields, n=3)
+            raise ValueError(f"LLM has no option {name!r}; " + (f"did you mean {' or '.join(close)}?" if close else
+                             f"its options are {', '.join(sorted(fields))}"))
+    return out
+
 
 class LLM:
     def __init__(self, model: str | None = None, pipeline_parallel_size: int = 1,
@@ -23,7 +62,8 @@ class LLM:
                  threads_per_stage: int | None = None, trace_dir: str | None = None, **engine_kwargs):
         config = EngineConfig(model, pipeline_parallel_size, layer_partition, dtype, block_size, max_model_len,
                               max_num_seqs, seed=seed, threads_per_stage=threads_per_stage,
-                              trace=trace_dir is not None or engine_kwargs.pop("trace", False), **engine_kwargs)
+                              trace=trace_dir is not None or engine_kwargs.pop("trace", False),
+                              **_engine_options(engine_kwargs))
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
         self._dead: str | None = None

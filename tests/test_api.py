@@ -304,3 +304,24 @@ def test_more_threads_than_cores_warns_with_a_count_that_fits(caplog):
     warn_if_oversubscribed(EngineConfig(model="m", pipeline_parallel_size=2, nnodes=2, master_port=29500,
                                          threads_per_stage=cores))
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tensor_parallel_size=2), "tensor_parallel_size=2: pipellm splits a model by layers, into pipeline stages: "
+                                   "give pipeline_parallel_size instead"),
+    (dict(tokenizer="other"), "tokenizer='other': pipellm reads the tokenizer from the model's folder"),
+    (dict(revision="main"), "revision='main': pipellm loads local folders and GGUF files, with no hub download"),
+    (dict(enable_chunked_prefill=False), "enable_chunked_prefill=False: pipellm always runs a prompt in chunks"),
+    (dict(max_num_seq=4), "LLM has no option 'max_num_seq'; did you mean max_num_seqs\\?"),
+    (dict(kv_cache_gib=1.0, kv_cache_memory_bytes=2 ** 30), "give kv_cache_gib or kv_cache_memory_bytes, not both"),
+])
+def test_options_of_vllm_that_pipellm_lacks_say_what_to_give(llama_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(llama_dir, **kwargs)
+
+
+def test_options_of_vllm_that_ask_for_what_pipellm_does_are_taken(llama_dir, llm_pp2):
+    with LLM(llama_dir, dtype=FP32, distributed_executor_backend="uni", tensor_parallel_size=1,
+             trust_remote_code=True, enable_chunked_prefill=True, kv_cache_memory_bytes=2 ** 24) as llm:
+        assert llm.engine.config.kv_cache_gib == 2 ** 24 / 2 ** 30
+        assert _ids(llm, [5, 6, 7]) == _ids(llm_pp2, [5, 6, 7])
