@@ -1,5 +1,6 @@
 """A soak of correctness: random engine configurations (stages, partitions, block sizes, token budgets, batch sizes,
-prefix caching, multi-step decoding, a KV cache small enough to preempt) over the tested families' tiny random
+prefix caching, multi-step decoding, n-gram speculation, the stage in the driver's process or not, async
+scheduling, batches in flight, a KV cache small enough to preempt) over the tested families' tiny random
 checkpoints, each run checked two ways:
 - greedy: the ids equal HF transformers' `generate` (EOS ignored on both sides: HF's min_new_tokens would mask it,
   while vLLM's and pipellm's ignore_eos let it be drawn as any other token);
@@ -36,8 +37,18 @@ def engine_options(rng: random.Random) -> dict:
     kw = dict(pipeline_parallel_size=pp, dtype="float32", block_size=rng.choice([2, 4, 8, 16]),
               max_num_batched_tokens=rng.choice([8, 16, 32, 64, 256]), max_num_seqs=rng.choice([2, 4, 8, 16]),
               enable_prefix_caching=rng.random() < 0.7)
-    if rng.random() < 0.3:
+    several = rng.random()  # one way (at most) of running several tokens a request a step
+    if several < 0.25:
         kw["num_scheduler_steps"] = rng.choice([2, 4])
+    elif several < 0.5:
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": rng.choice([1, 3, 6]),
+                                    "prompt_lookup_min": rng.choice([1, 2]), "prompt_lookup_max": rng.choice([2, 4])}
+    if pp == 1:  # the stage in the driver's process, or one of its own, with the next batch sent early or not
+        kw["distributed_executor_backend"] = rng.choice(["uni", "mp", "mp"])
+        if kw["distributed_executor_backend"] == "mp" and several >= 0.25 and "speculative_config" not in kw:
+            kw["async_scheduling"] = rng.choice([None, False])
+    elif rng.random() < 0.3:
+        kw["max_batches_in_flight"] = rng.choice([1, pp + 1])
     if pp > 1 and rng.random() < 0.5:
         cuts = sorted(rng.sample(range(1, NUM_LAYERS), pp - 1))
         kw["layer_partition"] = [b - a for a, b in zip([0, *cuts], [*cuts, NUM_LAYERS])]
@@ -56,24 +67,25 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
     hf = models[name]
     kw = engine_options(rng)
     shared = [rng.randrange(3, 300) for _ in range(rng.randrange(1, 40))]  # a prefix some prompts share
-    n = rng.randrange(1, 20)
     prompts = [shared[:rng.randrange(len(shared) + 1)] + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 30))]
                for _ in range(rng.randrange(1, 9))]
+    lengths = [rng.randrange(1, 20) for _ in prompts]  # requests that finish at different steps
     sampled = [SamplingParams(max_tokens=n, temperature=rng.choice([0.5, 0.8, 1.2]), top_p=rng.choice([1.0, 0.9]),
                               top_k=rng.choice([0, 20]), seed=rng.randrange(1 << 30), ignore_eos=True)
-               for _ in prompts]
+               for n in lengths]
     with LLM(folder, **kw) as llm:
         # within the context a small cache leaves (the engine lowers max_model_len to it)
-        longest = min(hf.config.max_position_embeddings, llm.engine.max_model_len) - n
+        longest = min(hf.config.max_position_embeddings, llm.engine.max_model_len) - max(lengths)
         inputs = [{"prompt_token_ids": p[:longest]} for p in prompts]
-        greedy = llm.generate(inputs, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
+        greedy = llm.generate(inputs, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths],
+                              use_tqdm=False)
         drawn = llm.generate(inputs, sampled, use_tqdm=False)
         preemptions = llm.engine.scheduler.num_preemptions
     about = f"{name} {kw} prompts of {[len(i['prompt_token_ids']) for i in inputs]} tokens, {preemptions} preemptions"
     with torch.no_grad():
         expected = [hf.generate(torch.tensor([i["prompt_token_ids"]]), max_new_tokens=n, do_sample=False,
                                 pad_token_id=0, eos_token_id=None)[0, len(i["prompt_token_ids"]):].tolist()
-                    for i in inputs]
+                    for i, n in zip(inputs, lengths)]
     with LLM(folder, dtype="float32") as llm:
         reference = llm.generate(inputs, sampled, use_tqdm=False)
     if [o.outputs[0].token_ids for o in greedy] != expected:
