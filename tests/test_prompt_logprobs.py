@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from pipellm import LLM, SamplingParams
+from tests.conftest import make_checkpoint
+from tests.test_families import SHORT, make_family_checkpoint
 
 PROMPT = [(7 * i + 3) % 384 for i in range(40)]  # longer than the 16-token chunks below: prefill in three steps
 K = 3
@@ -50,3 +52,23 @@ def test_prompt_logprobs_match_hf(llama_dir, reference, pp, chunk):
 def test_bad_prompt_logprobs_is_refused():
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("phi3-longrope", {}),  # the prompt fits the short factors; its output grows past them and is recomputed
+    ("llama", {"num_kv_blocks": 12, "block_size": 4, "max_model_len": 44}),  # preempted and recomputed
+])
+def test_a_recomputed_prompt_keeps_its_first_scores(tmp_path, name, kwargs):
+    """As a model given only the prompt scores it: HF's log-softmax of the prompt alone."""
+    hf = (make_checkpoint if name == "llama" else make_family_checkpoint)(name, str(tmp_path))
+    prompts = [PROMPT[:SHORT - 8], PROMPT[8:SHORT], PROMPT[5:SHORT - 4]]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    with LLM(str(tmp_path), dtype="float32", **kwargs) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        recomputed = llm.engine.scheduler.num_preemptions if name == "llama" else 1
+    assert recomputed > 0
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        got = [out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]
+        assert got == pytest.approx([float(want[i - 1, prompt[i]]) for i in range(1, len(prompt))], abs=1e-4)

@@ -290,13 +290,19 @@ class Scheduler:
 
     @staticmethod
     def _prompt_rows(reqs: list[Request], starts: np.ndarray, counts: np.ndarray):
-        """For requests that want prompt log-probabilities: the rows of this step that score a next prompt token,
-        and those tokens. A row at position p scores prompt token p + 1."""
+        """For requests that want prompt log-probabilities: the rows of this step that score a next prompt token
+        not scored yet, and those tokens. A row at position p scores prompt token p + 1. A recomputed prompt (after
+        a preemption, or a long-factor rotary's switch) keeps the scores of its first pass, which saw only the
+        prompt, as a model given just the prompt does."""
         spans, rows, targets = [], [], []
         first_rows = np.cumsum(counts) - counts
         for r, start, n, row in zip(reqs, starts.tolist(), counts.tolist(), first_rows.tolist()):
             end = min(start + n, r.num_prompt_tokens - 1)
-            if r.params.prompt_logprobs is None or end <= start:
+            if r.params.prompt_logprobs is None:
+                continue
+            while start < end and r.prompt_logprobs[start + 1] is not None:  # scored by an earlier pass
+                start, row = start + 1, row + 1
+            if end <= start:
                 continue
             spans.append((r, start + 1, end - start))
             rows.append(np.arange(row, row + end - start))
