@@ -3,9 +3,11 @@ prefix caching, multi-step decoding, n-gram speculation, the stage in the driver
 scheduling, batches in flight, a KV cache small enough to preempt) over the tested families' tiny random
 checkpoints, each run checked two ways:
 - greedy: the ids equal HF transformers' `generate` (EOS ignored on both sides: HF's min_new_tokens would mask it,
-  while vLLM's and pipellm's ignore_eos let it be drawn as any other token);
+  while vLLM's and pipellm's ignore_eos let it be drawn as any other token); in three runs of five with the top-k
+  log-probabilities of each new and prompt token, which must be HF's log-softmax of the same rows;
 - seeded sampling (temperature, top-p, top-k, a seed a request): the tokens equal those of the same requests under
-  the defaults at one stage.
+  the defaults at one stage, but where a draw lands so near the boundary between two tokens (under 1e-5 of the
+  mass, on HF's logits) that the last bits of the logits decide it.
 Prints a line a run (with the preemptions the small caches caused) and the failing runs' seeds; exits 1 if any
 failed. Each run draws from its own seed, so
 `--seed S --runs 1` replays run S.
@@ -58,6 +60,27 @@ def engine_options(rng: random.Random) -> dict:
     return kw
 
 
+def draw_margin(hf, prompt: list[int], tokens: list[int], other: list[int], params: SamplingParams) -> float:
+    """Where two seeded samplings of one request first part: how far (a share of the kept mass) the request's uniform
+    lands from the nearest boundary between the two tokens drawn there, on HF's logits filtered as HF filters them.
+    A few 1e-7 is a near-tie that the last bits of two batches' logits decide; a real fault lands far from one."""
+    j = next(i for i, (a, b) in enumerate(zip(tokens, other)) if a != b)
+    with torch.no_grad():
+        w = hf(torch.tensor([prompt + tokens[:j]])).logits[0, -1].double() / params.temperature
+    w = (w - w.max()).exp()
+    if params.top_k > 0:
+        w[w < w.topk(params.top_k).values[-1]] = 0
+    if params.top_p < 1:
+        ascending = w.sort()
+        drop = ascending.values.cumsum(0) / w.sum() <= 1 - params.top_p
+        w[ascending.indices[drop]] = 0
+    cdf = w.cumsum(0)
+    gen = torch.Generator().manual_seed(params.seed)
+    u = [torch.rand(1, generator=gen, dtype=torch.float64).item() for _ in range(j + 1)][-1]
+    lo, hi = sorted((tokens[j], other[j]))  # the boundary between them: lo's interval's end, hi's start
+    return max(abs(u * cdf[-1] - cdf[lo]), cdf[hi - 1] - cdf[lo]).item() / cdf[-1].item()
+
+
 def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
     rng = random.Random(seed)
     name = rng.choice([*FAMILIES, *ARCHS])
@@ -70,6 +93,7 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
     prompts = [shared[:rng.randrange(len(shared) + 1)] + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 30))]
                for _ in range(rng.randrange(1, 9))]
     lengths = [rng.randrange(1, 20) for _ in prompts]  # requests that finish at different steps
+    k = rng.choice([None, None, 0, 1, 5])  # log-probabilities of the greedy tokens, and of the prompts
     sampled = [SamplingParams(max_tokens=n, temperature=rng.choice([0.5, 0.8, 1.2]), top_p=rng.choice([1.0, 0.9]),
                               top_k=rng.choice([0, 20]), seed=rng.randrange(1 << 30), ignore_eos=True)
                for n in lengths]
@@ -77,21 +101,40 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
         # within the context a small cache leaves (the engine lowers max_model_len to it)
         longest = min(hf.config.max_position_embeddings, llm.engine.max_model_len) - max(lengths)
         inputs = [{"prompt_token_ids": p[:longest]} for p in prompts]
-        greedy = llm.generate(inputs, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths],
-                              use_tqdm=False)
+        greedy = llm.generate(inputs, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=k,
+                                                      prompt_logprobs=k) for n in lengths], use_tqdm=False)
         drawn = llm.generate(inputs, sampled, use_tqdm=False)
         preemptions = llm.engine.scheduler.num_preemptions
-    about = f"{name} {kw} prompts of {[len(i['prompt_token_ids']) for i in inputs]} tokens, {preemptions} preemptions"
+    about = (f"{name} {kw} prompts of {[len(i['prompt_token_ids']) for i in inputs]} tokens"
+             f"{'' if k is None else f', logprobs={k}'}, {preemptions} preemptions")
+    expected, hf_logprobs = [], []  # HF's greedy ids, and log-softmax rows [prompt - 1 + new, V] of what they saw
     with torch.no_grad():
-        expected = [hf.generate(torch.tensor([i["prompt_token_ids"]]), max_new_tokens=n, do_sample=False,
-                                pad_token_id=0, eos_token_id=None)[0, len(i["prompt_token_ids"]):].tolist()
-                    for i, n in zip(inputs, lengths)]
+        for i, n in zip(inputs, lengths):
+            ids = torch.tensor([i["prompt_token_ids"]])
+            out = hf.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None,
+                              output_logits=True, return_dict_in_generate=True)
+            expected.append(out.sequences[0, ids.shape[1]:].tolist())
+            rows = torch.cat([hf(ids).logits[0, :-1], torch.cat(out.logits)]).float()
+            hf_logprobs.append(torch.log_softmax(rows, dim=-1))
     with LLM(folder, dtype="float32") as llm:
         reference = llm.generate(inputs, sampled, use_tqdm=False)
     if [o.outputs[0].token_ids for o in greedy] != expected:
         return False, f"{about}: greedy ids differ from HF's"
-    if [o.outputs[0].token_ids for o in drawn] != [o.outputs[0].token_ids for o in reference]:
-        return False, f"{about}: seeded samples differ from one stage's"
+    if k is not None:
+        for o, want in zip(greedy, hf_logprobs):
+            entries = o.prompt_logprobs[1:] + o.outputs[0].logprobs  # the first prompt token has none
+            got = [(row, tid, lp.logprob) for row, e in enumerate(entries) for tid, lp in e.items()]
+            if len(entries) != len(want) or any(not k <= len(e) <= k + 1 for e in entries):
+                return False, f"{about}: logprobs of {len(entries)} tokens, {[len(e) for e in entries]} each"
+            worst = max(abs(lp - want[row, tid].item()) for row, tid, lp in got)
+            if worst > 1e-4:
+                return False, f"{about}: logprobs={k} off HF's log-softmax by up to {worst:.2e}"
+    for i, params, d, r in zip(inputs, sampled, drawn, reference):
+        if d.outputs[0].token_ids != r.outputs[0].token_ids:
+            margin = draw_margin(hf, i["prompt_token_ids"], d.outputs[0].token_ids, r.outputs[0].token_ids, params)
+            if margin > 1e-5:
+                return False, f"{about}: seeded samples differ from one stage's, {margin:.1e} from a boundary"
+            about += f"; a near-tie draw ({margin:.1e} of the mass from a boundary) went both ways"
     return True, about
 
 
