@@ -21,7 +21,7 @@ _LOCAL_ONLY = "pipellm loads local folders and GGUF files, with no hub download:
 _VLLM_ONLY = {
     "tensor_parallel_size": ((1,), "pipellm splits a model by layers, into pipeline stages: give "
                                    "pipeline_parallel_size instead"),
-    "trust_remote_code": ((True, False), ""),  # pipellm runs no code from a checkpoint either way
+    "trust_remote_code": ((True, False), "give True or False: pipellm runs no code from a checkpoint either way"),
     "enable_chunked_prefill": ((True, None), "pipellm always runs a prompt in chunks of max_num_batched_tokens: "
                                              "give a larger max_num_batched_tokens for fewer, longer chunks"),
     "tokenizer": ((None,), "pipellm reads the tokenizer from the model's folder (tokenizer.json) or its GGUF file"),

@@ -312,6 +312,7 @@ def test_more_threads_than_cores_warns_with_a_count_that_fits(caplog):
     (dict(tokenizer="other"), "tokenizer='other': pipellm reads the tokenizer from the model's folder"),
     (dict(revision="main"), "revision='main': pipellm loads local folders and GGUF files, with no hub download"),
     (dict(enable_chunked_prefill=False), "enable_chunked_prefill=False: pipellm always runs a prompt in chunks"),
+    (dict(trust_remote_code="yes"), "trust_remote_code='yes': give True or False"),
     (dict(max_num_seq=4), "LLM has no option 'max_num_seq'; did you mean max_num_seqs\\?"),
     (dict(kv_cache_gib=1.0, kv_cache_memory_bytes=2 ** 30), "give kv_cache_gib or kv_cache_memory_bytes, not both"),
 ])
