@@ -5,7 +5,7 @@ checkpoints, each run checked two ways:
 - greedy: the ids equal HF transformers' `generate` (EOS ignored on both sides: HF's min_new_tokens would mask it,
   while vLLM's and pipellm's ignore_eos let it be drawn as any other token); in three runs of five with the top-k
   log-probabilities of each new and prompt token, which must be HF's log-softmax of the same rows;
-- seeded sampling (temperature, top-p, top-k, a seed a request): the tokens equal those of the same requests under
+- seeded sampling (temperature, top-p, top-k, a seed a request, n of 1 or 2 completions): the tokens equal those of the same requests under
   the defaults at one stage, but where a draw lands so near the boundary between two tokens (under 1e-5 of the
   mass, on HF's logits) that the last bits of the logits decide it.
 Prints a line a run (with the preemptions the small caches caused) and the failing runs' seeds; exits 1 if any
@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests.*
 
 from pipellm import LLM, SamplingParams  # noqa: E402
+from pipellm.engine.engine import _SEED_STRIDE  # noqa: E402  (completion i of a request draws from seed + i * it)
 from tests.conftest import ARCHS, NUM_LAYERS, make_checkpoint  # noqa: E402
 from tests.test_families import FAMILIES, make_family_checkpoint  # noqa: E402
 
@@ -60,7 +61,8 @@ def engine_options(rng: random.Random) -> dict:
     return kw
 
 
-def draw_margin(hf, prompt: list[int], tokens: list[int], other: list[int], params: SamplingParams) -> float:
+def draw_margin(hf, prompt: list[int], tokens: list[int], other: list[int], params: SamplingParams,
+                index: int) -> float:
     """Where two seeded samplings of one request first part: how far (a share of the kept mass) the request's uniform
     lands from the nearest boundary between the two tokens drawn there, on HF's logits filtered as HF filters them.
     A few 1e-7 is a near-tie that the last bits of two batches' logits decide; a real fault lands far from one."""
@@ -75,7 +77,7 @@ def draw_margin(hf, prompt: list[int], tokens: list[int], other: list[int], para
         drop = ascending.values.cumsum(0) / w.sum() <= 1 - params.top_p
         w[ascending.indices[drop]] = 0
     cdf = w.cumsum(0)
-    gen = torch.Generator().manual_seed(params.seed)
+    gen = torch.Generator().manual_seed((params.seed + index * _SEED_STRIDE) % 2 ** 63)  # completion index's
     u = [torch.rand(1, generator=gen, dtype=torch.float64).item() for _ in range(j + 1)][-1]
     lo, hi = sorted((tokens[j], other[j]))  # the boundary between them: lo's interval's end, hi's start
     return max(abs(u * cdf[-1] - cdf[lo]), cdf[hi - 1] - cdf[lo]).item() / cdf[-1].item()
@@ -95,8 +97,8 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
     lengths = [rng.randrange(1, 20) for _ in prompts]  # requests that finish at different steps
     k = rng.choice([None, None, 0, 1, 5])  # log-probabilities of the greedy tokens, and of the prompts
     sampled = [SamplingParams(max_tokens=n, temperature=rng.choice([0.5, 0.8, 1.2]), top_p=rng.choice([1.0, 0.9]),
-                              top_k=rng.choice([0, 20]), seed=rng.randrange(1 << 30), ignore_eos=True)
-               for n in lengths]
+                              top_k=rng.choice([0, 20]), seed=rng.randrange(1 << 30), ignore_eos=True,
+                              n=rng.choice([1, 1, 2])) for n in lengths]
     with LLM(folder, **kw) as llm:
         # within the context a small cache leaves (the engine lowers max_model_len to it)
         longest = min(hf.config.max_position_embeddings, llm.engine.max_model_len) - max(lengths)
@@ -130,8 +132,12 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
             if worst > 1e-4:
                 return False, f"{about}: logprobs={k} off HF's log-softmax by up to {worst:.2e}"
     for i, params, d, r in zip(inputs, sampled, drawn, reference):
-        if d.outputs[0].token_ids != r.outputs[0].token_ids:
-            margin = draw_margin(hf, i["prompt_token_ids"], d.outputs[0].token_ids, r.outputs[0].token_ids, params)
+        if len(d.outputs) != params.n or len(r.outputs) != params.n:
+            return False, f"{about}: {len(d.outputs)} and {len(r.outputs)} completions for n={params.n}"
+        for c, (dc, rc) in enumerate(zip(d.outputs, r.outputs)):
+            if dc.token_ids == rc.token_ids:
+                continue
+            margin = draw_margin(hf, i["prompt_token_ids"], dc.token_ids, rc.token_ids, params, c)
             if margin > 1e-5:
                 return False, f"{about}: seeded samples differ from one stage's, {margin:.1e} from a boundary"
             about += f"; a near-tie draw ({margin:.1e} of the mass from a boundary) went both ways"
