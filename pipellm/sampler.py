@@ -1,5 +1,5 @@
-"""Token sampling in the last pipeline stage: temperature, top-k/p, min-p, seeded draws, logprobs (after each
-request's logits processors: logits_processors.py).
+"""Token sampling in the last pipeline stage, after each request's logits processors (logits_processors.py):
+temperature, top-k/p, min-p, seeded draws; logprobs of the raw logits, before the processors (vLLM's default).
 
 Semantics follow vLLM. After temperature, every filter (top-k, top-p, min-p) is one per-row threshold
 on the unnormalised probabilities (tokens tied with the cut-off are kept), so a row without filters is

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from pipellm import LLM, CompletionOutput, RequestOutput, SamplingParams, device
+from pipellm import LLM, CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams, device
 from pipellm.config import EngineConfig
 from tests.conftest import FP32
 
@@ -326,3 +326,20 @@ def test_options_of_vllm_that_ask_for_what_pipellm_does_are_taken(llama_dir, llm
              trust_remote_code=True, enable_chunked_prefill=True, kv_cache_memory_bytes=2 ** 24) as llm:
         assert llm.engine.config.kv_cache_gib == 2 ** 24 / 2 ** 30
         assert _ids(llm, [5, 6, 7]) == _ids(llm_pp2, [5, 6, 7])
+
+
+def test_processors_keep_their_state_through_preemption(llama_dir, llm_pp2):
+    """A request preempted and recomputed picks as it does alone: its penalties' counts, min_tokens' count and its
+    grammar's state carry over the recompute."""
+    greedy = dict(max_tokens=24, temperature=0.0)
+    params = [SamplingParams(**greedy, ignore_eos=True, repetition_penalty=1.5),
+              SamplingParams(**greedy, ignore_eos=True, presence_penalty=1.5, frequency_penalty=1.0),
+              SamplingParams(**greedy, ignore_eos=True, min_tokens=20, logit_bias={5: 3.0}),
+              SamplingParams(**greedy, structured_outputs=StructuredOutputsParams(regex=r"[a-z]+( [a-z]+)*"))]
+    prompts = [[(11 * i + 7 * j + 3) % 384 for i in range(20)] for j in range(len(params))]
+    alone = [_ids(llm_pp2, p, sp) for p, sp in zip(prompts, params)]
+    # 14 blocks of 4 tokens hold one request of 44 tokens, not four: they take turns, preempted and recomputed
+    with LLM(llama_dir, dtype=FP32, block_size=4, num_kv_blocks=14, max_model_len=48) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == alone
