@@ -3,14 +3,14 @@ prefix caching, multi-step decoding, n-gram speculation, the stage in the driver
 scheduling, batches in flight, a KV cache small enough to preempt) over the tested families' tiny random
 checkpoints, each run checked two ways:
 - greedy: the ids equal HF transformers' `generate` (EOS ignored on both sides: HF's min_new_tokens would mask it,
-  while vLLM's and pipellm's ignore_eos let it be drawn as any other token); in three runs of five with the top-k
-  log-probabilities of each new and prompt token, which must be HF's log-softmax of the same rows;
-- seeded sampling (temperature, top-p, top-k, a seed a request, n of 1 or 2 completions): the tokens equal those of the same requests under
-  the defaults at one stage, but where a draw lands so near the boundary between two tokens (under 1e-5 of the
-  mass, on HF's logits) that the last bits of the logits decide it.
+  while vLLM's and pipellm's ignore_eos let it be drawn as any other token), in one run of three under a repetition
+  penalty; in three runs of five with the top-k log-probabilities of each new and prompt token, which must be HF's
+  log-softmax of the same (raw) rows;
+- seeded sampling (temperature, top-p, top-k, a seed a request, n of 1 or 2 completions): the tokens equal those of
+  the same requests under the defaults at one stage, but where a draw lands so near the boundary between two tokens
+  (under 1e-5 of the mass, on HF's logits) that the last bits of the logits decide it.
 Prints a line a run (with the preemptions the small caches caused) and the failing runs' seeds; exits 1 if any
-failed. Each run draws from its own seed, so
-`--seed S --runs 1` replays run S.
+failed. Each run draws from its own seed, so `--seed S --runs 1` replays run S.
 
     python benchmarks/parity_fuzz.py [--seed 0] [--runs 40]
 """
@@ -96,6 +96,7 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
                for _ in range(rng.randrange(1, 9))]
     lengths = [rng.randrange(1, 20) for _ in prompts]  # requests that finish at different steps
     k = rng.choice([None, None, 0, 1, 5])  # log-probabilities of the greedy tokens, and of the prompts
+    penalty = rng.choice([1.0, 1.0, 1.3])  # HF's repetition penalty (vLLM's): over the prompt and output
     sampled = [SamplingParams(max_tokens=n, temperature=rng.choice([0.5, 0.8, 1.2]), top_p=rng.choice([1.0, 0.9]),
                               top_k=rng.choice([0, 20]), seed=rng.randrange(1 << 30), ignore_eos=True,
                               n=rng.choice([1, 1, 2])) for n in lengths]
@@ -104,17 +105,19 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
         longest = min(hf.config.max_position_embeddings, llm.engine.max_model_len) - max(lengths)
         inputs = [{"prompt_token_ids": p[:longest]} for p in prompts]
         greedy = llm.generate(inputs, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=k,
-                                                      prompt_logprobs=k) for n in lengths], use_tqdm=False)
+                                                      prompt_logprobs=k, repetition_penalty=penalty)
+                                       for n in lengths], use_tqdm=False)
         drawn = llm.generate(inputs, sampled, use_tqdm=False)
         preemptions = llm.engine.scheduler.num_preemptions
     about = (f"{name} {kw} prompts of {[len(i['prompt_token_ids']) for i in inputs]} tokens"
-             f"{'' if k is None else f', logprobs={k}'}, {preemptions} preemptions")
+             f"{'' if k is None else f', logprobs={k}'}{'' if penalty == 1 else f', repetition_penalty={penalty}'}"
+             f", {preemptions} preemptions")
     expected, hf_logprobs = [], []  # HF's greedy ids, and log-softmax rows [prompt - 1 + new, V] of what they saw
     with torch.no_grad():
         for i, n in zip(inputs, lengths):
             ids = torch.tensor([i["prompt_token_ids"]])
             out = hf.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None,
-                              output_logits=True, return_dict_in_generate=True)
+                              repetition_penalty=penalty, output_logits=True, return_dict_in_generate=True)
             expected.append(out.sequences[0, ids.shape[1]:].tolist())
             rows = torch.cat([hf(ids).logits[0, :-1], torch.cat(out.logits)]).float()
             hf_logprobs.append(torch.log_softmax(rows, dim=-1))
