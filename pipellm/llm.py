@@ -8,11 +8,12 @@ from collections.abc import Iterator
 from tqdm import tqdm
 
 from pipellm import chat
+from pipellm.beam_search import BeamSearchOutput, beam_search
 from pipellm.config import EngineConfig, generation_defaults
 from pipellm.engine.detokenizer import StreamText
 from pipellm.engine.engine import LLMEngine
 from pipellm.outputs import RequestOutput
-from pipellm.sampling_params import SamplingParams
+from pipellm.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | dict
 
@@ -148,6 +149,19 @@ class LLM:
                     bar.update(sum(r.is_finished for r in self.engine.step()))
             self._drain()
         return [self.engine.pop_output(rid, prompt) for rid, prompt in queued]
+
+    def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """As vLLM's LLM.beam_search (pipellm/beam_search.py): a BeamSearchOutput per prompt, its best beams first."""
+        if self._dead:
+            raise RuntimeError(self._dead)
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, not {type(params).__name__}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a string, a dict, or a non-empty list of them")
+        return beam_search(self, [self._to_token_ids(p)[1] for p in prompts], params, use_tqdm)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """One prompt's completion (n=1) as it is generated: yields the new text of each step. The pieces add up to

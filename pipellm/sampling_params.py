@@ -145,3 +145,25 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass
+class BeamSearchParams:
+    """LLM.beam_search's parameters, as vLLM's (pipellm/beam_search.py)."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # of the step's pick, which joins its top log-probabilities (those are of raw logits)
+    length_penalty: float = 1.0
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"BeamSearchParams.{name}={getattr(self, name)!r}: {why}")
+
+        for name in ("beam_width", "max_tokens"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                bad(name, "must be an integer >= 1")
+        if not isinstance(self.temperature, numbers.Real) or not self.temperature >= 0:
+            bad("temperature", "must be a number >= 0")
+        if not isinstance(self.length_penalty, numbers.Real):
+            bad("length_penalty", "must be a number")
