@@ -39,6 +39,8 @@ def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, use_tqd
                          f"engine's max_logprobs={cap}: start it with max_logprobs={2 * width} (or -1)")
     eos = set() if params.ignore_eos else engine.eos_token_ids
     step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width)
+    for p in prompts:  # every prompt refused before any runs
+        engine.inputs.validate(p, step)
     beams = [[BeamSearchSequence(list(p), [])] for p in prompts]   # per prompt: its live beams
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
     # a prompt's beams stop growing at max_tokens, or where one more token would pass max_model_len

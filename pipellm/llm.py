@@ -132,10 +132,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         if self._dead:
             raise RuntimeError(self._dead)
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a string, a dict, or a non-empty list of them")
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
@@ -157,11 +154,7 @@ class LLM:
             raise RuntimeError(self._dead)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, not {type(params).__name__}")
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a string, a dict, or a non-empty list of them")
-        return beam_search(self, [self._to_token_ids(p)[1] for p in prompts], params, use_tqdm)
+        return beam_search(self, [self._to_token_ids(p)[1] for p in _prompt_list(prompts)], params, use_tqdm)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """One prompt's completion (n=1) as it is generated: yields the new text of each step. The pieces add up to
@@ -238,6 +231,14 @@ class LLM:
         text, ids = chat.render(self.engine.tokenizer, messages, chat_template, tools, add_generation_prompt,
                                 continue_final_message, chat_template_kwargs, "use generate() with a plain prompt")
         return {"prompt": text, "prompt_token_ids": ids}
+
+
+def _prompt_list(prompts: PromptType | list[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a string, a dict, or a non-empty list of them")
+    return list(prompts)
 
 
 def _close(engine: LLMEngine, trace_dir: str | None) -> None:

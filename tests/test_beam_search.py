@@ -61,6 +61,7 @@ def test_beam_search_errors(llm_pp2):
         llm_pp2.beam_search(["Hello"], BeamSearchParams(beam_width=11, max_tokens=2))
     with pytest.raises(ValueError, match=r"BeamSearchParams.beam_width=0: must be an integer >= 1"):
         BeamSearchParams(beam_width=0, max_tokens=2)
-    with pytest.raises(ValueError, match="the prompt is empty"):
-        llm_pp2.beam_search([""], BeamSearchParams(beam_width=2, max_tokens=2))
+    for prompt, why in (("", "the prompt is empty"), ({"prompt_token_ids": [5] * 300}, "the prompt has 300 tokens")):
+        with pytest.raises(ValueError, match=why):
+            llm_pp2.beam_search(["Hello", prompt], BeamSearchParams(beam_width=2, max_tokens=2))
     assert len(llm_pp2.beam_search(["Hello"], BeamSearchParams(beam_width=2, max_tokens=2))[0].sequences) == 2
