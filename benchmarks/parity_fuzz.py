@@ -9,12 +9,16 @@ checkpoints, each run checked two ways:
 - seeded sampling (temperature, top-p, top-k, a seed a request, n of 1 or 2 completions): the tokens equal those of
   the same requests under the defaults at one stage, but where a draw lands so near the boundary between two tokens
   (under 1e-5 of the mass, on HF's logits) that the last bits of the logits decide it.
+In three runs of ten the greedy requests run once more through the server's engine loop (AsyncEngine), arriving
+at staggered times, some closed by their client after a few tokens: the tokens streamed equal the offline ones (or
+begin them), the texts too, and no KV block is held once every stream has ended.
 Prints a line a run (with the preemptions the small caches caused) and the failing runs' seeds; exits 1 if any
 failed. Each run draws from its own seed, so `--seed S --runs 1` replays run S.
 
     python benchmarks/parity_fuzz.py [--seed 0] [--runs 40]
 """
 import argparse
+import asyncio
 import os
 import random
 import sys
@@ -26,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests.*
 
 from pipellm import LLM, SamplingParams  # noqa: E402
+from pipellm.engine.async_engine import AsyncEngine  # noqa: E402
 from pipellm.engine.engine import _SEED_STRIDE  # noqa: E402  (completion i of a request draws from seed + i * it)
 from tests.conftest import ARCHS, NUM_LAYERS, make_checkpoint  # noqa: E402
 from tests.test_families import FAMILIES, make_family_checkpoint  # noqa: E402
@@ -83,6 +88,32 @@ def draw_margin(hf, prompt: list[int], tokens: list[int], other: list[int], para
     return max(abs(u * cdf[-1] - cdf[lo]), cdf[hi - 1] - cdf[lo]).item() / cdf[-1].item()
 
 
+def stream(engine, inputs: list[dict], params: list[SamplingParams], delays: list[float],
+           cut_after: list[int | None]) -> list[tuple[list[int], str]]:
+    """The requests through the server's engine loop (AsyncEngine), arriving after their delays (s): each one's
+    streamed tokens and text, a request closed by its client after cut_after[i] tokens where that is set."""
+    async def one(i: int, engine_loop: AsyncEngine):
+        await asyncio.sleep(delays[i])
+        tokens, text = [], ""
+        deltas = engine_loop.generate(f"stream-{i}", inputs[i]["prompt_token_ids"], params[i])
+        async for batch in deltas:
+            for d in batch:
+                tokens, text = tokens + d.token_ids, text + d.text
+            if cut_after[i] is not None and len(tokens) >= cut_after[i]:
+                await deltas.aclose()  # as a client that hangs up: the request is aborted
+                break
+        return tokens, text
+
+    async def main():
+        engine_loop = AsyncEngine(engine)
+        engine_loop.start()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(i, engine_loop) for i in range(len(inputs)))), 300)
+        finally:
+            engine_loop.stop()
+    return asyncio.run(main())
+
+
 def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
     rng = random.Random(seed)
     name = rng.choice([*FAMILIES, *ARCHS])
@@ -108,10 +139,18 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
                                                       prompt_logprobs=k, repetition_penalty=penalty)
                                        for n in lengths], use_tqdm=False)
         drawn = llm.generate(inputs, sampled, use_tqdm=False)
+        streamed = None
+        if rng.random() < 0.3:  # the greedy requests again, as a server runs them, some hung up on
+            plain = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, repetition_penalty=penalty)
+                     for n in lengths]
+            cut_after = [rng.choice([None, None, 1, 3]) for _ in inputs]
+            streamed = stream(llm.engine, inputs, plain, [rng.choice([0, 0, 0.01, 0.05]) for _ in inputs], cut_after)
+            bm = llm.engine.block_manager
+            leaked = bm.num_blocks - bm.num_free_blocks
         preemptions = llm.engine.scheduler.num_preemptions
     about = (f"{name} {kw} prompts of {[len(i['prompt_token_ids']) for i in inputs]} tokens"
              f"{'' if k is None else f', logprobs={k}'}{'' if penalty == 1 else f', repetition_penalty={penalty}'}"
-             f", {preemptions} preemptions")
+             f", {preemptions} preemptions{'' if streamed is None else ', streamed'}")
     expected, hf_logprobs = [], []  # HF's greedy ids, and log-softmax rows [prompt - 1 + new, V] of what they saw
     with torch.no_grad():
         for i, n in zip(inputs, lengths):
@@ -125,6 +164,16 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
         reference = llm.generate(inputs, sampled, use_tqdm=False)
     if [o.outputs[0].token_ids for o in greedy] != expected:
         return False, f"{about}: greedy ids differ from HF's"
+    if streamed is not None:
+        for o, (tokens, text), cut in zip(greedy, streamed, cut_after):
+            want = o.outputs[0].token_ids
+            if tokens != (want if cut is None else want[:len(tokens)]) or cut is not None and len(tokens) < min(
+                    cut, len(want)):
+                return False, f"{about}: streamed tokens {tokens} are not the offline ones {want} (cut after {cut})"
+            if cut is None and text != o.outputs[0].text:
+                return False, f"{about}: streamed text {text!r} is not the offline {o.outputs[0].text!r}"
+        if leaked:
+            return False, f"{about}: {leaked} KV blocks still held after every stream ended"
     if k is not None:
         for o, want in zip(greedy, hf_logprobs):
             entries = o.prompt_logprobs[1:] + o.outputs[0].logprobs  # the first prompt token has none
