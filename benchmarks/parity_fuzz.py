@@ -7,8 +7,9 @@ checkpoints, each run checked two ways:
   penalty; in three runs of five with the top-k log-probabilities of each new and prompt token, which must be HF's
   log-softmax of the same (raw) rows;
 - seeded sampling (temperature, top-p, top-k, a seed a request, n of 1 or 2 completions): the tokens equal those of
-  the same requests under the defaults at one stage, but where a draw lands so near the boundary between two tokens
-  (under 1e-5 of the mass, on HF's logits) that the last bits of the logits decide it.
+  the same requests under the defaults at one stage, but where a draw is within 1e-5 of a tie on HF's logits (its
+  uniform by a boundary between the two tokens, or a token at the top-k or top-p cut), which the last bits of the
+  logits decide.
 In three runs of ten the greedy requests run once more through the server's engine loop (AsyncEngine), arriving
 at staggered times, some closed by their client after a few tokens: the tokens streamed equal the offline ones (or
 begin them), the texts too, and no KV block is held once every stream has ended.
@@ -68,24 +69,35 @@ def engine_options(rng: random.Random) -> dict:
 
 def draw_margin(hf, prompt: list[int], tokens: list[int], other: list[int], params: SamplingParams,
                 index: int) -> float:
-    """Where two seeded samplings of one request first part: how far (a share of the kept mass) the request's uniform
-    lands from the nearest boundary between the two tokens drawn there, on HF's logits filtered as HF filters them.
-    A few 1e-7 is a near-tie that the last bits of two batches' logits decide; a real fault lands far from one."""
+    """Where two seeded samplings of one request first part, on HF's logits filtered as HF filters them: how near a
+    tie the draw was. The nearest of: the request's uniform to the boundary between the two tokens drawn (a share of
+    the kept mass); the top-k cut's weights; the top-p cut's mass and weights. A few 1e-7 is a near-tie that the last
+    bits of two batches' logits decide; a real fault is far from one."""
     j = next(i for i, (a, b) in enumerate(zip(tokens, other)) if a != b)
     with torch.no_grad():
         w = hf(torch.tensor([prompt + tokens[:j]])).logits[0, -1].double() / params.temperature
     w = (w - w.max()).exp()
-    if params.top_k > 0:
-        w[w < w.topk(params.top_k).values[-1]] = 0
+    margins = []
+    if 0 < params.top_k < len(w):
+        kth, next_one = w.topk(params.top_k + 1).values[-2:]
+        margins.append((kth - next_one).item() / kth.item())
+        w[w < kth] = 0
     if params.top_p < 1:
         ascending = w.sort()
-        drop = ascending.values.cumsum(0) / w.sum() <= 1 - params.top_p
+        mass = ascending.values.cumsum(0) / w.sum()
+        drop = mass <= 1 - params.top_p
+        last = int(drop.sum())  # the first kept, after the last dropped
+        margins.append(abs(mass[last] - (1 - params.top_p)).item())
+        if last:
+            margins.append(abs(mass[last - 1] - (1 - params.top_p)).item())
+            margins.append((ascending.values[last] - ascending.values[last - 1]).item() / ascending.values[last].item())
         w[ascending.indices[drop]] = 0
     cdf = w.cumsum(0)
     gen = torch.Generator().manual_seed((params.seed + index * _SEED_STRIDE) % 2 ** 63)  # completion index's
     u = [torch.rand(1, generator=gen, dtype=torch.float64).item() for _ in range(j + 1)][-1]
     lo, hi = sorted((tokens[j], other[j]))  # the boundary between them: lo's interval's end, hi's start
-    return max(abs(u * cdf[-1] - cdf[lo]), cdf[hi - 1] - cdf[lo]).item() / cdf[-1].item()
+    margins.append(max(abs(u * cdf[-1] - cdf[lo]), cdf[hi - 1] - cdf[lo]).item() / cdf[-1].item())
+    return min(margins)
 
 
 def stream(engine, inputs: list[dict], params: list[SamplingParams], delays: list[float],
@@ -191,8 +203,8 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
                 continue
             margin = draw_margin(hf, i["prompt_token_ids"], dc.token_ids, rc.token_ids, params, c)
             if margin > 1e-5:
-                return False, f"{about}: seeded samples differ from one stage's, {margin:.1e} from a boundary"
-            about += f"; a near-tie draw ({margin:.1e} of the mass from a boundary) went both ways"
+                return False, f"{about}: seeded samples differ from one stage's, {margin:.1e} from a tie"
+            about += f"; a draw within {margin:.1e} of a tie went both ways"
     return True, about
 
 
