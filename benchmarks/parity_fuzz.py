@@ -12,7 +12,8 @@ checkpoints, each run checked two ways:
   logits decide.
 In three runs of ten the greedy requests run once more through the server's engine loop (AsyncEngine), arriving
 at staggered times, some closed by their client after a few tokens: the tokens streamed equal the offline ones (or
-begin them), the texts too, and no KV block is held once every stream has ended.
+begin them), the texts too, and no KV block is held once every stream has ended and the engine thread has drained
+the pipeline.
 Prints a line a run (with the preemptions the small caches caused) and the failing runs' seeds; exits 1 if any
 failed. Each run draws from its own seed, so `--seed S --runs 1` replays run S.
 
@@ -120,7 +121,12 @@ def stream(engine, inputs: list[dict], params: list[SamplingParams], delays: lis
         engine_loop = AsyncEngine(engine)
         engine_loop.start()
         try:
-            return await asyncio.wait_for(asyncio.gather(*(one(i, engine_loop) for i in range(len(inputs)))), 300)
+            out = await asyncio.wait_for(asyncio.gather(*(one(i, engine_loop) for i in range(len(inputs)))), 300)
+            for _ in range(3000):  # the engine thread's own work: the hung-up requests' batches out drained
+                if not (engine.in_flight or engine.has_unfinished_requests()):
+                    break
+                await asyncio.sleep(0.01)
+            return out
         finally:
             engine_loop.stop()
     return asyncio.run(main())
