@@ -3,7 +3,7 @@ import pytest
 
 from pipellm import LLM, SamplingParams
 from pipellm.config import EngineConfig
-from pipellm.engine.block_manager import BlockManager
+from pipellm.engine.block_manager import BlockManager, hash_block
 from pipellm.engine.scheduler import Scheduler
 from pipellm.engine.sequence import Request
 from tests.conftest import FP32, hf_greedy_ids
@@ -170,6 +170,24 @@ def test_caching_off_never_hits():
     assert bm.cached == {} and bm.prefix_hit_rate == 0.0
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineConfig("model", enable_prefix_caching="yes")
+
+
+def test_a_run_ahead_token_is_not_indexed_before_it_is_known():
+    """Async scheduling sends a request's next decode while the batch that samples its input is out. The block that
+    input completes is not indexed under a placeholder, where a sibling (n=2) that drew another token there would
+    find it and read the other token's K/V (found by benchmarks/parity_fuzz.py, seed 13130)."""
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = _req("a", range(1, 4))  # 3 prompt tokens: the first token sampled completes block 0
+    _admit(bm, a)  # batch N runs the prompt and samples token 3
+    a.num_computed_tokens, a.in_flight = 3, 1
+    bm.allocate_ahead(a, 1)  # batch N + 1 runs position 3, fed N's sample, as the scheduler sends it
+    a.num_ahead, a.num_computed_tokens, a.in_flight = 1, 4, 2
+    bm.cache_sent_blocks(a)
+    assert bm.cached == {}
+    a.num_ahead, a.in_flight = 0, 1  # N is back with token 9
+    a.output_token_ids.append(9)
+    bm.cache_sent_blocks(a)
+    assert bm.cached == {hash_block(b"", [1, 2, 3, 9]): a.block_ids[0]}
 
 
 def test_no_leaks_after_preempt_finish_and_abort():

@@ -144,8 +144,9 @@ class BlockManager:
         is still in the pipeline, already finds them."""
         if not self.enable_caching:
             return
-        # tokens past num_tokens (drafts, multi-step's, async scheduling's run-ahead) are not known yet
-        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        # tokens past num_tokens (drafts, multi-step's) are not known yet, nor is a run-ahead's (num_ahead, which
+        # num_tokens counts): a block hashed with its placeholder would match a sibling's of another token there
+        num_full = min(req.num_computed_tokens, req.num_tokens - req.num_ahead) // self.block_size
         start = num_full
         while start > 0 and self.block_hashes[req.block_ids[start - 1]] is None:  # hashed blocks form a prefix
             start -= 1
