@@ -1,8 +1,13 @@
-"""Beam search, as vLLM's LLM.beam_search: each step runs every live beam for one token with its top 2 * beam_width
+"""Beam search, as vLLM's: each step runs every live beam for one token with its top 2 * beam_width
 log-probabilities (the prefix cache keeps the full blocks of a beam's earlier tokens from running again) and keeps
 each prompt's beam_width best continuations by cumulative log-probability. A beam that draws EOS is done, unless
 ignore_eos. The beam_width best of the done and live beams come back, ranked by
-cum_logprob / len(tokens) ** length_penalty (tokens: the prompt's and the beam's; an EOS not counted)."""
+cum_logprob / len(tokens) ** length_penalty (tokens: the prompt's and the beam's; an EOS not counted).
+
+BeamSearch holds the beams; its drivers run each step: beam_search() on LLM.generate, beam_search_async() on the
+server's AsyncEngine."""
+import asyncio
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -25,49 +30,91 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]  # best first
 
 
-def _score(seq: BeamSearchSequence, eos_ids: set[int], length_penalty: float) -> float:
-    length = len(seq.tokens) - (seq.tokens[-1] in eos_ids)  # an EOS does not count, as in vLLM
-    return seq.cum_logprob / length ** length_penalty
+class BeamSearch:
+    """The beams of one search over several prompts. Each step: run live()'s beams for one token with step_params,
+    then advance() with each one's log-probabilities; when live() is empty, results() ranks them."""
 
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: set[int],
+                 max_model_len: int, max_logprobs: int):
+        width = params.beam_width
+        if 0 <= max_logprobs < 2 * width:
+            raise ValueError(f"beam_width={width} ranks the top {2 * width} log-probabilities a step, more than the "
+                             f"engine's max_logprobs={max_logprobs}: start it with max_logprobs={2 * width} (or -1)")
+        self.params, self.eos = params, set() if params.ignore_eos else eos_token_ids
+        self.step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width)
+        self.beams = [[BeamSearchSequence(list(p), [])] for p in prompts]   # per prompt: its live beams
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        # a prompt's beams stop growing at max_tokens, or where one more token would pass max_model_len
+        self.steps = [min(params.max_tokens, max_model_len - len(p)) for p in prompts]
+        self.step = 0
 
-def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, use_tqdm: bool) -> list[BeamSearchOutput]:
-    """prompts: token ids. llm: a pipellm.LLM (its generate runs each step)."""
-    engine = llm.engine
-    width, cap = params.beam_width, engine.config.max_logprobs
-    if 0 <= cap < 2 * width:
-        raise ValueError(f"beam_width={width} ranks the top {2 * width} log-probabilities a step, more than the "
-                         f"engine's max_logprobs={cap}: start it with max_logprobs={2 * width} (or -1)")
-    eos = set() if params.ignore_eos else engine.eos_token_ids
-    step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width)
-    for p in prompts:  # every prompt refused before any runs
-        engine.inputs.validate(p, step)
-    beams = [[BeamSearchSequence(list(p), [])] for p in prompts]   # per prompt: its live beams
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    # a prompt's beams stop growing at max_tokens, or where one more token would pass max_model_len
-    steps = [min(params.max_tokens, engine.max_model_len - len(p)) for p in prompts]
-    for i in tqdm(range(max(steps)), desc="Beam search", unit="step", disable=not use_tqdm):
-        live = [(k, b) for k, bs in enumerate(beams) if i < steps[k] for b in bs]
-        if not live:
-            break
-        outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in live], step, use_tqdm=False)
+    def live(self) -> list[tuple[int, BeamSearchSequence]]:
+        """(prompt index, beam) of every beam the next step runs; empty when the search is over."""
+        return [(k, b) for k, bs in enumerate(self.beams) if self.step < self.steps[k] for b in bs]
+
+    def advance(self, live: list[tuple[int, BeamSearchSequence]], entries: list[dict[int, Logprob]]) -> None:
+        """entries: per beam of live, its step's top log-probabilities."""
         grown: dict[int, list[BeamSearchSequence]] = {k: [] for k, _ in live}
-        for (k, beam), out in zip(live, outs):
-            entry = out.outputs[0].logprobs[0]
+        for (k, beam), entry in zip(live, entries):
             for token, lp in entry.items():
                 seq = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry], beam.cum_logprob + lp.logprob)
-                if token in eos:
+                if token in self.eos:
                     seq.finish_reason = "stop"
-                    done[k].append(seq)
+                    self.done[k].append(seq)
                 else:
                     grown[k].append(seq)
         for k, seqs in grown.items():
-            beams[k] = sorted(seqs, key=lambda s: s.cum_logprob, reverse=True)[:width]
-    results = []
-    for live_beams, finished in zip(beams, done):
-        for seq in live_beams:
-            seq.finish_reason = "length"
-        best = sorted(finished + live_beams, key=lambda s: _score(s, eos, params.length_penalty), reverse=True)[:width]
-        for seq in best:
+            self.beams[k] = sorted(seqs, key=lambda s: s.cum_logprob, reverse=True)[:self.params.beam_width]
+        self.step += 1
+
+    def results(self) -> list[BeamSearchOutput]:
+        """Per prompt, its beam_width best beams, done or not (text unset)."""
+        outs = []
+        for live_beams, finished in zip(self.beams, self.done):
+            for seq in live_beams:
+                seq.finish_reason = "length"
+            best = sorted(finished + live_beams, key=self._score, reverse=True)[:self.params.beam_width]
+            outs.append(BeamSearchOutput(best))
+        return outs
+
+    def _score(self, seq: BeamSearchSequence) -> float:
+        length = len(seq.tokens) - (seq.tokens[-1] in self.eos)  # an EOS does not count, as in vLLM
+        return seq.cum_logprob / length ** self.params.length_penalty
+
+
+def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, use_tqdm: bool) -> list[BeamSearchOutput]:
+    """LLM.beam_search. prompts: token ids. llm: a pipellm.LLM (its generate runs each step)."""
+    engine = llm.engine
+    search = BeamSearch(prompts, params, engine.eos_token_ids, engine.max_model_len, engine.config.max_logprobs)
+    for p in prompts:  # every prompt refused before any runs
+        engine.inputs.validate(p, search.step_params)
+    with tqdm(total=max(search.steps), desc="Beam search", unit="step", disable=not use_tqdm) as bar:
+        while live := search.live():
+            outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in live], search.step_params,
+                                use_tqdm=False)
+            search.advance(live, [out.outputs[0].logprobs[0] for out in outs])
+            bar.update()
+    results = search.results()
+    for out in results:
+        for seq in out.sequences:
             seq.text = engine.tokenizer.decode(seq.tokens) if engine.tokenizer is not None else None
-        results.append(BeamSearchOutput(best))
     return results
+
+
+async def beam_search_async(engine, request_id: str, search: BeamSearch) -> list[BeamSearchOutput]:
+    """Runs a search's steps on an AsyncEngine, each beam a request of its own. Cancelling it aborts the step's
+    requests."""
+    while live := search.live():
+        entries = await asyncio.gather(*(_top_logprobs(engine, f"{request_id}-{search.step}-{j}", beam.tokens,
+                                                       search.step_params) for j, (_, beam) in enumerate(live)))
+        search.advance(live, entries)
+    return search.results()
+
+
+async def _top_logprobs(engine, request_id: str, tokens: list[int], params: SamplingParams) -> dict[int, Logprob]:
+    entries = []
+    async with aclosing(engine.generate(request_id, tokens, params)) as stream:
+        async for deltas in stream:
+            for d in deltas:
+                entries += d.logprobs or []
+    return entries[0]

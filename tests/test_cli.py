@@ -16,6 +16,7 @@ from pipellm.config import generation_defaults
 from pipellm.entrypoints.cli import (_chat_template, _engine_kwargs, _fitting_prompt, _reply, _sampling_params, main,
                                      parse_args)
 from pipellm.llm import LLM
+from pipellm.sampling_params import BeamSearchParams
 
 CLI = [sys.executable, "-m", "pipellm.entrypoints.cli"]
 TOKEN = "0123456789abcdef0123456789abcdef"
@@ -78,6 +79,16 @@ def test_generate_and_chat(three_token_model, tmp_path):
     out = _run(["chat", three_token_model, "--chat-template", str(template)], input="hi\n\n")
     assert out.returncode == 0, out.stderr
     assert out.stdout.endswith(f"> {completion}\n> ")  # one turn, then the empty line quits
+
+
+def test_generate_beam_search(three_token_model, llm_pp2):
+    out = _run(["generate", three_token_model, "Hello world", "--beam-width", "3", "--length-penalty", "0.5",
+                "--dtype", "float32"])
+    assert out.returncode == 0, out.stderr
+    [want] = llm_pp2.beam_search(["Hello world"], BeamSearchParams(beam_width=3, max_tokens=3, length_penalty=0.5))
+    beams = out.stdout.split("'Hello world' ->\n", 1)[1].splitlines()
+    assert beams == [f"[beam {i}: cum_logprob {s.cum_logprob:.3f}, {s.finish_reason}] {s.text}"
+                     for i, s in enumerate(want.sequences)]
 
 
 def test_generation_config_under_the_flags(llama_dir, tmp_path):
@@ -218,6 +229,10 @@ def broken_models(llama_dir, tmp_path_factory):
     (["generate", "{llama}", "hi", "--regex", "a(b"], "structured_outputs.regex: at 1(8): invalid regex"),
     (["generate", "{llama}", "hi", "--regex", "a", "--json-schema", "{{}}"], "not allowed with argument --regex"),
     (["generate", "{llama}"], "no prompt: give prompts after the model, or with --prompt TEXT"),
+    (["generate", "{llama}", "hi", "--beam-width", "2", "--top-p", "0.5"],
+     "--top-p does not apply to a beam search (--beam-width), which ranks beams by log-probability"),
+    (["generate", "{llama}", "hi", "--length-penalty", "2"], "--length-penalty ranks beams: give --beam-width"),
+    (["generate", "{llama}", "hi", "--beam-width", "0"], "--beam-width 0: must be an integer >= 1"),
     (["chat", "{llama}", "--model", "{root}/arch"], "two models given"),
     (["chat", "{llama}", "--chat-template", "{root}/missing.jinja"], "--chat-template {root}/missing.jinja: "
                                                                       "cannot read it"),

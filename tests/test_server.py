@@ -3,16 +3,19 @@ and by httpx. The expected texts come from LLM.generate / LLM.chat on the same t
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipellm import SamplingParams, StructuredOutputsParams
+from pipellm import LLM, SamplingParams, StructuredOutputsParams
+from pipellm.sampling_params import BeamSearchParams
 from pipellm.loader.model_folder import load_tokenizer
 from tests.serving import KEY, Server, is_running, serve, wait_until
 
@@ -198,6 +201,97 @@ def test_logit_bias_min_tokens_and_stop_options_match_llm(server, llm_pp2):
     with pytest.raises(openai.BadRequestError, match="min_tokens"):
         client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, extra_body={"min_tokens": 3})
     _still_serves(server)
+
+
+def test_use_beam_search_matches_llm_beam_search(server, llm_pp2):
+    tok, client = llm_pp2.get_tokenizer(), server.client()
+    chat_prompt = llm_pp2.chat(MESSAGES, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids
+    for prompt, ignore_eos in ((tok.encode(PROMPT), True), (tok.encode(PROMPT), False), (chat_prompt, False)):
+        [want] = llm_pp2.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(
+            beam_width=3, max_tokens=8, ignore_eos=ignore_eos, length_penalty=0.5))
+        new = [s.tokens[len(prompt):] for s in want.sequences]
+        new = [t[:-1] if s.finish_reason == "stop" else t for t, s in zip(new, want.sequences)]  # no EOS in the text
+        texts = [tok.decode(t, skip_special_tokens=True) for t in new]
+        reasons = [s.finish_reason for s in want.sequences]
+        extra = {"use_beam_search": True, "length_penalty": 0.5, "ignore_eos": ignore_eos}
+        for stream in (False, True):
+            if prompt is chat_prompt:
+                out = client.chat.completions.create(model=NAME, messages=MESSAGES, n=3, max_tokens=8, temperature=0,
+                                                     stream=stream, extra_body=extra)
+                got = _joined(out, stream, lambda c: c.delta.content or "", lambda c: c.message.content)
+            else:
+                out = client.completions.create(model=NAME, prompt=prompt, n=3, max_tokens=8, temperature=0,
+                                                stream=stream, extra_body=extra)
+                got = _joined(out, stream, lambda c: c.text, lambda c: c.text)
+            assert got == (texts, reasons)
+            if not stream:
+                assert out.usage.completion_tokens == sum(len(t) for t in new)
+
+
+def test_use_beam_search_ends_beams_at_eos(llama_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    eos = 303  # the fourth token of the best beams after PROMPT: here it ends some of them
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, eos]}))
+    tok = load_tokenizer(str(model))
+    prompt = tok.encode(PROMPT)
+    with LLM(str(model), dtype="float32") as llm:
+        [want] = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=3, max_tokens=8))
+    assert "stop" in [s.finish_reason for s in want.sequences]
+    with serve(str(model), tmp_path) as s:
+        for keep_eos in (False, True):
+            out = s.client().completions.create(model=str(model), prompt=PROMPT, n=3, max_tokens=8, temperature=0,
+                                                extra_body={"use_beam_search": True,
+                                                            "include_stop_str_in_output": keep_eos})
+            new = [w.tokens[len(prompt):] for w in want.sequences]
+            new = [t if keep_eos or w.finish_reason == "length" else t[:-1] for t, w in zip(new, want.sequences)]
+            assert [(c.text, c.finish_reason) for c in out.choices] == [
+                (tok.decode(t, skip_special_tokens=True), w.finish_reason) for t, w in zip(new, want.sequences)]
+            assert out.usage.completion_tokens == sum(len(t) for t in new)
+
+
+def _joined(out, stream: bool, chunk_text, choice_text) -> tuple[list[str], list[str]]:
+    """Each choice's text and finish reason, from a response or a stream of chunks."""
+    choices = [c for chunk in out for c in chunk.choices] if stream else out.choices
+    n = max(c.index for c in choices) + 1
+    return (["".join(chunk_text(c) if stream else choice_text(c) for c in choices if c.index == i) for i in range(n)],
+            [[c.finish_reason for c in choices if c.index == i and c.finish_reason][-1] for i in range(n)])
+
+
+def test_use_beam_search_errors(server):
+    client = server.client()
+    for extra, why in (({"top_p": 0.5}, "takes no top_p"), ({"stop": ["."]}, "takes no stop"),
+                       ({"logprobs": 0}, "takes no logprobs"), ({"n": 11}, "n=11 ranks the top 22"),
+                       ({"use_beam_search": False, "length_penalty": 2.0}, "give use_beam_search=true")):
+        with pytest.raises(openai.BadRequestError, match=why):
+            client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2,
+                                      extra_body={"use_beam_search": True} | extra)
+    with pytest.raises(openai.BadRequestError, match=r"takes no logprobs \(here True\)"):
+        client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=2, logprobs=True, top_logprobs=2,
+                                       extra_body={"use_beam_search": True})
+    # neutral values pass, as clients send them
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, top_p=1.0, presence_penalty=0, n=2,
+                                    extra_body={"use_beam_search": True})
+    assert len(out.choices) == 2
+
+
+def test_client_gone_during_a_beam_search_ends_it(server):
+    body = json.dumps({"model": NAME, "prompt": PROMPT, "max_tokens": 100, "n": 4, "ignore_eos": True,
+                       "use_beam_search": True}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        wait_until(lambda: _metrics(server)["pipellm:generation_tokens_total"] > 0, 10, "the search to run")
+        before = _metrics(server)["pipellm:generation_tokens_total"]
+        wait_until(lambda: _metrics(server)["pipellm:generation_tokens_total"] >= before + 8, 20, "a few steps")
+    wait_until(lambda: _metrics(server)["pipellm:num_requests_running"] == 0, 10, "the step's requests to end")
+    stopped = _metrics(server)["pipellm:generation_tokens_total"]
+    assert stopped < before + 4 * 100  # it ended well before its 100 steps
+    time.sleep(0.5)
+    after = _metrics(server)
+    assert after["pipellm:generation_tokens_total"] == stopped  # and no step ran after
+    assert after["pipellm:kv_cache_usage_perc"] == 0.0
 
 
 def test_response_format_and_structured_outputs(server, llm_pp2):

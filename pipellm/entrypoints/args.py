@@ -176,6 +176,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", default=None, help="a prompt to complete (repeatable)")
     _engine_args(gen, positional_model=False)
     _sampling_args(gen)
+    gen.add_argument("--beam-width", type=int, default=None,
+                     help="beam search with this many beams (HF's num_beams); prints every beam, best first")
+    gen.add_argument("--length-penalty", type=float, default=None,
+                     help="with --beam-width: beams rank by cum_logprob / length ** this (default 1)")
     chat = sub.add_parser("chat", help="chat in the terminal with the model's chat template")
     _engine_args(chat)
     _sampling_args(chat)

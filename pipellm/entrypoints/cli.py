@@ -64,13 +64,33 @@ def _make_llm(args):
     return LLM(args.model, **_engine_kwargs(args))
 
 
-def _sampling_params(args):
+def _sampling_values(args) -> dict:
     """The flags given, over the generation config's defaults, over greedy decoding of 64 tokens at most."""
-    from pipellm import SamplingParams
     from pipellm.config import sampling_defaults
     values = CLI_SAMPLING_DEFAULTS | sampling_defaults(args.generation_config, args.model_dir)
-    values.update({k: v for k in SAMPLING_FLAGS if (v := getattr(args, k)) is not None})
-    return SamplingParams(**values, structured_outputs=_structured_outputs(args))
+    return values | {k: v for k in SAMPLING_FLAGS if (v := getattr(args, k)) is not None}
+
+
+def _sampling_params(args):
+    from pipellm import SamplingParams
+    return SamplingParams(**_sampling_values(args), structured_outputs=_structured_outputs(args))
+
+
+def _beam_search_params(args):
+    """generate --beam-width: its max tokens and temperature as sampling's; what only sampling uses is refused."""
+    from pipellm.sampling_params import BeamSearchParams
+    if args.beam_width is None:
+        if args.length_penalty is not None:
+            raise ValueError("--length-penalty ranks beams: give --beam-width with it")
+        return None
+    for flag in ("top_p", "top_k", "json_schema", "grammar", "regex"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} does not apply to a beam search (--beam-width), which "
+                             "ranks beams by log-probability: drop one of them")
+    values = _sampling_values(args)
+    return BeamSearchParams(beam_width=args.beam_width, max_tokens=values["max_tokens"],
+                            temperature=values["temperature"],
+                            length_penalty=1.0 if args.length_penalty is None else args.length_penalty)
 
 
 def _structured_outputs(args):
@@ -99,10 +119,17 @@ def _file_or_text(value: str | None, flag: str, marks: str, what: str) -> str | 
 
 
 def cmd_generate(args) -> None:
-    params = _sampling_params(args)
+    beam = _beam_search_params(args)
+    params = _sampling_params(args) if beam is None else None
     with _make_llm(args) as llm:
         for line in llm.describe_stages():
             print(line)
+        if beam is not None:
+            for prompt, out in zip(args.prompts, llm.beam_search(args.prompts, beam, use_tqdm=False)):
+                print(f"\n{prompt!r} ->")
+                for rank, seq in enumerate(out.sequences):
+                    print(f"[beam {rank}: cum_logprob {seq.cum_logprob:.3f}, {seq.finish_reason}] {seq.text}")
+            return
         start = time.perf_counter()
         outputs = llm.generate(args.prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start

@@ -12,14 +12,15 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from pipellm.beam_search import BeamSearch, beam_search_async
 from pipellm.config import check_generation_config, sampling_defaults
-from pipellm.engine.async_engine import AsyncEngine, EngineDeadError
+from pipellm.engine.async_engine import AsyncEngine, EngineDeadError, StreamDelta
 from pipellm.engine.engine import LLMEngine
 from pipellm.entrypoints.protocol import APIError, usage
 from pipellm.entrypoints.reasoning import PARSERS as reasoning_parsers
 from pipellm.entrypoints.tools import PARSERS as tool_parsers
 from pipellm.observe.metrics import ServerMetrics
-from pipellm.sampling_params import SamplingParams
+from pipellm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("pipellm.server")
 
@@ -157,10 +158,27 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
+    def beam_search(self, prompts: list[list[int]], beam: BeamSearchParams | None) -> BeamSearch | None:
+        if beam is None:
+            return None
+        engine = self.engine
+        try:
+            return BeamSearch(prompts, beam, engine.eos_token_ids, engine.max_model_len, engine.config.max_logprobs)
+        except ValueError as e:  # n beams rank 2n log-probabilities a step
+            raise APIError(400, str(e).replace("beam_width", "n", 1), param="n") from None
+
     # ---- generation ---------------------------------------------------------------------------------------
 
-    async def generate_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams):
-        """Runs every prompt at once; yields (prompt index, deltas) as tokens come."""
+    async def generate_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                           search: BeamSearch | None = None):
+        """Runs every prompt at once; yields (prompt index, deltas) as tokens come. With a beam search, its
+        choices all come at its end: no beam is kept until the last step ranks them."""
+        if search is not None:
+            outs = await beam_search_async(self.async_engine, request_id, search)
+            for i, (ids, out) in enumerate(zip(prompts, outs)):
+                yield i, [self._beam_choice(j, seq.tokens[len(ids):], seq.finish_reason, params)
+                          for j, seq in enumerate(out.sequences)]
+            return
         if len(prompts) == 1:
             async with aclosing(self.async_engine.generate(request_id, prompts[0], params)) as stream:
                 async for deltas in stream:
@@ -192,10 +210,18 @@ class OpenAIServer:
             for t in tasks:  # a cancelled pump closes its stream, which aborts its request
                 t.cancel()
 
-    async def collect(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[_Choice]:
+    def _beam_choice(self, index: int, token_ids: list[int], finish_reason: str, params: SamplingParams) -> StreamDelta:
+        if finish_reason == "stop" and not params.include_stop_str_in_output:
+            token_ids = token_ids[:-1]  # the EOS, as vLLM's server
+        tokenizer = self.async_engine.tokenizer
+        text = tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens) if tokenizer else ""
+        return StreamDelta(index, text, token_ids, None, finish_reason)
+
+    async def collect(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                      search: BeamSearch | None = None) -> list[_Choice]:
         choices = [_Choice() for _ in range(len(prompts) * params.n)]
         try:
-            async for i, deltas in self.generate_all(request_id, prompts, params):
+            async for i, deltas in self.generate_all(request_id, prompts, params, search):
                 for d in deltas:
                     c = choices[i * params.n + d.index]
                     c.text += d.text
@@ -208,9 +234,9 @@ class OpenAIServer:
         return choices
 
     async def collect_unless_gone(self, request: Request, request_id: str, prompts: list[list[int]],
-                                  params: SamplingParams) -> list[_Choice] | None:
+                                  params: SamplingParams, search: BeamSearch | None = None) -> list[_Choice] | None:
         """collect(), but a client that hangs up before the answer aborts its request (None)."""
-        work = asyncio.ensure_future(self.collect(request_id, prompts, params))
+        work = asyncio.ensure_future(self.collect(request_id, prompts, params, search))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -221,7 +247,7 @@ class OpenAIServer:
         return work.result() if not work.cancelled() else None
 
     async def sse(self, base: dict, prompts: list[list[int]], params: SamplingParams, include_usage: bool,
-                  make_choice, first_choices: list[dict] = ()):
+                  make_choice, first_choices: list[dict] = (), search: BeamSearch | None = None):
         """The SSE body: a chunk per choice update (make_choice(index, delta) -> dict, or None to skip), then the
         usage (if asked), then [DONE]."""
         def event(obj) -> str:  # ASCII: clients that split lines as str.splitlines() does (httpx) also split at
@@ -232,7 +258,7 @@ class OpenAIServer:
         try:
             for choice in first_choices:
                 yield event(base | {"choices": [choice]} | extra)
-            async for i, deltas in self.generate_all(base["id"], prompts, params):
+            async for i, deltas in self.generate_all(base["id"], prompts, params, search):
                 for d in deltas:
                     num_tokens += len(d.token_ids)
                     choice = make_choice(i * params.n + d.index, d)

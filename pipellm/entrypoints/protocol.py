@@ -4,7 +4,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pipellm.sampling_params import SamplingParams, StructuredOutputsParams
+from pipellm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 MAX_N = 128                 # completions per prompt
 
@@ -48,6 +48,8 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None      # token id (a string, as JSON keys are) -> bias
     response_format: dict | None = None             # OpenAI's: {"type": "text" | "json_object" | "json_schema"}
     structured_outputs: dict | None = None          # vLLM's: {"json" | "regex" | "choice" | "grammar": ...}
+    use_beam_search: bool | None = None             # vLLM's: n beams, the n best back (pipellm/beam_search.py)
+    length_penalty: float | None = None             # the beams' ranking: cum_logprob / length ** length_penalty
 
 
 class CompletionRequest(SamplingFields):
@@ -139,6 +141,37 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     except ValueError as e:  # "SamplingParams.<field>=<value>: <why>"
         field = re.match(r"SamplingParams\.(\w+)=", str(e))
         raise APIError(400, str(e), param=field and field.group(1)) from None
+
+
+# What a beam search does not use: refused (not ignored) unless left out or neutral. Beams rank by log-probability.
+_BEAM_SEARCH_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penalty": (0,),
+                        "frequency_penalty": (0,), "repetition_penalty": (1,), "min_tokens": (0,), "stop": ("", []),
+                        "stop_token_ids": ([],), "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],),
+                        "response_format": ({"type": "text"},), "structured_outputs": (), "logprobs": (False,),
+                        "top_logprobs": (0,), "echo": (False,), "tools": ([],)}
+
+
+def beam_search_params(req: SamplingFields, params: SamplingParams, max_model_len: int) -> BeamSearchParams | None:
+    """vLLM's use_beam_search: n beams, with the request's max_tokens, temperature and ignore_eos (params: the
+    request's SamplingParams, defaults applied). None for a request that samples."""
+    if not req.use_beam_search:
+        if req.length_penalty not in (None, 1):
+            raise APIError(400, "length_penalty ranks a beam search's beams: give use_beam_search=true with it, or "
+                           "leave it out", param="length_penalty")
+        return None
+    for name, neutral in _BEAM_SEARCH_NEUTRAL.items():
+        value = getattr(req, name, None)
+        # a bool is neutral only as itself: completions' logprobs=0 asks for the chosen token's
+        if value is not None and not any(value == n and isinstance(value, bool) == isinstance(n, bool)
+                                         for n in neutral):
+            raise APIError(400, f"use_beam_search ranks beams by their log-probability alone and takes no {name} "
+                           f"(here {value!r}): leave it out, or drop use_beam_search to sample", param=name)
+    try:
+        return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or max_model_len,
+                                ignore_eos=params.ignore_eos, temperature=params.temperature,
+                                length_penalty=1.0 if req.length_penalty is None else req.length_penalty)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
 
 
 def _structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
