@@ -10,6 +10,8 @@ checkpoints, each run checked two ways:
   the same requests under the defaults at one stage, but where a draw is within 1e-5 of a tie on HF's logits (its
   uniform by a boundary between the two tokens, or a token at the top-k or top-p cut), which the last bits of the
   logits decide.
+In one run of four, a beam search over one or two of the prompts (EOS ignored) equals HF's `generate(num_beams=...)`,
+and each beam's cumulative log-probability HF's (1e-4).
 In three runs of ten the greedy requests run once more through the server's engine loop (AsyncEngine), arriving
 at staggered times, some closed by their client after a few tokens: the tokens streamed equal the offline ones (or
 begin them), the texts too, and no KV block is held once every stream has ended and the engine thread has drained
@@ -34,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from pipellm import LLM, SamplingParams  # noqa: E402
 from pipellm.engine.async_engine import AsyncEngine  # noqa: E402
 from pipellm.engine.engine import _SEED_STRIDE  # noqa: E402  (completion i of a request draws from seed + i * it)
+from pipellm.sampling_params import BeamSearchParams  # noqa: E402
 from tests.conftest import ARCHS, NUM_LAYERS, make_checkpoint  # noqa: E402
 from tests.test_families import FAMILIES, make_family_checkpoint  # noqa: E402
 
@@ -157,6 +160,13 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
                                                       prompt_logprobs=k, repetition_penalty=penalty)
                                        for n in lengths], use_tqdm=False)
         drawn = llm.generate(inputs, sampled, use_tqdm=False)
+        beam_rng = random.Random(f"beams {seed}")  # its own draws: the other checks of a seed stay as they were
+        beam = None
+        if beam_rng.random() < 0.25:
+            beam = BeamSearchParams(beam_width=beam_rng.choice([2, 3]), max_tokens=beam_rng.randrange(1, 7),
+                                    ignore_eos=True)
+            beam_inputs = inputs[:beam_rng.choice([1, 2])]
+            beams = llm.beam_search(beam_inputs, beam)
         streamed = None
         if rng.random() < 0.3:  # the greedy requests again, as a server runs them, some hung up on
             plain = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, repetition_penalty=penalty)
@@ -168,7 +178,8 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
         preemptions = llm.engine.scheduler.num_preemptions
     about = (f"{name} {kw} prompts of {[len(i['prompt_token_ids']) for i in inputs]} tokens"
              f"{'' if k is None else f', logprobs={k}'}{'' if penalty == 1 else f', repetition_penalty={penalty}'}"
-             f", {preemptions} preemptions{'' if streamed is None else ', streamed'}")
+             f", {preemptions} preemptions{'' if streamed is None else ', streamed'}"
+             f"{'' if beam is None else f', beam search of width {beam.beam_width}'}")
     expected, hf_logprobs = [], []  # HF's greedy ids, and log-softmax rows [prompt - 1 + new, V] of what they saw
     with torch.no_grad():
         for i, n in zip(inputs, lengths):
@@ -180,6 +191,21 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
             hf_logprobs.append(torch.log_softmax(rows, dim=-1))
     with LLM(folder, dtype="float32") as llm:
         reference = llm.generate(inputs, sampled, use_tqdm=False)
+    if beam is not None:
+        for i, out in zip(beam_inputs, beams):
+            prompt = i["prompt_token_ids"]
+            with torch.no_grad():
+                want = hf.generate(torch.tensor([prompt]), num_beams=beam.beam_width, do_sample=False,
+                                   num_return_sequences=beam.beam_width, max_new_tokens=beam.max_tokens,
+                                   eos_token_id=None, pad_token_id=0).tolist()
+                rows = torch.log_softmax(hf(torch.tensor(want)).logits[:, len(prompt) - 1:-1].float(), dim=-1)
+            if [s.tokens for s in out.sequences] != want:
+                return False, f"{about}: beams {[s.tokens[len(prompt):] for s in out.sequences]} are not HF's " \
+                              f"{[w[len(prompt):] for w in want]}"
+            hf_cum = rows.gather(-1, torch.tensor(want)[:, len(prompt):, None]).sum((1, 2))
+            worst = max(abs(s.cum_logprob - c.item()) for s, c in zip(out.sequences, hf_cum))
+            if worst > 1e-4:
+                return False, f"{about}: beams' cum_logprob off HF's by up to {worst:.2e}"
     if [o.outputs[0].token_ids for o in greedy] != expected:
         return False, f"{about}: greedy ids differ from HF's"
     if streamed is not None:
