@@ -101,19 +101,21 @@ def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, use_tqd
     return results
 
 
-async def beam_search_async(engine, request_id: str, search: BeamSearch) -> list[BeamSearchOutput]:
+async def beam_search_async(engine, request_id: str, search: BeamSearch, priority: int = 0) -> list[BeamSearchOutput]:
     """Runs a search's steps on an AsyncEngine, each beam a request of its own. Cancelling it aborts the step's
     requests."""
     while live := search.live():
         entries = await asyncio.gather(*(_top_logprobs(engine, f"{request_id}-{search.step}-{j}", beam.tokens,
-                                                       search.step_params) for j, (_, beam) in enumerate(live)))
+                                                       search.step_params, priority)
+                                         for j, (_, beam) in enumerate(live)))
         search.advance(live, entries)
     return search.results()
 
 
-async def _top_logprobs(engine, request_id: str, tokens: list[int], params: SamplingParams) -> dict[int, Logprob]:
+async def _top_logprobs(engine, request_id: str, tokens: list[int], params: SamplingParams,
+                        priority: int) -> dict[int, Logprob]:
     entries = []
-    async with aclosing(engine.generate(request_id, tokens, params)) as stream:
+    async with aclosing(engine.generate(request_id, tokens, params, priority)) as stream:
         async for deltas in stream:
             for d in deltas:
                 entries += d.logprobs or []

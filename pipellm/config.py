@@ -316,6 +316,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None  # n-gram speculative decoding; a dict of its fields too
     max_logprobs: int = 20              # top log-probabilities a request may ask for a token (logprobs,
     #                                     prompt_logprobs) at most; -1: no cap (vLLM's name and default)
+    scheduling_policy: str = "fcfs"     # "fcfs": requests run in arrival order; "priority": by each one's priority
+    #                                     (lower first, then arrival), and the last of that order is preempted first
 
     def __post_init__(self):
         def bad(name, why):
@@ -370,6 +372,8 @@ class EngineConfig:
                                     "driver; choose one")
         if type(self.max_logprobs) is not int or self.max_logprobs < -1:
             bad("max_logprobs", "must be an integer >= 0, or -1 for no cap")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            bad("scheduling_policy", 'must be "fcfs" or "priority"')
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.speculative_config is not None:
             if self.num_scheduler_steps > 1:

@@ -129,7 +129,8 @@ class LLM:
                          f"not {type(prompt).__name__}")
 
     def generate(self, prompts: PromptType | list[PromptType], sampling_params: SamplingParams | list | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """priority: one a prompt, with scheduling_policy="priority" (lower runs first), as vLLM's."""
         if self._dead:
             raise RuntimeError(self._dead)
         prompts = _prompt_list(prompts)
@@ -139,7 +140,9 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
                              "give one, or one per prompt")
-        queued = self._queue(prompts, params_list)
+        if priority is not None and (not isinstance(priority, list) or len(priority) != len(prompts)):
+            raise ValueError(f"priority: give a list of one integer per prompt ({len(prompts)}), not {priority!r}")
+        queued = self._queue(prompts, params_list, priority)
         with self._running([rid for rid, _ in queued]):
             with tqdm(total=sum(p.n for p in params_list), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished_requests():
@@ -175,15 +178,18 @@ class LLM:
             self._drain()
         self.engine.pop_output(rid, text)
 
-    def _queue(self, prompts: list[PromptType], params_list: list[SamplingParams]) -> list[tuple[str, str | None]]:
+    def _queue(self, prompts: list[PromptType], params_list: list[SamplingParams],
+               priority: list[int] | None = None) -> list[tuple[str, str | None]]:
         """Adds the prompts' requests, every prompt checked before any is added (a bad one leaves the engine
         untouched). Returns (request id, prompt text) each."""
         encoded = [self._to_token_ids(p) for p in prompts]
-        for (_, ids), params in zip(encoded, params_list):
+        priority = priority or [0] * len(prompts)
+        for (_, ids), params, p in zip(encoded, params_list, priority):
             self.engine.inputs.validate(ids, params)
+            self.engine.inputs.check_priority(p)
         queued = [(f"gen-{next(self._ids)}", text) for text, _ in encoded]
-        for (rid, _), (_, ids), params in zip(queued, encoded, params_list):
-            self.engine.add_request(rid, ids, params)
+        for (rid, _), (_, ids), params, p in zip(queued, encoded, params_list, priority):
+            self.engine.add_request(rid, ids, params, p)
         return queued
 
     @contextlib.contextmanager

@@ -132,6 +132,36 @@ def test_preemption_frees_blocks_and_recomputes_later():
     assert batch.stage_batch.finished_req_ids == ["a"]
 
 
+def test_priority_policy_admits_and_preempts_in_priority_order():
+    sched = Scheduler(BlockManager(32, 4), max_num_seqs=1, max_num_batched_tokens=64, by_priority=True)
+    reqs = {name: _req(name, 3) for name in "abcd"}
+    for name, priority in zip("abcd", (2, 0, 1, 0)):
+        reqs[name].priority = priority
+        sched.add(reqs[name])
+    order = []
+    while sched.num_unfinished:
+        batch = sched.schedule()
+        order.append(batch.requests[0].request_id)
+        _return_tokens(batch)
+        sched.finish(batch.requests[0], "stop")
+    assert order == ["b", "d", "c", "a"]  # lower first; equal ones in arrival order
+
+    # both need a third block: the one of lower priority (a higher number) is preempted, though admitted first
+    for by_priority, preempted in ((False, "b"), (True, "a")):
+        sched = Scheduler(BlockManager(4, 4, enable_caching=False), max_num_seqs=8, max_num_batched_tokens=64,
+                          by_priority=by_priority)
+        a, b = _req("a", 8), _req("b", 8)
+        a.priority, b.priority = 1, 0
+        sched.add(a)
+        sched.add(b)
+        assert sched.schedule().requests == ([a, b] if not by_priority else [b, a])
+        for r in (a, b):
+            r.in_flight, r.output_token_ids = 0, [7]
+        batch = sched.schedule()
+        assert [r.request_id for r in sched.waiting] == [preempted]
+        assert [r.request_id for r in batch.requests] == [{"a": "b", "b": "a"}[preempted]]
+
+
 @pytest.mark.parametrize("ahead", ["none", "run_ahead", "chunks_ahead"])
 def test_a_stage_rebuilds_every_block_table_from_the_changes_alone(ahead):
     """Each batch sends only the block ids its requests' rows gained. Through growth, preemption, prefix hits, rows
@@ -219,6 +249,25 @@ def test_request_ids_are_unique_and_every_completion_is_found_by_its_request_id(
     assert [len(c.token_ids) for c in out.outputs] == [3, 3] and out.finished
     assert not engine.requests and not engine.groups
     assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_priority_scheduling_orders_requests_and_keeps_their_output(llama_dir, checkpoints, llm_pp2):
+    prompts = [{"prompt_token_ids": [(i * 7 + j) % 300 + 1 for j in range(10 + 3 * i)]} for i in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir, dtype=FP32, max_num_seqs=1, scheduling_policy="priority") as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False, priority=[2, -1, 0])
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy_ids(checkpoints["llama"][1],
+                                                                   [p["prompt_token_ids"] for p in prompts], 6)
+    finished = sorted(range(3), key=lambda i: outs[i].metrics.token_times[-1])
+    assert finished == [1, 2, 0]
+    with pytest.raises(ValueError, match=r'priority=1: this engine runs requests first come, first served; start it '
+                                         r'with scheduling_policy="priority" \(--scheduling-policy priority\)'):
+        llm_pp2.generate(prompts, params, priority=[0, 1, 0])
+    with pytest.raises(ValueError, match=r"priority: give a list of one integer per prompt \(3\)"):
+        llm_pp2.generate(prompts, params, priority=[0])
+    with pytest.raises(ValueError, match='scheduling_policy=.lifo.: must be "fcfs" or "priority"'):
+        EngineConfig(llama_dir, scheduling_policy="lifo")
+    assert llm_pp2.generate(prompts, params, use_tqdm=False, priority=[0, 0, 0])[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("pp,steps,budget", [(2, 1, None), (1, 6, None), (2, 1, 8)])

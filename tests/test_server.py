@@ -228,7 +228,7 @@ def test_use_beam_search_matches_llm_beam_search(server, llm_pp2):
                 assert out.usage.completion_tokens == sum(len(t) for t in new)
 
 
-def test_use_beam_search_ends_beams_at_eos(llama_dir, tmp_path):
+def test_use_beam_search_ends_beams_at_eos_and_priorities_reach_the_engine(llama_dir, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(llama_dir, model)
     eos = 303  # the fourth token of the best beams after PROMPT: here it ends some of them
@@ -237,11 +237,15 @@ def test_use_beam_search_ends_beams_at_eos(llama_dir, tmp_path):
     prompt = tok.encode(PROMPT)
     with LLM(str(model), dtype="float32") as llm:
         [want] = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=3, max_tokens=8))
+        greedy = _greedy(llm, PROMPT, max_tokens=8).outputs[0]
     assert "stop" in [s.finish_reason for s in want.sequences]
-    with serve(str(model), tmp_path) as s:
+    with serve(str(model), tmp_path, "--scheduling-policy", "priority") as s:
+        out = s.client().completions.create(model=str(model), prompt=PROMPT, max_tokens=8, temperature=0,
+                                            extra_body={"priority": -3})
+        assert out.choices[0].text == greedy.text
         for keep_eos in (False, True):
             out = s.client().completions.create(model=str(model), prompt=PROMPT, n=3, max_tokens=8, temperature=0,
-                                                extra_body={"use_beam_search": True,
+                                                extra_body={"use_beam_search": True, "priority": 2,
                                                             "include_stop_str_in_output": keep_eos})
             new = [w.tokens[len(prompt):] for w in want.sequences]
             new = [t if keep_eos or w.finish_reason == "length" else t[:-1] for t, w in zip(new, want.sequences)]
@@ -534,6 +538,9 @@ def test_error_statuses_and_still_serving(server):
         client.completions.create(model=NAME, prompt=PROMPT, top_p=0.0)
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model=NAME, prompt=PROMPT, max_tokens=MAX_MODEL_LEN)
+    with pytest.raises(openai.BadRequestError, match=r"priority=3: this engine runs requests first come, first "
+                                                     r"served; start the server with .*--scheduling-policy priority"):
+        client.chat.completions.create(model=NAME, messages=MESSAGES, extra_body={"priority": 3})
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model=NAME, prompt="a " * 200, max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="outside"):

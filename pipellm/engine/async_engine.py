@@ -34,6 +34,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     updates: asyncio.Queue          # receives list[EngineDelta] per step, or an EngineDeadError
+    priority: int = 0
 
 
 @dataclass
@@ -145,8 +146,8 @@ class AsyncEngine:
 
     # ---- event loop side ------------------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[list[StreamDelta]]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[list[StreamDelta]]:
         """Yields the new text of the request's completions as it comes. Closing the iterator early (a client that
         went away) aborts the request, which frees its KV blocks."""
         if self.error:
@@ -158,7 +159,7 @@ class AsyncEngine:
         is_open = [True] * params.n
         with self._queued_lock:
             self._num_queued += params.n
-        self._commands.put(AddRequest(request_id, prompt_token_ids, params, updates))
+        self._commands.put(AddRequest(request_id, prompt_token_ids, params, updates, priority))
         if self.metrics:
             self.metrics.on_request(len(prompt_token_ids))
         try:
@@ -228,7 +229,7 @@ class AsyncEngine:
             if self.error is not None:
                 return self._send([(cmd.updates, EngineDeadError(self.error))])
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority)
             except ValueError as e:  # validated on the event loop already; a duplicate id would land here
                 return self._send([(cmd.updates, e)])
         finally:

@@ -101,7 +101,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = self._eos_token_ids()
         self.inputs = InputProcessor(self.tokenizer, self.model_config, self.model_dir, self.max_model_len,
-                                     self.eos_token_ids, config.max_logprobs)
+                                     self.eos_token_ids, config.max_logprobs, config.scheduling_policy)
         self.block_manager = self._block_manager()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" else None,
@@ -110,7 +110,8 @@ class LLMEngine:
                                    steps_alone=config.batches_in_flight > 1,
                                    run_ahead_max_seqs=self._run_ahead_max_seqs(),
                                    chunks_ahead=config.pipeline_parallel_size > 1 and config.batches_in_flight > 1,
-                                   speculative_config=config.speculative_config)
+                                   speculative_config=config.speculative_config,
+                                   by_priority=config.scheduling_policy == "priority")
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # a user's request id -> its completions' ids, to find them by id
@@ -201,8 +202,9 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queues one prompt (params.n completions). Call inputs.validate() first."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        """Queues one prompt (params.n completions). Call inputs.validate() (and inputs.check_priority()) first."""
         prompt_token_ids = self.inputs.truncated(prompt_token_ids, params)
         rids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         if request_id in self.groups or any(rid in self.requests for rid in rids):
@@ -219,7 +221,7 @@ class LLMEngine:
             req = Request(rid, list(prompt_token_ids), params, (base_seed + i * _SEED_STRIDE) % 2 ** 63,
                           max_tokens, index=i, parent_id=request_id if params.n > 1 else None,
                           # a cached prefix is not run again, so its log-probabilities would be missing
-                          use_prefix_cache=params.prompt_logprobs is None)
+                          use_prefix_cache=params.prompt_logprobs is None, priority=priority)
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None] * len(prompt_token_ids)
             req.min_tokens_stop_ids, req.bad_words_token_ids = stop_ids, bad_words

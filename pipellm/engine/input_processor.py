@@ -8,9 +8,10 @@ from pipellm.sampling_params import SamplingParams
 
 class InputProcessor:
     def __init__(self, tokenizer, model_config: ModelConfig, model_dir: str, max_model_len: int,
-                 eos_token_ids: set[int], max_logprobs: int):
+                 eos_token_ids: set[int], max_logprobs: int, scheduling_policy: str = "fcfs"):
         self.tokenizer, self.model_config, self.model_dir = tokenizer, model_config, model_dir
         self.max_model_len, self.eos_token_ids, self.max_logprobs = max_model_len, eos_token_ids, max_logprobs
+        self.scheduling_policy = scheduling_policy
         self._structured_tokenizer = None  # llguidance's, made on the first request with structured outputs
         self._grammars_checked: set[tuple[str, str]] = set()  # (kind, text) that compiled, for prompts that share one
 
@@ -55,6 +56,13 @@ class InputProcessor:
             if len(self._grammars_checked) >= 1024:
                 self._grammars_checked.clear()
             self._grammars_checked.add(spec.kind)
+
+    def check_priority(self, priority) -> None:
+        if type(priority) is not int:
+            raise ValueError(f"priority={priority!r}: must be an integer (lower runs first)")
+        if priority and self.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority}: this engine runs requests first come, first served; start it "
+                             "with scheduling_policy=\"priority\" (--scheduling-policy priority) to order them")
 
     @property
     def structured_tokenizer(self):

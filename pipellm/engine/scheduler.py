@@ -31,8 +31,11 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  recompute_past: int | None = None, send_rope_lens: bool = False, num_scheduler_steps: int = 1,
                  steps_alone: bool = False, run_ahead_max_seqs: int = 0, chunks_ahead: bool = False,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None, by_priority: bool = False):
         self.block_manager = block_manager
+        # scheduling_policy "priority": waiting and running requests in priority order, the last of it preempted
+        # first (as vLLM's); otherwise in arrival order, the last admitted preempted first
+        self.by_priority = by_priority
         self.speculative_config = speculative_config
         # async scheduling (one stage): while at most this many requests run, a decoding request whose batch is out
         # may join the next batch too, its input the token the stage samples for it in the batch before
@@ -54,7 +57,13 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        self._wait(req)
+
+    def _wait(self, req: Request, preempted: bool = False) -> None:
+        if not self.by_priority:
+            return self.waiting.appendleft(req) if preempted else self.waiting.append(req)
+        key = _order(req)
+        self.waiting.insert(next((i for i, r in enumerate(self.waiting) if _order(r) > key), len(self.waiting)), req)
 
     @property
     def num_unfinished(self) -> int:
@@ -82,7 +91,7 @@ class Scheduler:
         req.num_computed_tokens, req.status = 0, RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._wait(req, preempted=True)
 
     def requeue_all(self, block_manager: BlockManager) -> None:
         """After a pipeline restart: every unfinished request waits to recompute its prompt and output so far,
@@ -94,6 +103,8 @@ class Scheduler:
             req.in_flight, req.num_ahead, req.is_known_to_sampler, req.draft_token_ids = 0, 0, False, []
             req.table_row, req.blocks_sent = -1, 0  # the new stages hold no rows
         self.waiting = deque(self.running + list(self.waiting))
+        if self.by_priority:
+            self.waiting = deque(sorted(self.waiting, key=_order))
         self.running, self.finished_ids = [], []
 
     @property
@@ -113,7 +124,7 @@ class Scheduler:
         max_seqs = min(self.max_num_seqs, max_num_seqs or self.max_num_seqs)
         budget = min(self.max_num_batched_tokens, max_num_tokens or self.max_num_batched_tokens)
         chosen: list[tuple[Request, int]] = []
-        for req in list(self.running):
+        for req in sorted(self.running, key=_order) if self.by_priority else list(self.running):
             if len(chosen) == self.max_num_seqs or budget == 0:
                 break
             if req not in self.running or (len(chosen) >= max_seqs and req.num_pending_tokens <= 1):
@@ -140,7 +151,12 @@ class Scheduler:
                            and all(r is not c for c, _ in chosen)]
                 if not victims:
                     break
-                self._preempt(victims[-1])
+                victim = max(victims + [req], key=_order) if self.by_priority else victims[-1]
+                self._preempt(victim)
+                if victim is req:  # the last in priority order waits
+                    break
+            if req.status is RequestStatus.WAITING:
+                continue
             if not self.block_manager.can_allocate(req, n):
                 if not any(r.in_flight for r in self.running) and not chosen:
                     self._preempt(req)  # alone and still too big: wait until memory frees up
@@ -308,3 +324,7 @@ class Scheduler:
             rows.append(np.arange(row, row + end - start))
             targets.append(np.asarray(r.prompt_token_ids[start + 1:end + 1], dtype=np.int64))
         return spans, (np.concatenate(rows), np.concatenate(targets)) if spans else None
+
+
+def _order(req: Request) -> tuple[int, float]:
+    return req.priority, req.arrival_time

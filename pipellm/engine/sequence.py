@@ -28,6 +28,7 @@ class Request:
     index: int = 0                   # which of the params.n completions this is
     parent_id: str | None = None     # the user's request id when params.n > 1
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0                # scheduling_policy "priority": lower runs first
     output_token_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # time.monotonic() at which each output token arrived
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)

@@ -84,6 +84,9 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-logprobs", type=int, default=None,
                    help="top log-probabilities a request may ask for a token at most (default 20; -1: no cap)")
+    p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"],
+                   help="fcfs (default): requests run in arrival order; priority: by each request's priority "
+                        "(lower first), the last preempted first")
     p.add_argument("--threads-per-stage", type=int, default=None, help="default: cores // stages")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,

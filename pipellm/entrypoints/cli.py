@@ -25,7 +25,7 @@ def _engine_kwargs(args, restart_default: bool = False) -> dict:
                     gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                     async_scheduling=args.async_scheduling,
                     speculative_config=args.speculative_config,
-                    max_logprobs=args.max_logprobs)  # unset: engine defaults
+                    max_logprobs=args.max_logprobs, scheduling_policy=args.scheduling_policy)  # unset: defaults
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     if args.distributed_executor_backend == "external_launcher":
         kwargs.update(master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),

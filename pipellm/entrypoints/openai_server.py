@@ -16,11 +16,11 @@ from pipellm.beam_search import BeamSearch, beam_search_async
 from pipellm.config import check_generation_config, sampling_defaults
 from pipellm.engine.async_engine import AsyncEngine, EngineDeadError, StreamDelta
 from pipellm.engine.engine import LLMEngine
-from pipellm.entrypoints.protocol import APIError, usage
+from pipellm.entrypoints.protocol import APIError, SamplingFields, beam_search_params, usage
 from pipellm.entrypoints.reasoning import PARSERS as reasoning_parsers
 from pipellm.entrypoints.tools import PARSERS as tool_parsers
 from pipellm.observe.metrics import ServerMetrics
-from pipellm.sampling_params import BeamSearchParams, SamplingParams
+from pipellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pipellm.server")
 
@@ -65,6 +65,15 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list | None = None
+
+
+@dataclass
+class Work:
+    """What a request runs once checked: its prompts' token ids, their sampling, and how they are scheduled."""
+    prompts: list[list[int]]
+    params: SamplingParams          # n: the choices per prompt (a beam search's width)
+    search: BeamSearch | None = None  # use_beam_search: the beams, grown a token per step
+    priority: int = 0               # scheduling_policy "priority": lower runs first
 
 
 class OpenAIServer:
@@ -158,29 +167,39 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    def beam_search(self, prompts: list[list[int]], beam: BeamSearchParams | None) -> BeamSearch | None:
-        if beam is None:
-            return None
-        engine = self.engine
+    async def checked_work(self, req: SamplingFields, prompts: list[list[int]], params: SamplingParams,
+                           max_tokens_given: bool) -> Work:
+        """The checks every request that generates passes, then what it runs."""
+        engine, beam = self.engine, beam_search_params(req, params, self.engine.max_model_len)
+        priority = 0 if req.priority is None else req.priority
         try:
-            return BeamSearch(prompts, beam, engine.eos_token_ids, engine.max_model_len, engine.config.max_logprobs)
+            engine.inputs.check_priority(priority)
+        except ValueError as e:
+            raise APIError(400, str(e).replace("start it", "start the server", 1), param="priority") from None
+        await self.check_prompts(prompts, params, max_tokens_given)
+        self.check_size_and_room(prompts, params)
+        if beam is None:
+            return Work(prompts, params, priority=priority)
+        try:
+            search = BeamSearch(prompts, beam, engine.eos_token_ids, engine.max_model_len, engine.config.max_logprobs)
         except ValueError as e:  # n beams rank 2n log-probabilities a step
             raise APIError(400, str(e).replace("beam_width", "n", 1), param="n") from None
+        return Work(prompts, params, search, priority)
 
     # ---- generation ---------------------------------------------------------------------------------------
 
-    async def generate_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                           search: BeamSearch | None = None):
+    async def generate_all(self, request_id: str, work: Work):
         """Runs every prompt at once; yields (prompt index, deltas) as tokens come. With a beam search, its
         choices all come at its end: no beam is kept until the last step ranks them."""
-        if search is not None:
-            outs = await beam_search_async(self.async_engine, request_id, search)
+        prompts, params = work.prompts, work.params
+        if work.search is not None:
+            outs = await beam_search_async(self.async_engine, request_id, work.search, work.priority)
             for i, (ids, out) in enumerate(zip(prompts, outs)):
                 yield i, [self._beam_choice(j, seq.tokens[len(ids):], seq.finish_reason, params)
                           for j, seq in enumerate(out.sequences)]
             return
         if len(prompts) == 1:
-            async with aclosing(self.async_engine.generate(request_id, prompts[0], params)) as stream:
+            async with aclosing(self.async_engine.generate(request_id, prompts[0], params, work.priority)) as stream:
                 async for deltas in stream:
                     yield 0, deltas
             return
@@ -188,7 +207,8 @@ class OpenAIServer:
 
         async def pump(i: int, ids: list[int]) -> None:
             try:
-                async with aclosing(self.async_engine.generate(f"{request_id}-{i}", ids, params)) as stream:
+                async with aclosing(self.async_engine.generate(f"{request_id}-{i}", ids, params,
+                                                               work.priority)) as stream:
                     async for deltas in stream:
                         results.put_nowait((i, deltas))
                 results.put_nowait((i, None))
@@ -217,13 +237,13 @@ class OpenAIServer:
         text = tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens) if tokenizer else ""
         return StreamDelta(index, text, token_ids, None, finish_reason)
 
-    async def collect(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                      search: BeamSearch | None = None) -> list[_Choice]:
-        choices = [_Choice() for _ in range(len(prompts) * params.n)]
+    async def collect(self, request_id: str, work: Work) -> list[_Choice]:
+        n = work.params.n
+        choices = [_Choice() for _ in range(len(work.prompts) * n)]
         try:
-            async for i, deltas in self.generate_all(request_id, prompts, params, search):
+            async for i, deltas in self.generate_all(request_id, work):
                 for d in deltas:
-                    c = choices[i * params.n + d.index]
+                    c = choices[i * n + d.index]
                     c.text += d.text
                     c.token_ids += d.token_ids
                     c.logprobs += d.logprobs or []
@@ -233,21 +253,19 @@ class OpenAIServer:
             raise APIError(503, f"the engine is dead: {e}", type_="server_error", code="engine_dead") from None
         return choices
 
-    async def collect_unless_gone(self, request: Request, request_id: str, prompts: list[list[int]],
-                                  params: SamplingParams, search: BeamSearch | None = None) -> list[_Choice] | None:
+    async def collect_unless_gone(self, request: Request, request_id: str, work: Work) -> list[_Choice] | None:
         """collect(), but a client that hangs up before the answer aborts its request (None)."""
-        work = asyncio.ensure_future(self.collect(request_id, prompts, params, search))
+        running = asyncio.ensure_future(self.collect(request_id, work))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({running, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not work.done():
-                work.cancel()  # closes the streams, which aborts the requests and frees their KV blocks
-        return work.result() if not work.cancelled() else None
+            if not running.done():
+                running.cancel()  # closes the streams, which aborts the requests and frees their KV blocks
+        return running.result() if not running.cancelled() else None
 
-    async def sse(self, base: dict, prompts: list[list[int]], params: SamplingParams, include_usage: bool,
-                  make_choice, first_choices: list[dict] = (), search: BeamSearch | None = None):
+    async def sse(self, base: dict, work: Work, include_usage: bool, make_choice, first_choices: list[dict] = ()):
         """The SSE body: a chunk per choice update (make_choice(index, delta) -> dict, or None to skip), then the
         usage (if asked), then [DONE]."""
         def event(obj) -> str:  # ASCII: clients that split lines as str.splitlines() does (httpx) also split at
@@ -258,14 +276,14 @@ class OpenAIServer:
         try:
             for choice in first_choices:
                 yield event(base | {"choices": [choice]} | extra)
-            async for i, deltas in self.generate_all(base["id"], prompts, params, search):
+            async for i, deltas in self.generate_all(base["id"], work):
                 for d in deltas:
                     num_tokens += len(d.token_ids)
-                    choice = make_choice(i * params.n + d.index, d)
+                    choice = make_choice(i * work.params.n + d.index, d)
                     if choice is not None:
                         yield event(base | {"choices": [choice]} | extra)
             if include_usage:
-                yield event(base | {"choices": [], "usage": usage(prompts, num_tokens)})
+                yield event(base | {"choices": [], "usage": usage(work.prompts, num_tokens)})
         except EngineDeadError as e:
             yield event(APIError(503, f"the engine is dead: {e}", "server_error", code="engine_dead").body)
         except Exception as e:  # the status line is gone already: say it in the stream

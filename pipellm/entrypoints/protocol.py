@@ -49,6 +49,7 @@ class SamplingFields(BaseModel):
     response_format: dict | None = None             # OpenAI's: {"type": "text" | "json_object" | "json_schema"}
     structured_outputs: dict | None = None          # vLLM's: {"json" | "regex" | "choice" | "grammar": ...}
     use_beam_search: bool | None = None             # vLLM's: n beams, the n best back (pipellm/beam_search.py)
+    priority: int | None = None                     # vLLM's, with --scheduling-policy priority: lower runs first
     length_penalty: float | None = None             # the beams' ranking: cum_logprob / length ** length_penalty
 
 

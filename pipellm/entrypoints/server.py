@@ -23,8 +23,8 @@ from pipellm.engine.async_engine import StreamDelta
 from pipellm.engine.engine import LLMEngine
 from pipellm.entrypoints.openai_server import OpenAIServer, ServerConfig
 from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, ChatTemplateFields, CompletionLogprobs,
-                                          CompletionRequest, DetokenizeRequest, TokenizeRequest, beam_search_params,
-                                          chat_logprobs, parse_request, sampling_params, usage)
+                                          CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs,
+                                          parse_request, sampling_params, usage)
 from pipellm.entrypoints.reasoning import ReasoningStream
 from pipellm.entrypoints.reasoning import split as split_reasoning
 from pipellm.entrypoints.tools import ReplyStream, check_tools, choice_of, forced_output
@@ -94,14 +94,11 @@ class _Endpoints:
         # max_tokens 0: the engine still makes one token (a prefill ends in a sample), which is dropped
         params = sampling_params(req, max_tokens or 1, req.logprobs, req.logprobs if echo else None,
                                   s.sampling_defaults)
-        beam = beam_search_params(req, params, s.engine.max_model_len)
         prompts, texts = self.completion_prompts(req.prompt)
         if params.truncate_prompt_tokens:  # echo and usage speak of the prompt that runs
             texts = [t if len(p) <= params.truncate_prompt_tokens else None for p, t in zip(prompts, texts)]
             prompts = [s.engine.inputs.truncated(p, params) for p in prompts]
-        await s.check_prompts(prompts, params, req.max_tokens is not None)
-        s.check_size_and_room(prompts, params)
-        search = s.beam_search(prompts, beam)
+        work = await s.checked_work(req, prompts, params, req.max_tokens is not None)
         base = self.base("cmpl", "text_completion")
         logprobs = [CompletionLogprobs(self.decode_token) for _ in range(len(prompts) * params.n)]
         echoed = [not echo] * len(logprobs)
@@ -127,9 +124,8 @@ class _Endpoints:
                 return choice(index, d.text, d.token_ids, d.logprobs, d.finish_reason, d.stop_reason,
                               d.prompt_logprobs)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(s.sse(base, prompts, params, include_usage, make_choice, search=search),
-                                     media_type="text/event-stream")
-        choices = await s.collect_unless_gone(request, base["id"], prompts, params, search)
+            return StreamingResponse(s.sse(base, work, include_usage, make_choice), media_type="text/event-stream")
+        choices = await s.collect_unless_gone(request, base["id"], work)
         if choices is None:
             return Response(status_code=499)  # nobody is listening
         return base | {"choices": [choice(i, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,
@@ -151,16 +147,13 @@ class _Endpoints:
         if max_tokens is None:  # the model's default, else up to max_model_len, as OpenAI's chat does
             max_tokens = s.sampling_defaults.get("max_tokens")
         params = sampling_params(req, max_tokens, top_k, defaults=s.sampling_defaults)
-        beam = beam_search_params(req, params, s.engine.max_model_len)
         if (forced := forced_output(tools, tool_choice, parallel)) is not None:
             if params.structured_outputs is not None:
                 raise APIError(400, f"tool_choice {req.tool_choice!r} holds the output to the tools' JSON: give no "
                                "response_format or structured_outputs with it", param="tool_choice")
             params.structured_outputs = forced
         prompts = [s.engine.inputs.truncated(self.chat_prompt(req.messages, req, tools), params)]
-        await s.check_prompts(prompts, params, max_tokens is not None)
-        s.check_size_and_room(prompts, params)
-        search = s.beam_search(prompts, beam)
+        work = await s.checked_work(req, prompts, params, max_tokens is not None)
         base = self.base("chatcmpl", "chat.completion")
 
         def lps(token_ids, entries):
@@ -196,9 +189,9 @@ class _Endpoints:
                         "logprobs": lps(d.token_ids, d.logprobs) if tool_choice == "none" else None,
                         "finish_reason": "tool_calls" if calls else d.finish_reason, "stop_reason": d.stop_reason}
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(s.sse(base, prompts, params, include_usage, make_choice, first, search),
+            return StreamingResponse(s.sse(base, work, include_usage, make_choice, first),
                                      media_type="text/event-stream")
-        choices = await s.collect_unless_gone(request, base["id"], prompts, params, search)
+        choices = await s.collect_unless_gone(request, base["id"], work)
         if choices is None:
             return Response(status_code=499)
         replies = [message(c.text) for c in choices]
