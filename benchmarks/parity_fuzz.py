@@ -1,6 +1,6 @@
 """A soak of correctness: random engine configurations (stages, partitions, block sizes, token budgets, batch sizes,
 prefix caching, multi-step decoding, n-gram speculation, the stage in the driver's process or not, async
-scheduling, batches in flight, a KV cache small enough to preempt) over the tested families' tiny random
+scheduling, batches in flight, a KV cache small enough to preempt, priority scheduling with a priority a request) over the tested families' tiny random
 checkpoints, each run checked two ways:
 - greedy: the ids equal HF transformers' `generate` (EOS ignored on both sides: HF's min_new_tokens would mask it,
   while vLLM's and pipellm's ignore_eos let it be drawn as any other token), in one run of three under a repetition
@@ -152,14 +152,19 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
     sampled = [SamplingParams(max_tokens=n, temperature=rng.choice([0.5, 0.8, 1.2]), top_p=rng.choice([1.0, 0.9]),
                               top_k=rng.choice([0, 20]), seed=rng.randrange(1 << 30), ignore_eos=True,
                               n=rng.choice([1, 1, 2])) for n in lengths]
+    order_rng = random.Random(f"priority {seed}")  # its own draws: the other checks of a seed stay as they were
+    priority = None
+    if order_rng.random() < 0.3:
+        kw["scheduling_policy"] = "priority"
+        priority = [order_rng.randrange(-2, 3) for _ in prompts]
     with LLM(folder, **kw) as llm:
         # within the context a small cache leaves (the engine lowers max_model_len to it)
         longest = min(hf.config.max_position_embeddings, llm.engine.max_model_len) - max(lengths)
         inputs = [{"prompt_token_ids": p[:longest]} for p in prompts]
         greedy = llm.generate(inputs, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=k,
                                                       prompt_logprobs=k, repetition_penalty=penalty)
-                                       for n in lengths], use_tqdm=False)
-        drawn = llm.generate(inputs, sampled, use_tqdm=False)
+                                       for n in lengths], use_tqdm=False, priority=priority)
+        drawn = llm.generate(inputs, sampled, use_tqdm=False, priority=priority)
         beam_rng = random.Random(f"beams {seed}")  # its own draws: the other checks of a seed stay as they were
         beam = None
         if beam_rng.random() < 0.25:
@@ -177,6 +182,7 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
             leaked = bm.num_blocks - bm.num_free_blocks
         preemptions = llm.engine.scheduler.num_preemptions
     about = (f"{name} {kw} prompts of {[len(i['prompt_token_ids']) for i in inputs]} tokens"
+             f"{'' if priority is None else f', priorities {priority}'}"
              f"{'' if k is None else f', logprobs={k}'}{'' if penalty == 1 else f', repetition_penalty={penalty}'}"
              f", {preemptions} preemptions{'' if streamed is None else ', streamed'}"
              f"{'' if beam is None else f', beam search of width {beam.beam_width}'}")
