@@ -221,6 +221,83 @@ def test_no_leaks_after_preempt_finish_and_abort():
     assert bm.cached_prefix(_req("c", range(1, 10))) == [0, 1]  # the prompt's blocks stay cached, free
 
 
+def _admit_partial(bm: BlockManager, req: Request) -> tuple[list[int], tuple[int, int] | None]:
+    """Admission as the scheduler makes it, a kept partial block included; returns what was found."""
+    cached = bm.cached_prefix(req)
+    partial = bm.cached_partial(req, cached)
+    n = req.num_tokens - len(cached) * BS - (partial[1] if partial else 0)
+    assert bm.can_allocate(req, n, cached, partial)
+    bm.allocate(req, n, cached, partial)
+    return cached, partial
+
+
+def test_a_request_going_on_from_an_ended_one_takes_over_or_copies_its_partial_block():
+    bm = BlockManager(num_blocks=6, block_size=BS, reuse_partial=True)
+    a = _req("a", range(1, 7))  # 6 tokens: block 0 full, block 1 holds 2
+    _computed(bm, a)
+    bm.free(a)
+    assert list(bm.evictable) == [1, 0] and bm.num_free_blocks == 6
+    # b goes on from a's 6 tokens: it takes a's partial block over, and runs only its last token, into slot 2
+    b = _req("b", [*range(1, 7), 50])
+    assert _admit_partial(bm, b) == ([0], (1, 2))
+    assert b.block_ids == [0, 1] and b.num_computed_tokens == 6 and bm.pending_copies == []
+    assert bm.num_free_blocks == 4
+    # c goes on from the same tokens while b holds the block: a new block, copied from it before c's batch runs
+    c = _req("c", [*range(1, 7), 60])
+    assert _admit_partial(bm, c) == ([0], (1, 2))
+    assert c.block_ids == [0, 2] and c.num_computed_tokens == 6 and bm.pending_copies == [(1, 2)]
+    # a shorter run of the same start matches too; the same tokens after another block 0 do not
+    d, e = _req("d", [*range(1, 6), 70]), _req("e", [9, 2, 3, 4, 5, 6, 7])
+    assert bm.cached_partial(d, bm.cached_prefix(d)) == (1, 1)
+    assert bm.cached_prefix(e) == [] and bm.cached_partial(e, []) is None
+    # b wrote its token after the two: freed, the block starts with three known tokens
+    b.num_computed_tokens = 7
+    bm.free(b)
+    f = _req("f", [*range(1, 7), 50, 51])
+    assert bm.cached_partial(f, bm.cached_prefix(f)) == (1, 3)
+
+
+def test_a_kept_partial_block_is_forgotten_when_evicted_or_written_over():
+    bm = BlockManager(num_blocks=3, block_size=BS, reuse_partial=True)
+    a = _req("a", range(1, 8))  # block 1 holds 3 tokens
+    _computed(bm, a)
+    bm.free(a)
+    # taken over after its first 2 tokens: the third is written over, so the 3-token start is gone
+    b = _req("b", [1, 2, 3, 4, 5, 6, 99, 100])
+    assert _admit_partial(bm, b) == ([0], (1, 2))
+    x = _req("x", range(1, 9))
+    assert bm.cached_partial(x, bm.cached_prefix(x)) == (1, 2)
+    # evicted for another prompt: nothing of it is found any more
+    bm.free(b)
+    _computed(bm, _req("g", range(200, 212)))  # 3 blocks: every block evicted
+    assert bm.partial == {} and bm.partial_keys == {}
+    y = _req("y", range(1, 9))
+    assert bm.cached_partial(y, bm.cached_prefix(y)) is None
+    # off (caching off, or int8 caches, whose blocks re-round as they fill): never kept
+    off = BlockManager(num_blocks=3, block_size=BS, reuse_partial=False)
+    a = _req("a", range(1, 8))
+    _computed(off, a)
+    off.free(a)
+    assert off.partial == {} and off.cached_partial(_req("b", range(1, 9)), off.cached_prefix(a)) is None
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_kept_partial_blocks_keep_greedy_output(llama_dir, checkpoints, pp):
+    """A 40-token prompt leaves 8 tokens in its third block of 16; three requests go on from them: the first takes
+    the block over, the others get copies on every stage. Each runs only its tokens past the 40."""
+    prompt = [(7 * i) % 300 + 1 for i in range(40)]
+    goes_on = [prompt + [5], prompt + [9], prompt + [5, 77]]
+    expected = hf_greedy_ids(checkpoints["llama"][1], goes_on, GREEDY.max_tokens)
+    with LLM(llama_dir, pipeline_parallel_size=pp, dtype=FP32) as llm:
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)
+        bm = llm.engine.block_manager
+        hits = bm.num_prefix_hits
+        outs = llm.generate([{"prompt_token_ids": p} for p in goes_on], GREEDY, use_tqdm=False)
+        assert bm.num_prefix_hits - hits == 3 * 40
+        assert bm.num_free_blocks == llm.engine.num_blocks
+    assert _token_ids(outs) == expected
+
+
 # ---- end to end: tiny random Llama, 2 stages ----------------------------------------------------------------
 
 SYSTEM = [(7 * i) % 300 + 1 for i in range(40)]  # a 40-token system prompt: 2 full blocks of 16, plus 8

@@ -6,6 +6,11 @@ sequence cycles through a ring of at most window_ring of them (logical block j i
 blocks that fell out of the window are reused in place.
 A full block is named by a chained hash of its tokens and the previous block's hash: one hash stands for the whole
 prefix up to the end of that block, so equal tokens after a different prefix never match.
+With reuse_partial, the last, partly filled block of a request that ends is kept too, named by the hash of the
+blocks before it and each run of tokens it starts with. A later request whose next tokens after its cached full
+blocks are one of those (a beam search's next step, a conversation's next turn) takes the block over when no one
+holds it, or else gets a copy of it, which the stages make at the start of the batch that admits it
+(pending_copies): either way it runs only its tokens after them.
 """
 import hashlib
 from array import array
@@ -22,9 +27,13 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_window_blocks: int = 0,
-                 window_ring: int = 0):
+                 window_ring: int = 0, reuse_partial: bool = False):
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
         assert not (window_ring and enable_caching), "a ring holds no prefix to share"
+        self.reuse_partial = enable_caching and reuse_partial
+        self.partial: dict[tuple[bytes, tuple[int, ...]], int] = {}  # (hash before, tokens) -> a block starting so
+        self.partial_keys: dict[int, list[tuple]] = {}           # block -> its keys in partial
+        self.pending_copies: list[tuple[int, int]] = []          # (source, new block) for the next batch
         self.window_ring = window_ring                           # blocks a sequence's window layers use at most
         self.window_free: deque[int] = deque(range(num_window_blocks))
         self.ref_counts = [0] * num_blocks                       # requests holding each block
@@ -69,9 +78,26 @@ class BlockManager:
             ids.append(self.cached[h])
         return ids
 
-    def num_blocks_needed(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> int:
+    def cached_partial(self, req: Request, cached: Sequence[int]) -> tuple[int, int] | None:
+        """(block, k): a kept partial block whose first k tokens are req's next ones after its cached full blocks,
+        the longest there is; k leaves at least req's last token to run. None if there is none."""
+        if not self.reuse_partial:
+            return None
+        bs, start = self.block_size, len(cached) * self.block_size
+        before = req.block_hashes[len(cached) - 1] if cached else b""
+        for k in range(min(bs - 1, req.num_tokens - 1 - start), 0, -1):
+            b = self.partial.get((before, tuple(req.token_ids(start, start + k))))
+            if b is not None and b not in cached:
+                return b, k
+        return None
+
+    def num_blocks_needed(self, req: Request, num_new_tokens: int, cached: Sequence[int] = (),
+                          partial: tuple[int, int] | None = None) -> int:
         total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(req.block_ids) - len(cached))
+        taken = partial is not None and self.ref_counts[partial[0]] == 0  # taken over: not a new block
+        if partial is not None:
+            total += partial[1]
+        return max(0, -(-total // self.block_size) - len(req.block_ids) - len(cached) - taken)
 
     def _window_blocks_needed(self, req: Request, num_new_tokens: int) -> int:
         if not self.window_ring:
@@ -79,22 +105,25 @@ class BlockManager:
         total = req.num_computed_tokens + num_new_tokens
         return max(0, min(-(-total // self.block_size), self.window_ring) - len(req.window_block_ids))
 
-    def can_allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
+    def can_allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = (),
+                     partial: tuple[int, int] | None = None) -> bool:
         # Taking a cached block that nobody holds takes it out of the free count too.
-        num_revived = sum(self.ref_counts[b] == 0 for b in cached)
-        return self.num_blocks_needed(req, num_new_tokens, cached) + num_revived <= self.num_free_blocks and \
-            self._window_blocks_needed(req, num_new_tokens) <= len(self.window_free)
+        held = [*cached, partial[0]] if partial else cached
+        num_revived = sum(self.ref_counts[b] == 0 for b in held)
+        return self.num_blocks_needed(req, num_new_tokens, cached, partial) + num_revived <= self.num_free_blocks \
+            and self._window_blocks_needed(req, num_new_tokens) <= len(self.window_free)
 
-    def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> None:
+    def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = (),
+                 partial: tuple[int, int] | None = None) -> None:
         """Gives req enough blocks for num_new_tokens more tokens. A request's first allocate() is its admission:
-        it takes the cached prefix blocks (from cached_prefix) first, and they count as computed."""
+        it takes the cached prefix blocks (from cached_prefix, and cached_partial's) first; they count as computed."""
         assert not req.in_flight, "allocate() while the request's batch is out"
-        assert self.can_allocate(req, num_new_tokens, cached), "allocate() without can_allocate()"
+        assert self.can_allocate(req, num_new_tokens, cached, partial), "allocate() without can_allocate()"
         if req.block_ids:
-            assert not cached, "cached blocks are taken on admission only"
+            assert not cached and not partial, "cached blocks are taken on admission only"
             self.cache_sent_blocks(req)
         else:
-            self._admit(req, cached)
+            self._admit(req, cached, partial)
         req.block_ids.extend(self._take_free() for _ in range(self.num_blocks_needed(req, num_new_tokens)))
         req.window_block_ids.extend(self.window_free.popleft()
                                     for _ in range(self._window_blocks_needed(req, num_new_tokens)))
@@ -120,12 +149,13 @@ class BlockManager:
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0
         released = [b for b in req.block_ids if self.ref_counts[b] == 0]
+        self._keep_partial(req)
         # Cached blocks queue for eviction tail first: others are likelier to share a prompt's head, and a chain is
         # useless past its first evicted block.
         for b in reversed(released):
             h = self.block_hashes[b]
-            if h is not None and self.cached.setdefault(h, b) == b:  # indexed, or takes over from an evicted twin
-                self.evictable[b] = None
+            if h is not None and self.cached.setdefault(h, b) == b or b in self.partial_keys:
+                self.evictable[b] = None  # indexed, or takes over from an evicted twin, or a kept partial block
         for b in released:
             if b not in self.evictable:
                 self.block_hashes[b] = None  # unhashed, or a second copy of a cached block: nothing to keep
@@ -171,7 +201,34 @@ class BlockManager:
         h = self.block_hashes[block_id]
         return h is not None and self.cached.get(h) == block_id
 
-    def _admit(self, req: Request, cached: Sequence[int]) -> None:
+    def _keep_partial(self, req: Request) -> None:
+        """Indexes req's partly filled last block of known, computed tokens, when it is released."""
+        if not self.reuse_partial:
+            return
+        known = min(req.num_computed_tokens, req.num_tokens - req.num_ahead)
+        j, k = divmod(known, self.block_size)
+        if k == 0 or j >= len(req.block_ids) or self.ref_counts[req.block_ids[j]] or self.block_hashes[req.block_ids[j]]:
+            return
+        self._hash_blocks(req, j)
+        before, tokens, b = req.block_hashes[j - 1] if j else b"", req.token_ids(j * self.block_size, known), \
+            req.block_ids[j]
+        for n in range(1, k + 1):
+            key = (before, tuple(tokens[:n]))
+            if key not in self.partial:
+                self.partial[key] = b
+                self.partial_keys.setdefault(b, []).append(key)
+
+    def _forget_partial(self, block_id: int, keep_upto: int = 0) -> None:
+        """Drops the block's partial keys, but those of at most keep_upto tokens (still what it starts with)."""
+        keys = self.partial_keys.pop(block_id, [])
+        for key in keys:
+            if len(key[1]) > keep_upto:
+                del self.partial[key]
+        kept = [key for key in keys if len(key[1]) <= keep_upto]
+        if kept:
+            self.partial_keys[block_id] = kept
+
+    def _admit(self, req: Request, cached: Sequence[int], partial: tuple[int, int] | None = None) -> None:
         assert req.num_computed_tokens == 0
         for b in cached:
             assert self._is_cached(b)
@@ -180,6 +237,21 @@ class BlockManager:
             self.ref_counts[b] += 1
         req.block_ids = list(cached)
         req.num_computed_tokens = len(cached) * self.block_size
+        if partial is not None:
+            src, k = partial
+            if self.ref_counts[src] == 0:  # no one holds it: req takes it over, and writes on after its k tokens
+                del self.evictable[src]
+                self.ref_counts[src] = 1
+                if self.block_hashes[src] is not None:  # filled since: its later tokens are not req's
+                    del self.cached[self.block_hashes[src]]
+                    self.block_hashes[src] = None
+                self._forget_partial(src, keep_upto=k)  # req writes over what came after its k tokens
+                req.block_ids.append(src)
+            else:  # held by a request that writes on in it: a copy, made before this batch runs
+                dst = self._take_free()
+                self.pending_copies.append((src, dst))
+                req.block_ids.append(dst)
+            req.num_computed_tokens += k
         if req.table_row < 0:
             req.table_row = self.free_rows.pop() if self.free_rows else self._new_row()
         req.blocks_sent = 0
@@ -193,8 +265,10 @@ class BlockManager:
             b = self.free_ids.popleft()
         else:
             b, _ = self.evictable.popitem(last=False)
-            del self.cached[self.block_hashes[b]]
+            if self.block_hashes[b] is not None:
+                del self.cached[self.block_hashes[b]]
             self.block_hashes[b] = None
+            self._forget_partial(b)
         assert self.ref_counts[b] == 0
         self.ref_counts[b] = 1
         return b

@@ -146,8 +146,10 @@ class LLMEngine:
             self.model_config.rope.rope_type not in ("dynamic", "longrope")
 
     def _block_manager(self) -> BlockManager:
+        # int8 caches: a later token written into a block may re-round what it holds, so a partial block's first
+        # tokens are not what a request that goes on from them would compute
         return BlockManager(self.num_blocks, self.config.block_size, self.prefix_caching, self.num_window_blocks,
-                            self.window_ring)
+                            self.window_ring, reuse_partial=self.config.kv_cache_dtype != "int8")
 
     def _token(self) -> bytes:
         """The run's shared secret. One host: a fresh one, handed to the stages by their parent. Several hosts:

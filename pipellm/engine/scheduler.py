@@ -168,12 +168,14 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
             # its K/V is already there: compute only the rest
-            cached = self.block_manager.cached_prefix(req) if req.use_prefix_cache else []
-            n = min(req.num_tokens - len(cached) * self.block_manager.block_size, budget)
-            if not self.block_manager.can_allocate(req, n, cached):
+            bm = self.block_manager
+            cached = bm.cached_prefix(req) if req.use_prefix_cache else []
+            partial = bm.cached_partial(req, cached) if req.use_prefix_cache else None
+            n = min(req.num_tokens - len(cached) * bm.block_size - (partial[1] if partial else 0), budget)
+            if not bm.can_allocate(req, n, cached, partial):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(req, n, cached)
+            bm.allocate(req, n, cached, partial)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chosen.append((req, n))
@@ -286,6 +288,9 @@ class Scheduler:
                            rope_lens if self.send_rope_lens else None, window_tables,
                            ahead_req_ids=[r.request_id for r in reqs if r.num_ahead], num_steps=steps,
                            table_changes=self._table_changes(reqs), draft_token_ids=drafts)
+        if self.block_manager.pending_copies:  # kept partial blocks copied for the requests admitted here
+            batch.block_copies = np.array(self.block_manager.pending_copies, dtype=np.int64)
+            self.block_manager.pending_copies = []
         if spans:
             batch.prompt_rows, batch.prompt_targets = prompt_rows
             batch.prompt_top_k = max(r.params.prompt_logprobs for r, _, _ in spans)

@@ -46,6 +46,12 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
 
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Blocks src[i] -> dst[i], every slot, scales too. src and dst: [C] int64, no block in both."""
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            if t is not None:
+                t[dst] = t[src]
+
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [T, KV, D] into flat slots [T] (block * block_size + offset)."""
         ops = kernels.for_tensor(self.k)

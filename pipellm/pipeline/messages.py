@@ -80,6 +80,8 @@ class StageBatch:
     table_changes: BlockTableChanges | None = None
     draft_token_ids: np.ndarray | None = None  # [S] int64 (speculative decoding): the draft each logits row
     #                                  verifies, -1 on a sampled request's last row; its rows before that hold drafts
+    block_copies: np.ndarray | None = None  # [C, 2] int64 (source, destination): KV blocks every stage copies in
+    #                                  each of its layers before running the batch (a kept partial block's copy)
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +112,10 @@ class StageBatch:
         need((self.slot_mapping >= 0).all() and (self.slot_mapping < num_blocks * block_size).all() and
              (self.block_tables >= 0).all() and (self.block_tables < num_blocks).all(),
              f"KV slots or blocks outside this stage's {num_blocks} blocks")
+        c = self.block_copies
+        need(c is None or (c.ndim == 2 and c.shape[1] == 2 and c.dtype.kind == "i" and (c >= 0).all()
+                           and (c < num_blocks).all() and num_window_blocks == 0),
+             f"block_copies must be [copies, 2] blocks below {num_blocks}, in caches without sliding-window rings")
         if self.window_block_tables is not None:
             need(self.window_block_tables.ndim == 2 and self.window_block_tables.dtype.kind == "i" and
                  len(self.window_block_tables) == B and (self.window_block_tables >= 0).all() and

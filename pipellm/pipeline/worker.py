@@ -106,6 +106,10 @@ class StageWorker:
             batch.block_tables = self.block_tables.apply(batch.table_changes, len(batch.query_lens), batch.batch_id)
         batch.check(self.args.num_blocks, ecfg.block_size, cfg.vocab_size, self.stage.is_first, self.stage.is_last,
                     self.args.num_window_blocks)
+        if batch.block_copies is not None:
+            src, dst = (torch.from_numpy(c).to(self.device) for c in batch.block_copies.T)
+            for cache in self.kv_caches:
+                cache.copy_blocks(src, dst)
         if batch.num_steps > 1:
             return self._decode_steps(batch)
         t, dev = torch.from_numpy, self.device
