@@ -1,5 +1,6 @@
 """Beam search, as vLLM's: each step runs every live beam for one token with its top 2 * beam_width
-log-probabilities (the prefix cache keeps the full blocks of a beam's earlier tokens from running again) and keeps
+log-probabilities (the prefix cache holds a beam's earlier tokens, its parent's partial last block included, so
+each beam computes one token a step) and keeps
 each prompt's beam_width best continuations by cumulative log-probability. A beam that draws EOS is done, unless
 ignore_eos. The beam_width best of the done and live beams come back, ranked by
 cum_logprob / len(tokens) ** length_penalty (tokens: the prompt's and the beam's; an EOS not counted).
