@@ -1,9 +1,9 @@
 """Beam search, as vLLM's: each step runs every live beam for one token with its top 2 * beam_width
 log-probabilities (the prefix cache holds a beam's earlier tokens, its parent's partial last block included, so
-each beam computes one token a step) and keeps
-each prompt's beam_width best continuations by cumulative log-probability. A beam that draws EOS is done, unless
-ignore_eos. The beam_width best of the done and live beams come back, ranked by
-cum_logprob / len(tokens) ** length_penalty (tokens: the prompt's and the beam's; an EOS not counted).
+each beam computes one token a step) and keeps each prompt's beam_width best continuations by cumulative
+log-probability. A beam that draws EOS is done, unless ignore_eos. The beam_width best of the done and live beams
+come back, ranked by cum_logprob / len(tokens) ** length_penalty (tokens: the prompt's and the beam's; an EOS not
+counted).
 
 BeamSearch holds the beams; its drivers run each step: beam_search() on LLM.generate, beam_search_async() on the
 server's AsyncEngine."""
