@@ -207,11 +207,11 @@ class BlockManager:
             return
         known = min(req.num_computed_tokens, req.num_tokens - req.num_ahead)
         j, k = divmod(known, self.block_size)
-        if k == 0 or j >= len(req.block_ids) or self.ref_counts[req.block_ids[j]] or self.block_hashes[req.block_ids[j]]:
+        b = req.block_ids[j] if k and j < len(req.block_ids) else None
+        if b is None or self.ref_counts[b] or self.block_hashes[b] is not None:  # still held, or full
             return
         self._hash_blocks(req, j)
-        before, tokens, b = req.block_hashes[j - 1] if j else b"", req.token_ids(j * self.block_size, known), \
-            req.block_ids[j]
+        before, tokens = req.block_hashes[j - 1] if j else b"", req.token_ids(j * self.block_size, known)
         for n in range(1, k + 1):
             key = (before, tuple(tokens[:n]))
             if key not in self.partial:
