@@ -204,12 +204,14 @@ def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
                 want = hf.generate(torch.tensor([prompt]), num_beams=beam.beam_width, do_sample=False,
                                    num_return_sequences=beam.beam_width, max_new_tokens=beam.max_tokens,
                                    eos_token_id=None, pad_token_id=0).tolist()
-                rows = torch.log_softmax(hf(torch.tensor(want)).logits[:, len(prompt) - 1:-1].float(), dim=-1)
+                # each token scored after the tokens before it alone, as a step runs (with longrope, a forward
+                # pass over the whole beam would turn its earlier keys by the long factors)
+                hf_cum = [sum(torch.log_softmax(hf(torch.tensor([w[:t]])).logits[0, -1].float(), -1)[w[t]].item()
+                              for t in range(len(prompt), len(w))) for w in want]
             if [s.tokens for s in out.sequences] != want:
                 return False, f"{about}: beams {[s.tokens[len(prompt):] for s in out.sequences]} are not HF's " \
                               f"{[w[len(prompt):] for w in want]}"
-            hf_cum = rows.gather(-1, torch.tensor(want)[:, len(prompt):, None]).sum((1, 2))
-            worst = max(abs(s.cum_logprob - c.item()) for s, c in zip(out.sequences, hf_cum))
+            worst = max(abs(s.cum_logprob - c) for s, c in zip(out.sequences, hf_cum))
             if worst > 1e-4:
                 return False, f"{about}: beams' cum_logprob off HF's by up to {worst:.2e}"
     if [o.outputs[0].token_ids for o in greedy] != expected:
