@@ -4,6 +4,7 @@ import pytest
 from pipellm import LLM, SamplingParams
 from pipellm.config import EngineConfig
 from pipellm.engine.block_manager import BlockManager, hash_block
+from pipellm.engine.engine import _SEED_STRIDE
 from pipellm.engine.scheduler import Scheduler
 from pipellm.engine.sequence import Request
 from tests.conftest import FP32, hf_greedy_ids
@@ -191,32 +192,34 @@ def test_a_run_ahead_token_is_not_indexed_before_it_is_known():
 
 
 def test_no_leaks_after_preempt_finish_and_abort():
-    bm = BlockManager(num_blocks=4, block_size=BS)
+    bm = BlockManager(num_blocks=3, block_size=BS)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
     a, b = _req("a", range(1, 9)), _req("b", range(1, 9))
     sched.add(a)
     sched.add(b)
     batch = sched.schedule()
-    # admitted together, so b computes its own copies of a's blocks; a's are the ones indexed, as a is sent first
-    assert a.block_ids == [0, 1] and b.block_ids == [2, 3] and sorted(bm.cached.values()) == [0, 1]
+    # admitted together: b takes the full block that a writes in the same batch (each layer writes the batch's K/V
+    # before it attends), and computes its last block, which must run to give logits, in a block of its own
+    assert a.block_ids == [0, 1] and b.block_ids == [0, 2] and bm.ref_counts == [2, 1, 1]
+    assert batch.num_new_tokens == [8, 4]
     _return_tokens(batch)
-    # "a" needs a third block: "b" is preempted and its copies freed. It comes straight back on a's two blocks and
-    # recomputes only its last token, into a block of its own.
+    # "a" needs a third block: "b" is preempted, and its copy of a's second block freed for it
     batch = sched.schedule()
-    assert batch.requests == [a, b] and batch.num_new_tokens == [1, 1] and b.num_preemptions == 1
-    assert a.block_ids == [0, 1, 2] and b.block_ids == [0, 1, 3] and bm.ref_counts == [2, 2, 1, 1]
+    assert batch.requests == [a] and batch.num_new_tokens == [1] and b.num_preemptions == 1
+    assert a.block_ids == [0, 1, 2] and b.block_ids == [] and bm.ref_counts == [1, 1, 1]
     _return_tokens(batch)
     sched.finish(a, "length")
-    assert bm.ref_counts == [1, 1, 0, 1] and bm.num_free_blocks == 1
-    # Aborted while its batch is out: its blocks are kept until the batch returns, then freed.
+    assert bm.ref_counts == [0, 0, 0] and bm.num_free_blocks == 3
+    # b comes back on a's two cached blocks and recomputes only its last token
     batch = sched.schedule()
-    assert batch.requests == [b]
+    assert batch.requests == [b] and batch.num_new_tokens == [1] and b.block_ids == [0, 1, 2]
+    # Aborted while its batch is out: its blocks are kept until the batch returns, then freed.
     sched.finish(b, "abort")
-    assert bm.num_free_blocks == 1
+    assert bm.num_free_blocks == 0
     for req in batch.requests:
         req.in_flight = False
         bm.free(req)
-    assert bm.num_free_blocks == 4 and bm.ref_counts == [0] * 4 and bm.usage == 0.0
+    assert bm.num_free_blocks == 3 and bm.ref_counts == [0] * 3 and bm.usage == 0.0
     assert sched.num_unfinished == 0
     assert bm.cached_prefix(_req("c", range(1, 10))) == [0, 1]  # the prompt's blocks stay cached, free
 
@@ -327,15 +330,38 @@ def test_prefix_caching_keeps_greedy_output(llama_dir, checkpoints):
         assert _token_ids(on.generate(prompts, GREEDY, use_tqdm=False)) == expected
         bm = on.engine.block_manager
         assert bm.num_prefix_queries == sum(len(p["prompt_token_ids"]) for p in prompts)
-        # The first 2 requests (one a batch: two run at once) compute the prefix; each of the other 22 takes its
-        # 2 full blocks of 16.
-        assert bm.num_prefix_hits == 22 * 32 and bm.prefix_hit_rate == 704 / bm.num_prefix_queries
+        # The first request computes the prefix; each of the other 23 takes its 2 full blocks of 16 (the second,
+        # admitted into the same batch, those the first writes there).
+        assert bm.num_prefix_hits == 23 * 32 and bm.prefix_hit_rate == 736 / bm.num_prefix_queries
         assert bm.num_free_blocks == on.engine.num_blocks and bm.usage == 0.0
-    # 64 tokens a batch: the first prompt's batch is still out when the next batch admits the second prompt, which
-    # takes the blocks that batch is writing (as every prompt after it): 22 hits, not 21
+    # 64 tokens a batch: every prompt after the first takes the blocks the first writes, in the same batch or in a
+    # later one while that batch is still out
     with LLM(llama_dir, pipeline_parallel_size=2, max_num_batched_tokens=64, dtype=FP32) as small:
         assert _token_ids(small.generate(prompts, GREEDY, use_tqdm=False)) == expected
-        assert small.engine.block_manager.num_prefix_hits == 22 * 32
+        assert small.engine.block_manager.num_prefix_hits == 23 * 32
+
+
+def test_a_requests_completions_share_its_prompt_in_one_batch(llama_dir, checkpoints, llm_pp2):
+    """n=3: the completions are admitted into one batch, and the second and third take the full blocks the first
+    writes there (each layer writes the batch's K/V before any attention reads it); they compute only the last
+    block. Greedy, each equals HF's; seeded, each equals a request of its own seed in an engine without the cache."""
+    prompt = {"prompt_token_ids": [(17 * i) % 300 + 3 for i in range(40)]}
+    bm = llm_pp2.engine.block_manager
+    hits = bm.num_prefix_hits
+    greedy = llm_pp2.generate(prompt, SamplingParams(n=3, max_tokens=8, temperature=0.0, ignore_eos=True),
+                              use_tqdm=False)[0].outputs
+    assert bm.num_prefix_hits - hits == 2 * 32
+    want = hf_greedy_ids(checkpoints["llama"][1], [prompt["prompt_token_ids"]], 8)[0]
+    assert [c.token_ids for c in greedy] == [want] * 3
+    seeded = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    drawn = llm_pp2.generate({"prompt_token_ids": [t + 1 for t in prompt["prompt_token_ids"]]}, seeded,
+                             use_tqdm=False)[0].outputs
+    with LLM(llama_dir, pipeline_parallel_size=2, enable_prefix_caching=False, dtype=FP32) as off:
+        alone = [off.generate({"prompt_token_ids": [t + 1 for t in prompt["prompt_token_ids"]]},
+                              SamplingParams(max_tokens=8, temperature=1.0, seed=11 + i * _SEED_STRIDE,
+                                             ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+                 for i in range(3)]
+    assert [c.token_ids for c in drawn] == alone and len(set(map(tuple, alone))) > 1
 
 
 def test_same_prompt_twice_hits_the_cache(llm_pp2):

@@ -167,7 +167,7 @@ def test_a_stage_rebuilds_every_block_table_from_the_changes_alone(ahead):
     """Each batch sends only the block ids its requests' rows gained. Through growth, preemption, prefix hits, rows
     reused after a request finishes, async scheduling's batches ahead and prompt chunks sent while the chunk before
     is out, a stage's tables built from the changes equal the requests' own block ids, batch after batch."""
-    bm = BlockManager(num_blocks=10, block_size=4, enable_caching=True)
+    bm = BlockManager(num_blocks=8, block_size=4, enable_caching=True)  # tight: requests are preempted
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=12, run_ahead_max_seqs=8 * (ahead == "run_ahead"),
                       chunks_ahead=ahead == "chunks_ahead")
     stage = StageBlockTables()

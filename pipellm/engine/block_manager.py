@@ -167,16 +167,18 @@ class BlockManager:
             self.free_rows.append(req.table_row)
             req.table_row = -1
 
-    def cache_sent_blocks(self, req: Request) -> None:
+    def cache_sent_blocks(self, req: Request, num_sending: int = 0) -> None:
         """Indexes req's full blocks of known tokens whose K/V is in the cache or written by batches out: every stage
         runs batches in the order they were sent, so a later prompt that takes them reads them after they are
         written. The scheduler calls this as it sends a batch: a prompt admitted into the next batch, while this one
-        is still in the pipeline, already finds them."""
+        is still in the pipeline, already finds them. num_sending: req's tokens in the batch being built, whose
+        blocks a prompt admitted into that same batch may take too (each layer writes the batch's K/V before any of
+        its attention reads it)."""
         if not self.enable_caching:
             return
         # tokens past num_tokens (drafts, multi-step's) are not known yet, nor is a run-ahead's (num_ahead, which
         # num_tokens counts): a block hashed with its placeholder would match a sibling's of another token there
-        num_full = min(req.num_computed_tokens, req.num_tokens - req.num_ahead) // self.block_size
+        num_full = min(req.num_computed_tokens + num_sending, req.num_tokens - req.num_ahead) // self.block_size
         start = num_full
         while start > 0 and self.block_hashes[req.block_ids[start - 1]] is None:  # hashed blocks form a prefix
             start -= 1

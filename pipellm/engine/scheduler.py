@@ -164,6 +164,11 @@ class Scheduler:
             self.block_manager.allocate(req, n)
             chosen.append((req, n))
             budget -= n
+        # a prompt admitted below may take the full blocks this batch's prompt chunks write (a request's n > 1
+        # completions, say); a decode's block is indexed as the batch goes (several steps may write past it)
+        for req, n in chosen:
+            if n > 1:
+                self.block_manager.cache_sent_blocks(req, n)
         # max_num_seqs bounds the running requests of every batch in flight together, as vLLM's does
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
@@ -176,6 +181,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             bm.allocate(req, n, cached, partial)
+            if n > 1:
+                bm.cache_sent_blocks(req, n)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chosen.append((req, n))
