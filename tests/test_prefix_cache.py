@@ -2,7 +2,7 @@
 import pytest
 
 from pipellm import LLM, SamplingParams
-from pipellm.config import EngineConfig
+from pipellm.config import EngineConfig, SpeculativeConfig
 from pipellm.engine.block_manager import BlockManager, hash_block
 from pipellm.engine.engine import _SEED_STRIDE
 from pipellm.engine.scheduler import Scheduler
@@ -222,6 +222,20 @@ def test_no_leaks_after_preempt_finish_and_abort():
     assert bm.num_free_blocks == 3 and bm.ref_counts == [0] * 3 and bm.usage == 0.0
     assert sched.num_unfinished == 0
     assert bm.cached_prefix(_req("c", range(1, 10))) == [0, 1]  # the prompt's blocks stay cached, free
+
+
+def test_a_prompt_with_drafts_after_it_shares_the_blocks_it_writes():
+    """A prompt's last chunk may get n-gram drafts in the same batch; the full blocks the chunk writes are indexed
+    as the batch is built, and a second prompt admitted into it takes them."""
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64,
+                      speculative_config=SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=3))
+    a, b = _req("a", [1, 2, 3, 1, 2, 3, 1, 2], max_tokens=8), _req("b", [1, 2, 3, 1, 2, 3, 1, 2, 9])
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert a.draft_token_ids == [3, 1, 2] and batch.num_new_tokens == [11, 1]
+    assert a.block_ids == [0, 1, 3] and b.block_ids == [0, 1, 2] and bm.ref_counts[:4] == [2, 2, 1, 1]
 
 
 def _admit_partial(bm: BlockManager, req: Request) -> tuple[list[int], tuple[int, int] | None]:

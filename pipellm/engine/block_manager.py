@@ -127,9 +127,12 @@ class BlockManager:
         req.block_ids.extend(self._take_free() for _ in range(self.num_blocks_needed(req, num_new_tokens)))
         req.window_block_ids.extend(self.window_free.popleft()
                                     for _ in range(self._window_blocks_needed(req, num_new_tokens)))
-        # The blocks this step writes into belong to req alone and are not in the cache.
-        assert all(self.ref_counts[b] == 1 and self.block_hashes[b] is None
-                   for b in req.block_ids[req.num_computed_tokens // self.block_size:])
+        # The blocks this step writes into belong to req alone and are not in the cache, but those full of its own
+        # known tokens, which the batch being built writes and a prompt admitted into it may share (cache_sent_blocks)
+        start = req.num_computed_tokens // self.block_size
+        assert all(self.ref_counts[b] == 1 and self.block_hashes[b] is None or
+                   i < len(req.block_hashes) and self.block_hashes[b] == req.block_hashes[i]
+                   for i, b in enumerate(req.block_ids[start:], start))
 
     def allocate_ahead(self, req: Request, num_new_tokens: int) -> None:
         """Slots for num_new_tokens past those of req's batch out: the token that batch samples (async scheduling,
