@@ -17,11 +17,12 @@ def _req(rid: str, tokens: list[int], max_tokens: int = 4) -> Request:
 
 
 def _admit(bm: BlockManager, req: Request) -> list[int]:
-    """What the scheduler does on admission; returns the cached blocks it took."""
+    """What the scheduler does on admission, a kept partial block included; returns the cached full blocks taken."""
     cached = bm.cached_prefix(req)
-    n = req.num_tokens - len(cached) * BS
-    assert bm.can_allocate(req, n, cached)
-    bm.allocate(req, n, cached)
+    partial = bm.cached_partial(req, cached)
+    n = req.num_tokens - len(cached) * BS - (partial[1] if partial else 0)
+    assert bm.can_allocate(req, n, cached, partial)
+    bm.allocate(req, n, cached, partial)
     return cached
 
 
@@ -238,16 +239,6 @@ def test_a_prompt_with_drafts_after_it_shares_the_blocks_it_writes():
     assert a.block_ids == [0, 1, 3] and b.block_ids == [0, 1, 2] and bm.ref_counts[:4] == [2, 2, 1, 1]
 
 
-def _admit_partial(bm: BlockManager, req: Request) -> tuple[list[int], tuple[int, int] | None]:
-    """Admission as the scheduler makes it, a kept partial block included; returns what was found."""
-    cached = bm.cached_prefix(req)
-    partial = bm.cached_partial(req, cached)
-    n = req.num_tokens - len(cached) * BS - (partial[1] if partial else 0)
-    assert bm.can_allocate(req, n, cached, partial)
-    bm.allocate(req, n, cached, partial)
-    return cached, partial
-
-
 def test_a_request_going_on_from_an_ended_one_takes_over_or_copies_its_partial_block():
     bm = BlockManager(num_blocks=6, block_size=BS, reuse_partial=True)
     a = _req("a", range(1, 7))  # 6 tokens: block 0 full, block 1 holds 2
@@ -256,12 +247,14 @@ def test_a_request_going_on_from_an_ended_one_takes_over_or_copies_its_partial_b
     assert list(bm.evictable) == [1, 0] and bm.num_free_blocks == 6
     # b goes on from a's 6 tokens: it takes a's partial block over, and runs only its last token, into slot 2
     b = _req("b", [*range(1, 7), 50])
-    assert _admit_partial(bm, b) == ([0], (1, 2))
+    assert bm.cached_partial(b, bm.cached_prefix(b)) == (1, 2)
+    assert _admit(bm, b) == [0]
     assert b.block_ids == [0, 1] and b.num_computed_tokens == 6 and bm.pending_copies == []
     assert bm.num_free_blocks == 4
     # c goes on from the same tokens while b holds the block: a new block, copied from it before c's batch runs
     c = _req("c", [*range(1, 7), 60])
-    assert _admit_partial(bm, c) == ([0], (1, 2))
+    assert bm.cached_partial(c, bm.cached_prefix(c)) == (1, 2)
+    assert _admit(bm, c) == [0]
     assert c.block_ids == [0, 2] and c.num_computed_tokens == 6 and bm.pending_copies == [(1, 2)]
     # a shorter run of the same start matches too; the same tokens after another block 0 do not
     d, e = _req("d", [*range(1, 6), 70]), _req("e", [9, 2, 3, 4, 5, 6, 7])
@@ -281,7 +274,8 @@ def test_a_kept_partial_block_is_forgotten_when_evicted_or_written_over():
     bm.free(a)
     # taken over after its first 2 tokens: the third is written over, so the 3-token start is gone
     b = _req("b", [1, 2, 3, 4, 5, 6, 99, 100])
-    assert _admit_partial(bm, b) == ([0], (1, 2))
+    assert bm.cached_partial(b, bm.cached_prefix(b)) == (1, 2)
+    assert _admit(bm, b) == [0] and b.block_ids == [0, 1] and b.num_computed_tokens == 6
     x = _req("x", range(1, 9))
     assert bm.cached_partial(x, bm.cached_prefix(x)) == (1, 2)
     # evicted for another prompt: nothing of it is found any more

@@ -279,13 +279,20 @@ def test_use_beam_search_errors(server):
     assert len(out.choices) == 2
 
 
-def test_client_gone_during_a_beam_search_ends_it(server):
-    body = json.dumps({"model": NAME, "prompt": PROMPT, "max_tokens": 120, "n": 4, "ignore_eos": True,
-                       "use_beam_search": True}).encode()  # 480 tokens, 4 a step
+def _posted_completion(server: Server, body: dict) -> socket.socket:
+    """A socket that sent POST /v1/completions with body and reads no answer: closing it hangs up."""
+    data = json.dumps(body).encode()
     host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    return sock
+
+
+def test_client_gone_during_a_beam_search_ends_it(server):
+    # 120 steps of 4 beams: 480 tokens
+    with _posted_completion(server, {"model": NAME, "prompt": PROMPT, "max_tokens": 120, "n": 4, "ignore_eos": True,
+                                     "use_beam_search": True}):
         wait_until(lambda: _metrics(server)["pipellm:generation_tokens_total"] > 0, 10, "the search to run")
         before = _metrics(server)["pipellm:generation_tokens_total"]
         wait_until(lambda: _metrics(server)["pipellm:generation_tokens_total"] >= before + 8, 20, "a few steps")
@@ -626,11 +633,7 @@ def test_32_concurrent_streams_some_disconnect_then_kv_cache_empty(server):
 
 def test_client_gone_before_a_plain_answer_aborts(server):
     before = _metrics(server).get("pipellm:request_finished_total[abort]", 0)
-    body = json.dumps({"model": NAME, "prompt": PROMPT, "max_tokens": 120, "n": 4, "ignore_eos": True}).encode()
-    host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    with _posted_completion(server, {"model": NAME, "prompt": PROMPT, "max_tokens": 120, "n": 4, "ignore_eos": True}):
         wait_until(lambda: _metrics(server)["pipellm:num_requests_running"] > 0, 10, "the request to run")
     wait_until(lambda: _metrics(server).get("pipellm:request_finished_total[abort]", 0) == before + 4, 10,
                 "the completions to be aborted")
