@@ -36,13 +36,16 @@ class BeamSearch:
     then advance() with each one's log-probabilities; when live() is empty, results() ranks them."""
 
     def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: set[int],
-                 max_model_len: int, max_logprobs: int):
+                 max_model_len: int, max_logprobs: int, logprobs: int = 0):
+        """logprobs: how many top log-probabilities each step returns beyond the 2 * beam_width it ranks (a server's
+        request reports them); the ranking stays the same."""
         width = params.beam_width
         if 0 <= max_logprobs < 2 * width:
             raise ValueError(f"beam_width={width} ranks the top {2 * width} log-probabilities a step, more than the "
                              f"engine's max_logprobs={max_logprobs}: start it with max_logprobs={2 * width} (or -1)")
         self.params, self.eos = params, set() if params.ignore_eos else eos_token_ids
-        self.step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width)
+        self.step_params = SamplingParams(max_tokens=1, temperature=params.temperature,
+                                          logprobs=max(2 * width, logprobs))
         self.beams = [[BeamSearchSequence(list(p), [])] for p in prompts]   # per prompt: its live beams
         self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         # a prompt's beams stop growing at max_tokens, or where one more token would pass max_model_len
@@ -53,11 +56,16 @@ class BeamSearch:
         """(prompt index, beam) of every beam the next step runs; empty when the search is over."""
         return [(k, b) for k, bs in enumerate(self.beams) if self.step < self.steps[k] for b in bs]
 
-    def advance(self, live: list[tuple[int, BeamSearchSequence]], entries: list[dict[int, Logprob]]) -> None:
-        """entries: per beam of live, its step's top log-probabilities."""
+    def advance(self, live: list[tuple[int, BeamSearchSequence]], entries: list[dict[int, Logprob]],
+                sampled: list[int]) -> None:
+        """entries: per beam of live, its step's top log-probabilities; sampled: the token each step drew. The
+        candidates are the top 2 * beam_width and the drawn token, as vLLM's."""
         grown: dict[int, list[BeamSearchSequence]] = {k: [] for k, _ in live}
-        for (k, beam), entry in zip(live, entries):
+        ranked = 2 * self.params.beam_width
+        for (k, beam), entry, drawn in zip(live, entries, sampled):
             for token, lp in entry.items():
+                if lp.rank > ranked and token != drawn:
+                    continue
                 seq = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry], beam.cum_logprob + lp.logprob)
                 if token in self.eos:
                     seq.finish_reason = "stop"
@@ -93,7 +101,8 @@ def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, use_tqd
         while live := search.live():
             outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in live], search.step_params,
                                 use_tqdm=False)
-            search.advance(live, [out.outputs[0].logprobs[0] for out in outs])
+            search.advance(live, [out.outputs[0].logprobs[0] for out in outs],
+                           [out.outputs[0].token_ids[0] for out in outs])
             bar.update()
     results = search.results()
     for out in results:
@@ -106,18 +115,20 @@ async def beam_search_async(engine, request_id: str, search: BeamSearch, priorit
     """Runs a search's steps on an AsyncEngine, each beam a request of its own. Cancelling it aborts the step's
     requests."""
     while live := search.live():
-        entries = await asyncio.gather(*(_top_logprobs(engine, f"{request_id}-{search.step}-{j}", beam.tokens,
-                                                       search.step_params, priority)
-                                         for j, (_, beam) in enumerate(live)))
-        search.advance(live, entries)
+        steps = await asyncio.gather(*(_one_step(engine, f"{request_id}-{search.step}-{j}", beam.tokens,
+                                                 search.step_params, priority)
+                                       for j, (_, beam) in enumerate(live)))
+        search.advance(live, [entry for entry, _ in steps], [token for _, token in steps])
     return search.results()
 
 
-async def _top_logprobs(engine, request_id: str, tokens: list[int], params: SamplingParams,
-                        priority: int) -> dict[int, Logprob]:
-    entries = []
+async def _one_step(engine, request_id: str, tokens: list[int], params: SamplingParams,
+                    priority: int) -> tuple[dict[int, Logprob], int]:
+    """One token for one beam: (its top log-probabilities, the token drawn)."""
+    entries, drawn = [], []
     async with aclosing(engine.generate(request_id, tokens, params, priority)) as stream:
         async for deltas in stream:
             for d in deltas:
                 entries += d.logprobs or []
-    return entries[0]
+                drawn += d.token_ids
+    return entries[0], drawn[0]

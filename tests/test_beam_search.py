@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from pipellm import LLM
+from pipellm.beam_search import BeamSearch
+from pipellm.outputs import Logprob
 from pipellm.sampling_params import BeamSearchParams
 from tests.conftest import FP32
 
@@ -65,3 +67,16 @@ def test_beam_search_errors(llm_pp2):
         with pytest.raises(ValueError, match=why):
             llm_pp2.beam_search(["Hello", prompt], BeamSearchParams(beam_width=2, max_tokens=2))
     assert len(llm_pp2.beam_search(["Hello"], BeamSearchParams(beam_width=2, max_tokens=2))[0].sequences) == 2
+
+
+def test_a_wider_step_ranks_the_same_candidates():
+    """A step widened to report more log-probabilities (a server's logprobs=k) still grows each beam from its top
+    2 * beam_width and the token it drew, as vLLM's: an EOS ranked past them ends no beam."""
+    eos = 9
+    entry = {5: Logprob(-0.5, 1), 6: Logprob(-1.0, 2), eos: Logprob(-1.5, 3), 7: Logprob(-2.0, 4)}
+    for logprobs, drawn, done in ((0, 5, []), (4, 5, []), (4, eos, [[1, 2, eos]])):
+        search = BeamSearch([[1, 2]], BeamSearchParams(beam_width=1, max_tokens=1), {eos}, 64, 20, logprobs)
+        assert search.step_params.logprobs == max(2, logprobs)
+        search.advance(search.live(), [entry], [drawn])
+        assert [s.tokens for s in search.done[0]] == done
+        assert [s.tokens for s in search.beams[0]] == [[1, 2, 5]]

@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipellm import LLM, SamplingParams, StructuredOutputsParams
@@ -254,6 +255,38 @@ def test_use_beam_search_ends_beams_at_eos_and_priorities_reach_the_engine(llama
             assert out.usage.completion_tokens == sum(len(t) for t in new)
 
 
+def test_use_beam_search_logprobs_are_hf_log_softmax(server, llm_pp2, checkpoints):
+    """Each beam token's log-probability and its step's top k are HF's log-softmax after the tokens before it. A k
+    past the 2n a step ranks widens the step and leaves the beams where they were."""
+    hf, tok, client = checkpoints["llama"][1], llm_pp2.get_tokenizer(), server.client()
+    beams = BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True)
+    extra = {"use_beam_search": True, "ignore_eos": True}
+    chat_prompt = llm_pp2.chat(MESSAGES, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids
+    for prompt, k in ((tok.encode(PROMPT), 3), (tok.encode(PROMPT), 6), (chat_prompt, 2), (chat_prompt, 5)):
+        [want] = llm_pp2.beam_search([{"prompt_token_ids": prompt}], beams)
+        if prompt is chat_prompt:
+            out = client.chat.completions.create(model=NAME, messages=MESSAGES, n=2, max_tokens=5, temperature=0,
+                                                 logprobs=True, top_logprobs=k, extra_body=extra)
+            got = [([c.logprob for c in ch.logprobs.content],
+                    [[t.logprob for t in c.top_logprobs] for c in ch.logprobs.content]) for ch in out.choices]
+            assert [ch.message.content for ch in out.choices] == [tok.decode(s.tokens[len(prompt):],
+                                                                              skip_special_tokens=True)
+                                                                   for s in want.sequences]
+        else:
+            out = client.completions.create(model=NAME, prompt=prompt, n=2, max_tokens=5, temperature=0, logprobs=k,
+                                            extra_body=extra)
+            got = [(ch.logprobs.token_logprobs, None) for ch in out.choices]
+            assert [ch.text for ch in out.choices] == [tok.decode(s.tokens[len(prompt):], skip_special_tokens=True)
+                                                       for s in want.sequences]
+        for (token_lps, tops), seq in zip(got, want.sequences):
+            with torch.no_grad():
+                lp = hf(torch.tensor([seq.tokens])).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+            new = torch.tensor(seq.tokens[len(prompt):])
+            assert token_lps == pytest.approx(lp.gather(-1, new[:, None])[:, 0].tolist(), abs=1e-4)
+            if tops is not None:
+                assert tops == [pytest.approx(row.topk(k).values.tolist(), abs=1e-4) for row in lp]
+
+
 def _joined(out, stream: bool, chunk_text, choice_text) -> tuple[list[str], list[str]]:
     """Each choice's text and finish reason, from a response or a stream of chunks."""
     choices = [c for chunk in out for c in chunk.choices] if stream else out.choices
@@ -265,13 +298,13 @@ def _joined(out, stream: bool, chunk_text, choice_text) -> tuple[list[str], list
 def test_use_beam_search_errors(server):
     client = server.client()
     for extra, why in (({"top_p": 0.5}, "takes no top_p"), ({"stop": ["."]}, "takes no stop"),
-                       ({"logprobs": 0}, "takes no logprobs"), ({"n": 11}, "n=11 ranks the top 22"),
+                       ({"echo": True}, "takes no echo"), ({"n": 11}, "n=11 ranks the top 22"),
                        ({"use_beam_search": False, "length_penalty": 2.0}, "give use_beam_search=true")):
         with pytest.raises(openai.BadRequestError, match=why):
             client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2,
                                       extra_body={"use_beam_search": True} | extra)
-    with pytest.raises(openai.BadRequestError, match=r"takes no logprobs \(here True\)"):
-        client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=2, logprobs=True, top_logprobs=2,
+    with pytest.raises(openai.BadRequestError, match=r"takes no stop \(here \['\.'\]\)"):
+        client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=2, stop=["."],
                                        extra_body={"use_beam_search": True})
     # neutral values pass, as clients send them
     out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, top_p=1.0, presence_penalty=0, n=2,

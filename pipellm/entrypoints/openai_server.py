@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from pipellm.beam_search import BeamSearch, beam_search_async
+from pipellm.beam_search import BeamSearch, BeamSearchSequence, beam_search_async
 from pipellm.config import check_generation_config, sampling_defaults
 from pipellm.engine.async_engine import AsyncEngine, EngineDeadError, StreamDelta
 from pipellm.engine.engine import LLMEngine
@@ -181,7 +181,8 @@ class OpenAIServer:
         if beam is None:
             return Work(prompts, params, priority=priority)
         try:
-            search = BeamSearch(prompts, beam, engine.eos_token_ids, engine.max_model_len, engine.config.max_logprobs)
+            search = BeamSearch(prompts, beam, engine.eos_token_ids, engine.max_model_len, engine.config.max_logprobs,
+                                params.logprobs or 0)
         except ValueError as e:  # n beams rank 2n log-probabilities a step
             raise APIError(400, str(e).replace("beam_width", "n", 1), param="n") from None
         return Work(prompts, params, search, priority)
@@ -195,8 +196,7 @@ class OpenAIServer:
         if work.search is not None:
             outs = await beam_search_async(self.async_engine, request_id, work.search, work.priority)
             for i, (ids, out) in enumerate(zip(prompts, outs)):
-                yield i, [self._beam_choice(j, seq.tokens[len(ids):], seq.finish_reason, params)
-                          for j, seq in enumerate(out.sequences)]
+                yield i, [self._beam_choice(j, seq, len(ids), params) for j, seq in enumerate(out.sequences)]
             return
         if len(prompts) == 1:
             async with aclosing(self.async_engine.generate(request_id, prompts[0], params, work.priority)) as stream:
@@ -230,12 +230,18 @@ class OpenAIServer:
             for t in tasks:  # a cancelled pump closes its stream, which aborts its request
                 t.cancel()
 
-    def _beam_choice(self, index: int, token_ids: list[int], finish_reason: str, params: SamplingParams) -> StreamDelta:
-        if finish_reason == "stop" and not params.include_stop_str_in_output:
+    def _beam_choice(self, index: int, seq: BeamSearchSequence, prompt_len: int,
+                     params: SamplingParams) -> StreamDelta:
+        token_ids = seq.tokens[prompt_len:]
+        if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
             token_ids = token_ids[:-1]  # the EOS, as vLLM's server
         tokenizer = self.async_engine.tokenizer
         text = tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens) if tokenizer else ""
-        return StreamDelta(index, text, token_ids, None, finish_reason)
+        entries = None
+        if params.logprobs is not None:  # each token's, and the top k of its step (a step ranks more)
+            entries = [{t: lp for t, lp in entry.items() if lp.rank <= params.logprobs or t == tid}
+                       for tid, entry in zip(token_ids, seq.logprobs)]
+        return StreamDelta(index, text, token_ids, entries, seq.finish_reason)
 
     async def collect(self, request_id: str, work: Work) -> list[_Choice]:
         n = work.params.n

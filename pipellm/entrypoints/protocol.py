@@ -148,8 +148,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
 _BEAM_SEARCH_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penalty": (0,),
                         "frequency_penalty": (0,), "repetition_penalty": (1,), "min_tokens": (0,), "stop": ("", []),
                         "stop_token_ids": ([],), "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],),
-                        "response_format": ({"type": "text"},), "structured_outputs": (), "logprobs": (False,),
-                        "top_logprobs": (0,), "echo": (False,), "tools": ([],)}
+                        "response_format": ({"type": "text"},), "structured_outputs": (), "echo": (False,),
+                        "tools": ([],)}
 
 
 def beam_search_params(req: SamplingFields, params: SamplingParams, max_model_len: int) -> BeamSearchParams | None:
