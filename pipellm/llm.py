@@ -21,7 +21,7 @@ _LOCAL_ONLY = "pipellm loads local folders and GGUF files, with no hub download:
 # vLLM's options that pipellm has no field for: (values that ask for what pipellm does anyway, what to give instead)
 _VLLM_ONLY = {
     "tensor_parallel_size": ((1,), "pipellm splits a model by layers, into pipeline stages: give "
-                                   "pipeline_parallel_size instead"),
+                                   "pipeline_parallel_size (-pp) instead"),
     "trust_remote_code": ((True, False), "give True or False: pipellm runs no code from a checkpoint either way"),
     "enable_chunked_prefill": ((True, None), "pipellm always runs a prompt in chunks of max_num_batched_tokens: "
                                              "give a larger max_num_batched_tokens for fewer, longer chunks"),
@@ -31,7 +31,7 @@ _VLLM_ONLY = {
 }
 
 
-def _engine_options(kwargs: dict) -> dict:
+def engine_options(kwargs: dict) -> dict:
     """kwargs without the vLLM options that ask for what pipellm does anyway; ValueError naming any other option
     that EngineConfig does not have, with what to give instead."""
     fields = EngineConfig.__dataclass_fields__
@@ -64,7 +64,7 @@ class LLM:
         config = EngineConfig(model, pipeline_parallel_size, layer_partition, dtype, block_size, max_model_len,
                               max_num_seqs, seed=seed, threads_per_stage=threads_per_stage,
                               trace=trace_dir is not None or engine_kwargs.pop("trace", False),
-                              **_engine_options(engine_kwargs))
+                              **engine_options(engine_kwargs))
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
         self._dead: str | None = None

@@ -308,7 +308,7 @@ def test_more_threads_than_cores_warns_with_a_count_that_fits(caplog):
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(tensor_parallel_size=2), "tensor_parallel_size=2: pipellm splits a model by layers, into pipeline stages: "
-                                   "give pipeline_parallel_size instead"),
+                                   "give pipeline_parallel_size \\(-pp\\) instead"),
     (dict(tokenizer="other"), "tokenizer='other': pipellm reads the tokenizer from the model's folder"),
     (dict(revision="main"), "revision='main': pipellm loads local folders and GGUF files, with no hub download"),
     (dict(enable_chunked_prefill=False), "enable_chunked_prefill=False: pipellm always runs a prompt in chunks"),

@@ -224,6 +224,11 @@ def broken_models(llama_dir, tmp_path_factory):
     (["generate", "{llama}", "hi", "--max-num-seqs", "x"], "argument --max-num-seqs: invalid int value: 'x'"),
     (["generate", "{llama}", "hi", "--temperature", "-1"], "--temperature -1.0: must be >= 0"),
     (["generate", "{llama}", "hi", "--max-tokenz", "3"], "unrecognized arguments: --max-tokenz"),
+    (["serve", "{llama}", "-tp", "2"], "--tensor-parallel-size 2: pipellm splits a model by layers, into pipeline "
+                                       "stages: give pipeline_parallel_size (-pp) instead"),
+    (["generate", "{llama}", "hi", "--tokenizer", "{root}"], "--tokenizer '{root}': pipellm reads the tokenizer from "
+                                                              "the model's folder"),
+    (["bench", "--model", "{llama}", "--no-enable-chunked-prefill"], "pipellm always runs a prompt in chunks"),
     (["generate", "{llama}", "hi", "--grammar", "{root}/missing.gbnf"],
      "--grammar {root}/missing.gbnf: cannot read it (No such file or directory); give a file or the text itself"),
     (["generate", "{llama}", "hi", "--regex", "a(b"], "structured_outputs.regex: at 1(8): invalid regex"),
@@ -256,6 +261,13 @@ def test_mistakes_exit_2_with_one_line(capsys, llama_dir, broken_models, argv, m
     def fill(text):
         return text.format(root=broken_models, llama=llama_dir)
     assert fill(message) in _fails(capsys, *map(fill, argv))
+
+
+def test_vllm_flags_that_ask_for_what_pipellm_does_pass(llama_dir):
+    from pipellm.entrypoints.cli import _engine_kwargs
+    plain = ["serve", llama_dir, "-pp", "2"]
+    assert _engine_kwargs(parse_args(plain + ["-tp", "1", "--trust-remote-code", "--enable-chunked-prefill"])) == \
+        _engine_kwargs(parse_args(plain))
 
 
 def test_serve_refuses_a_port_in_use(capsys, llama_dir):

@@ -7,6 +7,8 @@ import re
 from pipellm.pipeline.partition import parse_partition
 
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k")
+VLLM_ONLY_FLAGS = ("tensor_parallel_size", "trust_remote_code", "enable_chunked_prefill", "tokenizer", "revision",
+                   "tokenizer_revision", "download_dir")
 
 
 _SIZE_SUFFIXES = {"k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12,
@@ -107,6 +109,14 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
     p.add_argument("--restart-on-failure", action=argparse.BooleanOptionalAction, default=None,
                    help="when a stage fails, start a new pipeline and re-run unfinished requests "
                         "(default: on for serve on one host, off otherwise)")
+    # vLLM's flags that pipellm has no setting for: a value that asks for what pipellm does anyway passes, any other
+    # gets what to give instead (pipellm/llm.py's engine_options)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--trust-remote-code", action="store_true", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help=argparse.SUPPRESS)
+    for flag in VLLM_ONLY_FLAGS[3:]:
+        p.add_argument(f"--{flag.replace('_', '-')}", default=None, help=argparse.SUPPRESS)
     _multinode_args(p)
     p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "external_launcher"],
                    help="uni: one stage, in this process (the default for one stage on one host, except `serve`); "

@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 
-from pipellm.entrypoints.args import SAMPLING_FLAGS, parse_args
+from pipellm.entrypoints.args import SAMPLING_FLAGS, VLLM_ONLY_FLAGS, parse_args
 from pipellm.extras import MissingExtraError, require_extra
 
 CLI_SAMPLING_DEFAULTS = {"temperature": 0.0, "max_tokens": 64}  # greedy and short, unless the model or a flag says
@@ -27,6 +27,8 @@ def _engine_kwargs(args, restart_default: bool = False) -> dict:
                     speculative_config=args.speculative_config,
                     max_logprobs=args.max_logprobs, scheduling_policy=args.scheduling_policy)  # unset: defaults
     kwargs.update({k: v for k, v in optional.items() if v is not None})
+    from pipellm.llm import engine_options
+    engine_options({k: getattr(args, k) for k in VLLM_ONLY_FLAGS if getattr(args, k) is not None})  # refuses or drops
     if args.distributed_executor_backend == "external_launcher":
         kwargs.update(master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                       master_port=int(os.environ.get("MASTER_PORT", 0)))
