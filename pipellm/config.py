@@ -7,7 +7,9 @@ import torch
 from pipellm.device import check_name
 from pipellm.pipeline.partition import parse_partition
 
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+                "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
+OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA_FAMILY = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
@@ -94,6 +96,14 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # width of one expert's MLP
     norm_topk_prob: bool = True     # renormalise the chosen experts' router weights to sum to 1
     dense_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with a dense MLP among the MoE ones
+    nope_layers: tuple[int, ...] = ()   # SmolLM3: layers whose q and k take no rotary positions
+    qk_norm_per_head: bool = True       # qk_norm over each head's values; OLMo 2: over all heads' at once
+    # Granite: the embedding, each block's output before it joins the residual, and the logits (divided) scaled;
+    # attention_multiplier the attention's scale
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -156,7 +166,7 @@ class ModelConfig:
             raise ValueError(f"{source}: activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
         layers = d["num_hidden_layers"]
         window = d.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") \
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM") \
                 and not d.get("use_sliding_window", False):
             window = None
         layer_types = tuple(d.get("layer_types") or ())
@@ -193,13 +203,20 @@ class ModelConfig:
             step = d.get("decoder_sparse_step", 1) or 1
             dense_layers = tuple(i for i in range(layers)
                                  if i in (d.get("mlp_only_layers") or ()) or (i + 1) % step != 0)
+        nope_layers = ()
+        if arch == "SmolLM3ForCausalLM":  # no_rope_layers: 1 where a layer uses rotary positions
+            uses_rope = d.get("no_rope_layers") or [int((i + 1) % (d.get("no_rope_layer_interval") or 4) != 0)
+                                                    for i in range(layers)]
+            nope_layers = tuple(i for i, r in enumerate(uses_rope) if not r)
+        granite = {k: float(d.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling")} \
+            if arch == "GraniteForCausalLM" else {}
         return cls(arch, d["vocab_size"], d["hidden_size"], layers, heads,
                    d.get("num_key_value_heads") or heads, head_dim, d["intermediate_size"],
                    d.get("max_position_embeddings", 2048), d.get("rms_norm_eps", 1e-6), rope,
                    tie_word_embeddings=d.get("tie_word_embeddings", is_gemma),
                    qkv_bias=attention_bias or arch == "Qwen2ForCausalLM", o_bias=attention_bias,
                    sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
-                   qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+                   qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + OLMO_FAMILY,
                    hidden_act=act, query_pre_attn_scalar=d.get("query_pre_attn_scalar") if is_gemma else None,
                    attn_logit_softcapping=d.get("attn_logit_softcapping") if is_gemma else None,
                    final_logit_softcapping=d.get("final_logit_softcapping") if is_gemma else None,
@@ -207,7 +224,9 @@ class ModelConfig:
                    num_experts_per_tok=d.get("num_experts_per_tok", 0) if arch in MOE_FAMILY else 0,
                    moe_intermediate_size=d.get("moe_intermediate_size") or d["intermediate_size"],
                    norm_topk_prob=arch == "MixtralForCausalLM" or bool(d.get("norm_topk_prob", False)),
-                   dense_layers=dense_layers)
+                   dense_layers=dense_layers, nope_layers=nope_layers,
+                   qk_norm_per_head=arch not in OLMO_FAMILY,
+                   attention_multiplier=d.get("attention_multiplier") if granite else None, **granite)
 
 
 @dataclass

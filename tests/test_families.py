@@ -12,6 +12,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
               eos_token_id=0, bos_token_id=0, pad_token_id=0)
 SHORT = 32  # the trained context of the scaled rotary variants: PROMPTS[2] (40 tokens) goes past it
 LONG_PROMPT = [(13 * i + 5) % VOCAB for i in range(150)]  # many windows long: the sliding layers' rings wrap
+SLIDING_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 
 
 def prompts_of(name: str) -> list[list[int]]:
@@ -47,8 +48,7 @@ def family_config(name: str):
                                attn_logit_softcapping=20.0, final_logit_softcapping=10.0)
     if name == "gemma3":  # local layers: base 10000, window 24; global: base 1e6 scaled linearly
         return tf.Gemma3TextConfig(**COMMON, head_dim=32, sliding_window=24, query_pre_attn_scalar=32,
-                                   layer_types=["sliding_attention", "full_attention", "sliding_attention",
-                                                "sliding_attention", "full_attention"],
+                                   layer_types=SLIDING_TYPES,
                                    rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                                                     "full_attention": dict(rope_type="linear", rope_theta=1e6,
                                                                            factor=2.0)})
@@ -57,11 +57,24 @@ def family_config(name: str):
     if name == "qwen3moe":  # layer 1 dense; router weights not renormalised
         return tf.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                  mlp_only_layers=[1], norm_topk_prob=False)
+    if name == "smollm3":  # layers 1 and 3 without rotary
+        return tf.SmolLM3Config(**COMMON, no_rope_layer_interval=2)
+    if name == "granite":
+        return tf.GraniteConfig(**COMMON, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                                logits_scaling=2.0)
+    if name == "olmo2":  # norms after attention and MLP; q/k norms over all heads
+        return tf.Olmo2Config(**COMMON)
+    if name == "olmo3":  # and sliding layers, with rotary of their own
+        return tf.Olmo3Config(**COMMON, sliding_window=24, layer_types=SLIDING_TYPES,
+                              rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                               "full_attention": dict(rope_type="linear", rope_theta=1e6,
+                                                                      factor=2.0)})
     raise ValueError(name)
 
 
 FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longrope", "qwen3", "gemma2", "gemma3",
-            "mixtral", "qwen3moe"]
+            "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3"]
+WINDOWED = ("gemma2", "gemma3", "olmo3")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
 
@@ -117,7 +130,7 @@ def test_family_matches_hf(family, name, pp, partition, budget):
     folder, reference = family(name)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
     kv_cache_gib = 1.0
-    if name.startswith("gemma") and pp == 2:
+    if name in WINDOWED and pp == 2:
         # 30 blocks of a layer a stage: short of one 256-token sequence (16 blocks each for 3 layers), unless the
         # sliding layers cycle through rings of blocks of their own
         cfg = ModelConfig.from_pretrained(folder)
@@ -129,7 +142,7 @@ def test_family_matches_hf(family, name, pp, partition, budget):
         window_ring = llm.engine.window_ring
         assert llm.engine.max_model_len == ModelConfig.from_pretrained(folder).max_context
     # ... a sliding layer's sequence cycling through a ring of 4 blocks (PP=2 steps 16 tokens), not 10 (150 tokens)
-    assert window_ring == (4 if name.startswith("gemma") and pp == 2 else 0)
+    assert window_ring == (4 if name in WINDOWED and pp == 2 else 0)
     # ... and prompts' chunks sent while the one before is out (at PP=2, 16 tokens a step), rings included; never
     # where rotary scales with each sequence's known length
     if name in ("llama-dynamic", "phi3-longrope"):

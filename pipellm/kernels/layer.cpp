@@ -70,6 +70,8 @@ struct DecoderLayer {
   c10::optional<at::Tensor> attn_out_norm, mlp_out_norm;  // Gemma's norms of the attention's and the MLP's output
   bool sliding = false;    // takes the sliding layers' StepArgs
   double softcap = 0;      // > 0: soft-capped attention scores (Gemma 2)
+  bool rotary = true;      // false: q and k take no rotary positions (SmolLM3's every 4th layer)
+  double residual_scale = 1;  // the attention's and the MLP's outputs times this before they join x (Granite)
 
   static at::Tensor head_norm(const at::Tensor& x, const c10::optional<at::Tensor>& w, double eps) {
     if (!w.has_value()) return x;
@@ -86,7 +88,7 @@ struct DecoderLayer {
     at::Tensor k = head_norm(qkv_out.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim}), k_norm, eps);
     at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
     const int64_t rotated = cos.size(-1);
-    rotary_(q.narrow(2, 0, rotated), k.narrow(2, 0, rotated), cos, sin);
+    if (rotary) rotary_(q.narrow(2, 0, rotated), k.narrow(2, 0, rotated), cos, sin);
     if (k_scale.has_value()) {  // as KVCache.write
       kv_cache_write_int8(k_cache, *k_scale, slots, k.to(at::kFloat).contiguous());
       kv_cache_write_int8(v_cache, *v_scale, slots, v.to(at::kFloat).contiguous());
@@ -98,9 +100,11 @@ struct DecoderLayer {
                                              tables, lens, window, scale, softcap, "")
                           .to(x.scalar_type());                                  // [T, H, D]: fp32 inside
     at::Tensor a = o(attn.view({T, q_size}));
-    at::Tensor h = x + (attn_out_norm.has_value() ? rms_norm(a, *attn_out_norm, eps) : a);
+    if (attn_out_norm.has_value()) a = rms_norm(a, *attn_out_norm, eps);
+    at::Tensor h = x + (residual_scale == 1 ? a : a * residual_scale);
     at::Tensor m = std::visit([&](const auto& f) { return f(rms_norm(h, post_norm, eps)); }, mlp);
-    return h + (mlp_out_norm.has_value() ? rms_norm(m, *mlp_out_norm, eps) : m);
+    if (mlp_out_norm.has_value()) m = rms_norm(m, *mlp_out_norm, eps);
+    return h + (residual_scale == 1 ? m : m * residual_scale);
   }
 };
 
@@ -147,7 +151,7 @@ void bind_layers(pybind11::module_& m) {
                              c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale,
                              c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
                              c10::optional<at::Tensor> attn_out_norm, c10::optional<at::Tensor> mlp_out_norm,
-                             bool sliding, double softcap) {
+                             bool sliding, double softcap, bool rotary, double residual_scale) {
              const int64_t hidden = input_norm.numel();
              const int64_t mlp_in = std::visit([](const auto& f) {
                if constexpr (std::is_same_v<std::decay_t<decltype(f)>, GatedMlp>) return f.gate_up.K;
@@ -162,12 +166,12 @@ void bind_layers(pybind11::module_& m) {
                TORCH_CHECK(!w->has_value() || (*w)->numel() == hidden, "output norms must be [hidden]");
              return DecoderLayer{input_norm, post_norm, qkv, o, std::move(mlp), eps, scale, heads, kv_heads,
                                  head_dim, k_cache, v_cache, k_scale, v_scale, q_norm, k_norm, attn_out_norm,
-                                 mlp_out_norm, sliding, softcap};
+                                 mlp_out_norm, sliding, softcap, rotary, residual_scale};
            }),
            "input_norm"_a, "post_norm"_a, "qkv"_a, "o"_a, "mlp"_a, "eps"_a, "scale"_a, "heads"_a, "kv_heads"_a,
            "head_dim"_a, "k_cache"_a, "v_cache"_a, "k_scale"_a, "v_scale"_a, "q_norm"_a = pybind11::none(),
            "k_norm"_a = pybind11::none(), "attn_out_norm"_a = pybind11::none(), "mlp_out_norm"_a = pybind11::none(),
-           "sliding"_a = false, "softcap"_a = 0.0);
+           "sliding"_a = false, "softcap"_a = 0.0, "rotary"_a = true, "residual_scale"_a = 1.0);
   pybind11::class_<DecoderStack>(m, "DecoderStack", "a stage's layers, run on a decode step in one call")
       .def(pybind11::init([](const std::vector<DecoderLayer>& layers) { return DecoderStack{layers}; }), "layers"_a)
       .def("decode", &DecoderStack::decode, pybind11::call_guard<pybind11::gil_scoped_release>(), "x"_a, "full"_a,

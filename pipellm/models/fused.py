@@ -77,7 +77,7 @@ def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
         fused.append(ops.DecoderLayer(norms[0], norms[1], *linears, mlp, eps, attn.scale, attn.num_heads,
                                       attn.num_kv_heads, attn.head_dim, cache.k, cache.v, cache.k_scale, cache.v_scale,
                                       q_norm, k_norm, attn_out_norm, mlp_out_norm, attn.is_sliding,
-                                      attn.softcap or 0.0))
+                                      attn.softcap or 0.0, attn.rotary, getattr(layer, "residual_multiplier", 1.0)))
     return ops.DecoderStack(fused)
 
 

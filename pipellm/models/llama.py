@@ -1,5 +1,6 @@
-"""Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, and with moe.py Mixtral and Qwen3-MoE: RMSNorm, rotary positions,
-grouped-query attention, SwiGLU MLP. Gemma (gemma.py) changes the norms and the order around them."""
+"""Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3 (no rotary in every 4th layer), Granite (scaled embedding,
+residual branches and logits), and with moe.py Mixtral and Qwen3-MoE: RMSNorm, rotary positions, grouped-query
+attention, SwiGLU MLP. Gemma (gemma.py) and OLMo (olmo.py) change the norms and the order around them."""
 import re
 
 import torch
@@ -28,10 +29,12 @@ class LlamaAttention(nn.Module):
         # q, k and v in one matmul: one weight read and one kernel call instead of three.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm, self.k_norm = norm(cfg.head_dim, cfg.norm_eps), norm(cfg.head_dim, cfg.norm_eps)
+        if cfg.qk_norm:  # over each head's values, or (OLMo) over all of a token's q and all of its k
+            q_n, k_n = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm_per_head else (self.q_size, self.kv_size)
+            self.q_norm, self.k_norm = norm(q_n, cfg.norm_eps), norm(k_n, cfg.norm_eps)
         self.is_sliding = cfg.is_sliding(layer)
-        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.rotary = layer not in cfg.nope_layers
+        self.scale = cfg.attention_multiplier or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_logit_softcapping
 
     def forward(self, x, ropes: tuple[Rope, Rope], meta: AttentionMetadata, cache: KVCache):
@@ -39,10 +42,11 @@ class LlamaAttention(nn.Module):
         q = qkv[..., :self.q_size].view(-1, self.num_heads, self.head_dim)                           # [T, H, D]
         k = qkv[..., self.q_size:self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         v = qkv[..., self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):  # over each head's D values: [T * heads, D]
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *ropes[self.is_sliding])
+        if hasattr(self, "q_norm"):  # [T * heads, D], or [T, heads * D] (OLMo)
+            q = self.q_norm(q.reshape(-1, self.q_norm.weight.numel())).view(-1, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.k_norm.weight.numel())).view(-1, self.num_kv_heads, self.head_dim)
+        if self.rotary:
+            q, k = apply_rotary(q, k, *ropes[self.is_sliding])
         out = paged_attention(q, k, v, cache, meta.local if self.is_sliding else meta, self.scale,
                               self.softcap)
         return self.o_proj(out.reshape(-1, self.q_size))     # [T, H * D] -> [T, hidden]
@@ -61,10 +65,14 @@ class LlamaLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = make_mlp(cfg, layer)
+        self.residual_multiplier = cfg.residual_multiplier
 
     def forward(self, x, ropes, meta, cache):
-        x = x + self.self_attn(self.input_layernorm(x), ropes, meta, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        r = self.residual_multiplier
+        a = self.self_attn(self.input_layernorm(x), ropes, meta, cache)
+        x = x + (a if r == 1 else a * r)
+        m = self.mlp(self.post_attention_layernorm(x))
+        return x + (m if r == 1 else m * r)
 
 
 class LlamaStage(nn.Module):
@@ -98,7 +106,8 @@ class LlamaStage(nn.Module):
         return self.run_layers(x, positions, meta, kv_caches)
 
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(ids)
+        x = self.embed_tokens(ids)
+        return x if self.cfg.embedding_multiplier == 1 else x * self.cfg.embedding_multiplier
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                    kv_caches: list[KVCache]) -> torch.Tensor:
@@ -115,12 +124,13 @@ class LlamaStage(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        logits = self.lm_head(self.norm(hidden))
+        return logits if self.cfg.logits_scaling == 1 else logits / self.cfg.logits_scaling
 
     def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each row's greedy token (its first largest logit) where the LM head finds it without every logit; None
-        where it cannot, and compute_logits is the way."""
-        return greedy_head(self.lm_head, self.norm(hidden))
+        where it cannot, and compute_logits is the way (scaled logits can tie where the raw ones do not)."""
+        return greedy_head(self.lm_head, self.norm(hidden)) if self.cfg.logits_scaling == 1 else None
 
     def map_weight(self, name: str) -> list[tuple[str, int]]:
         """Checkpoint tensor name -> [(parameter, first row it fills)] on this stage; [] if another stage owns it."""

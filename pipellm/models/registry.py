@@ -7,6 +7,7 @@ from pipellm.config import ModelConfig
 from pipellm.models.gemma import GemmaStage
 from pipellm.models.gpt2 import GPT2Stage
 from pipellm.models.llama import LlamaStage
+from pipellm.models.olmo import OlmoStage
 from pipellm.pipeline.partition import StageLayers
 
 STAGE_CLASSES = {
@@ -15,6 +16,10 @@ STAGE_CLASSES = {
     "Qwen2ForCausalLM": LlamaStage,
     "Qwen3ForCausalLM": LlamaStage,
     "Phi3ForCausalLM": LlamaStage,
+    "SmolLM3ForCausalLM": LlamaStage,
+    "GraniteForCausalLM": LlamaStage,
+    "Olmo2ForCausalLM": OlmoStage,
+    "Olmo3ForCausalLM": OlmoStage,
     "MixtralForCausalLM": LlamaStage,
     "Qwen3MoeForCausalLM": LlamaStage,
     "Gemma2ForCausalLM": GemmaStage,

@@ -1,0 +1,24 @@
+"""OLMo 2 and OLMo 3: the Llama block with its norms on the attention's and the MLP's outputs instead of their inputs,
+and q/k norms over all of a token's heads at once (OLMo 3 adds sliding-window layers with rotary of their own)."""
+from torch import nn
+
+from pipellm.config import ModelConfig
+from pipellm.models.layers import RMSNorm
+from pipellm.models.llama import LlamaAttention, LlamaStage, make_mlp
+
+
+class OlmoLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = make_mlp(cfg, layer)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, x, ropes, meta, cache):
+        x = x + self.post_attention_layernorm(self.self_attn(x, ropes, meta, cache))
+        return x + self.post_feedforward_layernorm(self.mlp(x))
+
+
+class OlmoStage(LlamaStage):
+    layer_class = OlmoLayer
