@@ -208,8 +208,8 @@ class ModelConfig:
             uses_rope = d.get("no_rope_layers") or [int((i + 1) % (d.get("no_rope_layer_interval") or 4) != 0)
                                                     for i in range(layers)]
             nope_layers = tuple(i for i, r in enumerate(uses_rope) if not r)
-        granite = {k: float(d.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling")} \
-            if arch == "GraniteForCausalLM" else {}
+        granite = {k: float(d.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling",
+                                                     "attention_multiplier")} if arch == "GraniteForCausalLM" else {}
         return cls(arch, d["vocab_size"], d["hidden_size"], layers, heads,
                    d.get("num_key_value_heads") or heads, head_dim, d["intermediate_size"],
                    d.get("max_position_embeddings", 2048), d.get("rms_norm_eps", 1e-6), rope,
@@ -226,7 +226,7 @@ class ModelConfig:
                    norm_topk_prob=arch == "MixtralForCausalLM" or bool(d.get("norm_topk_prob", False)),
                    dense_layers=dense_layers, nope_layers=nope_layers,
                    qk_norm_per_head=arch not in OLMO_FAMILY,
-                   attention_multiplier=d.get("attention_multiplier") if granite else None, **granite)
+                   **granite)
 
 
 @dataclass

@@ -19,7 +19,9 @@ BASE = COMMON | dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token
 GGUF_PROMPTS = [[t % VOCAB for t in p] for p in PROMPTS]
 # family -> GGUF general.architecture (llama.cpp writes Mixtral as "llama" with experts)
 ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3moe", "gemma2": "gemma2",
-        "gemma3": "gemma3", "phi3": "phi3"}
+        "gemma3": "gemma3", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
+        "olmo3": "olmo2"}
+PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
 FAMILIES = list(ARCH)
 
 # HF module -> llama.cpp tensor kind (gguf-py's tensor_mapping.py), per family where it differs
@@ -31,6 +33,8 @@ GEMMA_TO_GGUF = HF_TO_GGUF | {"pre_feedforward_layernorm": "ffn_norm",
                               "post_attention_layernorm": "post_attention_norm",
                               "post_feedforward_layernorm": "post_ffw_norm"}
 PHI3_TO_GGUF = HF_TO_GGUF | {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+OLMO_TO_GGUF = HF_TO_GGUF | {"post_attention_layernorm": "post_attention_norm",
+                             "post_feedforward_layernorm": "post_ffw_norm"}
 GLOBAL_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                   "lm_head.weight": "output.weight"}
 
@@ -67,6 +71,16 @@ def gguf_family_config(name: str):
                                                   original_max_position_embeddings=SHORT,
                                                   short_factor=[1.0 + 0.1 * i for i in range(rotated_half)],
                                                   long_factor=[2.0 + 0.5 * i for i in range(rotated_half)]))
+    if name == "smollm3":  # layer 3 without rotary (llama.cpp: every 4th)
+        return tf.SmolLM3Config(**BASE)
+    if name == "granite":
+        return tf.GraniteConfig(**BASE, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                                logits_scaling=2.0)
+    if name == "olmo2":
+        return tf.Olmo2Config(**BASE)
+    if name == "olmo3":  # sliding layers; one rotary for both kinds, as the file holds one
+        return tf.Olmo3Config(**BASE, sliding_window=24, layer_types=[
+            "sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"])
     raise ValueError(name)
 
 
@@ -128,6 +142,14 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_sliding_window(cfg.sliding_window)
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)  # global layers only
         w.add_rope_scaling_factor(_rope_parameters(cfg)["factor"])
+    if name == "granite":  # the converter renames the multipliers to scales
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
+    if name == "olmo3":
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     if name == "phi3":
         rope = _rope_parameters(cfg)
         original = rope["original_max_position_embeddings"]
@@ -148,7 +170,8 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
     blocks (else F32), norms and routers F32. Returns the HF state dict of what the file holds (dequantized, the
     converter's changes undone), for the reference. edit(writer) may add metadata."""
     cfg, arch = model.config, ARCH[name]
-    names = {"gemma2": GEMMA_TO_GGUF, "gemma3": GEMMA_TO_GGUF, "phi3": PHI3_TO_GGUF}.get(name, HF_TO_GGUF)
+    names = {"gemma2": GEMMA_TO_GGUF, "gemma3": GEMMA_TO_GGUF, "phi3": PHI3_TO_GGUF, "olmo2": OLMO_TO_GGUF,
+             "olmo3": OLMO_TO_GGUF}.get(name, HF_TO_GGUF)
     w = gguf.GGUFWriter(str(path), arch)
     write_metadata(w, name, cfg)
     write_tokenizer(w)
@@ -192,7 +215,7 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
                 continue
             gname = f"blk.{layer}.{names[module]}.{suffix}"
         kind = gname.split(".")[-2]
-        if arch == "llama" and kind in ("attn_q", "attn_k"):  # rotary pairs interleaved per head
+        if arch in PERMUTED and kind in ("attn_q", "attn_k"):  # rotary pairs interleaved per head
             order = _row_order(arr.shape[0], cfg.num_attention_heads if kind == "attn_q" else
                                cfg.num_key_value_heads)
             stored = add(gname, arr[order])

@@ -1,5 +1,6 @@
 """llama.cpp GGUF files: their metadata as an HF-style folder (config, tokenizer), and each stage's own tensors
 read straight from the file into compact weights (quant/), never widened to fp32 on disk or in memory."""
+import contextlib
 import hashlib
 import itertools
 import json
@@ -146,7 +147,8 @@ def convert_gguf(gguf_path: str, out_dir: str, weights: bool = True) -> None:
         AutoConfig.for_model(model_type, **cfg).save_pretrained(tmp)
         GenerationConfig(bos_token_id=cfg["bos_token_id"], eos_token_id=cfg["eos_token_id"]).save_pretrained(tmp)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+            with _tokenizer_reads(arch):
+                tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
         except Exception as e:
             raise ValueError(f"{path}: cannot build the tokenizer from its metadata ({type(e).__name__}: {e})") from e
         # save_jinja_files=False keeps the chat template inside tokenizer_config.json
@@ -156,6 +158,22 @@ def convert_gguf(gguf_path: str, out_dir: str, weights: bool = True) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def _tokenizer_reads(arch: str):
+    """transformers builds a GGUF file's tokenizer only for the architectures whose weights it also maps, though the
+    tokenizer (tokenizer.ggml.*) does not depend on them: for that call, it counts this one among them."""
+    from transformers import modeling_gguf_pytorch_utils as known
+
+    added = arch not in known.GGUF_SUPPORTED_ARCHITECTURES
+    if added:
+        known.GGUF_SUPPORTED_ARCHITECTURES.append(arch)
+    try:
+        yield
+    finally:
+        if added:
+            known.GGUF_SUPPORTED_ARCHITECTURES.remove(arch)
 
 
 def _sha256(path: str) -> str:

@@ -17,7 +17,11 @@ ARCHITECTURES = {
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),
+    "granite": ("GraniteForCausalLM", "granite", True),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2", False),
 }
+OLMO3 = ("Olmo3ForCausalLM", "olmo3", False)  # "olmo2" with sliding layers
 MIXTRAL = ("MixtralForCausalLM", "mixtral", True)  # "llama" with expert tensors
 GEMMA = ("gemma2", "gemma3")  # store every norm weight as w + 1
 
@@ -31,6 +35,7 @@ _FAMILY_NAMES = {
     "gemma": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
               "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # kept fused, as HF's Phi-3
+    "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
 }
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -58,13 +63,14 @@ def expected_shapes(cfg: dict) -> dict:
     h, v, d = mc.hidden_size, mc.vocab_size, mc.head_dim
     q, kv = mc.num_heads * d, mc.num_kv_heads * d
     is_gemma, is_phi3 = mc.architecture.startswith("Gemma"), mc.architecture == "Phi3ForCausalLM"
+    is_olmo = mc.architecture.startswith("Olmo")
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not mc.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
     for i in range(mc.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.o_proj.weight": (h, q)})
+        shapes.update({p + ("post_feedforward_layernorm.weight" if is_olmo else "input_layernorm.weight"): (h,),
+                       p + "post_attention_layernorm.weight": (h,), p + "self_attn.o_proj.weight": (h, q)})
         if is_phi3:
             shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
         else:
@@ -74,7 +80,8 @@ def expected_shapes(cfg: dict) -> dict:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
         if mc.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+            shapes.update({p + "self_attn.q_norm.weight": (d if mc.qk_norm_per_head else q,),
+                           p + "self_attn.k_norm.weight": (d if mc.qk_norm_per_head else kv,)})
         if is_gemma:
             shapes.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
         if mc.is_moe(i):
@@ -159,6 +166,20 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         else:  # global layers take the file's base and scaling, local ones their own base (llama.cpp: 10000)
             local = {"rope_type": "default", "rope_theta": _f32(m("rope.freq_base_swa", 10000.0))}
             rope = {"full_attention": rope, "sliding_attention": local}
+    if arch == "smollm3":  # llama.cpp's rule, not in the file: every 4th layer without rotary
+        cfg["no_rope_layer_interval"] = 4
+    if arch == "granite":  # llama.cpp: an attention scale of 0 (or none) is 1 / sqrt(head_dim)
+        cfg.update(attention_multiplier=_f32(m("attention.scale", 0.0)) or head_dim ** -0.5,
+                   embedding_multiplier=_f32(m("embedding_scale", 1.0)),
+                   residual_multiplier=_f32(m("residual_scale", 1.0)), logits_scaling=_f32(m("logit_scale", 1.0)))
+    if arch == "olmo2" and window:  # OLMo 3: the pattern marks the sliding layers
+        if rope["rope_type"] != "default":
+            raise ValueError(f"{path}: sliding layers with rope scaling {rope['rope_type']!r} are not supported "
+                             "in olmo2 files (the file does not say which layers the scaling is for)")
+        pattern = m("attention.sliding_window_pattern", [(i + 1) % 4 != 0 for i in range(layers)])
+        entry = OLMO3
+        cfg.update(architectures=[OLMO3[0]], sliding_window=window,
+                   layer_types=["sliding_attention" if p else "full_attention" for p in pattern])
     if arch == "phi3":
         cfg["sliding_window"] = window or None
         if "rope_factors_long.weight" in tensors:  # HF's Phi-3 takes it from here over rope_parameters (default 4096)
