@@ -8,7 +8,8 @@ from pipellm.device import check_name
 from pipellm.pipeline.partition import parse_partition
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-                "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
+                "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
+                "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA_FAMILY = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -194,7 +195,8 @@ class ModelConfig:
                 rope_local = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))
         heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
-        attention_bias = bool(d.get("attention_bias", False))
+        attention_bias = bool(d.get("attention_bias", arch == "SeedOssForCausalLM"))
+        o_bias = bool(d.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM" else attention_bias
         if d.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias=true is not supported")
         num_experts = d.get("num_local_experts") or d.get("num_experts") or 0
@@ -208,15 +210,18 @@ class ModelConfig:
             uses_rope = d.get("no_rope_layers") or [int((i + 1) % (d.get("no_rope_layer_interval") or 4) != 0)
                                                     for i in range(layers)]
             nope_layers = tuple(i for i, r in enumerate(uses_rope) if not r)
+        if arch == "Exaone4ForCausalLM" and d.get("sliding_window") is not None:  # its full layers: no rotary
+            nope_layers = tuple(i for i, t in enumerate(d.get("layer_types") or ()) if t == "full_attention")
         granite = {k: float(d.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling",
                                                      "attention_multiplier")} if arch == "GraniteForCausalLM" else {}
         return cls(arch, d["vocab_size"], d["hidden_size"], layers, heads,
                    d.get("num_key_value_heads") or heads, head_dim, d["intermediate_size"],
                    d.get("max_position_embeddings", 2048), d.get("rms_norm_eps", 1e-6), rope,
                    tie_word_embeddings=d.get("tie_word_embeddings", is_gemma),
-                   qkv_bias=attention_bias or arch == "Qwen2ForCausalLM", o_bias=attention_bias,
+                   qkv_bias=attention_bias or arch == "Qwen2ForCausalLM", o_bias=o_bias,
                    sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
-                   qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM") + OLMO_FAMILY,
+                   qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+                                    "Exaone4ForCausalLM") + OLMO_FAMILY,
                    hidden_act=act, query_pre_attn_scalar=d.get("query_pre_attn_scalar") if is_gemma else None,
                    attn_logit_softcapping=d.get("attn_logit_softcapping") if is_gemma else None,
                    final_logit_softcapping=d.get("final_logit_softcapping") if is_gemma else None,

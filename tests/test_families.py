@@ -69,12 +69,18 @@ def family_config(name: str):
                               rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                                                "full_attention": dict(rope_type="linear", rope_theta=1e6,
                                                                       factor=2.0)})
+    if name == "exaone4":  # norms after attention and MLP, q/k norms per head; full layers without rotary
+        return tf.Exaone4Config(**COMMON, sliding_window=24, layer_types=SLIDING_TYPES)
+    if name == "seed_oss":  # q/k/v biases, and one on the attention's output
+        return tf.SeedOssConfig(**COMMON, head_dim=32, attention_bias=True, attention_out_bias=True)
+    if name == "ministral":  # sliding and full layers
+        return tf.MinistralConfig(**COMMON, head_dim=16, sliding_window=24, layer_types=SLIDING_TYPES)
     raise ValueError(name)
 
 
 FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longrope", "qwen3", "gemma2", "gemma3",
-            "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3"]
-WINDOWED = ("gemma2", "gemma3", "olmo3")  # sliding layers
+            "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral"]
+WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
 
@@ -106,6 +112,10 @@ def make_family_checkpoint(name: str, folder: str):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(family_config(name), attn_implementation="eager").eval()
+    with torch.no_grad():  # biases not at their initial 0, so loading them is tested
+        for param_name, p in model.named_parameters():
+            if param_name.endswith(".bias"):
+                torch.nn.init.normal_(p, std=0.2)
     model.save_pretrained(folder)
     save_tokenizer(folder)
     return model

@@ -1,5 +1,6 @@
-"""OLMo 2 and OLMo 3: the Llama block with its norms on the attention's and the MLP's outputs instead of their inputs,
-and q/k norms over all of a token's heads at once (OLMo 3 adds sliding-window layers with rotary of their own)."""
+"""OLMo 2 and OLMo 3, EXAONE 4: the Llama block with its norms on the attention's and the MLP's outputs instead of
+their inputs. OLMo's q/k norms span all of a token's heads at once (OLMo 3 adds sliding-window layers with rotary of
+their own); EXAONE 4's are per head, and its full layers (among sliding ones) take no rotary positions."""
 from torch import nn
 
 from pipellm.config import ModelConfig
