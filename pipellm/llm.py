@@ -2,6 +2,7 @@
 import contextlib
 import difflib
 import itertools
+import numbers
 import weakref
 from collections.abc import Iterator
 
@@ -122,7 +123,9 @@ class LLM:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)):
                     raise ValueError("prompt_token_ids must be a list of token ids")
-                return prompt.get("prompt"), list(ids)
+                # numpy's integers as Python's; anything else is left for validate() to name
+                return prompt.get("prompt"), [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                              else t for t in ids]
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
                 return prompt["prompt"], self.engine.inputs.tokenize(prompt["prompt"])
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids' (or 'prompt'), "

@@ -1,4 +1,5 @@
 import json
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -15,6 +16,9 @@ class StructuredOutputsParams:
     json_object: bool = False            # any JSON object
 
     def __post_init__(self):
+        if type(self.json_object) is not bool:
+            raise ValueError(f"SamplingParams.structured_outputs.json_object={self.json_object!r}: must be True or "
+                             "False")
         if isinstance(self.json, dict):
             self.json = json.dumps(self.json)
         given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
@@ -75,26 +79,39 @@ class SamplingParams:
         self.stop_token_ids = _as_list(self.stop_token_ids)
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {t: float(b) if type(b) is int else b for t, b in self.logit_bias.items()}
-        if self.top_k == 0:
-            self.top_k = -1
         self._check()
 
     def _check(self):
         def bad(name, why):
             raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
+        # the stages check these types too (pipeline/wire.py): a value that passed here and failed there would end
+        # the pipeline, so a truthy "no" or a bool counted as 1 is refused here
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            if not isinstance(getattr(self, name), numbers.Real):
-                bad(name, "must be a number")
-        if not isinstance(self.n, int) or self.n < 1:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                bad(name, "must be a finite number")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if type(getattr(self, name)) is not bool:
+                bad(name, "must be True or False")
+        for name in ("n", "max_tokens", "top_k", "logprobs", "prompt_logprobs", "seed", "min_tokens",
+                     "truncate_prompt_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                setattr(self, name, int(value))  # numpy's integers as Python's
+            elif value is not None or name in ("n", "top_k", "min_tokens"):
+                bad(name, "must be an integer" + ("" if name in ("n", "top_k", "min_tokens") else " or None"))
+        if self.n < 1:
             bad("n", "must be an integer >= 1")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1 (or None for up to max_model_len)")
         if not self.temperature >= 0.0:
             bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or not -1 <= self.top_k < 2 ** 31:
+        if self.top_k == 0:
+            self.top_k = -1
+        if not -1 <= self.top_k < 2 ** 31:
             bad("top_k", "must be -1 (all tokens) or a positive integer below 2**31")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
@@ -105,19 +122,18 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and self.logprobs < 0:
             bad("logprobs", "must be None or an integer >= 0")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or
-                                                 self.prompt_logprobs < 0):
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             bad("prompt_logprobs", "must be None or an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer or None")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
+            bad("seed", "must be an integer in [0, 2**63), or None for a random one")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or any(not isinstance(t, int) or t < 0
+        if not isinstance(self.stop_token_ids, list) or any(type(t) is not int or t < 0
                                                             for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative token ids")
-        if type(self.min_tokens) is not int or self.min_tokens < 0:
+        if self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be at most max_tokens={self.max_tokens}")
@@ -133,8 +149,7 @@ class SamplingParams:
         if self.bad_words is not None and (not isinstance(self.bad_words, list) or any(
                 not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             bad("bad_words", "must be None or a list of non-empty strings")
-        if self.truncate_prompt_tokens is not None and (type(self.truncate_prompt_tokens) is not int
-                                                        or self.truncate_prompt_tokens < 1):
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             bad("truncate_prompt_tokens", "must be None or an integer >= 1")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -163,7 +178,11 @@ class BeamSearchParams:
         for name in ("beam_width", "max_tokens"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 bad(name, "must be an integer >= 1")
-        if not isinstance(self.temperature, numbers.Real) or not self.temperature >= 0:
+        if type(self.ignore_eos) is not bool:
+            bad("ignore_eos", "must be True or False")
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                bad(name, "must be a finite number")
+        if self.temperature < 0:
             bad("temperature", "must be a number >= 0")
-        if not isinstance(self.length_penalty, numbers.Real):
-            bad("length_penalty", "must be a number")

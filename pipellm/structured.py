@@ -1,6 +1,7 @@
 """Structured outputs: a request's tokens held to a JSON schema, a regex, a list of choices or a grammar, as vLLM's.
 llguidance compiles the grammar and, each step, gives the tokens that may come next; the last stage's sampler masks
 the rest of the logits. The driver compiles each request's grammar once too, to refuse a bad one before it runs."""
+import json
 import logging
 
 import numpy as np
@@ -49,6 +50,9 @@ def grammar(params: StructuredOutputsParams, tokenizer) -> str:
         if kind == "json" or kind == "json_object":
             # compact JSON, no whitespace between its tokens: with free whitespace a model can pad forever
             text = llg.LLMatcher.grammar_from_json_schema(value, defaults={"whitespace_flexible": False})
+        elif kind == "choice":  # one terminal: a lexeme to the parser, not an alternative each (it holds 2,000)
+            text = llg.grammar_from("lark", "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c)
+                                                                                    for c in json.loads(value)))
         else:
             text = llg.grammar_from(kind, value)
         error = llg.LLMatcher.validate_grammar(text, tokenizer)

@@ -3,6 +3,7 @@ import math
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -215,10 +216,23 @@ def test_truncate_prompt_tokens_keeps_the_end_of_a_long_prompt(llm_pp2):
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (dict(temperature="0.5"), "temperature"), (dict(top_p=None), "top_p"), (dict(stop=5), "stop"),
     (dict(stop_token_ids=7), "stop_token_ids"),
+    # types the stages check as well: a value passed here and refused there would end the pipeline
+    (dict(ignore_eos="yes"), "ignore_eos"), (dict(include_stop_str_in_output="no"), "include_stop_str_in_output"),
+    (dict(skip_special_tokens=None), "skip_special_tokens"), (dict(n=True), "n"), (dict(seed=True), "seed"),
+    (dict(logprobs=True), "logprobs"), (dict(top_p=True), "top_p"), (dict(max_tokens=2.0), "max_tokens"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"), (dict(temperature=float("inf")), "temperature"),
+    (dict(seed=2 ** 63), "seed"), (dict(seed=-1), "seed"),  # 2**63 would be seed 0's draws
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
         SamplingParams(**kwargs)
+
+
+def test_numpy_integers_are_integers_and_json_object_a_bool():
+    params = SamplingParams(n=np.int64(2), seed=np.int32(7), max_tokens=np.int64(3), top_k=np.int64(0))
+    assert (type(params.n), params.seed, type(params.max_tokens), params.top_k) == (int, 7, int, -1)
+    with pytest.raises(ValueError, match=r"structured_outputs\.json_object='yes': must be True or False"):
+        StructuredOutputsParams(json_object="yes")
 
 
 def test_bad_prompts_raise_and_the_engine_keeps_working(llm_pp2):
@@ -230,8 +244,15 @@ def test_bad_prompts_raise_and_the_engine_keeps_working(llm_pp2):
         llm_pp2.generate("", use_tqdm=False)
     with pytest.raises(ValueError, match="prompt is empty"):
         llm_pp2.generate({"prompt_token_ids": []}, use_tqdm=False)
-    with pytest.raises(ValueError, match="outside"):
-        llm_pp2.generate({"prompt_token_ids": [10 ** 6]}, use_tqdm=False)
+    for ids in ([10 ** 6], [True, 5], [5, 2.0]):  # a bool is no token id, though Python counts it an int
+        with pytest.raises(ValueError, match=r"prompt_token_ids must be integers in \[0, 384\); these are not: "):
+            llm_pp2.generate({"prompt_token_ids": ids}, use_tqdm=False)
+    assert _ids(llm_pp2, list(np.array([5, 6, 7]))) == before  # numpy's integers are
+    for params, why in ((SamplingParams(stop_token_ids=[384]), r"stop_token_ids has token ids outside \[0, 384\)"),
+                        (SamplingParams(prompt_logprobs=385), "prompt_logprobs=385 asks for more than the "
+                                                              "vocabulary's 384 tokens")):
+        with pytest.raises(ValueError, match=why):
+            llm_pp2.generate("a", params, use_tqdm=False)
     with pytest.raises(ValueError, match=r"logit_bias has token ids outside \[0, 384\): \[384\]"):
         llm_pp2.generate("a", SamplingParams(logit_bias={384: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match=r"allowed_token_ids has token ids outside \[0, 384\): \[400\]"):

@@ -584,8 +584,20 @@ def test_error_statuses_and_still_serving(server):
         client.chat.completions.create(model=NAME, messages=MESSAGES, extra_body={"priority": 3})
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model=NAME, prompt="a " * 200, max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="outside"):
+    with pytest.raises(openai.BadRequestError, match=r"integers in \[0, 384\)"):
         client.completions.create(model=NAME, prompt=[10 ** 6], max_tokens=1)
+    _still_serves(server)
+    # values a lax reading would take as something else ("yes" as true, true as token 1), and one the stages would
+    # refuse after the checks here had passed it, which ended the pipeline for every client
+    for body, param in (({"stream": "yes"}, "stream"), ({"prompt": [True, 5]}, "prompt"), ({"max_tokens": 2.5},
+                                                                                          "max_tokens"),
+                        ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs")):
+        err = _error(httpx.post(completions, json={"prompt": PROMPT, "max_tokens": 2} | body, headers=AUTH), 400)
+        assert err["param"] == param and ("json_object='yes': must be True or False" in err["message"]
+                                          or "Input should be a valid" in err["message"]), err
+    nested = b'{"prompt": "a", "logit_bias": ' + b'{"a": ' * 900 + b"1" + b"}" * 901
+    assert "nests more than 64 levels" in _error(httpx.post(completions, content=nested, headers=AUTH),
+                                                  400)["message"]
     _still_serves(server)
     with pytest.raises(openai.AuthenticationError):
         server.client("wrong-key").completions.create(model=NAME, prompt=PROMPT)

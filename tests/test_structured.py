@@ -31,6 +31,9 @@ CASES = [
                                                                                              "1 2 3")),
     (StructuredOutputsParams(grammar='root ::= ("yes" | "no") ("!" | "?")'),  # GBNF, as llama.cpp's
      lambda text: re.fullmatch(r"(yes|no)[!?]", text)),
+    # past the 2,000 alternatives llguidance's parser holds at a place; and quotes, backslashes, newlines
+    (StructuredOutputsParams(choice=[f"w{i}" for i in range(2500)] + ['say "hi"', "a\\b\n"]),
+     lambda text: text in [f"w{i}" for i in range(2500)] + ['say "hi"', "a\\b\n"]),
 ]
 
 

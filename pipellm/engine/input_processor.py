@@ -33,17 +33,20 @@ class InputProcessor:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty; give at least one token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids if type(t) is not int or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt_token_ids has ids outside [0, {vocab}): {bad[:5]}")
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}); these are not: {bad[:5]}")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
                              f"{self.max_model_len} (prompt plus at least one new token); shorten the prompt")
-        for name in ("logit_bias", "allowed_token_ids"):
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             bad = [t for t in getattr(params, name) or () if t >= vocab]
             if bad:
                 raise ValueError(f"SamplingParams.{name} has token ids outside [0, {vocab}): {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > vocab:
+                raise ValueError(f"SamplingParams.{name}={getattr(params, name)} asks for more than the vocabulary's "
+                                 f"{vocab} tokens; ask for {vocab} at most")
             if self.max_logprobs >= 0 and (getattr(params, name) or 0) > self.max_logprobs:
                 raise ValueError(f"SamplingParams.{name}={getattr(params, name)} is over the engine's max_logprobs="
                                  f"{self.max_logprobs}; ask for fewer, or start the engine with a larger "

@@ -23,6 +23,7 @@ from pipellm.observe.metrics import ServerMetrics
 from pipellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pipellm.server")
+MAX_JSON_DEPTH = 64  # a request body's nesting; JSON schemas of tools and response formats stay far below it
 
 
 @dataclass
@@ -115,6 +116,10 @@ class OpenAIServer:
             data = json.loads(body)
         except ValueError as e:
             raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise APIError(400, f"the request body nests more than {MAX_JSON_DEPTH} levels deep") from None
+        if _depth(data) > MAX_JSON_DEPTH:  # deeper, checks and templates would recurse past Python's limit
+            raise APIError(400, f"the request body nests more than {MAX_JSON_DEPTH} levels deep")
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
         return data
@@ -302,3 +307,16 @@ async def _disconnected(request: Request) -> None:
     # The body has been read, so the next ASGI message is the client going away.
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _depth(value) -> int:
+    """How deep a parsed JSON value nests (a scalar: 0), without recursion."""
+    deepest, level = 0, [(value, 0)]
+    while level:
+        item, d = level.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                level.append((child, d + 1))
+        deepest = max(deepest, d + isinstance(item, (dict, list)))
+    return deepest

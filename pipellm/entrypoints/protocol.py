@@ -17,12 +17,17 @@ class APIError(Exception):
         self.headers = headers
 
 
+# strict: a JSON true is a bool, and "yes", 1.5 or [true] are refused rather than read as True, 1 or token id 1
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -61,7 +66,7 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     role: str
     content: str | list[dict] | None = None
     tool_calls: list[dict] | None = None     # an assistant's calls, earlier in the conversation
@@ -72,6 +77,7 @@ class ChatMessage(BaseModel):
 class ChatTemplateFields(BaseModel):
     """vLLM's chat-template options: the assistant's turn opened (or the last message continued), and variables
     for the template (Qwen3's enable_thinking, ...)."""
+    model_config = STRICT
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
@@ -89,7 +95,7 @@ class ChatRequest(SamplingFields, ChatTemplateFields):
 
 class TokenizeRequest(ChatTemplateFields):
     """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -97,7 +103,7 @@ class TokenizeRequest(ChatTemplateFields):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str | None = None
     tokens: list[int]
 
