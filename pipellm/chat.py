@@ -2,7 +2,7 @@
 completions share."""
 
 # apply_chat_template's own arguments, which chat_template_kwargs may not set (they are not template variables)
-TEMPLATE_ARGS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+TEMPLATE_ARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
                  "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
                  "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"}
 
@@ -23,10 +23,14 @@ def render(tokenizer, conversation: list[dict], chat_template: str | None, tools
         raise ChatTemplateError(f"this model has no chat template; {no_template_hint}")
     if not conversation:
         raise ChatTemplateError("messages is empty", "messages")
+    conversation = [_with_text_content(m, i) for i, m in enumerate(conversation)]
     if add_generation_prompt and continue_final_message:
         raise ChatTemplateError("continue_final_message continues the last message: set add_generation_prompt to "
                                 "False (false in JSON) with it", "continue_final_message")
     variables = variables or {}
+    if not isinstance(variables, dict):
+        raise ChatTemplateError(f"chat_template_kwargs must map the template's variables to values, not "
+                                f"{type(variables).__name__}", "chat_template_kwargs")
     if taken := sorted(set(variables) & TEMPLATE_ARGS):
         raise ChatTemplateError(f"chat_template_kwargs: {', '.join(taken)} are the request's own fields, not the "
                                 "template's variables", "chat_template_kwargs")
@@ -38,3 +42,21 @@ def render(tokenizer, conversation: list[dict], chat_template: str | None, tools
         raise ChatTemplateError(f"the chat template rejected these messages: {e}", "messages") from None
     # The template already holds any BOS token, so don't add special tokens again.
     return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def _with_text_content(message, i: int) -> dict:
+    """The message with OpenAI's content parts as one text (the text parts joined by newlines), as vLLM's."""
+    if not isinstance(message, dict):
+        raise ChatTemplateError(f"messages[{i}] must be a dict with 'role' and 'content', not "
+                                f"{type(message).__name__}", "messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        if any(not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str)
+               for part in content):
+            raise ChatTemplateError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": "
+                                    "...}}) are supported", "messages")
+        return message | {"content": "\n".join(part["text"] for part in content)}
+    if content is not None and not isinstance(content, str):
+        raise ChatTemplateError(f"messages[{i}].content must be a string or a list of text parts, not "
+                                f"{type(content).__name__}", "messages")
+    return message

@@ -1,5 +1,7 @@
 import json
+import math
 import os
+import secrets
 from dataclasses import dataclass, field
 
 import torch
@@ -107,8 +109,12 @@ class ModelConfig:
     attention_multiplier: float | None = None
 
     def __post_init__(self):
-        assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-        assert not self.layer_types or len(self.layer_types) == self.num_layers
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"the model's num_attention_heads={self.num_heads} is not a multiple of its "
+                             f"num_key_value_heads={self.num_kv_heads}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"the model's layer_types has {len(self.layer_types)} entries for its "
+                             f"{self.num_layers} layers")
 
     @property
     def is_gpt2(self) -> bool:
@@ -147,6 +153,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
         archs = d.get("architectures") or []
+        archs = [archs] if isinstance(archs, str) else archs
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"{source}: architecture {archs or d.get('model_type')} is not supported; "
@@ -304,7 +311,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"        # "auto" (the activations' dtype), "bfloat16", or "int8" (a scale per block
     #                                     and KV head): fewer bytes per cached token, a little less accuracy
     num_kv_blocks: int | None = None    # exact block count instead of kv_cache_gib (tests, tuning)
-    seed: int = 0                       # seeds requests that do not set their own
+    seed: int | None = 0                # seeds requests that do not set their own; None: a random one per engine
     threads_per_stage: int | None = None  # torch threads per stage; None = cores // P
     step_timeout_s: float = 300.0       # a step that takes longer is reported as hung
     heartbeat_timeout_s: float = 3.0    # a stage whose heartbeat is silent this long is stopped: with the 0.5 s
@@ -351,6 +358,20 @@ class EngineConfig:
             bad("pipeline_parallel_size", "must be an integer >= 1")
         if isinstance(self.layer_partition, str):
             self.layer_partition = parse_partition(self.layer_partition)
+        if self.layer_partition not in (None, "auto") and (
+                not isinstance(self.layer_partition, (list, tuple))
+                or any(type(n) is not int for n in self.layer_partition)):
+            bad("layer_partition", 'must be layer counts per stage (e.g. [15, 15] or "15,15"), "auto" or None')
+        if self.seed is None:
+            self.seed = secrets.randbelow(2 ** 63)
+        if type(self.seed) is not int or not 0 <= self.seed < 2 ** 63:
+            bad("seed", "must be an integer in [0, 2**63), or None for a random one")
+        for name, zero in (("step_timeout_s", False), ("heartbeat_timeout_s", False),
+                           ("auto_partition_prompt_ratio", True)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0 <= value < math.inf if zero else 0 < value < math.inf):
+                bad(name, f"must be a number {'>= 0' if zero else '> 0'}")
         if self.dtype not in DTYPES and self.dtype != "auto":
             bad("dtype", f"must be one of auto, {', '.join(DTYPES)}")
         if self.quantization not in (None, "int8", "int4"):
@@ -367,8 +388,9 @@ class EngineConfig:
             bad("max_num_batched_tokens", "must be a positive integer")
         if self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):
             bad("kv_cache_dtype", f'must be one of auto, {", ".join(KV_CACHE_DTYPES)}')
-        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
-            bad("kv_cache_gib", "must be > 0 or None")
+        if self.kv_cache_gib is not None and (isinstance(self.kv_cache_gib, bool) or not isinstance(
+                self.kv_cache_gib, (int, float)) or not 0 < self.kv_cache_gib < math.inf):
+            bad("kv_cache_gib", "must be a number of GiB > 0, or None")
         check_name(self.device)
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             bad("gpu_memory_utilization", "must be a fraction in (0, 1]")

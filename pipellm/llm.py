@@ -3,6 +3,7 @@ import contextlib
 import difflib
 import itertools
 import numbers
+import os
 import weakref
 from collections.abc import Iterator
 
@@ -62,6 +63,8 @@ class LLM:
                  layer_partition: list[int] | str | None = None, dtype: str = "auto", block_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 64, seed: int = 0,
                  threads_per_stage: int | None = None, trace_dir: str | None = None, **engine_kwargs):
+        if trace_dir is not None and not isinstance(trace_dir, (str, os.PathLike)):
+            raise ValueError(f"trace_dir={trace_dir!r}: must be a folder's path, or None for no trace")
         config = EngineConfig(model, pipeline_parallel_size, layer_partition, dtype, block_size, max_model_len,
                               max_num_seqs, seed=seed, threads_per_stage=threads_per_stage,
                               trace=trace_dir is not None or engine_kwargs.pop("trace", False),
@@ -80,6 +83,7 @@ class LLM:
 
     def shutdown(self) -> None:
         self._finalizer()
+        self._dead = "this LLM was shut down; create a new LLM"
 
     def save_trace(self, out_dir: str) -> dict:
         """Writes trace.json, pipeline.png, kv_cache.png and summary.json for what ran since the last save."""
@@ -98,6 +102,8 @@ class LLM:
     def describe_stages(self) -> list[str]:
         """One line a stage: its layers and its memory, e.g. "stage 0: embed + layers 0-14, 61 MB weights (Q4_1),
         ..."; only the layers while the pipeline cannot answer."""
+        if self._dead:
+            raise RuntimeError(self._dead)
         reports = self.engine.inspect() if not self.engine.in_flight else []
         if len(reports) != len(self.engine.stages):
             return [s.describe() for s in self.engine.stages]
@@ -166,6 +172,8 @@ class LLM:
         """One prompt's completion (n=1) as it is generated: yields the new text of each step. The pieces add up to
         the text generate() gives; a tail that could still become a stop string waits until it cannot."""
         params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
         if params.n != 1:
             raise ValueError(f"stream() yields one completion; got n={params.n}")
         if self._dead:

@@ -189,6 +189,20 @@ def test_llm_chat_continues_a_message_and_passes_template_variables(llm_pp2):
         llm_pp2.chat_prompt(prefix, chat_template_kwargs={"tokenize": True})
     with pytest.raises(ValueError, match="the chat template rejected these messages: roles must alternate"):
         llm_pp2.chat_prompt(prefix, chat_template="{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ValueError, match="chat_template_kwargs: messages are the request's own fields"):
+        llm_pp2.chat_prompt(prefix, chat_template_kwargs={"messages": []})
+    with pytest.raises(ValueError, match="chat_template_kwargs must map the template's variables to values, not str"):
+        llm_pp2.chat_prompt(prefix, chat_template_kwargs="x")
+
+
+def test_llm_chat_takes_openai_text_parts_as_the_server_does(llm_pp2):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    assert llm_pp2.chat_prompt(parts) == llm_pp2.chat_prompt([{"role": "user", "content": "Hi\nthere"}])
+    image = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content: only text parts"):
+        llm_pp2.chat_prompt([{"role": "user", "content": [image]}])
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content must be a string or a list of text parts, not int"):
+        llm_pp2.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": 5}], use_tqdm=False)
 
 
 def test_truncate_prompt_tokens_keeps_the_end_of_a_long_prompt(llm_pp2):
@@ -286,10 +300,30 @@ def test_output_is_capped_by_max_model_len(llama_dir):
     (dict(max_model_len=100000), "exceeds the model's context of 256"),
     (dict(num_scheduler_steps=0), "num_scheduler_steps=0: must be an integer from 1 to 1024"),
     (dict(num_scheduler_steps=1025), "num_scheduler_steps=1025: must be an integer from 1 to 1024"),
+    (dict(seed="x"), r"seed='x': must be an integer in \[0, 2\*\*63\), or None for a random one"),
+    (dict(kv_cache_gib=math.inf), "kv_cache_gib=inf: must be a number of GiB > 0, or None"),
+    (dict(kv_cache_gib="1"), "kv_cache_gib='1': must be a number of GiB > 0"),
+    (dict(layer_partition=5), "layer_partition=5: must be layer counts per stage"),
+    (dict(trace_dir=123), "trace_dir=123: must be a folder's path"),
+    (dict(step_timeout_s=-1), "step_timeout_s=-1: must be a number > 0"),
+    (dict(auto_partition_prompt_ratio=-1), "auto_partition_prompt_ratio=-1: must be a number >= 0"),
 ])
 def test_bad_engine_arguments(llama_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(llama_dir, **kwargs)
+
+
+def test_seed_none_is_a_random_engine_seed_and_a_shut_down_llm_says_so(llama_dir):
+    drawn = SamplingParams(max_tokens=8, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        with LLM(llama_dir, dtype=FP32, seed=None) as llm:
+            outs.append(_ids(llm, [5, 6, 7], drawn))
+    assert outs[0] != outs[1]  # each engine drew its own seed
+    for call in (lambda: llm.generate("a", use_tqdm=False), lambda: list(llm.stream("a")),
+                 lambda: llm.describe_stages(), lambda: llm.chat([{"role": "user", "content": "a"}])):
+        with pytest.raises(RuntimeError, match="this LLM was shut down; create a new LLM"):
+            call()
 
 
 def test_kv_caches_past_the_hosts_memory_are_refused_with_a_size_that_fits(llama_dir, monkeypatch):

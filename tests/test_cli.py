@@ -206,6 +206,7 @@ def broken_models(llama_dir, tmp_path_factory):
     os.mkdir(root / "empty")
     _model_copy(llama_dir, root / "arch", config={"architectures": ["FooForCausalLM"]})
     _model_copy(llama_dir, root / "nokey", config={"hidden_size": None})
+    _model_copy(llama_dir, root / "heads", config={"num_key_value_heads": 3})
     shutil.copytree(llama_dir, root / "badgen")
     (root / "badgen" / "generation_config.json").write_text("{not json")
     return root
@@ -224,6 +225,8 @@ def broken_models(llama_dir, tmp_path_factory):
     (["generate", "{llama}", "hi", "--max-num-seqs", "x"], "argument --max-num-seqs: invalid int value: 'x'"),
     (["generate", "{llama}", "hi", "--temperature", "-1"], "--temperature -1.0: must be >= 0"),
     (["generate", "{llama}", "hi", "--max-tokenz", "3"], "unrecognized arguments: --max-tokenz"),
+    (["generate", "./my-modle", "hi"], "model './my-modle' does not exist"),  # not a prompt for the default model
+    (["generate", "{root}/heads", "hi"], "num_attention_heads=4 is not a multiple of its num_key_value_heads=3"),
     (["serve", "{llama}", "-tp", "2"], "--tensor-parallel-size 2: pipellm splits a model by layers, into pipeline "
                                        "stages: give pipeline_parallel_size (-pp) instead"),
     (["generate", "{llama}", "hi", "--tokenizer", "{root}"], "--tokenizer '{root}': pipellm reads the tokenizer from "

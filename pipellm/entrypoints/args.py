@@ -165,13 +165,15 @@ def _length_range(text: str) -> tuple[int, int]:
 
 
 def _model_and_prompts(args) -> None:
-    """generate's words: the first is the model when --prompt is given or it names a model (an existing path or a known
-    name), unless --model is; the others are prompts. So `pipellm generate "The capital of France is"` runs the
-    default model on that prompt."""
+    """generate's words: the first is the model when --prompt is given or it names a model (an existing path, a word
+    written as a path such as ./my-model or x.gguf, or a known name), unless --model is; the others are prompts. So
+    `pipellm generate "The capital of France is"` runs the default model on that prompt, and a mistyped path is
+    refused as a missing model rather than completed as a prompt."""
     from pipellm.loader.default_model import MODEL_NAMES
     words = list(args.words)
     if args.model is None and words and (args.prompt or words[0] in MODEL_NAMES
-                                         or os.path.exists(os.path.expanduser(words[0]))):
+                                         or os.path.exists(os.path.expanduser(words[0]))
+                                         or re.fullmatch(r"(\.{1,2}/|/|~)\S*|\S+\.gguf", words[0])):
         args.model = words.pop(0)
     args.prompts = words + (args.prompt or [])
     if not args.prompts:

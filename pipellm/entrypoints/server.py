@@ -57,15 +57,9 @@ class _Endpoints:
 
     def chat_prompt(self, messages: list[ChatMessage], options: ChatTemplateFields,
                     tools: list[dict] | None = None) -> list[int]:
-        conversation = []
-        for m in messages:
-            content = m.content
-            if isinstance(content, list):
-                if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
-                    raise APIError(400, "only text content parts are supported", param="messages")
-                content = "\n".join(part["text"] for part in content)
-            extra = {k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}
-            conversation.append({"role": m.role, "content": content or ""} | extra)
+        conversation = [{"role": m.role, "content": m.content or ""}
+                        | {k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}
+                        for m in messages]
         try:
             return chat.render(self.s.async_engine.tokenizer, conversation, self.s.config.chat_template, tools,
                                options.add_generation_prompt, options.continue_final_message,
