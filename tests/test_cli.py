@@ -248,6 +248,8 @@ def broken_models(llama_dir, tmp_path_factory):
     (["serve", "{llama}", "--kv-cache-gib", "1", "--kv-cache-memory-bytes", "1Gi"], "not allowed with"),
     (["serve", "{llama}", "--port", "65536"], "give a port number from 0 to 65535"),
     (["serve", "{llama}", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["serve", "{llama}", "--port", "0", "--chat-template", "{{% for %}}"],  # refused at the start, not per request
+     "--chat-template: the chat template rejected these messages"),
     (["serve", "{llama}", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype: invalid choice: 'fp8' (choose from"),
     (["serve", "{llama}", "--speculative-config", "ngram"], "--speculative-config: 'ngram': not JSON (Expecting "
                                                              "value); give an object, e.g."),

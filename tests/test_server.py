@@ -72,6 +72,8 @@ def test_only_the_allowed_origins_may_call_from_a_browser(server):
 
 
 def test_models_health_version(server):
+    with open(server.log) as f:
+        assert f"serving {NAME} at {server.url}/v1\n" in f.read()  # where it listens, --port 0 included
     assert [m.id for m in server.client().models.list().data] == [NAME]
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "ok" and len(health["stages"]) == 2

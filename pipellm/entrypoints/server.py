@@ -304,8 +304,17 @@ def run_server(model: str | None, engine_kwargs: dict, config: ServerConfig, soc
     try:
         engine = LLMEngine(EngineConfig(model, trace=config.trace_dir is not None, **engine_kwargs))
         try:
+            if config.chat_template is not None and engine.tokenizer is not None:
+                try:  # a template that cannot render one message fails every chat request: refused at the start
+                    chat.render(engine.tokenizer, [{"role": "user", "content": "Hi"}], config.chat_template, None,
+                                True, False, None, "")
+                except chat.ChatTemplateError as e:
+                    raise ValueError(f"--chat-template: {e}") from None
             for stage in engine.stages:
                 print(stage.describe(), flush=True)
+            host, port = sock.getsockname()[:2]
+            print(f"serving {config.served_model_name} at http://{f'[{host}]' if ':' in host else host}:{port}/v1",
+                  flush=True)
             server = uvicorn.Server(uvicorn.Config(build_app(engine, config), host=config.host, port=config.port,
                                                    log_level=config.log_level,
                                                    timeout_graceful_shutdown=config.graceful_shutdown_s))
