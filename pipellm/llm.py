@@ -83,7 +83,7 @@ class LLM:
 
     def shutdown(self) -> None:
         self._finalizer()
-        self._dead = "this LLM was shut down; create a new LLM"
+        self._dead = self._dead or "this LLM was shut down; create a new LLM"
 
     def save_trace(self, out_dir: str) -> dict:
         """Writes trace.json, pipeline.png, kv_cache.png and summary.json for what ran since the last save."""
@@ -206,9 +206,11 @@ class LLM:
     @contextlib.contextmanager
     def _running(self, request_ids: list[str]):
         """Around the steps of these requests: on an error they are aborted; on Ctrl-C (a batch may be half
-        received, so the pipeline cannot be trusted) the engine shuts down."""
+        received, so the pipeline cannot be trusted) the engine shuts down. A request a restart dropped
+        (restart_on_failure) ends with finish_reason "abort"."""
         try:
             yield
+            self.engine.dropped.clear()
         except KeyboardInterrupt:
             self._dead = "the engine was shut down by KeyboardInterrupt; create a new LLM"
             self.engine.executor.shutdown(timeout_s=1.0)  # the user is waiting: a second's grace, then stages are killed

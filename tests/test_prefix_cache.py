@@ -366,7 +366,7 @@ def test_a_requests_completions_share_its_prompt_in_one_batch(llama_dir, checkpo
                              use_tqdm=False)[0].outputs
     with LLM(llama_dir, pipeline_parallel_size=2, enable_prefix_caching=False, dtype=FP32) as off:
         alone = [off.generate({"prompt_token_ids": [t + 1 for t in prompt["prompt_token_ids"]]},
-                              SamplingParams(max_tokens=8, temperature=1.0, seed=11 + i * _SEED_STRIDE,
+                              SamplingParams(max_tokens=8, temperature=1.0, seed=(11 + i * _SEED_STRIDE) % 2 ** 63,
                                              ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
                  for i in range(3)]
     assert [c.token_ids for c in drawn] == alone and len(set(map(tuple, alone))) > 1

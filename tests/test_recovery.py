@@ -135,6 +135,23 @@ def test_a_stage_that_keeps_dying_stops_the_restarts(llama_dir):
     assert not any(map(is_running, pids))
 
 
+def test_a_request_a_stage_fails_on_every_time_is_dropped_and_the_others_go_on(llama_dir):
+    """A request whose input makes a stage raise each time it runs would fail every new pipeline too, and the
+    restart limit would end the engine for every request: after it fails again while it is the only suspect out, it
+    ends with finish_reason "abort", and the others finish as in a fault-free run."""
+    poison = SamplingParams(max_tokens=8)
+    poison.ignore_eos = "yes"  # set past SamplingParams' checks: the stages' own checks raise on it
+    with LLM(llama_dir, pipeline_parallel_size=2, restart_on_failure=True, dtype=FP32) as llm:
+        expected = _token_ids(llm.generate(PROMPTS[:6], PARAMS[:6], use_tqdm=False))
+        outs = llm.generate(PROMPTS[:3] + [PROMPTS[6]] + PROMPTS[3:6], PARAMS[:3] + [poison] + PARAMS[3:6],
+                            use_tqdm=False)
+        assert outs[3].outputs[0].finish_reason == "abort" and not outs[3].outputs[0].token_ids
+        assert _token_ids(outs[:3] + outs[4:]) == expected
+        assert len(llm.engine.restarts) == 2  # the failure with it among others, then the one with it alone
+        assert all("SamplingParams.ignore_eos: expected true/false" in r["error"] for r in llm.engine.restarts)
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
 STORIES = [f"Story number {i}: once upon a time" for i in range(6)]
 
 
@@ -237,3 +254,35 @@ def test_a_lost_host_fails_the_restart_fast_instead_of_waiting(llama_dir, monkey
     finally:
         agent.kill()
         agent.wait(10)
+
+
+def test_the_server_s_engine_ends_a_dropped_request_with_its_own_error(llama_dir):
+    """Through the server's AsyncEngine: the dropped request's stream raises RequestFailedError (a 500 naming the
+    failure), and a request beside it streams to its end."""
+    from pipellm.config import EngineConfig
+    from pipellm.engine.async_engine import AsyncEngine, RequestFailedError
+    from pipellm.engine.engine import LLMEngine
+
+    poison = SamplingParams(max_tokens=8)
+    poison.ignore_eos = "yes"
+    engine = LLMEngine(EngineConfig(llama_dir, pipeline_parallel_size=2, restart_on_failure=True, dtype=FP32))
+
+    async def run():
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+
+        async def tokens(rid, params):
+            return [t for deltas in [d async for d in async_engine.generate(rid, [5, 6, 7], params)]
+                    for d in deltas for t in d.token_ids]
+        try:
+            return await asyncio.gather(tokens("good", SamplingParams(max_tokens=8, ignore_eos=True)),
+                                        tokens("poison", poison), return_exceptions=True)
+        finally:
+            async_engine.stop()
+    try:
+        good, dropped = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(good) == 8
+    assert isinstance(dropped, RequestFailedError) and "it was dropped so that the others could go on" in str(dropped)
+    assert "SamplingParams.ignore_eos: expected true/false" in str(dropped)

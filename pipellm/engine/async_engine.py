@@ -26,6 +26,11 @@ class EngineDeadError(RuntimeError):
     """The pipeline failed; no request can run any more."""
 
 
+class RequestFailedError(RuntimeError):
+    """A stage failed twice while this request ran, the second time with no other suspect out: it was dropped so
+    that the other requests could go on (Scheduler.drop_suspects)."""
+
+
 # ---- messages between the event loop and the engine thread ---------------------------------------------------
 
 @dataclass
@@ -206,6 +211,7 @@ class AsyncEngine:
                 if engine.has_unfinished_requests() or engine.in_flight:
                     self._publish(engine.step())
                     self._has_stepped = True
+                self._report_dropped()
                 self._refresh_stats()
             except Exception as e:  # the pipeline failed (PipelineError), or a bug: stop serving, say why
                 self._fail(f"{type(e).__name__}: {e}")
@@ -261,6 +267,18 @@ class AsyncEngine:
             if not any(tracked.is_open):  # every completion finished: the engine can forget the request
                 del self._active[rid]
                 self.engine.abort_request(rid)
+        self._send(batch)
+
+    def _report_dropped(self) -> None:
+        batch = []
+        for req, failure in self.engine.dropped:
+            rid = req.parent_id or req.request_id
+            if (tracked := self._active.pop(rid, None)) is not None:
+                self.engine.abort_request(rid)  # its other completions too
+                batch.append((tracked.updates, RequestFailedError(
+                    f"a stage failed twice while this request ran, the second time with no other request under "
+                    f"suspicion: it was dropped so that the others could go on ({failure})")))
+        self.engine.dropped.clear()
         self._send(batch)
 
     def _send(self, batch: list) -> None:

@@ -122,6 +122,8 @@ class LLMEngine:
         self.tracer = TraceRecorder() if config.trace else None
         self.failures: list[float] = []   # monotonic times of pipeline failures, for the restart limit
         self.restarts: list[dict] = []    # per restart: its cause, and how long the new pipeline took to start
+        self.dropped: list[tuple[Request, str]] = []  # requests a failure dropped (Scheduler.drop_suspects), and
+        #                                               the failure: for the caller to report and clear
         self.restarting: str | None = None  # the cause, while a restart is under way
         # the stage in this process needs no rendezvous: no store, no port open
         self.store = None if config.distributed_executor_backend == "uni" else \
@@ -263,14 +265,21 @@ class LLMEngine:
         Raises the failure when restarts are off, or after RESTART_LIMIT failures within RESTART_WINDOW_S."""
         if not self.config.restart_on_failure:
             raise error
+        out = list({id(r): r for b in self.in_flight for r in b.requests if not r.is_finished}.values())
         self.executor.shutdown()
         self.in_flight.clear()
+        # a stage that raised (or crashed) may have failed on a request's input, which would fail every pipeline
+        dropped = self.scheduler.drop_suspects(out) if error.raised else []
+        self.dropped += [(r, str(error)) for r in dropped]
         # The new stages' KV caches are empty: forget every block, cached prefixes included.
         self.block_manager = self._block_manager()
         self.scheduler.requeue_all(self.block_manager)
         while True:
             now = time.monotonic()
-            self.failures = [t for t in self.failures if now - t < RESTART_WINDOW_S] + [now]
+            self.failures = [t for t in self.failures if now - t < RESTART_WINDOW_S]
+            if not dropped:  # a failure that dropped its likely cause is progress, not a stage that keeps dying
+                self.failures.append(now)
+            dropped = []
             if len(self.failures) >= RESTART_LIMIT:
                 self.restarting = None
                 raise PipelineError(f"{error}\nThe pipeline failed {len(self.failures)} times within "
@@ -303,8 +312,8 @@ class LLMEngine:
                 batch = self.scheduler.schedule(max_num_seqs=max(1, seqs), max_num_tokens=max(1, tokens))
             if batch is None:
                 break
+            self.in_flight.append(batch)  # first: a failure while it is sent counts its requests as out
             self.executor.submit(batch.stage_batch)
-            self.in_flight.append(batch)
             if self.tracer:
                 bm = self.block_manager
                 self.tracer.on_submit(batch.batch_id, batch.stage_batch.num_tokens, len(batch.requests),
@@ -323,6 +332,8 @@ class LLMEngine:
             req.in_flight -= 1
             if req.is_finished and not req.in_flight:  # finished while in flight; its blocks were kept until now
                 self.block_manager.free(req)
+        for req in batch.sampled:
+            req.suspect = False  # a batch that sampled it came back: its input went through every stage
         if result.prompt_logprobs is not None:
             self.outputs.add_prompt_logprobs(batch, result.prompt_logprobs)
         updated = [r for r in batch.sampled if not r.is_finished]

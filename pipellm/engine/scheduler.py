@@ -93,6 +93,22 @@ class Scheduler:
         self.num_preemptions += 1
         self._wait(req, preempted=True)
 
+    def drop_suspects(self, out: list[Request]) -> list[Request]:
+        """After a pipeline failure, out: the unfinished requests of the batches that were out. A suspect among them
+        went out with no other suspect, so the failure is likely its own (an input a stage fails on every time):
+        it ends (finish_reason "abort") rather than fail the next pipeline too. The rest become suspects. Returns the
+        requests dropped."""
+        dropped = [r for r in out if r.suspect]
+        for r in dropped:
+            r.in_flight = 0
+            self.finish(r, "abort")
+        for r in out:
+            r.suspect = True
+        return dropped
+
+    def _suspect_out(self) -> bool:
+        return any(r.suspect and r.in_flight for r in self.running)
+
     def requeue_all(self, block_manager: BlockManager) -> None:
         """After a pipeline restart: every unfinished request waits to recompute its prompt and output so far,
         in the new pipeline's empty caches, in its old order."""
@@ -124,11 +140,16 @@ class Scheduler:
         max_seqs = min(self.max_num_seqs, max_num_seqs or self.max_num_seqs)
         budget = min(self.max_num_batched_tokens, max_num_tokens or self.max_num_batched_tokens)
         chosen: list[tuple[Request, int]] = []
+        suspect_out = self._suspect_out()  # one suspect out at a time, so a failure names it
         for req in sorted(self.running, key=_order) if self.by_priority else list(self.running):
             if len(chosen) == self.max_num_seqs or budget == 0:
                 break
             if req not in self.running or (len(chosen) >= max_seqs and req.num_pending_tokens <= 1):
                 continue
+            if req.suspect and not req.in_flight:
+                if suspect_out:
+                    continue
+                suspect_out = True
             if req.in_flight:
                 if self._can_run_ahead(req):
                     self.block_manager.allocate_ahead(req, 1)
@@ -172,6 +193,8 @@ class Scheduler:
         # max_num_seqs bounds the running requests of every batch in flight together, as vLLM's does
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
+            if req.suspect and (suspect_out or any(r.suspect for r, _ in chosen)):
+                break
             # its K/V is already there: compute only the rest
             bm = self.block_manager
             cached = bm.cached_prefix(req) if req.use_prefix_cache else []

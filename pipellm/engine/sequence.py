@@ -46,6 +46,8 @@ class Request:
     #                                  input (async scheduling): counted in num_tokens, their ids still unknown
     is_known_to_sampler: bool = False  # the last stage holds its sampling state
     num_preemptions: int = 0
+    suspect: bool = False            # it was out when a stage failed: until a batch that samples it comes back, it
+    #                                  runs with no other suspect out, and a failure then drops it (drop_suspects)
     use_prefix_cache: bool = True    # False: compute every prompt position, even where a cached prefix holds it
     min_tokens_stop_ids: list[int] = field(default_factory=list)  # what the sampler masks before params.min_tokens
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized

@@ -14,7 +14,7 @@ from starlette.requests import ClientDisconnect
 
 from pipellm.beam_search import BeamSearch, BeamSearchSequence, beam_search_async
 from pipellm.config import check_generation_config, sampling_defaults
-from pipellm.engine.async_engine import AsyncEngine, EngineDeadError, StreamDelta
+from pipellm.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, StreamDelta
 from pipellm.engine.engine import LLMEngine
 from pipellm.entrypoints.protocol import APIError, SamplingFields, beam_search_params, usage
 from pipellm.entrypoints.reasoning import PARSERS as reasoning_parsers
@@ -262,6 +262,8 @@ class OpenAIServer:
                     c.prompt_logprobs = c.prompt_logprobs or d.prompt_logprobs
         except EngineDeadError as e:
             raise APIError(503, f"the engine is dead: {e}", type_="server_error", code="engine_dead") from None
+        except RequestFailedError as e:
+            raise APIError(500, str(e), type_="server_error", code="request_failed") from None
         return choices
 
     async def collect_unless_gone(self, request: Request, request_id: str, work: Work) -> list[_Choice] | None:
@@ -297,6 +299,8 @@ class OpenAIServer:
                 yield event(base | {"choices": [], "usage": usage(work.prompts, num_tokens)})
         except EngineDeadError as e:
             yield event(APIError(503, f"the engine is dead: {e}", "server_error", code="engine_dead").body)
+        except RequestFailedError as e:
+            yield event(APIError(500, str(e), "server_error", code="request_failed").body)
         except Exception as e:  # the status line is gone already: say it in the stream
             logger.exception("internal error while streaming", exc_info=e)
             yield event(APIError(500, f"internal error: {type(e).__name__}", "server_error").body)

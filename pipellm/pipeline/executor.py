@@ -6,6 +6,7 @@ Stages on this host are started here (through launch.py). Stages on other hosts 
 import json
 import os
 import select
+import signal
 import subprocess
 import threading
 import time
@@ -22,7 +23,16 @@ from pipellm.pipeline.partition import StageLayers, node_of_stage
 
 
 class PipelineError(RuntimeError):
-    """A stage died, failed or stopped answering. The message names the stage."""
+    """A stage died, failed or stopped answering. The message names the stage. raised: a stage raised an error or
+    crashed (a fault signal) while it ran, which the batches out may have caused, rather than was killed, exited or
+    hung."""
+
+    def __init__(self, message: str, raised: bool = False):
+        super().__init__(message)
+        self.raised = raised
+
+
+FAULT_SIGNALS = (signal.SIGILL, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGSEGV)
 
 
 class PipelineExecutor:
@@ -191,7 +201,7 @@ class PipelineExecutor:
         while time.monotonic() < deadline and self.first_death is None and (self.watching or all(
                 self._exit_code(r) is None for r in range(len(self.stages)))):
             self._wait_any_exit(0.1)  # the watchdog, once running, names the stage that failed first
-        problems = []
+        problems, raised = [], False
         first = self.first_death
         for rank in sorted(range(len(self.stages)), key=lambda r: r != first):  # the cause first
             error = self.store.trusted(comm.error_key(rank))
@@ -204,11 +214,13 @@ class PipelineExecutor:
             elif has_error:
                 err = json.loads(error)
                 problems.append(f"{self._who(rank)} failed: {err['type']}: {err['message']}")
+                raised = True
             elif (code := self._exit_code(rank)) is not None:
                 problems.append(f"{self._who(rank)} {describe_exit(code)}")
+                raised = raised or -code in FAULT_SIGNALS
         if first is not None and len(self.stages) > 1:
             problems.append("the other stages were stopped")
-        return PipelineError(f"{what}: " + ("; ".join(problems) or "no stage reported a cause"))
+        return PipelineError(f"{what}: " + ("; ".join(problems) or "no stage reported a cause"), raised)
 
     def failure(self) -> PipelineError:
         """Why the pipeline is down (call when is_alive() is False)."""

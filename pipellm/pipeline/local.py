@@ -47,7 +47,7 @@ class LocalExecutor:
             return fn(*args)
         except Exception as e:  # the stage's state may be half updated: this pipeline is done
             self.failed = PipelineError(f"stage 0 (in the driver's process) failed while {what}: "
-                                        f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+                                        f"{type(e).__name__}: {e}\n{traceback.format_exc()}", raised=True)
             raise self.failed from e
 
     def parts(self, batch: StageBatch) -> list[StageBatch]:
