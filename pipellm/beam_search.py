@@ -42,7 +42,8 @@ class BeamSearch:
         width = params.beam_width
         if 0 <= max_logprobs < 2 * width:
             raise ValueError(f"beam_width={width} ranks the top {2 * width} log-probabilities a step, more than the "
-                             f"engine's max_logprobs={max_logprobs}: start it with max_logprobs={2 * width} (or -1)")
+                             f"engine's max_logprobs={max_logprobs}: start it with max_logprobs={2 * width} "
+                             f"(--max-logprobs {2 * width}; -1: no cap)")
         self.params, self.eos = params, set() if params.ignore_eos else eos_token_ids
         self.step_params = SamplingParams(max_tokens=1, temperature=params.temperature,
                                           logprobs=max(2 * width, logprobs))

@@ -132,8 +132,10 @@ class LLM:
                 # numpy's integers as Python's; anything else is left for validate() to name
                 return prompt.get("prompt"), [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool)
                                               else t for t in ids]
-            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+            if isinstance(prompt.get("prompt"), str):
                 return prompt["prompt"], self.engine.inputs.tokenize(prompt["prompt"])
+            raise ValueError(f"a prompt dict needs 'prompt_token_ids' (a list of token ids) or 'prompt' (a string); "
+                             f"this one has {list(prompt)}")
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids' (or 'prompt'), "
                          f"not {type(prompt).__name__}")
 

@@ -248,6 +248,11 @@ def broken_models(llama_dir, tmp_path_factory):
     (["serve", "{llama}", "--kv-cache-gib", "1", "--kv-cache-memory-bytes", "1Gi"], "not allowed with"),
     (["serve", "{llama}", "--port", "65536"], "give a port number from 0 to 65535"),
     (["serve", "{llama}", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["serve", "{llama}", "--api-key", ""], "--api-key is empty; give the key, or leave the flag out"),  # not open
+    (["bench", "--model", "{llama}", "--num-prompts", "0"], "--num-prompts '0': give an integer >= 1"),
+    (["bench", "--model", "{llama}", "--json", "{root}/missing/out.json"], "its folder does not exist"),
+    (["trace", "{root}/badgen/generation_config.json"], "not a trace written by pipellm (not JSON"),
+    (["chat", "{llama}", "--json-schema", '{{"type": "objekt"}}'], "structured_outputs.json: Invalid type"),
     (["serve", "{llama}", "--port", "0", "--chat-template", "{{% for %}}"],  # refused at the start, not per request
      "--chat-template: the chat template rejected these messages"),
     (["serve", "{llama}", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype: invalid choice: 'fp8' (choose from"),

@@ -597,6 +597,9 @@ def test_error_statuses_and_still_serving(server):
         err = _error(httpx.post(completions, json={"prompt": PROMPT, "max_tokens": 2} | body, headers=AUTH), 400)
         assert err["param"] == param and ("json_object='yes': must be True or False" in err["message"]
                                           or "Input should be a valid" in err["message"]), err
+    err = _error(httpx.post(completions, json={"prompt": PROMPT, "stream_options": {"include_usage": True}},
+                            headers=AUTH), 400)
+    assert err["param"] == "stream_options" and "give stream=true with it" in err["message"]
     nested = b'{"prompt": "a", "logit_bias": ' + b'{"a": ' * 900 + b"1" + b"}" * 901
     assert "nests more than 64 levels" in _error(httpx.post(completions, content=nested, headers=AUTH),
                                                   400)["message"]

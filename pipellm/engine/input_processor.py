@@ -53,8 +53,12 @@ class InputProcessor:
                                  "max_logprobs (--max-logprobs; -1: no cap)")
         if params.bad_words and self.tokenizer is None:
             raise ValueError(f"SamplingParams.bad_words needs a tokenizer, and the model at {self.model_dir} has none")
+        self.check_structured(params)
+
+    def check_structured(self, params: SamplingParams) -> None:
+        """Compiles params' grammar (once per grammar): a bad one is refused here, before a stage compiles it."""
         spec = params.structured_outputs
-        if spec is not None and spec.kind not in self._grammars_checked:  # refused here, before a stage compiles it
+        if spec is not None and spec.kind not in self._grammars_checked:
             structured.grammar(spec, self.structured_tokenizer)
             if len(self._grammars_checked) >= 1024:
                 self._grammars_checked.clear()

@@ -41,6 +41,23 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _positive(flag: str):
+    def check(text: str) -> int:
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: give an integer >= 1")
+        return int(text)
+    return check
+
+
+def _non_empty(flag: str, instead: str):
+    """An argument type refusing "" (an unset shell variable, `--api-key "$KEY"`, would serve with no key)."""
+    def check(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{flag} is empty; {instead}")
+        return text
+    return check
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -203,9 +220,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="a Jinja chat template file, or the template itself (default: the model's)")
     bench = sub.add_parser("bench", help="offline throughput on generated requests")
     _engine_args(bench, positional_model=False)
-    bench.add_argument("--num-prompts", type=int, default=32)
+    bench.add_argument("--num-prompts", type=_positive("--num-prompts"), default=32)
     bench.add_argument("--input-len", type=_length_range, default=(64, 192), help="prompt length or range, e.g. 64-192")
-    bench.add_argument("--output-len", type=int, default=64)
+    bench.add_argument("--output-len", type=_positive("--output-len"), default=64)
     bench.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate, same requests")
     bench.add_argument("--json", default=None, help="save every figure to this file")
     bench.add_argument("--roofline", action="store_true", help="also measure this machine's fp32 matmul rate and "
@@ -223,9 +240,11 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=_port, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /metrics")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /metrics",
+                       type=_non_empty("--api-key", "give the key, or leave the flag out to serve without one"))
     serve.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
-    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)",
+                       type=_non_empty("--served-model-name", "give a name, or leave the flag out for --model's"))
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     serve.add_argument("--max-request-seqs", type=int, default=256, help="prompts x n one request may ask for")
     serve.add_argument("--max-request-tokens", type=int, default=1 << 20,

@@ -163,6 +163,7 @@ def cmd_chat(args) -> None:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     with _make_llm(args) as llm:
         _check_chat_template(llm.get_tokenizer(), messages, template)
+        llm.engine.inputs.check_structured(params)  # refused now, not after the first message
         for line in llm.describe_stages():
             print(line)
         print("Type a message; an empty line or Ctrl-D quits, Ctrl-C stops a reply.")
@@ -230,6 +231,8 @@ def cmd_bench(args) -> None:
     import json
 
     from pipellm.entrypoints.bench import format_result, run_bench
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise ValueError(f"--json {args.json}: its folder does not exist; give a path in an existing folder")
     result = run_bench(args.model, num_prompts=args.num_prompts, input_len=args.input_len,
                        output_len=args.output_len, compare_hf=args.compare_hf, trace_dir=args.trace_dir,
                        roofline=args.roofline,

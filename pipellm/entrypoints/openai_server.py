@@ -175,6 +175,9 @@ class OpenAIServer:
     async def checked_work(self, req: SamplingFields, prompts: list[list[int]], params: SamplingParams,
                            max_tokens_given: bool) -> Work:
         """The checks every request that generates passes, then what it runs."""
+        if req.stream_options is not None and not req.stream:  # as vLLM's
+            raise APIError(400, "stream_options applies to a streamed response: give stream=true with it, or leave "
+                           "it out", param="stream_options")
         engine, beam = self.engine, beam_search_params(req, params, self.engine.max_model_len)
         priority = 0 if req.priority is None else req.priority
         try:

@@ -188,7 +188,10 @@ def save_trace(engine, out_dir: str) -> dict:
 
 def load_trace(path: str) -> dict:
     with open(path) as f:
-        trace = json.load(f)
-    if "pipellm" not in trace:
+        try:
+            trace = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not a trace written by pipellm (not JSON: {e})") from None
+    if not isinstance(trace, dict) or "pipellm" not in trace:
         raise ValueError(f"{path}: not a trace written by pipellm (no 'pipellm' section)")
     return trace["pipellm"]
