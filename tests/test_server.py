@@ -586,8 +586,10 @@ def test_error_statuses_and_still_serving(server):
         client.chat.completions.create(model=NAME, messages=MESSAGES, extra_body={"priority": 3})
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model=NAME, prompt="a " * 200, max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match=r"integers in \[0, 384\)"):
-        client.completions.create(model=NAME, prompt=[10 ** 6], max_tokens=1)
+    err = _error(httpx.post(completions, json={"prompt": [10 ** 6], "max_tokens": 1}, headers=AUTH), 400)
+    assert "integers in [0, 384)" in err["message"] and err["param"] == "prompt"
+    err = _error(httpx.post(completions, json={"prompt": "a", "logit_bias": {"500": 1}}, headers=AUTH), 400)
+    assert err["param"] == "logit_bias"
     _still_serves(server)
     # values a lax reading would take as something else ("yes" as true, true as token 1), and one the stages would
     # refuse after the checks here had passed it, which ended the pipeline for every client

@@ -5,6 +5,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -152,15 +153,17 @@ class OpenAIServer:
                            f"{cfg.max_waiting_seqs}, --max-waiting-seqs); retry later", type_="server_error",
                            code="overloaded", headers={"Retry-After": "1"})
 
-    async def check_prompts(self, prompts: list[list[int]], params: SamplingParams, max_tokens_given: bool) -> None:
+    async def check_prompts(self, prompts: list[list[int]], params: SamplingParams, max_tokens_given: bool,
+                            prompt_field: str = "prompt") -> None:
         def check():
             for ids in prompts:
-                self.check_prompt(ids, params, max_tokens_given)
+                self.check_prompt(ids, params, max_tokens_given, prompt_field)
         if params.structured_outputs is None:
             return check()
         await asyncio.to_thread(check)  # a grammar compiles off the event loop (the first, ~0.5 s more: below)
 
-    def check_prompt(self, ids: list[int], params: SamplingParams, max_tokens_given: bool) -> None:
+    def check_prompt(self, ids: list[int], params: SamplingParams, max_tokens_given: bool,
+                     prompt_field: str = "prompt") -> None:
         limit = self.engine.max_model_len
         if max_tokens_given and len(ids) + params.max_tokens > limit:
             raise APIError(400, f"this model's maximum context length (max_model_len) is {limit} tokens, but "
@@ -169,8 +172,10 @@ class OpenAIServer:
                            param="max_tokens")
         try:
             self.engine.inputs.validate(ids, params)  # reads the config, compiles grammars: safe off the engine thread
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        except ValueError as e:  # the field to change: a sampling field the message names, or the prompt
+            field = re.match(r"SamplingParams\.(\w+)", str(e))
+            raise APIError(400, str(e), param=field[1] if field else prompt_field if str(e).startswith(
+                ("prompt_token_ids", "the prompt")) else None) from None
 
     async def checked_work(self, req: SamplingFields, prompts: list[list[int]], params: SamplingParams,
                            max_tokens_given: bool) -> Work:
@@ -184,7 +189,7 @@ class OpenAIServer:
             engine.inputs.check_priority(priority)
         except ValueError as e:
             raise APIError(400, str(e).replace("start it", "start the server", 1), param="priority") from None
-        await self.check_prompts(prompts, params, max_tokens_given)
+        await self.check_prompts(prompts, params, max_tokens_given, "prompt" if hasattr(req, "prompt") else "messages")
         self.check_size_and_room(prompts, params)
         if beam is None:
             return Work(prompts, params, priority=priority)
