@@ -13,7 +13,7 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
-MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 GEMMA_FAMILY = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -99,6 +99,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # width of one expert's MLP
     norm_topk_prob: bool = True     # renormalise the chosen experts' router weights to sum to 1
     dense_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with a dense MLP among the MoE ones
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token takes, weighted by a sigmoid gate
     nope_layers: tuple[int, ...] = ()   # SmolLM3: layers whose q and k take no rotary positions
     qk_norm_per_head: bool = True       # qk_norm over each head's values; OLMo 2: over all heads' at once
     # Granite: the embedding, each block's output before it joins the residual, and the logits (divided) scaled;
@@ -174,7 +175,8 @@ class ModelConfig:
             raise ValueError(f"{source}: activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
         layers = d["num_hidden_layers"]
         window = d.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM") \
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
+                    "SmolLM3ForCausalLM") \
                 and not d.get("use_sliding_window", False):
             window = None
         layer_types = tuple(d.get("layer_types") or ())
@@ -208,7 +210,7 @@ class ModelConfig:
             raise ValueError(f"{source}: mlp_bias=true is not supported")
         num_experts = d.get("num_local_experts") or d.get("num_experts") or 0
         dense_layers = ()
-        if arch == "Qwen3MoeForCausalLM":
+        if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
             step = d.get("decoder_sparse_step", 1) or 1
             dense_layers = tuple(i for i in range(layers)
                                  if i in (d.get("mlp_only_layers") or ()) or (i + 1) % step != 0)
@@ -225,7 +227,7 @@ class ModelConfig:
                    d.get("num_key_value_heads") or heads, head_dim, d["intermediate_size"],
                    d.get("max_position_embeddings", 2048), d.get("rms_norm_eps", 1e-6), rope,
                    tie_word_embeddings=d.get("tie_word_embeddings", is_gemma),
-                   qkv_bias=attention_bias or arch == "Qwen2ForCausalLM", o_bias=o_bias,
+                   qkv_bias=attention_bias or arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"), o_bias=o_bias,
                    sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
                    qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                                     "Exaone4ForCausalLM") + OLMO_FAMILY,
@@ -237,6 +239,8 @@ class ModelConfig:
                    moe_intermediate_size=d.get("moe_intermediate_size") or d["intermediate_size"],
                    norm_topk_prob=arch == "MixtralForCausalLM" or bool(d.get("norm_topk_prob", False)),
                    dense_layers=dense_layers, nope_layers=nope_layers,
+                   shared_expert_intermediate_size=(d.get("shared_expert_intermediate_size") or 0)
+                   if arch == "Qwen2MoeForCausalLM" else 0,
                    qk_norm_per_head=arch not in OLMO_FAMILY,
                    **granite)
 

@@ -20,7 +20,7 @@ GGUF_PROMPTS = [[t % VOCAB for t in p] for p in PROMPTS]
 # family -> GGUF general.architecture (llama.cpp writes Mixtral as "llama" with experts)
 ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3moe", "gemma2": "gemma2",
         "gemma3": "gemma3", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
-        "olmo3": "olmo2"}
+        "olmo3": "olmo2", "qwen2moe": "qwen2moe"}
 PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
 FAMILIES = list(ARCH)
 
@@ -28,7 +28,9 @@ FAMILIES = list(ARCH)
 HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-              "mlp.gate": "ffn_gate_inp", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+              "mlp.gate": "ffn_gate_inp", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+              "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 GEMMA_TO_GGUF = HF_TO_GGUF | {"pre_feedforward_layernorm": "ffn_norm",
                               "post_attention_layernorm": "post_attention_norm",
                               "post_feedforward_layernorm": "post_ffw_norm"}
@@ -71,6 +73,9 @@ def gguf_family_config(name: str):
                                                   original_max_position_embeddings=SHORT,
                                                   short_factor=[1.0 + 0.1 * i for i in range(rotated_half)],
                                                   long_factor=[2.0 + 0.5 * i for i in range(rotated_half)]))
+    if name == "qwen2moe":  # a shared expert; llama.cpp never renormalises the chosen experts' weights
+        return tf.Qwen2MoeConfig(**BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                 shared_expert_intermediate_size=96, norm_topk_prob=False)
     if name == "smollm3":  # layer 3 without rotary (llama.cpp: every 4th)
         return tf.SmolLM3Config(**BASE)
     if name == "granite":
@@ -129,10 +134,12 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     if name == "mixtral":
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-    if name == "qwen3moe":
+    if name in ("qwen3moe", "qwen2moe"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if name == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if name == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
@@ -221,6 +228,8 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
             stored = add(gname, arr[order])
             held[hf] = np.empty_like(stored)
             held[hf][order] = stored
+        elif kind == "ffn_gate_inp_shexp":  # llama.cpp's is a vector, HF's one row
+            held[hf] = add(gname, arr[0])[None]
         elif arch.startswith("gemma") and gname.endswith("norm.weight"):  # Gemma's norms: 1 + w
             held[hf] = add(gname, arr + np.float32(1)) - np.float32(1)
         else:

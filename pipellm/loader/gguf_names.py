@@ -14,6 +14,7 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
@@ -30,7 +31,9 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 _BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate"}
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate",
+                "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 _FAMILY_NAMES = {
     "gemma": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
               "post_ffw_norm": "post_feedforward_layernorm"},
@@ -85,8 +88,13 @@ def expected_shapes(cfg: dict) -> dict:
         if is_gemma:
             shapes.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
         if mc.is_moe(i):
-            ff = mc.moe_intermediate_size
+            ff, shared = mc.moe_intermediate_size, mc.shared_expert_intermediate_size
             shapes[p + "mlp.gate.weight"] = (mc.num_experts, h)
+            if shared:
+                shapes.update({p + "mlp.shared_expert.gate_proj.weight": (shared, h),
+                               p + "mlp.shared_expert.up_proj.weight": (shared, h),
+                               p + "mlp.shared_expert.down_proj.weight": (h, shared),
+                               p + "mlp.shared_expert_gate.weight": (1, h)})
             for e in range(mc.num_experts):
                 shapes.update({f"{p}mlp.experts.{e}.gate_proj.weight": (ff, h),
                                f"{p}mlp.experts.{e}.up_proj.weight": (ff, h),
@@ -153,6 +161,9 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         cfg.update(num_local_experts=experts, num_experts_per_tok=m("expert_used_count"))
         if arch == "qwen3moe":  # llama.cpp always renormalises the chosen experts' weights
             cfg.update(moe_intermediate_size=m("expert_feed_forward_length"), norm_topk_prob=True)
+        elif arch == "qwen2moe":  # and never Qwen2-MoE's
+            cfg.update(num_experts=experts, moe_intermediate_size=m("expert_feed_forward_length"),
+                       shared_expert_intermediate_size=m("expert_shared_feed_forward_length"), norm_topk_prob=False)
         else:
             cfg["intermediate_size"] = cfg["intermediate_size"] or int(tensors[
                 "blk.0.ffn_gate_exps.weight"][0][1])

@@ -1,5 +1,5 @@
 """Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3 (no rotary in every 4th layer), Granite (scaled embedding,
-residual branches and logits), and with moe.py Mixtral and Qwen3-MoE: RMSNorm, rotary positions, grouped-query
+residual branches and logits), and with moe.py Mixtral, Qwen2-MoE and Qwen3-MoE: RMSNorm, rotary positions, grouped-query
 attention, SwiGLU MLP. Gemma (gemma.py) and OLMo (olmo.py) change the norms and the order around them."""
 import re
 
@@ -149,7 +149,9 @@ class LlamaStage(nn.Module):
         q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
         fused = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", q),
                  "self_attn.v_proj": ("self_attn.qkv_proj", q + kv), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-                 "mlp.up_proj": ("mlp.gate_up_proj", inter)}
+                 "mlp.up_proj": ("mlp.gate_up_proj", inter),
+                 "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),
+                 "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", cfg.shared_expert_intermediate_size)}
         if rest == "block_sparse_moe.gate.weight":
             return [(prefix + "mlp.gate.weight", 0)]
         if m := EXPERT.match(rest):

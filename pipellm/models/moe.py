@@ -1,5 +1,5 @@
-"""Mixture of experts (Mixtral, Qwen3-MoE): a router picks top-k experts per token; each expert is a SwiGLU MLP.
-The stage that holds a layer holds all its experts."""
+"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks top-k experts per token; each expert is a
+SwiGLU MLP; Qwen2-MoE adds a shared expert every token takes. The stage that holds a layer holds all its experts."""
 import torch
 from torch import nn
 
@@ -16,6 +16,9 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
                                      for _ in range(cfg.num_experts))
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)                 # [T, E]
@@ -35,4 +38,6 @@ class SparseMoE(nn.Module):
                 rows = tokens[start:start + count]
                 out.index_add_(0, rows, (expert(x[rows]) * weights[start:start + count, None]).to(x.dtype))
                 start += count
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

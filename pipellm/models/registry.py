@@ -25,6 +25,7 @@ STAGE_CLASSES = {
     "MinistralForCausalLM": LlamaStage,
     "MixtralForCausalLM": LlamaStage,
     "Qwen3MoeForCausalLM": LlamaStage,
+    "Qwen2MoeForCausalLM": LlamaStage,
     "Gemma2ForCausalLM": GemmaStage,
     "Gemma3ForCausalLM": GemmaStage,
     "GPT2LMHeadModel": GPT2Stage,
