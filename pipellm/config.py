@@ -11,7 +11,7 @@ from pipellm.pipeline.partition import parse_partition
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
                 "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
-                "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM")
+                "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 GEMMA_FAMILY = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -205,7 +205,8 @@ class ModelConfig:
         heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
         attention_bias = bool(d.get("attention_bias", arch == "SeedOssForCausalLM"))
-        o_bias = bool(d.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM" else attention_bias
+        o_bias = bool(d.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM" else \
+            attention_bias and arch != "Glm4ForCausalLM"  # GLM-4: biases on q, k and v only
         if d.get("mlp_bias"):
             raise ValueError(f"{source}: mlp_bias=true is not supported")
         num_experts = d.get("num_local_experts") or d.get("num_experts") or 0

@@ -4,21 +4,24 @@ sliding (local) and full (global) layers rotary positions of their own."""
 import torch
 from torch import nn
 
-from pipellm.config import ModelConfig
-from pipellm.models.layers import GatedMLP, GemmaRMSNorm
+from pipellm.config import GEMMA_FAMILY, ModelConfig
+from pipellm.models.layers import GatedMLP, GemmaRMSNorm, RMSNorm
 from pipellm.models.llama import LlamaAttention, LlamaStage
 
 
 class GemmaLayer(nn.Module):
+    """Also GLM-4's layer (glm.py), with plain RMSNorms."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         size, eps = cfg.hidden_size, cfg.norm_eps
-        self.input_layernorm = GemmaRMSNorm(size, eps)
-        self.self_attn = LlamaAttention(cfg, layer, norm=GemmaRMSNorm)
-        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        norm = GemmaRMSNorm if cfg.architecture in GEMMA_FAMILY else RMSNorm
+        self.input_layernorm = norm(size, eps)
+        self.self_attn = LlamaAttention(cfg, layer, norm=norm)
+        self.post_attention_layernorm = norm(size, eps)
+        self.pre_feedforward_layernorm = norm(size, eps)
         self.mlp = GatedMLP(size, cfg.intermediate_size, cfg.hidden_act)
-        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.post_feedforward_layernorm = norm(size, eps)
 
     def forward(self, x, ropes, meta, cache):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ropes, meta, cache))

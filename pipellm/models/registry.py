@@ -5,6 +5,7 @@ from torch import nn
 
 from pipellm.config import ModelConfig
 from pipellm.models.gemma import GemmaStage
+from pipellm.models.glm import Glm4Stage
 from pipellm.models.gpt2 import GPT2Stage
 from pipellm.models.llama import LlamaStage
 from pipellm.models.olmo import OlmoStage
@@ -23,6 +24,7 @@ STAGE_CLASSES = {
     "Exaone4ForCausalLM": OlmoStage,
     "SeedOssForCausalLM": LlamaStage,
     "MinistralForCausalLM": LlamaStage,
+    "Glm4ForCausalLM": Glm4Stage,
     "MixtralForCausalLM": LlamaStage,
     "Qwen3MoeForCausalLM": LlamaStage,
     "Qwen2MoeForCausalLM": LlamaStage,

@@ -1,0 +1,33 @@
+"""GLM-4 (Glm4ForCausalLM): Gemma's layer order (norms after attention and MLP too) with plain RMSNorms, biases on
+q, k and v, and rotary on half of each head, its pairs interleaved. The q/k rows of the rotated half are reordered
+at load so that the pairs (2i, 2i+1) become (i, i + half): the layout the rotary kernels turn. Scores are dot
+products of q and k, which one reordering of both leaves as they were."""
+import re
+
+import torch
+
+from pipellm.models.gemma import GemmaLayer
+from pipellm.models.llama import LlamaStage
+
+# GLM-4's norm names -> GemmaLayer's: after attention, before the MLP, after it
+NORMS = {"post_self_attn_layernorm": "post_attention_layernorm", "post_attention_layernorm": "pre_feedforward_layernorm",
+         "post_mlp_layernorm": "post_feedforward_layernorm"}
+NORM_NAME = re.compile(r"\.(post_self_attn_layernorm|post_attention_layernorm|post_mlp_layernorm)\.")
+QK = re.compile(r"\.self_attn\.(q|k)_proj\.(weight|bias)$")
+
+
+class Glm4Stage(LlamaStage):
+    layer_class = GemmaLayer
+
+    def map_weight(self, name: str) -> list[tuple[str, int]]:
+        return super().map_weight(NORM_NAME.sub(lambda m: f".{NORMS[m[1]]}.", name))
+
+    def to_param_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not (m := QK.search(name)):
+            return tensor
+        cfg = self.cfg
+        heads, rotated = cfg.num_heads if m[1] == "q" else cfg.num_kv_heads, self.rotary.rotated_dim
+        order = torch.cat([torch.arange(0, rotated, 2), torch.arange(1, rotated, 2),
+                           torch.arange(rotated, cfg.head_dim)])
+        rows = tensor.view(heads, cfg.head_dim, *tensor.shape[1:])                      # [heads, D, (hidden)]
+        return rows[:, order].reshape(tensor.shape)
