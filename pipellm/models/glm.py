@@ -10,8 +10,8 @@ from pipellm.models.gemma import GemmaLayer
 from pipellm.models.llama import LlamaStage
 
 # GLM-4's norm names -> GemmaLayer's: after attention, before the MLP, after it
-NORMS = {"post_self_attn_layernorm": "post_attention_layernorm", "post_attention_layernorm": "pre_feedforward_layernorm",
-         "post_mlp_layernorm": "post_feedforward_layernorm"}
+NORMS = {"post_self_attn_layernorm": "post_attention_layernorm",
+         "post_attention_layernorm": "pre_feedforward_layernorm", "post_mlp_layernorm": "post_feedforward_layernorm"}
 NORM_NAME = re.compile(r"\.(post_self_attn_layernorm|post_attention_layernorm|post_mlp_layernorm)\.")
 QK = re.compile(r"\.self_attn\.(q|k)_proj\.(weight|bias)$")
 

@@ -1,6 +1,7 @@
-"""Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3 (no rotary in every 4th layer), Granite (scaled embedding,
-residual branches and logits), and with moe.py Mixtral, Qwen2-MoE and Qwen3-MoE: RMSNorm, rotary positions, grouped-query
-attention, SwiGLU MLP. Gemma (gemma.py) and OLMo (olmo.py) change the norms and the order around them."""
+"""Llama 2/3, Mistral, Ministral, Qwen2, Qwen3, Phi-3, Seed-OSS, SmolLM3 (no rotary in every 4th layer), Granite
+(scaled embedding, residual branches and logits), and with moe.py Mixtral, Qwen2-MoE and Qwen3-MoE: RMSNorm, rotary
+positions, grouped-query attention, SwiGLU MLP. Gemma and GLM-4 (gemma.py, glm.py) and OLMo and EXAONE 4 (olmo.py)
+change the norms and the order around them."""
 import re
 
 import torch
