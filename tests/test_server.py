@@ -726,11 +726,14 @@ def test_sigterm_ends_in_flight_request_and_leaves_no_stage(server):
     thread = threading.Thread(target=reader)
     thread.start()
     wait_until(lambda: len(events) > 0, 20, "the stream to start")
-    server.proc.send_signal(signal.SIGTERM)
+    for pid in pids + [server.proc.pid]:  # to every process, as systemd or `timeout` signal a process group
+        os.kill(pid, signal.SIGTERM)
     thread.join(30)
     assert not thread.is_alive() and events[-1] == "data: [DONE]"
     server.proc.wait(30)
     assert not any(map(is_running, pids)), "a stage process outlived the server"
+    with open(server.log) as f:
+        assert "restarting the pipeline" not in f.read()  # the stages left the stopping to the server
     # --trace-dir: the whole session's pipeline trace is written on the way out.
     trace_dir = os.path.join(os.path.dirname(server.log), "trace")
     trace = json.load(open(os.path.join(trace_dir, "trace.json")))

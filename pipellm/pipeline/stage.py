@@ -84,7 +84,10 @@ def stage_main(world_rank: int, master_addr: str, master_port: int, token: bytes
                local_world_size: int = 1, model_dir: str | None = None) -> None:
     """Entry point of a stage process: world rank r >= 1 runs stage r - 1 of the newest generation's plan."""
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; it shuts us down
+    # Ctrl-C, and a SIGTERM sent to the whole process group (timeout, systemd), are the driver's to handle: it shuts
+    # us down (and if it dies, so do we: _die_with_parent). Taken here, it would restart us while it stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank = world_rank - 1
     store = None
     try:
