@@ -125,6 +125,9 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, self.engine.inputs.tokenize(prompt)
         if isinstance(prompt, dict):
+            if other := [k for k in prompt if k not in ("prompt", "prompt_token_ids")]:  # multi_modal_data, ...
+                raise ValueError(f"a prompt dict holds 'prompt' and/or 'prompt_token_ids'; pipellm runs text models "
+                                 f"and takes no {other}")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)):

@@ -273,8 +273,12 @@ def test_bad_prompts_raise_and_the_engine_keeps_working(llm_pp2):
         llm_pp2.generate("a", SamplingParams(allowed_token_ids=[5, 400]), use_tqdm=False)
     with pytest.raises(ValueError, match="must be a string"):
         llm_pp2.generate([123], use_tqdm=False)
-    with pytest.raises(ValueError, match=r"a prompt dict needs 'prompt_token_ids' .* this one has \['text'\]"):
+    with pytest.raises(ValueError, match=r"pipellm runs text models and takes no \['text'\]"):
         llm_pp2.generate({"text": "hi"}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"a prompt dict needs 'prompt_token_ids' .* this one has \['prompt'\]"):
+        llm_pp2.generate({"prompt": 5}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"takes no \['multi_modal_data'\]"):
+        llm_pp2.generate({"prompt": "a", "multi_modal_data": {"image": None}}, use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params must be a SamplingParams, not dict"):
         list(llm_pp2.stream("a", {"max_tokens": 2}))
     with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
