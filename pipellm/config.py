@@ -14,7 +14,7 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
-GEMMA_FAMILY = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -69,6 +69,8 @@ def family_config(name: str):
                               rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                                                "full_attention": dict(rope_type="linear", rope_theta=1e6,
                                                                       factor=2.0)})
+    if name == "gemma":  # Llama's block with Gemma's 1 + w norms, scaled embedding and GeGLU
+        return tf.GemmaConfig(**COMMON, head_dim=32)
     if name == "glm4":  # norms after attention and MLP; rotary on half of each head, pairs interleaved
         return tf.Glm4Config(**COMMON, head_dim=32, partial_rotary_factor=0.5)
     if name == "qwen2moe":  # a shared expert beside the routed ones; layer 1 dense
@@ -85,7 +87,7 @@ def family_config(name: str):
 
 FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longrope", "qwen3", "gemma2", "gemma3",
             "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral",
-            "qwen2moe", "glm4"]
+            "qwen2moe", "glm4", "gemma"]
 WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]

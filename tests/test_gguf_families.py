@@ -20,7 +20,7 @@ GGUF_PROMPTS = [[t % VOCAB for t in p] for p in PROMPTS]
 # family -> GGUF general.architecture (llama.cpp writes Mixtral as "llama" with experts)
 ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3moe", "gemma2": "gemma2",
         "gemma3": "gemma3", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
-        "olmo3": "olmo2", "qwen2moe": "qwen2moe"}
+        "olmo3": "olmo2", "qwen2moe": "qwen2moe", "gemma": "gemma"}
 PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
 FAMILIES = list(ARCH)
 
@@ -73,6 +73,8 @@ def gguf_family_config(name: str):
                                                   original_max_position_embeddings=SHORT,
                                                   short_factor=[1.0 + 0.1 * i for i in range(rotated_half)],
                                                   long_factor=[2.0 + 0.5 * i for i in range(rotated_half)]))
+    if name == "gemma":  # Gemma 1: Llama's order, Gemma's norms (stored as 1 + w)
+        return tf.GemmaConfig(**BASE, head_dim=32)
     if name == "qwen2moe":  # a shared expert; llama.cpp never renormalises the chosen experts' weights
         return tf.Qwen2MoeConfig(**BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                  shared_expert_intermediate_size=96, norm_topk_prob=False)

@@ -15,6 +15,7 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
+    "gemma": ("GemmaForCausalLM", "gemma", False),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
@@ -24,7 +25,8 @@ ARCHITECTURES = {
 }
 OLMO3 = ("Olmo3ForCausalLM", "olmo3", False)  # "olmo2" with sliding layers
 MIXTRAL = ("MixtralForCausalLM", "mixtral", True)  # "llama" with expert tensors
-GEMMA = ("gemma2", "gemma3")  # store every norm weight as w + 1
+GEMMA = ("gemma", "gemma2", "gemma3")  # store every norm weight as w + 1
+NORMS_AFTER = ("gemma2", "gemma3")  # also a norm after attention and after the MLP
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -35,7 +37,7 @@ _BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
                 "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
                 "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 _FAMILY_NAMES = {
-    "gemma": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
               "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # kept fused, as HF's Phi-3
     "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
@@ -55,7 +57,7 @@ def hf_name(name: str, arch: str) -> str | None:
     kind = match[2]
     if kind in EXPERT_NAMES:
         return f"model.layers.{match[1]}.mlp.experts.{{e}}.{EXPERT_NAMES[kind]}.{match[3]}"
-    names = _FAMILY_NAMES.get("gemma" if arch in GEMMA else arch, {})
+    names = _FAMILY_NAMES.get("gemma2" if arch in NORMS_AFTER else arch, {})
     module = names.get(kind) or _BLOCK_NAMES.get(kind)
     return None if module is None else f"model.layers.{match[1]}.{module}.{match[3]}"
 
@@ -65,7 +67,8 @@ def expected_shapes(cfg: dict) -> dict:
     mc = ModelConfig.from_hf_dict(cfg)
     h, v, d = mc.hidden_size, mc.vocab_size, mc.head_dim
     q, kv = mc.num_heads * d, mc.num_kv_heads * d
-    is_gemma, is_phi3 = mc.architecture.startswith("Gemma"), mc.architecture == "Phi3ForCausalLM"
+    is_gemma = mc.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # its norms after attention and MLP
+    is_phi3 = mc.architecture == "Phi3ForCausalLM"
     is_olmo = mc.architecture.startswith("Olmo")
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not mc.tie_word_embeddings:
@@ -174,7 +177,7 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
                    hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=m("final_logit_softcapping", None))
         if arch == "gemma2":
             cfg["attn_logit_softcapping"] = m("attn_logit_softcapping", None)
-        else:  # global layers take the file's base and scaling, local ones their own base (llama.cpp: 10000)
+        elif arch == "gemma3":  # global layers: the file's base and scaling; local ones their own (llama.cpp: 10000)
             local = {"rope_type": "default", "rope_theta": _f32(m("rope.freq_base_swa", 10000.0))}
             rope = {"full_attention": rope, "sliding_attention": local}
     if arch == "smollm3":  # llama.cpp's rule, not in the file: every 4th layer without rotary

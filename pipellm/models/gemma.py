@@ -1,12 +1,13 @@
 """Gemma 2 and Gemma 3 (text): the Llama block with norms after attention and MLP too, 1 + w RMSNorms, a scaled
 embedding, GeGLU, and for Gemma 2 soft-capped attention scores and logits. Gemma 3 adds q/k norms and gives its
-sliding (local) and full (global) layers rotary positions of their own."""
+sliding (local) and full (global) layers rotary positions of their own. Gemma 1: Llama's block with these norms,
+embedding and GeGLU."""
 import torch
 from torch import nn
 
 from pipellm.config import GEMMA_FAMILY, ModelConfig
 from pipellm.models.layers import GatedMLP, GemmaRMSNorm, RMSNorm
-from pipellm.models.llama import LlamaAttention, LlamaStage
+from pipellm.models.llama import LlamaAttention, LlamaLayer, LlamaStage
 
 
 class GemmaLayer(nn.Module):
@@ -43,3 +44,7 @@ class GemmaStage(LlamaStage):
     def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # capped logits can tie where the raw ones do not, and the first of them is the pick
         return super().greedy_ids(hidden) if self.cfg.final_logit_softcapping is None else None
+
+
+class Gemma1Stage(GemmaStage):
+    layer_class = LlamaLayer  # with Gemma's norms (llama.py)

@@ -11,7 +11,7 @@ from pipellm.config import ModelConfig
 from pipellm.models import fused
 from pipellm.models.attention import AttentionMetadata, paged_attention
 from pipellm.models.kv_cache import KVCache
-from pipellm.models.layers import GatedMLP, RMSNorm, greedy_head
+from pipellm.models.layers import GatedMLP, GemmaRMSNorm, RMSNorm, greedy_head
 from pipellm.models.moe import SparseMoE
 from pipellm.models.rotary import RotaryEmbedding, apply_rotary
 from pipellm.pipeline.partition import StageLayers
@@ -62,9 +62,10 @@ def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
 class LlamaLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        norm = GemmaRMSNorm if cfg.architecture == "GemmaForCausalLM" else RMSNorm  # Gemma 1: Llama's order
+        self.input_layernorm = norm(cfg.hidden_size, cfg.norm_eps)
         self.self_attn = LlamaAttention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = make_mlp(cfg, layer)
         self.residual_multiplier = cfg.residual_multiplier
 

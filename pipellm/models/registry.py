@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from pipellm.config import ModelConfig
-from pipellm.models.gemma import GemmaStage
+from pipellm.models.gemma import Gemma1Stage, GemmaStage
 from pipellm.models.glm import Glm4Stage
 from pipellm.models.gpt2 import GPT2Stage
 from pipellm.models.llama import LlamaStage
@@ -28,6 +28,7 @@ STAGE_CLASSES = {
     "MixtralForCausalLM": LlamaStage,
     "Qwen3MoeForCausalLM": LlamaStage,
     "Qwen2MoeForCausalLM": LlamaStage,
+    "GemmaForCausalLM": Gemma1Stage,
     "Gemma2ForCausalLM": GemmaStage,
     "Gemma3ForCausalLM": GemmaStage,
     "GPT2LMHeadModel": GPT2Stage,
