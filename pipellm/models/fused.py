@@ -54,10 +54,10 @@ def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
         if type(layer) not in (LlamaLayer, GemmaLayer):
             return None
         attn, eps = layer.self_attn, layer.input_layernorm.eps
-        if type(layer.mlp) is SparseMoE and hasattr(layer.mlp, "shared_expert"):
-            return None  # the kernels' Experts take no shared expert
         if type(layer.mlp) is SparseMoE:
             moe = layer.mlp
+            if hasattr(moe, "shared_expert"):
+                return None  # the kernels' Experts take no shared expert
             experts = [_mlp(ops, e) for e in moe.experts]
             router = _linear(ops, moe.gate)
             mlp = None if None in experts or router is None else ops.Experts(router, experts, moe.top_k,

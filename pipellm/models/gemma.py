@@ -5,18 +5,17 @@ embedding and GeGLU."""
 import torch
 from torch import nn
 
-from pipellm.config import GEMMA_FAMILY, ModelConfig
-from pipellm.models.layers import GatedMLP, GemmaRMSNorm, RMSNorm
+from pipellm.config import ModelConfig
+from pipellm.models.layers import GatedMLP, GemmaRMSNorm
 from pipellm.models.llama import LlamaAttention, LlamaLayer, LlamaStage
 
 
 class GemmaLayer(nn.Module):
     """Also GLM-4's layer (glm.py), with plain RMSNorms."""
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, norm=GemmaRMSNorm):
         super().__init__()
         size, eps = cfg.hidden_size, cfg.norm_eps
-        norm = GemmaRMSNorm if cfg.architecture in GEMMA_FAMILY else RMSNorm
         self.input_layernorm = norm(size, eps)
         self.self_attn = LlamaAttention(cfg, layer, norm=norm)
         self.post_attention_layernorm = norm(size, eps)
@@ -47,4 +46,4 @@ class GemmaStage(LlamaStage):
 
 
 class Gemma1Stage(GemmaStage):
-    layer_class = LlamaLayer  # with Gemma's norms (llama.py)
+    layer_class = LlamaLayer  # with GemmaStage's 1 + w norms

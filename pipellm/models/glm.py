@@ -12,12 +12,12 @@ from pipellm.models.llama import LlamaStage
 # GLM-4's norm names -> GemmaLayer's: after attention, before the MLP, after it
 NORMS = {"post_self_attn_layernorm": "post_attention_layernorm",
          "post_attention_layernorm": "pre_feedforward_layernorm", "post_mlp_layernorm": "post_feedforward_layernorm"}
-NORM_NAME = re.compile(r"\.(post_self_attn_layernorm|post_attention_layernorm|post_mlp_layernorm)\.")
+NORM_NAME = re.compile(rf"\.({'|'.join(NORMS)})\.")
 QK = re.compile(r"\.self_attn\.(q|k)_proj\.(weight|bias)$")
 
 
 class Glm4Stage(LlamaStage):
-    layer_class = GemmaLayer
+    layer_class = GemmaLayer  # with LlamaStage's RMSNorm
 
     def map_weight(self, name: str) -> list[tuple[str, int]]:
         return super().map_weight(NORM_NAME.sub(lambda m: f".{NORMS[m[1]]}.", name))

@@ -11,7 +11,7 @@ from pipellm.config import ModelConfig
 from pipellm.models import fused
 from pipellm.models.attention import AttentionMetadata, paged_attention
 from pipellm.models.kv_cache import KVCache
-from pipellm.models.layers import GatedMLP, GemmaRMSNorm, RMSNorm, greedy_head
+from pipellm.models.layers import GatedMLP, RMSNorm, greedy_head
 from pipellm.models.moe import SparseMoE
 from pipellm.models.rotary import RotaryEmbedding, apply_rotary
 from pipellm.pipeline.partition import StageLayers
@@ -60,11 +60,10 @@ def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, norm=RMSNorm):
         super().__init__()
-        norm = GemmaRMSNorm if cfg.architecture == "GemmaForCausalLM" else RMSNorm  # Gemma 1: Llama's order
         self.input_layernorm = norm(cfg.hidden_size, cfg.norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer)
+        self.self_attn = LlamaAttention(cfg, layer, norm)
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = make_mlp(cfg, layer)
         self.residual_multiplier = cfg.residual_multiplier
@@ -78,7 +77,7 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaStage(nn.Module):
-    """The slice of a Llama-family model that one pipeline stage holds."""
+    """The slice of a Llama-family model that one pipeline stage holds. Its layers take its norm_class too."""
 
     layer_class, norm_class = LlamaLayer, RMSNorm
 
@@ -87,7 +86,7 @@ class LlamaStage(nn.Module):
         self.cfg, self.stage = cfg, stage
         if stage.is_first:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(stage.start, stage.end))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, self.norm_class) for i in range(stage.start, stage.end))
         if stage.is_last:
             self.norm = self.norm_class(cfg.hidden_size, cfg.norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -9,12 +9,12 @@ from pipellm.models.llama import LlamaAttention, LlamaStage, make_mlp
 
 
 class OlmoLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, norm=RMSNorm):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer, norm)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = make_mlp(cfg, layer)
-        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.post_feedforward_layernorm = norm(cfg.hidden_size, cfg.norm_eps)
 
     def forward(self, x, ropes, meta, cache):
         x = x + self.post_attention_layernorm(self.self_attn(x, ropes, meta, cache))
