@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import httpx
 import pytest
@@ -75,6 +76,39 @@ def test_a_stage_reaped_by_the_watchdog_while_the_driver_looks_counts_as_exited(
     start = time.monotonic()
     executor._wait_any_exit(5.0)
     assert time.monotonic() - start < 1.0 and proc.returncode is not None
+
+
+class _Exited:
+    def __init__(self, pid: int, code: int):
+        self.pid, self.returncode = pid, code
+
+    def poll(self):
+        return self.returncode
+
+    def wait(self, timeout=None):
+        return self.returncode
+
+
+def _diagnosed(codes: list[int], errors: dict[int, str], first: int) -> PipelineError:
+    """What the executor makes of stages that exited with these codes (first the first to go), those in errors
+    having reported that exception."""
+    executor = PipelineExecutor.__new__(PipelineExecutor)  # only what _diagnose reads: no stages to start
+    executor.stages, executor.first_death, executor.hung, executor.info = [None] * len(codes), first, False, {}
+    executor.procs = {rank: _Exited(100 + rank, code) for rank, code in enumerate(codes)}
+    reports = {f"error/{rank}": json.dumps({"type": "RuntimeError", "message": msg, "traceback": ""})
+               for rank, msg in errors.items()}
+    executor.store = types.SimpleNamespace(trusted=reports.get)
+    return executor._diagnose("waiting for the pipeline")
+
+
+def test_only_a_stage_s_own_fault_puts_the_batches_out_under_suspicion():
+    """A stage killed from outside makes the next one fail on its closed connection: that is not raised (the
+    requests out are re-run, not suspected); an error a stage raised, or a crash, is."""
+    killed = _diagnosed([-signal.SIGKILL, 1], {1: "Connection closed by peer"}, first=0)
+    assert "stage 0 (pid 100) was killed by signal 9" in str(killed) and not killed.raised
+    assert _diagnosed([1, -signal.SIGKILL], {0: "WireError: malformed"}, first=0).raised
+    assert _diagnosed([-signal.SIGSEGV, -signal.SIGKILL], {}, first=0).raised
+    assert not _diagnosed([3, -signal.SIGKILL], {}, first=0).raised  # exited without a word
 
 
 def test_restart_gives_every_request_the_tokens_of_a_fault_free_run(recovering_llm):

@@ -201,7 +201,9 @@ class PipelineExecutor:
         while time.monotonic() < deadline and self.first_death is None and (self.watching or all(
                 self._exit_code(r) is None for r in range(len(self.stages)))):
             self._wait_any_exit(0.1)  # the watchdog, once running, names the stage that failed first
-        problems, raised = [], False
+        # raised: a cause raised or crashed, and none was killed, exited or hung: a stage killed from outside makes
+        # the others fail too (a closed connection), which is no fault of the batches out
+        problems, raised, external = [], False, False
         first = self.first_death
         for rank in sorted(range(len(self.stages)), key=lambda r: r != first):  # the cause first
             error = self.store.trusted(comm.error_key(rank))
@@ -211,16 +213,18 @@ class PipelineExecutor:
             if rank == first and self.hung:
                 problems.append(f"{self._who(rank)} stopped answering: no heartbeat for "
                                 f"{self.heartbeat_timeout_s:.0f} s")
+                external = True
             elif has_error:
                 err = json.loads(error)
                 problems.append(f"{self._who(rank)} failed: {err['type']}: {err['message']}")
                 raised = True
             elif (code := self._exit_code(rank)) is not None:
                 problems.append(f"{self._who(rank)} {describe_exit(code)}")
-                raised = raised or -code in FAULT_SIGNALS
+                raised, external = raised or -code in FAULT_SIGNALS, external or -code not in FAULT_SIGNALS
         if first is not None and len(self.stages) > 1:
             problems.append("the other stages were stopped")
-        return PipelineError(f"{what}: " + ("; ".join(problems) or "no stage reported a cause"), raised)
+        return PipelineError(f"{what}: " + ("; ".join(problems) or "no stage reported a cause"),
+                             raised and not external)
 
     def failure(self) -> PipelineError:
         """Why the pipeline is down (call when is_alive() is False)."""
