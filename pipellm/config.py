@@ -13,7 +13,7 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
-MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM")
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -108,6 +108,12 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     attention_multiplier: float | None = None
+    # GPT-OSS: a learned logit per head that joins each softmax's denominator (attention "sinks"); experts with
+    # biases whose gate is clamped above and up on both sides at swiglu_limit, gated by gate * sigmoid(alpha * gate)
+    # times (up + 1); a router with a bias whose top-k logits are softmaxed (0: plain SwiGLU experts)
+    attention_sinks: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -204,7 +210,7 @@ class ModelConfig:
                 rope_local = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))
         heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
-        attention_bias = bool(d.get("attention_bias", arch == "SeedOssForCausalLM"))
+        attention_bias = bool(d.get("attention_bias", arch in ("SeedOssForCausalLM", "GptOssForCausalLM")))
         o_bias = bool(d.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM" else \
             attention_bias and arch != "Glm4ForCausalLM"  # GLM-4: biases on q, k and v only
         if d.get("mlp_bias"):
@@ -224,6 +230,8 @@ class ModelConfig:
             nope_layers = tuple(i for i, t in enumerate(d.get("layer_types") or ()) if t == "full_attention")
         granite = {k: float(d.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling",
                                                      "attention_multiplier")} if arch == "GraniteForCausalLM" else {}
+        gpt_oss = dict(attention_sinks=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+                       swiglu_alpha=float(d.get("swiglu_alpha", 1.702))) if arch == "GptOssForCausalLM" else {}
         return cls(arch, d["vocab_size"], d["hidden_size"], layers, heads,
                    d.get("num_key_value_heads") or heads, head_dim, d["intermediate_size"],
                    d.get("max_position_embeddings", 2048), d.get("rms_norm_eps", 1e-6), rope,
@@ -243,7 +251,7 @@ class ModelConfig:
                    shared_expert_intermediate_size=(d.get("shared_expert_intermediate_size") or 0)
                    if arch == "Qwen2MoeForCausalLM" else 0,
                    qk_norm_per_head=arch not in OLMO_FAMILY,
-                   **granite)
+                   **granite, **gpt_oss)
 
 
 @dataclass

@@ -82,13 +82,19 @@ def family_config(name: str):
         return tf.SeedOssConfig(**COMMON, head_dim=32, attention_bias=True, attention_out_bias=True)
     if name == "ministral":  # sliding and full layers
         return tf.MinistralConfig(**COMMON, head_dim=16, sliding_window=24, layer_types=SLIDING_TYPES)
+    if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
+        return tf.GptOssConfig(**COMMON | dict(max_position_embeddings=SHORT * 8), head_dim=16, sliding_window=24,
+                               layer_types=SLIDING_TYPES, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.5,
+                               rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0,
+                                                    beta_slow=1.0, original_max_position_embeddings=SHORT,
+                                                    truncate=False))
     raise ValueError(name)
 
 
 FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longrope", "qwen3", "gemma2", "gemma3",
             "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral",
-            "qwen2moe", "glm4", "gemma"]
-WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral")  # sliding layers
+            "qwen2moe", "glm4", "gemma", "gpt_oss"]
+WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
 
@@ -120,10 +126,12 @@ def make_family_checkpoint(name: str, folder: str):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(family_config(name), attn_implementation="eager").eval()
-    with torch.no_grad():  # biases not at their initial 0, so loading them is tested
+    with torch.no_grad():  # biases not at their initial 0, so loading them is tested; sinks that weigh
         for param_name, p in model.named_parameters():
-            if param_name.endswith(".bias"):
+            if param_name.endswith((".bias", "_bias")):
                 torch.nn.init.normal_(p, std=0.2)
+            elif param_name.endswith(".sinks"):
+                torch.nn.init.normal_(p, std=2.0)
     model.save_pretrained(folder)
     save_tokenizer(folder)
     return model

@@ -107,16 +107,19 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
                     except Exception as e:
                         raise ValueError(f"{file}: cannot read tensor {name} ({e})") from None
                     read.append(name)
-                    for param_name, row in targets:
+                    for param_name, row, *index in targets:  # index: one slice of a stacked tensor
                         param = params.get(param_name)
                         if param is None:
                             raise ValueError(f"{file}: unexpected tensor {name} for this architecture")
-                        dst = param[row:row + tensor.shape[0]]
-                        if dst.shape != tensor.shape:
+                        stacks = not index or tensor.shape[:1] == (len(targets),)
+                        src = tensor[index[0]] if index and stacks else tensor
+                        dst = param[row:row + src.shape[0]]
+                        if not stacks or dst.shape != src.shape:
+                            expected = [len(targets), *param.shape] if index else list(dst.shape)
                             raise ValueError(f"{file}: tensor {name} has shape {list(tensor.shape)}, "
-                                             f"expected {list(dst.shape)} from config.json")
-                        dst.copy_(tensor)
-                        filled[param_name] = filled.get(param_name, 0) + tensor.shape[0]
+                                             f"expected {expected} from config.json")
+                        dst.copy_(src)
+                        filled[param_name] = filled.get(param_name, 0) + src.shape[0]
                         if filled[param_name] == rows[param_name]:
                             del params[param_name], param, dst
                             if on_filled is not None:

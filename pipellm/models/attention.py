@@ -208,21 +208,23 @@ def _ring_view(rings: torch.Tensor, positions, query_lens, seq_lens, block_table
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
-                    scale: float, softcap: float | None = None) -> torch.Tensor:
+                    scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KV, D]; the layer's cache holds [num_blocks, block_size, KV, D]. Returns [T, H, D].
-    softcap: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
+    softcap: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2). sinks [H]: a logit per head
+    that joins each softmax's denominator and weighs no value (GPT-OSS); the kernels take none, so the scores are
+    computed by hand."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     cache.write(meta.slot_mapping, k, v)
     if meta.probe is not None and meta.decode is not None:
         d = meta.decode
         meta.probe.append(decode_attention_weights(q if d.token_idx is None else q[d.token_idx], cache, d,
-                                                   scale, softcap))
+                                                   scale, softcap, sinks))
     out = None if meta.decode is not None and meta.decode.token_idx is None else torch.empty_like(q)
     if meta.decode is not None:
         d = meta.decode
         rows = q if d.token_idx is None else q[d.token_idx]
         num_seqs = len(rows)
-        ops, o = decode_kernels(q), None
+        ops, o = None if sinks is not None else decode_kernels(q), None
         if ops is not None:  # reads K/V in place through the block tables: no gathered copy. It computes in fp32:
             # bf16 rows are widened (a few KB), which costs far less than torch's SDPA on gathered bf16 K/V
             try:
@@ -239,12 +241,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
             queries = rows.view(num_seqs, 1, num_heads, head_dim).transpose(1, 2)      # [Bd, H, 1, D]
             ids = d.block_ids
             o = _attend(queries, cache.keys(ids, num_seqs, q.dtype), cache.values(ids, num_seqs, q.dtype), d.mask,
-                        scale, softcap)                                                # [Bd, H, 1, D]
+                        scale, softcap, sinks)                                         # [Bd, H, 1, D]
             o = o.view(num_seqs, num_heads, head_dim)
         if out is None:
             return o
         out[d.token_idx] = o
-    if meta.varlen is not None and softcap is None and cache.k_scale is None:
+    if meta.varlen is not None and softcap is None and sinks is None and cache.k_scale is None:
         o = _attend_varlen(q if meta.varlen.rows is None else q[meta.varlen.rows], cache, meta.varlen, scale)
         if meta.varlen.rows is None:
             return o
@@ -253,11 +255,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     with device.prefill_attention_backends(q.device) if meta.prefills else contextlib.nullcontext():
         for p in meta.prefills:
             queries = q[p.start:p.end].transpose(0, 1)[None]                            # [1, H, q, D]
-            if p.num_cached >= 0 and softcap is None and q.is_cpu and q.dtype == cache.k.dtype == torch.float32:
+            if p.num_cached >= 0 and softcap is None and sinks is None and q.is_cpu \
+                    and q.dtype == cache.k.dtype == torch.float32:
                 o = _attend_causal(queries, k[p.start:p.end], v[p.start:p.end], cache, p, scale)
             else:
                 o = _attend(queries, cache.keys(p.block_ids, 1, q.dtype), cache.values(p.block_ids, 1, q.dtype),
-                            p.mask, scale, softcap)                                    # [1, H, q, D]
+                            p.mask, scale, softcap, sinks)                             # [1, H, q, D]
             out[p.start:p.end] = o[0].transpose(0, 1)
     return out
 
@@ -291,7 +294,7 @@ def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVC
 
 
 def decode_attention_weights(q: torch.Tensor, cache: KVCache, d: DecodeGroup, scale: float,
-                             softcap: float | None) -> torch.Tensor:
+                             softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [Bd, H, D] -> [Bd, H, K] float32: each decode row's attention weights over its cached keys (positions
     past its context, or before its window, get 0). For inspection, off the hot path."""
     num_seqs, num_heads = q.shape[0], q.shape[1]
@@ -304,7 +307,18 @@ def decode_attention_weights(q: torch.Tensor, cache: KVCache, d: DecodeGroup, sc
     visible = key_pos[None, :] < d.seq_lens[:, None]                                   # [Bd, K]
     if d.window:
         visible &= key_pos[None, :] >= d.seq_lens[:, None] - d.window
-    return torch.softmax(scores.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+    return _softmax(scores.masked_fill(~visible[:, None, :], float("-inf")), sinks)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of scores [B, H, q, K] or [B, H, K] in fp32; with sinks [H], each head's sink logit
+    joins the denominator (as HF GPT-OSS: max-subtracted over keys and sink, the sink's column then dropped)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    sink = sinks.to(scores.dtype).view(-1, *[1] * (scores.dim() - 2)).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores, sink], dim=-1).float()                               # [..., K + 1]
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]
 
 
 def _attend_varlen(q: torch.Tensor, cache: KVCache, v: VarlenPrefill, scale: float) -> torch.Tensor:
@@ -329,18 +343,20 @@ def _repeat_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            softcap: float | None) -> torch.Tensor:
+            softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, q, D], k/v [B, KV, K, D], mask [B, 1, q, K] or None. Returns [B, H, q, D]."""
     gqa = k.shape[1] != q.shape[1]
+    by_hand = softcap is not None or sinks is not None  # SDPA has neither soft-capping nor sinks
     # CUDA's fused kernels take a mask (memory-efficient) or grouped heads (flash), not both: SDPA would fall back to
-    # its unfused math, so the heads are repeated instead; SDPA has no soft-capping: its scores by hand
-    if gqa and (softcap is not None or mask is not None and q.is_cuda):
+    # its unfused math, so the heads are repeated instead
+    if gqa and (by_hand or mask is not None and q.is_cuda):
         k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])              # [B, H, K, D]
         gqa = False
-    if softcap is None:
+    if not by_hand:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    # in HF Gemma 2's order
-    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap          # [B, H, q, K]
+    scores = q @ k.transpose(-1, -2) * scale                                            # [B, H, q, K]
+    if softcap is not None:  # in HF Gemma 2's order
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    return _softmax(scores, sinks).to(q.dtype) @ v

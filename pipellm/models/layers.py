@@ -47,11 +47,11 @@ class GemmaRMSNorm(RMSNorm):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (tanh GELU), gate and up in one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu"):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = F.silu if act == "silu" else partial(F.gelu, approximate="tanh")
 
     def forward(self, x):

@@ -1,7 +1,7 @@
 """Llama 2/3, Mistral, Ministral, Qwen2, Qwen3, Phi-3, Seed-OSS, SmolLM3 (no rotary in every 4th layer), Granite
 (scaled embedding, residual branches and logits), and with moe.py Mixtral, Qwen2-MoE and Qwen3-MoE: RMSNorm, rotary
 positions, grouped-query attention, SwiGLU MLP. Gemma and GLM-4 (gemma.py, glm.py) and OLMo and EXAONE 4 (olmo.py)
-change the norms and the order around them."""
+change the norms and the order around them; GPT-OSS (gpt_oss.py) adds attention sinks and its own experts."""
 import re
 
 import torch
@@ -37,6 +37,7 @@ class LlamaAttention(nn.Module):
         self.rotary = layer not in cfg.nope_layers
         self.scale = cfg.attention_multiplier or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_logit_softcapping
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None  # GPT-OSS
 
     def forward(self, x, ropes: tuple[Rope, Rope], meta: AttentionMetadata, cache: KVCache):
         qkv = self.qkv_proj(x)                               # [T, (H + 2 KV) * D]; slices cost less than split
@@ -49,7 +50,7 @@ class LlamaAttention(nn.Module):
         if self.rotary:
             q, k = apply_rotary(q, k, *ropes[self.is_sliding])
         out = paged_attention(q, k, v, cache, meta.local if self.is_sliding else meta, self.scale,
-                              self.softcap)
+                              self.softcap, self.sinks)
         return self.o_proj(out.reshape(-1, self.q_size))     # [T, H * D] -> [T, hidden]
 
 

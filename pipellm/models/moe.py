@@ -1,10 +1,26 @@
-"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks top-k experts per token; each expert is a
-SwiGLU MLP; Qwen2-MoE adds a shared expert every token takes. The stage that holds a layer holds all its experts."""
+"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS): a router picks top-k experts per token; each expert
+is a SwiGLU MLP (GPT-OSS: with biases, clamped); Qwen2-MoE adds a shared expert every token takes. The stage that
+holds a layer holds all its experts."""
 import torch
 from torch import nn
 
 from pipellm.config import ModelConfig
 from pipellm.models.layers import GatedMLP
+
+
+class ClampedSwiGLU(GatedMLP):
+    """GPT-OSS's expert: down((up + 1) * gate * sigmoid(alpha * gate)) + b, gate clamped above at limit and up on both
+    sides, gate and up (with their biases) in one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, limit: float, alpha: float):
+        super().__init__(hidden_size, intermediate_size, bias=True)
+        self.limit, self.alpha = limit, alpha
+
+    def forward(self, x):
+        gate_up = self.gate_up_proj(x)                                         # [T, 2 * intermediate]
+        gate = gate_up[..., :self.intermediate_size].clamp(max=self.limit)
+        up = gate_up[..., self.intermediate_size:].clamp(-self.limit, self.limit)
+        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
 
 
 class SparseMoE(nn.Module):
@@ -13,20 +29,28 @@ class SparseMoE(nn.Module):
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         # Mixtral multiplies by the fp32 router weights, Qwen3-MoE by weights cast to the model's dtype (as HF)
         self.weights_in_fp32 = cfg.architecture == "MixtralForCausalLM"
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
-                                     for _ in range(cfg.num_experts))
+        # GPT-OSS: the router has a bias, and softmaxes the top-k logits (in the model's dtype, as HF)
+        self.softmax_after_topk = cfg.swiglu_limit > 0
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=self.softmax_after_topk)
+        self.experts = nn.ModuleList(
+            ClampedSwiGLU(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit, cfg.swiglu_alpha)
+            if self.softmax_after_topk else GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
+            for _ in range(cfg.num_experts))
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)                 # [T, E]
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)                          # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if not self.weights_in_fp32:
-            weights = weights.to(x.dtype)
+        if self.softmax_after_topk:
+            top, chosen = torch.topk(self.gate(x), self.top_k, dim=-1)                   # [T, k]
+            weights = torch.softmax(top, dim=-1)
+        else:
+            probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)             # [T, E]
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)                      # [T, k]
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            if not self.weights_in_fp32:
+                weights = weights.to(x.dtype)
         # Tokens batched per expert: the (token, slot) pairs sorted by expert, one matmul per expert hit.
         order = chosen.flatten().argsort(stable=True)                                    # [T * k]
         counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()

@@ -7,6 +7,7 @@ from pipellm.config import ModelConfig
 from pipellm.models.gemma import Gemma1Stage, GemmaStage
 from pipellm.models.glm import Glm4Stage
 from pipellm.models.gpt2 import GPT2Stage
+from pipellm.models.gpt_oss import GptOssStage
 from pipellm.models.llama import LlamaStage
 from pipellm.models.olmo import OlmoStage
 from pipellm.pipeline.partition import StageLayers
@@ -28,6 +29,7 @@ STAGE_CLASSES = {
     "MixtralForCausalLM": LlamaStage,
     "Qwen3MoeForCausalLM": LlamaStage,
     "Qwen2MoeForCausalLM": LlamaStage,
+    "GptOssForCausalLM": GptOssStage,
     "GemmaForCausalLM": Gemma1Stage,
     "Gemma2ForCausalLM": GemmaStage,
     "Gemma3ForCausalLM": GemmaStage,
