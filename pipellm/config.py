@@ -165,6 +165,12 @@ class ModelConfig:
         if arch is None:
             raise ValueError(f"{source}: architecture {archs or d.get('model_type')} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        quant = d.get("quantization_config")
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        if method is not None and not (method == "mxfp4" and arch == "GptOssForCausalLM"):
+            raise ValueError(f"{source}: weights quantized as {method!r} are not supported (GPT-OSS's mxfp4 is): "
+                             "use the unquantized checkpoint (quantization='int8' or 'int4' compacts it at load) "
+                             "or a GGUF file")
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         if arch == "GPT2LMHeadModel":

@@ -201,9 +201,44 @@ def test_gemma3_older_config_keys():
     ({"architectures": ["FalconForCausalLM"]}, "supported: LlamaForCausalLM"),
     ({"hidden_act": "relu"}, "activation 'relu' is not supported"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "needs a factor"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized as 'gptq' are not supported"),
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "quantized as 'mxfp4' are not supported"),  # not GPT-OSS
 ])
 def test_unsupported_config_names_it(change, needle):
     d = dict(architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
              num_hidden_layers=2, num_attention_heads=4) | change
     with pytest.raises(ValueError, match=needle):
         ModelConfig.from_hf_dict(d)
+
+
+def test_gpt_oss_mxfp4_checkpoint(tmp_path):
+    """A GPT-OSS checkpoint with its experts in MXFP4 (blocks and scales, as the released ones) equals HF running
+    the weights transformers' own dequantizer gives, split over two stages."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model = make_family_checkpoint("gpt_oss", str(tmp_path))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for proj in ("gate_up_proj", "down_proj"):
+                param = getattr(layer.mlp.experts, proj)                                 # [E, in, out]
+                experts, cols, rows = param.shape
+                blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=gen, dtype=torch.uint8)
+                scales = torch.randint(123, 126, (experts, rows, cols // 32), generator=gen, dtype=torch.uint8)
+                param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                name = f"model.layers.{i}.mlp.experts.{proj}"
+                del tensors[name]
+                tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    reference = hf_greedy(model, PROMPTS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
+    with LLM(str(tmp_path), pipeline_parallel_size=2, dtype="float32", kv_cache_gib=0.25) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert_matches_hf(outputs, reference)

@@ -375,3 +375,20 @@ def test_dense_few_rows_kernel_against_fp64_and_threads(isa):
     layer = TransposedLinear(nn_linear)  # the layers' forward takes the same path as the fused step's Linear
     assert torch.equal(layer(x[:1]), ops.Linear.dense(layer.weight_t, layer.bias)(x[:1]))
     assert (layer(x[:1]).double() - nn_linear(x[:1]).double()).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantizes_as_transformers(dtype):
+    """GPT-OSS's MXFP4 experts: equal to transformers' dequantizer, in chunks that split the blocks too."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pipellm.quant import mxfp4
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (3, 40, 4), generator=gen, dtype=torch.uint8)
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=dtype)                       # [3, 128, 40]
+    assert torch.equal(mxfp4.dense(blocks, scales, dtype), ref)
+    assert torch.equal(mxfp4.dequantize(blocks, scales, dtype, chunk=7).transpose(1, 2), ref)
+    with pytest.raises(ValueError, match=r"expected uint8 \[..., G, 16\]"):
+        mxfp4.dequantize(blocks.float(), scales, dtype)

@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pipellm.quant import mxfp4
 from pipellm.quant.linear import MappedEmbedding
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -75,10 +76,11 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
         if map_embeddings else {}
     by_file: dict[str, list[tuple[str, list]]] = {}
     read = []
-    for name, file in checkpoint_files(folder).items():
-        if name.endswith(IGNORED_SUFFIXES):
+    files = checkpoint_files(folder)
+    for name, file in files.items():
+        if name.endswith(IGNORED_SUFFIXES) or mxfp4.is_scales(name, files):  # scales: read with their blocks
             continue
-        targets = model.map_weight(name)
+        targets = model.map_weight(mxfp4.packed_name(name, files) or name)
         if len(targets) == 1 and targets[0][1] == 0 and targets[0][0] in embeddings:
             module = embeddings[targets[0][0]]
             mapped = _mapped_embedding(file, name, list(model.get_submodule(module).weight.shape), dtype)
@@ -103,7 +105,13 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
             with handle as f:
                 for name, targets in entries:
                     try:
-                        tensor = to_layout(name, f.get_tensor(name))
+                        tensor, dense_name = f.get_tensor(name), mxfp4.packed_name(name, files)
+                        if dense_name is not None:  # MXFP4 blocks: with their scales, the dense tensor
+                            scales = dense_name + mxfp4.SCALES
+                            with safe_open(files[scales], framework="pt") as g:
+                                tensor = mxfp4.dense(tensor, g.get_tensor(scales), dtype)
+                            read.append(scales)
+                        tensor = to_layout(dense_name or name, tensor)
                     except Exception as e:
                         raise ValueError(f"{file}: cannot read tensor {name} ({e})") from None
                     read.append(name)
