@@ -6,7 +6,10 @@ pipellm_kernels .so (copy one aside before rebuilding); the default is this chec
 
     python benchmarks/decode_attention.py [--kernels PATH] [--threads 2] [--huge-pages] [--int8 | --bf16]
         [--shapes 8x4096,8x256]
-        [--softcap 50]
+        [--softcap 50] [--sinks]
+
+--sinks: GPT-OSS's attention sinks through the kernel, and beside it the plain-torch path that the sinks took
+before the kernel had them (the blocks gathered, the scores computed by hand).
 """
 import argparse
 import os
@@ -15,6 +18,7 @@ import time
 import torch
 
 from pipellm import kernels
+from pipellm.models.attention import _attend
 from pipellm.models.huge_pages import zeros_on_huge_pages
 
 BLOCK, KV, HEADS, DIM = 16, 3, 9, 64
@@ -30,6 +34,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="8x4096,8x256", help="sequences x context, comma-separated; groups of "
                         "one call joined by +")
     parser.add_argument("--softcap", type=float, default=0.0, help="soft-capped scores (Gemma 2: 50)")
+    parser.add_argument("--sinks", action="store_true", help="attention sinks (GPT-OSS), and the torch path's time")
     args = parser.parse_args()
     if args.kernels:  # before the first load: a process holds one build
         os.environ["PIPELLM_KERNELS"] = args.kernels
@@ -54,15 +59,34 @@ def main() -> None:
         tables = torch.randperm(seqs * width, generator=gen).view(seqs, width)
         lens = torch.tensor(contexts)
         q = torch.randn(seqs, HEADS, DIM, generator=gen)
-        times = []
-        for _ in range(30 if sum(contexts) > 8000 else 200):
-            start = time.perf_counter()
-            o = ops.paged_decode_attention(q, k, v, *scales, tables, lens, 0, DIM ** -0.5, args.softcap,
-                                           "")
-            times.append(time.perf_counter() - start)
-        quarter = sorted(times)[len(times) // 4]  # the best quarter's edge: steadier than the minimum here
+        sinks = torch.linspace(-1, 3, HEADS) if args.sinks else None
+
+        def by_hand():  # as models/attention.py's plain-torch path: the blocks gathered, masked, scores by hand
+            keys, values = (x[tables.reshape(-1)].view(seqs, width * BLOCK, KV, DIM).transpose(1, 2) for x in (k, v))
+            mask = (torch.arange(width * BLOCK)[None, :] < lens[:, None])[:, None, None, :]
+            return _attend(q[:, :, None], keys.float(), values.float(), mask, DIM ** -0.5, args.softcap or None,
+                           sinks)
+
+        def kernel():
+            return ops.paged_decode_attention(q, k, v, *scales, tables, lens, 0, DIM ** -0.5, args.softcap, "", sinks)
+
+        times, outs = {}, {}
+        for name, fn in [("kernel", kernel)] + ([("torch", by_hand)] if args.sinks and not args.int8 else []):
+            times[name] = []
+            for _ in range(30 if sum(contexts) > 8000 else 200):
+                start = time.perf_counter()
+                outs[name] = fn()
+                times[name].append(time.perf_counter() - start)
+        o = outs["kernel"]
+        quarter = sorted(times["kernel"])[len(times["kernel"]) // 4]  # the best quarter's edge: steadier than the min
         gb = 2 * k.nbytes / 1e9 * sum(contexts) / (seqs * width * BLOCK)  # the K/V read
-        out.append(f"{spec}: {quarter * 1e3:.3f} ms, {gb / quarter:.1f} GB/s of K/V "
+        versus = ""
+        if "torch" in times:
+            torch_quarter = sorted(times["torch"])[len(times["torch"]) // 4]
+            diff = (outs["torch"].view_as(o) - o).abs().max().item()
+            versus = f", torch path {torch_quarter * 1e3:.3f} ms ({torch_quarter / quarter:.1f}x the kernel's; " \
+                     f"outputs {diff:.1e} apart)"
+        out.append(f"{spec}: {quarter * 1e3:.3f} ms, {gb / quarter:.1f} GB/s of K/V{versus} "
                    f"(output sum {o.double().sum().item():.6f})")
     print(" | ".join(out))
 

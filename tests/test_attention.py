@@ -63,9 +63,10 @@ def interpreted_gpu_kernels(monkeypatch):
     return gpu
 
 
-def _dense(q, keys, values, q_pos, window, softcap=None):
+def _dense(q, keys, values, q_pos, window, softcap=None, sinks=None):
     """q [q, H, D] at positions q_pos; keys/values [S, KV, D] for positions 0..S-1. Softmax over allowed keys;
-    softcap: scores capped to softcap * tanh(scores / softcap) first (Gemma 2)."""
+    softcap: scores capped to softcap * tanh(scores / softcap) first (Gemma 2); sinks [H]: exp(sink) added to each
+    head's denominator (GPT-OSS)."""
     heads, kv = q.shape[1], keys.shape[1]
     keys = keys.repeat_interleave(heads // kv, dim=1)           # [S, H, D]
     values = values.repeat_interleave(heads // kv, dim=1)
@@ -77,12 +78,15 @@ def _dense(q, keys, values, q_pos, window, softcap=None):
     if window is not None:
         allowed &= key_pos[None, :] > q_pos[:, None] - window
     scores = scores.masked_fill(~allowed[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.double()).float()
+    weights = scores.exp() / (scores.exp().sum(-1, keepdim=True) + (0 if sinks is None else
+                                                                    sinks.double().exp()[:, None, None]))
+    return torch.einsum("hqk,khd->qhd", weights, values.double()).float()
 
 
 def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | None, seed: int,
          kv_dtype: torch.dtype = torch.float32, dim: int = 8, act_dtype: torch.dtype = torch.float32,
-         softcap: float | None = None, decode_chunks: int = 1, parts: bool = False, device: str = "cpu"):
+         softcap: float | None = None, decode_chunks: int = 1, parts: bool = False, device: str = "cpu",
+         sinks: torch.Tensor | None = None):
     """steps: (cached tokens, new tokens) per sequence. Returns paged and dense outputs of the step. act_dtype: the
     activations' (q and the new K/V); the reference sees the same values, rounded to it. device: where the paged
     attention runs (benchmarks/gpu_check.py runs these on a GPU)."""
@@ -123,8 +127,9 @@ def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | 
                           for t in (cache.k, cache.v, cache.k_scale, cache.v_scale)))
         meta = meta.to(torch.device(device))
         q, new_k, new_v = (x.to(device) for x in (q, new_k, new_v))
-    out = paged_attention(*(x.to(act_dtype) for x in (q, new_k, new_v)), cache, meta, dim ** -0.5, softcap).cpu()
-    dense = torch.cat([_dense(qi, k, v, torch.arange(c, c + n), window, softcap)
+    out = paged_attention(*(x.to(act_dtype) for x in (q, new_k, new_v)), cache, meta, dim ** -0.5, softcap,
+                          None if sinks is None else sinks.to(q.device)).cpu()
+    dense = torch.cat([_dense(qi, k, v, torch.arange(c, c + n), window, softcap, sinks)
                        for qi, k, v, (c, n) in zip(qs, full_k, full_v, steps)])
     return out, dense
 
@@ -213,6 +218,17 @@ def test_paged_attention_at_a_real_head_size(name, heads, kv_heads, kv_dtype, at
 def test_paged_attention_with_soft_capped_scores(name, window, kv_dtype, atol):
     """Gemma 2's soft-capped scores (a cap of 0.5 bends every score of this data), grouped-query heads."""
     out, dense = _run(STEPS[name], 6, 2, window, seed=len(name), kv_dtype=kv_dtype, softcap=0.5)
+    torch.testing.assert_close(out, dense, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("name", list(STEPS))
+@pytest.mark.parametrize("kv_dtype, atol", KV_DTYPES)
+def test_paged_attention_with_sinks(name, window, kv_dtype, atol):
+    """GPT-OSS's sinks: a logit per head in each softmax's denominator, through sequences split into the kernel's
+    chunks too, grouped-query heads."""
+    sinks = torch.tensor([-1.0, 0.0, 1.0, 2.0, 3.0, 4.0])
+    out, dense = _run(STEPS[name], 6, 2, window, seed=len(name), kv_dtype=kv_dtype, sinks=sinks)
     torch.testing.assert_close(out, dense, atol=atol, rtol=0)
 
 

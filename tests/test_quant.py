@@ -329,18 +329,20 @@ def test_held_within_115_percent_of_the_file(qtype):
 @pytest.mark.parametrize("isa", ISAS)
 def test_decode_attention_kernel_at_model_head_sizes(monkeypatch, isa, dim, kv_dtype, atol):
     """Every instruction set's decode attention at real head sizes (its SIMD paths take multiples of 8 and 64), ragged
-    contexts and windows, against the dense reference."""
+    contexts and windows, with and without sinks, against the dense reference."""
     class Forced:  # the kernels, with paged_decode_attention run by this instruction set
         def __getattr__(self, name):
             return getattr(ops, name)
 
         def paged_decode_attention(self, *args):
-            return ops.paged_decode_attention(*args[:-1], isa)
+            return ops.paged_decode_attention(*args[:10], isa, *args[11:])
 
-    forced = type("K", (), {"for_tensor": staticmethod(lambda x: Forced())})
-    monkeypatch.setattr("pipellm.models.attention.kernels", forced)
-    for window in (None, 21):
-        out, dense = _run([(3, 1), (40, 1), (0, 1), (17, 1)], 6, 2, window, seed=dim, kv_dtype=kv_dtype, dim=dim)
+    forced = Forced()
+    monkeypatch.setattr("pipellm.models.attention.kernels",
+                        type("K", (), {"for_tensor": staticmethod(lambda x: forced)}))
+    for window, sinks in ((None, None), (21, None), (None, torch.linspace(-1, 3, 6))):
+        out, dense = _run([(3, 1), (40, 1), (0, 1), (17, 1)], 6, 2, window, seed=dim, kv_dtype=kv_dtype, dim=dim,
+                          sinks=sinks)
         torch.testing.assert_close(out, dense, atol=atol, rtol=0)
 
 

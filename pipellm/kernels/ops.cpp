@@ -505,8 +505,12 @@ void kv_cache_write_int8(const at::Tensor& cache, const at::Tensor& scale, const
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t window,
-                                  double scale, double softcap, const std::string& isa) {
+                                  double scale, double softcap, const std::string& isa,
+                                  const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous fp32 [B, H, D]");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                                     sinks->dim() == 1 && sinks->size(0) == q.size(1)),
+              "sinks must be contiguous fp32 [H]");
   const auto type = k_cache.scalar_type();
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == type &&
@@ -543,7 +547,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                         int8 ? k_scale->data_ptr<float>() : nullptr, int8 ? v_scale->data_ptr<float>() : nullptr, kind,
                         block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
                         width, bs, window, H, KV, D, float(scale), chunk_keys, num_chunks,
-                        num_chunks > 1 ? partial.data_ptr<float>() : nullptr, float(softcap)};
+                        num_chunks > 1 ? partial.data_ptr<float>() : nullptr, float(softcap),
+                        sinks.has_value() ? sinks->data_ptr<float>() : nullptr};
   const Isa& impl = pick(isa);
   // Units (sequence b, chunk c) in contiguous spans of about equal keys, one a thread: split by count, the threads
   // holding the longer sequences finish last (a 4,096-token context among short ones: the others wait).
@@ -578,6 +583,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
             sum += w * at(c)[H * D + H + h];
             for (int64_t i = 0; i < D; i++) o[i] += w * at(c)[h * D + i];
           }
+          if (a.sinks) sum += std::exp(a.sinks[h] - mx);
           for (int64_t i = 0; i < D; i++) o[i] /= sum;
         }
       }
@@ -847,7 +853,9 @@ PYBIND11_MODULE(pipellm_kernels, m) {
         "super_min"_a, "high"_a, "offset"_a, "fused_max_rows"_a, "int8_acts"_a, "integer_max_rows"_a, "isa"_a);
   m.def("dequant_rows", &dequant_rows, nogil);
   m.def("best_isa", &best_isa);
-  m.def("paged_decode_attention", &paged_decode_attention, nogil);
+  m.def("paged_decode_attention", &paged_decode_attention, nogil, "q"_a, "k_cache"_a, "v_cache"_a, "k_scale"_a,
+        "v_scale"_a, "block_tables"_a, "seq_lens"_a, "window"_a, "scale"_a, "softcap"_a, "isa"_a,
+        "sinks"_a = pybind11::none());
   m.def("kv_cache_write", &kv_cache_write);
   m.def("kv_cache_write_int8", &kv_cache_write_int8);
   m.def("rms_norm", &rms_norm);

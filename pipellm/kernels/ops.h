@@ -44,7 +44,8 @@ void kv_cache_write_int8(const at::Tensor& cache, const at::Tensor& scale, const
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t window,
-                                  double scale, double softcap, const std::string& isa);
+                                  double scale, double softcap, const std::string& isa,
+                                  const c10::optional<at::Tensor>& sinks = c10::nullopt);
 
 void bind_layers(pybind11::module_& m);  // layer.cpp's classes
 

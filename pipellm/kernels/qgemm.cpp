@@ -1046,7 +1046,8 @@ void decode_attention_t(const DecodeArgs& a, int64_t u0, int64_t u1) {
     if (whole) {
       for (int64_t h = 0; h < H; h++) {
         float* o = a.out + (b * H + h) * D;
-        for (int64_t i = 0; i < D; i++) o[i] = acc[h * D + i] / l[h];
+        const float sum = a.sinks ? l[h] + std::exp(a.sinks[h] - m[h]) : l[h];
+        for (int64_t i = 0; i < D; i++) o[i] = acc[h * D + i] / sum;
       }
     } else {
       float* part = a.partial + u * H * (D + 2);

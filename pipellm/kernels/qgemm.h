@@ -59,6 +59,7 @@ struct DecodeArgs {
   int64_t chunk_keys, num_chunks;
   float* partial;
   float softcap;               // > 0: scores become softcap * tanh(scores / softcap) (Gemma 2)
+  const float* sinks;          // [H] or null: a logit per head in each softmax's denominator only (GPT-OSS)
 };
 
 // Keys per chunk: a multiple of every span the kernel takes (the online softmax's spans of blocks, aligned to

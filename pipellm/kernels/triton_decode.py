@@ -97,12 +97,15 @@ def _merge(part_ptr, stats_ptr, out_ptr, num_splits, H: tl.constexpr, D: tl.cons
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, window: int, scale: float, softcap: float,
-                           isa: str = "") -> torch.Tensor:
+                           isa: str = "", sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] fp32 -> [B, H, D] fp32: row b attends over the keys before seq_lens[b] ([B] int64; the last
     `window` of them where window > 0), through block_tables [B, width] int64 into the caches [blocks, block_size,
     KV, D] (fp32, bf16, fp16, or int8 with scales [blocks, KV]). softcap 0: none. The C++ kernel's call; isa is the
     CPU's, unused here. Ids and lengths are not checked against the cache, as the C++ kernel does: that would wait
-    for the GPU, and a CUDA graph's capture refuses it (the block manager hands out only the cache's blocks)."""
+    for the GPU, and a CUDA graph's capture refuses it (the block manager hands out only the cache's blocks).
+    sinks (GPT-OSS) are the C++ kernel's only: models/attention.py sends a GPU's to its by-hand scores."""
+    if sinks is not None:
+        raise ValueError("the GPU decode kernel takes no attention sinks")
     num_seqs, num_heads, head_dim = q.shape
     num_kv, block_size = k_cache.shape[2], k_cache.shape[1]
     if not (q.dtype == torch.float32 and q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()

@@ -211,8 +211,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
                     scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KV, D]; the layer's cache holds [num_blocks, block_size, KV, D]. Returns [T, H, D].
     softcap: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2). sinks [H]: a logit per head
-    that joins each softmax's denominator and weighs no value (GPT-OSS); the kernels take none, so the scores are
-    computed by hand."""
+    that joins each softmax's denominator and weighs no value (GPT-OSS): decodes take them in our C++ kernel, the
+    rest (and a GPU's decodes) by scores computed by hand, as HF's eager attention."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     cache.write(meta.slot_mapping, k, v)
     if meta.probe is not None and meta.decode is not None:
@@ -224,13 +224,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         d = meta.decode
         rows = q if d.token_idx is None else q[d.token_idx]
         num_seqs = len(rows)
-        ops, o = None if sinks is not None else decode_kernels(q), None
+        ops, o = decode_kernels(q), None
+        if sinks is not None and ops is not kernels.for_tensor(q):
+            ops = None  # sinks: our C++ kernel's only
         if ops is not None:  # reads K/V in place through the block tables: no gathered copy. It computes in fp32:
             # bf16 rows are widened (a few KB), which costs far less than torch's SDPA on gathered bf16 K/V
             try:
                 o = ops.paged_decode_attention(rows.float().contiguous(), cache.k, cache.v, cache.k_scale,
                                                cache.v_scale, d.block_tables, d.seq_lens, d.window, scale,
-                                               softcap or 0.0, "").to(q.dtype)                 # [Bd, H, D]
+                                               softcap or 0.0, "", None if sinks is None else
+                                               sinks.float().contiguous()).to(q.dtype)         # [Bd, H, D]
             except Exception as e:
                 # our C++ kernels were built and checked here: a failure is a bug (for_tensor, not load(): a GPU
                 # stage never loads them, and would build them now)
