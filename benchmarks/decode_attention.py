@@ -8,8 +8,8 @@ pipellm_kernels .so (copy one aside before rebuilding); the default is this chec
         [--shapes 8x4096,8x256]
         [--softcap 50] [--sinks]
 
---sinks: GPT-OSS's attention sinks through the kernel, and beside it the plain-torch path that the sinks took
-before the kernel had them (the blocks gathered, the scores computed by hand).
+--sinks: GPT-OSS's attention sinks through the kernel, and beside it the plain-torch path that the sinks take
+without it (the blocks gathered for SDPA's CPU kernel, its output scaled by its log-sum-exp).
 """
 import argparse
 import os
@@ -61,7 +61,7 @@ def main() -> None:
         q = torch.randn(seqs, HEADS, DIM, generator=gen)
         sinks = torch.linspace(-1, 3, HEADS) if args.sinks else None
 
-        def by_hand():  # as models/attention.py's plain-torch path: the blocks gathered, masked, scores by hand
+        def torch_path():  # as models/attention.py's plain-torch path: the blocks gathered and masked
             keys, values = (x[tables.reshape(-1)].view(seqs, width * BLOCK, KV, DIM).transpose(1, 2) for x in (k, v))
             mask = (torch.arange(width * BLOCK)[None, :] < lens[:, None])[:, None, None, :]
             return _attend(q[:, :, None], keys.float(), values.float(), mask, DIM ** -0.5, args.softcap or None,
@@ -71,7 +71,7 @@ def main() -> None:
             return ops.paged_decode_attention(q, k, v, *scales, tables, lens, 0, DIM ** -0.5, args.softcap, "", sinks)
 
         times, outs = {}, {}
-        for name, fn in [("kernel", kernel)] + ([("torch", by_hand)] if args.sinks and not args.int8 else []):
+        for name, fn in [("kernel", kernel)] + ([("torch", torch_path)] if args.sinks and not args.int8 else []):
             times[name] = []
             for _ in range(30 if sum(contexts) > 8000 else 200):
                 start = time.perf_counter()

@@ -233,11 +233,12 @@ def test_paged_attention_with_sinks(name, window, kv_dtype, atol):
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("sinks", [None, torch.linspace(-1, 3, 6)], ids=["", "sinks"])
 @pytest.mark.parametrize("name", list(STEPS))
-def test_paged_attention_with_16_bit_activations(name, dtype, atol):
+def test_paged_attention_with_16_bit_activations(name, dtype, atol, sinks):
     """dtype="bfloat16" (or "float16", a GPU's without bf16): q and the new K/V arrive in it, the cache holds it, the
-    output is in it."""
-    out, dense = _run(STEPS[name], 6, 2, None, seed=len(name), kv_dtype=dtype, act_dtype=dtype)
+    output is in it; with GPT-OSS's sinks too."""
+    out, dense = _run(STEPS[name], 6, 2, None, seed=len(name), kv_dtype=dtype, act_dtype=dtype, sinks=sinks)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), dense, atol=atol, rtol=0)
 

@@ -212,7 +212,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     """q [T, H, D], k/v [T, KV, D]; the layer's cache holds [num_blocks, block_size, KV, D]. Returns [T, H, D].
     softcap: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2). sinks [H]: a logit per head
     that joins each softmax's denominator and weighs no value (GPT-OSS): decodes take them in our C++ kernel, the
-    rest (and a GPU's decodes) by scores computed by hand, as HF's eager attention."""
+    rest SDPA's CPU kernel, corrected by its log-sum-exp; a GPU's by scores computed by hand, as HF's eager
+    attention."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     cache.write(meta.slot_mapping, k, v)
     if meta.probe is not None and meta.decode is not None:
@@ -348,6 +349,13 @@ def _repeat_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
             softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, q, D], k/v [B, KV, K, D], mask [B, 1, q, K] or None. Returns [B, H, q, D]."""
+    if sinks is not None and softcap is None and q.is_cpu:
+        # SDPA's CPU kernel and its log-sum-exp: a sink scales each row's output by sum / (sum + exp(sink)) =
+        # sigmoid(lse - sink), and no [q, K] scores are held (by hand: 1 GiB for 512 queries at 8,192 keys, 64 heads)
+        bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                              scale=scale)  # lse [B, H, q]
+        return (o * torch.sigmoid(lse - sinks.float()[:, None])[..., None]).to(q.dtype)
     gqa = k.shape[1] != q.shape[1]
     by_hand = softcap is not None or sinks is not None  # SDPA has neither soft-capping nor sinks
     # CUDA's fused kernels take a mask (memory-efficient) or grouped heads (flash), not both: SDPA would fall back to
