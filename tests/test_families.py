@@ -213,7 +213,8 @@ def test_unsupported_config_names_it(change, needle):
 
 def test_gpt_oss_mxfp4_checkpoint(tmp_path):
     """A GPT-OSS checkpoint with its experts in MXFP4 (blocks and scales, as the released ones) equals HF running
-    the weights transformers' own dequantizer gives, split over two stages."""
+    the weights transformers' own dequantizer gives, split over two stages, its experts held compact (5.5 bits a
+    weight, the rest fp32; one tensor made dense, as a scale of it has no fp16 form)."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -229,6 +230,8 @@ def test_gpt_oss_mxfp4_checkpoint(tmp_path):
                 experts, cols, rows = param.shape
                 blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=gen, dtype=torch.uint8)
                 scales = torch.randint(123, 126, (experts, rows, cols // 32), generator=gen, dtype=torch.uint8)
+                if i == 0 and proj == "down_proj":
+                    scales[0, 0, 0] = 100  # 2 ** -27: no fp16 step, so this tensor goes the dense way
                 param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
                 name = f"model.layers.{i}.mlp.experts.{proj}"
                 del tensors[name]
@@ -241,4 +244,10 @@ def test_gpt_oss_mxfp4_checkpoint(tmp_path):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
     with LLM(str(tmp_path), pipeline_parallel_size=2, dtype="float32", kv_cache_gib=0.25) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        held = [dict(r.weight_bytes) for r in llm.engine.inspect()]
     assert_matches_hf(outputs, reference)
+    expert_weights = sum(p.numel() for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))
+                         and n != "model.layers.0.mlp.experts.down_proj")
+    assert sum(h["MXFP4"] for h in held) == expert_weights * 5.5 / 8
+    dense = sum(n for h in held for f, n in h.items() if f.startswith("F32"))  # the embedding left in the file too
+    assert dense == 4 * (sum(p.numel() for p in model.parameters()) - expert_weights)

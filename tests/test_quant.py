@@ -394,3 +394,23 @@ def test_mxfp4_dequantizes_as_transformers(dtype):
     assert torch.equal(mxfp4.dequantize(blocks, scales, dtype, chunk=7).transpose(1, 2), ref)
     with pytest.raises(ValueError, match=r"expected uint8 \[..., G, 16\]"):
         mxfp4.dequantize(blocks.float(), scales, dtype)
+
+
+def test_mxfp4_kept_compact_exactly():
+    """MXFP4 blocks held in Q5_0's layout: the very values transformers' dequantizer gives, multiplied by our kernels
+    as the fp32 matmul of them; a scale with no fp16 form (2 ** -25) leaves the weight to the dense path."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pipellm.quant import mxfp4
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (40, 4, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(104, 144, (40, 4), generator=gen, dtype=torch.uint8)               # every fp16 power
+    ref = convert_moe_packed_tensors(blocks[None], scales[None], dtype=torch.float32)[0].t()  # [40, 128]
+    weight = mxfp4.quant_weight(blocks, scales)
+    assert torch.equal(weight.dequantize(), ref)
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 128, generator=gen)
+        bound = (x.abs() @ ref.abs().t()) * 1e-5
+        assert ((weight.matmul(x) - x @ ref.t()).abs() <= bound).all()
+    assert mxfp4.quant_weight(blocks, torch.full_like(scales, 103)) is None

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pipellm.quant import mxfp4
-from pipellm.quant.linear import MappedEmbedding
+from pipellm.quant.linear import CompactLinear, MappedEmbedding, QuantWeight
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Buffers that some checkpoints carry and that we recompute.
@@ -96,6 +96,7 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
     rows = {name: p.shape[0] for name, p in params.items()}
     filled: dict[str, int] = {}  # parameter -> rows filled
     to_layout = getattr(model, "to_param_layout", lambda name, t: t)
+    compact: dict[str, QuantWeight] = {}  # MXFP4 weights kept compact: parameter -> its weight
     with torch.no_grad():
         for file, entries in by_file.items():
             try:
@@ -105,16 +106,24 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
             with handle as f:
                 for name, targets in entries:
                     try:
-                        tensor, dense_name = f.get_tensor(name), mxfp4.packed_name(name, files)
-                        if dense_name is not None:  # MXFP4 blocks: with their scales, the dense tensor
-                            scales = dense_name + mxfp4.SCALES
-                            with safe_open(files[scales], framework="pt") as g:
-                                tensor = mxfp4.dense(tensor, g.get_tensor(scales), dtype)
-                            read.append(scales)
-                        tensor = to_layout(dense_name or name, tensor)
+                        tensor, dense_name, parts = f.get_tensor(name), mxfp4.packed_name(name, files), None
+                        if dense_name is not None:  # MXFP4 blocks: with their scales, kept compact or made dense
+                            scales_name = dense_name + mxfp4.SCALES
+                            with safe_open(files[scales_name], framework="pt") as g:
+                                scales = g.get_tensor(scales_name)
+                            read.append(scales_name)
+                            parts = _compact_parts(tensor, scales, targets, params)
+                            if parts is None:
+                                tensor = mxfp4.dense(tensor, scales, dtype)
+                        tensor = to_layout(dense_name or name, tensor) if parts is None else tensor
                     except Exception as e:
                         raise ValueError(f"{file}: cannot read tensor {name} ({e})") from None
                     read.append(name)
+                    for (param_name, *_), part in zip(targets, parts or []):
+                        compact[param_name], filled[param_name] = part, rows[param_name]
+                        del params[param_name]
+                    if parts is not None:
+                        continue
                     for param_name, row, *index in targets:  # index: one slice of a stacked tensor
                         param = params.get(param_name)
                         if param is None:
@@ -136,4 +145,29 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
     if missing:
         raise ValueError(f"{folder}: checkpoint lacks tensors for {', '.join(missing[:5])}"
                          f"{' ...' if len(missing) > 5 else ''}")
+    for param_name, part in compact.items():  # their linears become compact ones, with the biases loaded beside
+        path = param_name.removesuffix(".weight")
+        parent, _, attr = path.rpartition(".")
+        bias = model.get_submodule(path).bias
+        bias = None if bias is None else bias.detach().float()
+        setattr(model.get_submodule(parent), attr, CompactLinear([part], bias))
     return read
+
+
+def _compact_parts(blocks: torch.Tensor, scales: torch.Tensor, targets: list, params: dict) -> list | None:
+    """Per target, its slice of an MXFP4 pair as a compact weight (MXFP4 blocks are [.., out, G, 16]: a linear's
+    rows as they come); None where a target is not a whole linear weight of its slice's shape, or a scale has no fp16
+    form: the pair is then made dense."""
+    parts = []
+    for param_name, row, *index in targets:
+        stacked = bool(index) and blocks.dim() == 4 and len(blocks) == len(targets)
+        b, s = (blocks[index[0]], scales[index[0]]) if stacked else (blocks, scales)
+        param = params.get(param_name)
+        if param is None or row or not param_name.endswith(".weight") or bool(index) != stacked or b.dim() != 3 \
+                or list(param.shape) != [b.shape[0], b.shape[1] * 32]:
+            return None
+        part = mxfp4.quant_weight(b, s)
+        if part is None:
+            return None
+        parts.append(part)
+    return parts

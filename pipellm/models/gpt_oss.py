@@ -1,7 +1,7 @@
 """GPT-OSS (GptOssForCausalLM): the Llama block with attention sinks (a learned logit per head in each softmax's
 denominator, attention.py), sliding and full layers, and a mixture of biased, clamped SwiGLU experts (moe.py). The
-checkpoint stacks a layer's experts in one tensor each, [experts, in, out] with gate and up columns interleaved; at
-load they become each expert's nn.Linear rows, gate rows then up rows, as the other families' experts."""
+checkpoint stacks a layer's experts in one tensor each, [experts, in, out] (or MXFP4 blocks [experts, out, ...]); at
+load each expert's slice becomes its nn.Linear's rows, gate and up interleaved as they come."""
 import re
 
 import torch
@@ -26,11 +26,6 @@ class GptOssStage(LlamaStage):
     def to_param_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         m = LAYER_NAME.match(name)
         stacked = STACKED.match(m[2]) if m else None
-        if stacked is None:
+        if stacked is None or stacked[2]:
             return tensor
-        if not stacked[2]:
-            tensor = tensor.transpose(1, 2)                   # [E, in, out] -> [E, out, in], nn.Linear's rows
-        if stacked[1] == "gate_up_proj":  # columns gate0, up0, gate1, up1, ... -> the gates, then the ups
-            width = tensor.shape[1]
-            tensor = tensor[:, torch.cat([torch.arange(0, width, 2), torch.arange(1, width, 2)])]
-        return tensor.contiguous()
+        return tensor.transpose(1, 2)                         # [E, in, out] -> [E, out, in], nn.Linear's rows
