@@ -246,6 +246,7 @@ def broken_models(llama_dir, tmp_path_factory):
                                                                       "cannot read it"),
     (["chat", "{llama}", "--generation-config", "{root}"], "--generation-config {root}: no generation_config.json"),
     (["serve", "{llama}", "--kv-cache-gib", "1", "--kv-cache-memory-bytes", "1Gi"], "not allowed with"),
+    (["generate", "{llama}", "hi", "--kv-cache-memory-bytes", "1"], "--kv-cache-memory-bytes 1 holds 0 tokens"),
     (["serve", "{llama}", "--port", "65536"], "give a port number from 0 to 65535"),
     (["serve", "{llama}", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     (["serve", "{llama}", "--api-key", ""], "--api-key is empty; give the key, or leave the flag out"),  # not open

@@ -247,3 +247,12 @@ def test_a_gpu_decode_kernel_that_fails_leaves_the_decodes_to_the_gather(monkeyp
     assert [r.getMessage() for r in caplog.records if "GPU decode kernel failed" in r.getMessage()] == [
         "the GPU decode kernel failed (RuntimeError: PassManager::run failed); decodes gather their K/V blocks from "
         "now on"]
+
+
+@no_cuda
+def test_cli_cuda_without_cuda_names_the_flags(capsys, llama_dir):
+    from pipellm.entrypoints.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", llama_dir, "hi", "--device", "cuda"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.startswith("error: --device 'cuda': ") and err.endswith("--device cpu"), err

@@ -318,11 +318,15 @@ def cmd_stage(args) -> None:
 
 
 def _error_line(message: str, args) -> str:
-    """One line; a message about a setting ('max_num_seqs=0: ...', 'SamplingParams.top_p=2.0: ...') names its flag."""
+    """One line; a message about a setting ('max_num_seqs=0: ...', 'SamplingParams.top_p=2.0: ...') names its flag,
+    as the user gave it (--kv-cache-memory-bytes, not the GiB it became)."""
     field, eq, rest = message.partition("=")
     name = field.rpartition(".")[2]
     if eq and re.fullmatch(r"[\w.]+", field) and hasattr(args, name):
+        if name == "kv_cache_gib" and getattr(args, "kv_cache_memory_bytes", None) is not None:
+            name, rest = "kv_cache_memory_bytes", re.sub(r"^[^\s:]+", str(args.kv_cache_memory_bytes), rest)
         message = f"--{name.replace('_', '-')} {rest}"
+    message = message.replace('device="cpu"', "--device cpu")  # the Python API's words, in the CLI's
     return "error: " + " ".join(message.split())
 
 
