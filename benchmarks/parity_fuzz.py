@@ -19,7 +19,7 @@ the pipeline.
 Prints a line a run (with the preemptions the small caches caused) and the failing runs' seeds; exits 1 if any
 failed. Each run draws from its own seed, so `--seed S --runs 1` replays run S.
 
-    python benchmarks/parity_fuzz.py [--seed 0] [--runs 40]
+    python benchmarks/parity_fuzz.py [--seed 0] [--runs 40] [--family gpt_oss]
 """
 import argparse
 import asyncio
@@ -135,9 +135,10 @@ def stream(engine, inputs: list[dict], params: list[SamplingParams], delays: lis
     return asyncio.run(main())
 
 
-def one_run(seed: int, models: dict, tmp: str) -> tuple[bool, str]:
+def one_run(seed: int, models: dict, tmp: str, family: str | None = None) -> tuple[bool, str]:
     rng = random.Random(seed)
     name = rng.choice([*FAMILIES, *ARCHS])
+    name = family or name  # drawn all the same: the rest of the run is as without --family
     folder = os.path.join(tmp, name)
     if name not in models:
         models[name] = checkpoint(name, folder)
@@ -252,12 +253,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0, help="the first run's seed; run i draws from seed + i")
     parser.add_argument("--runs", type=int, default=40)
+    parser.add_argument("--family", choices=[*FAMILIES, *ARCHS], default=None,
+                        help="every run on this family's checkpoint (a new family's soak)")
     args = parser.parse_args()
     models, failed = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seed, args.seed + args.runs):
             try:
-                ok, about = one_run(seed, models, tmp)
+                ok, about = one_run(seed, models, tmp, args.family)
             except Exception as e:  # a run that breaks is a failed run; the others still go
                 ok, about = False, f"{type(e).__name__}: {e}"
                 traceback.print_exc()
