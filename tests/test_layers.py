@@ -1,4 +1,5 @@
 """The fused RMSNorm and rotary kernels against HF transformers' own Llama modules; the warning for bf16 without bf16."""
+import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
@@ -48,6 +49,26 @@ def test_gemma_rms_norm_matches_hf_in_bf16():
     x = (torch.randn(7, 576) * 3).bfloat16()
     with torch.inference_mode():
         assert torch.equal(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize("family", ["olmo2", "gpt_oss"])
+def test_fp32_scaled_rms_norm_matches_hf_in_bf16(family):
+    """OLMo 2's and GPT-OSS's norms scale in fp32 and round once; Llama's order (RMSNorm) rounds before scaling too,
+    which differs here."""
+    import importlib
+
+    from pipellm.models.layers import Fp32ScaledRMSNorm
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    theirs_class = getattr(module, "Olmo2RMSNorm" if family == "olmo2" else "GptOssRMSNorm")
+    ours, theirs = _same_weight(Fp32ScaledRMSNorm(576, 1e-6), theirs_class(576, eps=1e-6))
+    llama = _same_weight(RMSNorm(576, 1e-6), theirs_class(576, eps=1e-6))[0]
+    for norm in (ours, theirs, llama):
+        norm.bfloat16()
+    x = (torch.randn(7, 576) * 3).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(ours(x), theirs(x))
+        assert not torch.equal(llama(x), theirs(x))
 
 
 def test_rotary_matches_hf():

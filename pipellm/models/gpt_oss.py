@@ -6,12 +6,15 @@ import re
 
 import torch
 
+from pipellm.models.layers import Fp32ScaledRMSNorm
 from pipellm.models.llama import LAYER_NAME, LlamaStage
 
 STACKED = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
 
 class GptOssStage(LlamaStage):
+    norm_class = Fp32ScaledRMSNorm
+
     def map_weight(self, name: str) -> list[tuple]:
         m = LAYER_NAME.match(name)
         if not m or not (stacked := STACKED.match(m[2])):

@@ -27,6 +27,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class Fp32ScaledRMSNorm(RMSNorm):
+    """OLMo 2/3's and GPT-OSS's RMSNorm: scaled by w in fp32, then rounded once (Llama's rounds before scaling too).
+    The same as RMSNorm in fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)
+
+
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: scaled by 1 + w (the weight is stored as an offset from 1), and in fp32 before the cast."""
 

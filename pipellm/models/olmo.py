@@ -4,7 +4,7 @@ their own); EXAONE 4's are per head, and its full layers (among sliding ones) ta
 from torch import nn
 
 from pipellm.config import ModelConfig
-from pipellm.models.layers import RMSNorm
+from pipellm.models.layers import Fp32ScaledRMSNorm, RMSNorm
 from pipellm.models.llama import LlamaAttention, LlamaStage, make_mlp
 
 
@@ -22,4 +22,8 @@ class OlmoLayer(nn.Module):
 
 
 class OlmoStage(LlamaStage):
-    layer_class = OlmoLayer
+    layer_class = OlmoLayer  # EXAONE 4: with Llama's RMSNorm
+
+
+class Olmo2Stage(OlmoStage):
+    norm_class = Fp32ScaledRMSNorm

@@ -9,7 +9,7 @@ from pipellm.models.glm import Glm4Stage
 from pipellm.models.gpt2 import GPT2Stage
 from pipellm.models.gpt_oss import GptOssStage
 from pipellm.models.llama import LlamaStage
-from pipellm.models.olmo import OlmoStage
+from pipellm.models.olmo import Olmo2Stage, OlmoStage
 from pipellm.pipeline.partition import StageLayers
 
 STAGE_CLASSES = {
@@ -20,8 +20,8 @@ STAGE_CLASSES = {
     "Phi3ForCausalLM": LlamaStage,
     "SmolLM3ForCausalLM": LlamaStage,
     "GraniteForCausalLM": LlamaStage,
-    "Olmo2ForCausalLM": OlmoStage,
-    "Olmo3ForCausalLM": OlmoStage,
+    "Olmo2ForCausalLM": Olmo2Stage,
+    "Olmo3ForCausalLM": Olmo2Stage,
     "Exaone4ForCausalLM": OlmoStage,
     "SeedOssForCausalLM": LlamaStage,
     "MinistralForCausalLM": LlamaStage,
