@@ -48,18 +48,22 @@ def main():
         for proj, (blocks, scales) in packed.items():
             getattr(hf.experts, proj).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
             torch.nn.init.normal_(getattr(hf.experts, proj + "_bias"), std=0.02, generator=gen)
+        # HF interleaves gate and up (gate 0, up 0, ...); ours has the gates' rows, then the ups', as the loader
+        rows = {"gate_up_proj": torch.cat([torch.arange(0, 2 * w, 2), torch.arange(1, 2 * w, 2)]),
+                "down_proj": torch.arange(h)}
         for moe in (dense, compact):
             moe.gate.weight.copy_(hf.router.weight)
             moe.gate.bias.copy_(hf.router.bias)
             for i, expert in enumerate(moe.experts):
                 for proj in packed:
                     linear = getattr(expert, proj)
-                    linear.weight.copy_(getattr(hf.experts, proj)[i].t())
-                    linear.bias.copy_(getattr(hf.experts, proj + "_bias")[i])
+                    linear.weight.copy_(getattr(hf.experts, proj)[i].t()[rows[proj]])
+                    linear.bias.copy_(getattr(hf.experts, proj + "_bias")[i][rows[proj]])
         for i, expert in enumerate(compact.experts):  # as the loader keeps them
             for proj, (blocks, scales) in packed.items():
                 bias = getattr(expert, proj).bias.detach().float()
-                setattr(expert, proj, CompactLinear([mxfp4.quant_weight(blocks[i], scales[i])], bias))
+                weight = mxfp4.quant_weight(blocks[i][rows[proj]], scales[i][rows[proj]])
+                setattr(expert, proj, CompactLinear([weight], bias))
     transpose_linears(dense)  # the layout a stage runs
     transpose_linears(compact)
     expert_bytes = {"compact": sum(p.nbytes for x in compact.experts for lin in (x.gate_up_proj, x.down_proj)

@@ -106,16 +106,16 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
             with handle as f:
                 for name, targets in entries:
                     try:
-                        tensor, dense_name, parts = f.get_tensor(name), mxfp4.packed_name(name, files), None
-                        if dense_name is not None:  # MXFP4 blocks: with their scales, kept compact or made dense
-                            scales_name = dense_name + mxfp4.SCALES
+                        tensor, parts = to_layout(name, f.get_tensor(name)), None
+                        dense_name = mxfp4.packed_name(name, files)
+                        if dense_name is not None:  # MXFP4 blocks with their scales ([.., out, G, 16], [.., out, G]:
+                            scales_name = dense_name + mxfp4.SCALES  # a linear's rows), kept compact or made dense
                             with safe_open(files[scales_name], framework="pt") as g:
-                                scales = g.get_tensor(scales_name)
+                                scales = to_layout(scales_name, g.get_tensor(scales_name))
                             read.append(scales_name)
                             parts = _compact_parts(tensor, scales, targets, params)
                             if parts is None:
-                                tensor = mxfp4.dense(tensor, scales, dtype)
-                        tensor = to_layout(dense_name or name, tensor) if parts is None else tensor
+                                tensor = mxfp4.dequantize(tensor, scales, dtype)
                     except Exception as e:
                         raise ValueError(f"{file}: cannot read tensor {name} ({e})") from None
                     read.append(name)
@@ -155,9 +155,8 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
 
 
 def _compact_parts(blocks: torch.Tensor, scales: torch.Tensor, targets: list, params: dict) -> list | None:
-    """Per target, its slice of an MXFP4 pair as a compact weight (MXFP4 blocks are [.., out, G, 16]: a linear's
-    rows as they come); None where a target is not a whole linear weight of its slice's shape, or a scale has no fp16
-    form: the pair is then made dense."""
+    """Per target, its slice of an MXFP4 pair as a compact weight; None where a target is not a whole linear weight
+    of its slice's shape, or a scale has no fp16 form: the pair is then made dense."""
     parts = []
     for param_name, row, *index in targets:
         stacked = bool(index) and blocks.dim() == 4 and len(blocks) == len(targets)

@@ -10,8 +10,7 @@ from pipellm.models.layers import GatedMLP
 
 class ClampedSwiGLU(GatedMLP):
     """GPT-OSS's expert: down((up + 1) * gate * sigmoid(alpha * gate)) + b, gate clamped above at limit and up on both
-    sides, gate and up (with their biases) in one matmul, their rows interleaved as the checkpoint has them (gate 0,
-    up 0, gate 1, ...: its MXFP4 blocks are kept as they are)."""
+    sides, gate and up (with their biases) in one matmul: the gates' rows, then the ups'."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, limit: float, alpha: float):
         super().__init__(hidden_size, intermediate_size, bias=True)
@@ -19,8 +18,8 @@ class ClampedSwiGLU(GatedMLP):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)                                         # [T, 2 * intermediate]
-        gate = gate_up[..., 0::2].clamp(max=self.limit)
-        up = gate_up[..., 1::2].clamp(-self.limit, self.limit)
+        gate = gate_up[..., :self.intermediate_size].clamp(max=self.limit)
+        up = gate_up[..., self.intermediate_size:].clamp(-self.limit, self.limit)
         return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
 
 

@@ -1,8 +1,7 @@
 """MXFP4 (OCP microscaling), the format GPT-OSS's checkpoints hold their experts in: NAME_blocks [..., out, G, 16]
 uint8, 32 values a block, each a 4-bit E2M1 float, two to a byte (the low nibble first), and NAME_scales
 [..., out, G] uint8, one E8M0 scale a block (2 ** (byte - 127)). Kept compact at load, exactly, in a layout our
-kernels multiply (quant_weight); else dequantized (exactly too) into the tensor an unquantized checkpoint holds as
-NAME."""
+kernels multiply (quant_weight); else dequantized, exactly too."""
 import numpy as np
 import torch
 
@@ -44,12 +43,6 @@ def _check(blocks: torch.Tensor, scales: torch.Tensor) -> None:
             or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {list(blocks.shape)} {blocks.dtype} and scales {list(scales.shape)} "
                          f"{scales.dtype}: expected uint8 [..., G, 16] and uint8 [..., G]")
-
-
-def dense(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The tensor an unquantized checkpoint holds for the pair: [..., in, out], the blocks' rows as columns (as
-    transformers' dequantizer gives it)."""
-    return dequantize(blocks, scales, dtype).transpose(-1, -2)
 
 
 def quant_weight(blocks: torch.Tensor, scales: torch.Tensor) -> QuantWeight | None:
