@@ -20,7 +20,7 @@ GGUF_PROMPTS = [[t % VOCAB for t in p] for p in PROMPTS]
 # family -> GGUF general.architecture (llama.cpp writes Mixtral as "llama" with experts)
 ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3moe", "gemma2": "gemma2",
         "gemma3": "gemma3", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
-        "olmo3": "olmo2", "qwen2moe": "qwen2moe", "gemma": "gemma"}
+        "olmo3": "olmo2", "qwen2moe": "qwen2moe", "gemma": "gemma", "gpt_oss": "gpt-oss"}
 PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
 FAMILIES = list(ARCH)
 
@@ -37,6 +37,7 @@ GEMMA_TO_GGUF = HF_TO_GGUF | {"pre_feedforward_layernorm": "ffn_norm",
 PHI3_TO_GGUF = HF_TO_GGUF | {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 OLMO_TO_GGUF = HF_TO_GGUF | {"post_attention_layernorm": "post_attention_norm",
                              "post_feedforward_layernorm": "post_ffw_norm"}
+GPT_OSS_TO_GGUF = HF_TO_GGUF | {"post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
 GLOBAL_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                   "lm_head.weight": "output.weight"}
 
@@ -88,6 +89,11 @@ def gguf_family_config(name: str):
     if name == "olmo3":  # sliding layers; one rotary for both kinds, as the file holds one
         return tf.Olmo3Config(**BASE, sliding_window=24, layer_types=[
             "sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"])
+    if name == "gpt_oss":  # sinks, experts in MXFP4; llama.cpp's yarn truncates its ramp's ends, as HF's truncate=True
+        return tf.GptOssConfig(**BASE, head_dim=16, sliding_window=24, num_local_experts=4, num_experts_per_tok=2,
+                               rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0,
+                                                    beta_slow=1.0, original_max_position_embeddings=SHORT,
+                                                    truncate=True))
     raise ValueError(name)
 
 
@@ -133,9 +139,16 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_rope_freq_base(_rope_parameters(cfg)["rope_theta"])
     if name in ("llama3", "mixtral"):
         w.add_rope_dimension_count(head_dim or cfg.hidden_size // cfg.num_attention_heads)
-    if name == "mixtral":
+    if name in ("mixtral", "gpt_oss"):
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
+    if name == "gpt_oss":
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_sliding_window(cfg.sliding_window)
+        rope = _rope_parameters(cfg)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if name in ("qwen3moe", "qwen2moe"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -180,17 +193,17 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
     converter's changes undone), for the reference. edit(writer) may add metadata."""
     cfg, arch = model.config, ARCH[name]
     names = {"gemma2": GEMMA_TO_GGUF, "gemma3": GEMMA_TO_GGUF, "phi3": PHI3_TO_GGUF, "olmo2": OLMO_TO_GGUF,
-             "olmo3": OLMO_TO_GGUF}.get(name, HF_TO_GGUF)
+             "olmo3": OLMO_TO_GGUF, "gpt_oss": GPT_OSS_TO_GGUF}.get(name, HF_TO_GGUF)
     w = gguf.GGUFWriter(str(path), arch)
     write_metadata(w, name, cfg)
     write_tokenizer(w)
     if edit:
         edit(w)
 
-    def add(gname: str, arr: np.ndarray, router: bool = False) -> np.ndarray:
+    def add(gname: str, arr: np.ndarray, router: bool = False, qtype=None) -> np.ndarray:
         """Writes one tensor; returns the values the file holds."""
         arr = np.ascontiguousarray(arr, dtype=np.float32)
-        qtype = Q.Q8_0 if arr.ndim >= 2 and arr.shape[-1] % 32 == 0 and not router else Q.F32
+        qtype = qtype or (Q.Q8_0 if arr.ndim >= 2 and arr.shape[-1] % 32 == 0 and not router else Q.F32)
         data = gguf.quants.quantize(arr, qtype)
         w.add_tensor(gname, data, raw_dtype=None if qtype == Q.F32 else qtype)
         return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32).reshape(arr.shape)
@@ -212,6 +225,9 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
         else:
             _, _, layer, rest = hf.split(".", 3)
             module, suffix = rest.rsplit(".", 1)
+            if name == "gpt_oss" and module in ("mlp.experts", "self_attn") and suffix != "o_proj":
+                held[hf] = _add_gpt_oss(add, f"blk.{layer}.", suffix, arr)
+                continue
             if module == "mlp.experts":  # stacked [E, ...] (HF fuses gate and up; llama.cpp keeps three)
                 prefix = f"blk.{layer}."
                 if suffix == "gate_up_proj":
@@ -245,14 +261,36 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
     return {k: torch.from_numpy(v) for k, v in held.items()}
 
 
+def _add_gpt_oss(add, prefix: str, suffix: str, arr: np.ndarray) -> np.ndarray:
+    """GPT-OSS's sinks and stacked experts as llama.cpp's converter writes them: gate and up (interleaved in HF's
+    [E, in, 2 * out]) split, each [E, out, in] in MXFP4, their biases split alike; returns HF's tensor of what the
+    file holds."""
+    if suffix == "sinks":
+        return add(prefix + "attn_sinks.weight", arr)
+    if suffix.endswith("_bias"):
+        if suffix == "down_proj_bias":
+            return add(prefix + "ffn_down_exps.bias", arr)
+        held = np.empty_like(arr)
+        held[:, 0::2], held[:, 1::2] = add(prefix + "ffn_gate_exps.bias", arr[:, 0::2]), \
+            add(prefix + "ffn_up_exps.bias", arr[:, 1::2])
+        return held
+    if suffix == "down_proj":
+        return add(prefix + "ffn_down_exps.weight", arr.transpose(0, 2, 1), qtype=Q.MXFP4).transpose(0, 2, 1)
+    held = np.empty_like(arr)
+    for kind, half in (("ffn_gate_exps", slice(0, None, 2)), ("ffn_up_exps", slice(1, None, 2))):
+        held[:, :, half] = add(f"{prefix}{kind}.weight", arr[:, :, half].transpose(0, 2, 1),
+                               qtype=Q.MXFP4).transpose(0, 2, 1)
+    return held
+
+
 def random_model(name: str):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(gguf_family_config(name), attn_implementation="eager").eval()
-    with torch.no_grad():  # norms not at their initial 1 (or Gemma's 0), so a wrong offset shows
-        for p in model.parameters():
-            if p.ndim == 1:
+    with torch.no_grad():  # norms not at their initial 1 (or Gemma's 0), so a wrong offset shows; biases not 0
+        for param_name, p in model.named_parameters():
+            if p.ndim == 1 or param_name.endswith("_bias"):
                 p.add_(torch.randn_like(p) * 0.2)
     return model
 
@@ -287,7 +325,7 @@ def test_gguf_family_matches_hf(family_gguf, name):
     with LLM(path, pipeline_parallel_size=2, dtype="float32") as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in GGUF_PROMPTS], params, use_tqdm=False)
         held = {fmt for r in llm.engine.inspect() for fmt, _ in r.weight_bytes}
-    assert "Q8_0" in held  # the compact kernels ran
+    assert "Q8_0" in held and (name != "gpt_oss" or "MXFP4" in held)  # the compact kernels ran
     assert_matches_hf(outputs, reference)
 
 

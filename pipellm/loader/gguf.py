@@ -163,15 +163,29 @@ def convert_gguf(gguf_path: str, out_dir: str, weights: bool = True) -> None:
 @contextlib.contextmanager
 def _tokenizer_reads(arch: str):
     """transformers builds a GGUF file's tokenizer only for the architectures whose weights it also maps, though the
-    tokenizer (tokenizer.ggml.*) does not depend on them: for that call, it counts this one among them."""
+    tokenizer (tokenizer.ggml.*) does not depend on them: for that call, it counts this one among them. For gpt-oss
+    its reader also hides the rope scaling keys, which transformers' config parsing reads wrongly (it takes a key's
+    length field for the value: float() of an array); the tokenizer needs none of them."""
+    import gguf
     from transformers import modeling_gguf_pytorch_utils as known
 
     added = arch not in known.GGUF_SUPPORTED_ARCHITECTURES
     if added:
         known.GGUF_SUPPORTED_ARCHITECTURES.append(arch)
+    reader = gguf.GGUFReader
+
+    class ReaderForTokenizer(reader):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for key in [k for k in self.fields if k.startswith(f"{arch}.rope.scaling.")]:
+                del self.fields[key]
+
+    if arch == "gpt-oss":
+        gguf.GGUFReader = ReaderForTokenizer  # transformers imports it from gguf as it reads
     try:
         yield
     finally:
+        gguf.GGUFReader = reader
         if added:
             known.GGUF_SUPPORTED_ARCHITECTURES.remove(arch)
 

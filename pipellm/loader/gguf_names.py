@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),
     "granite": ("GraniteForCausalLM", "granite", True),
     "olmo2": ("Olmo2ForCausalLM", "olmo2", False),
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss", False),
 }
 OLMO3 = ("Olmo3ForCausalLM", "olmo3", False)  # "olmo2" with sliding layers
 MIXTRAL = ("MixtralForCausalLM", "mixtral", True)  # "llama" with expert tensors
@@ -41,6 +42,7 @@ _FAMILY_NAMES = {
               "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # kept fused, as HF's Phi-3
     "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm"},
 }
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -55,6 +57,8 @@ def hf_name(name: str, arch: str) -> str | None:
     if not match:
         return None
     kind = match[2]
+    if kind == "attn_sinks":  # a parameter of its own, without .weight
+        return f"model.layers.{match[1]}.self_attn.sinks"
     if kind in EXPERT_NAMES:
         return f"model.layers.{match[1]}.mlp.experts.{{e}}.{EXPERT_NAMES[kind]}.{match[3]}"
     names = _FAMILY_NAMES.get("gemma2" if arch in NORMS_AFTER else arch, {})
@@ -85,6 +89,10 @@ def expected_shapes(cfg: dict) -> dict:
         if mc.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if mc.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if mc.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (mc.num_heads,)
         if mc.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (d if mc.qk_norm_per_head else q,),
                            p + "self_attn.k_norm.weight": (d if mc.qk_norm_per_head else kv,)})
@@ -102,6 +110,11 @@ def expected_shapes(cfg: dict) -> dict:
                 shapes.update({f"{p}mlp.experts.{e}.gate_proj.weight": (ff, h),
                                f"{p}mlp.experts.{e}.up_proj.weight": (ff, h),
                                f"{p}mlp.experts.{e}.down_proj.weight": (h, ff)})
+                if mc.swiglu_limit:  # GPT-OSS: biased experts and router
+                    shapes.update({f"{p}mlp.experts.{e}.{proj}.bias": (h if proj == "down_proj" else ff,)
+                                   for proj in ("gate_proj", "up_proj", "down_proj")})
+            if mc.swiglu_limit:
+                shapes[p + "mlp.gate.bias"] = (mc.num_experts,)
             continue
         ff = mc.intermediate_size
         if is_phi3:
@@ -167,6 +180,9 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         elif arch == "qwen2moe":  # and never Qwen2-MoE's
             cfg.update(num_experts=experts, moe_intermediate_size=m("expert_feed_forward_length"),
                        shared_expert_intermediate_size=m("expert_shared_feed_forward_length"), norm_topk_prob=False)
+        elif arch == "gpt-oss":  # llama.cpp's rule, not in the file: even layers slide (and yarn truncates, as ours)
+            cfg.update(intermediate_size=m("expert_feed_forward_length"), sliding_window=window,
+                       layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
         else:
             cfg["intermediate_size"] = cfg["intermediate_size"] or int(tensors[
                 "blk.0.ffn_gate_exps.weight"][0][1])

@@ -11,10 +11,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize
 
+from pipellm.quant import mxfp4
 from pipellm.quant.linear import BF16, F16, F32, Q4, Q8, MappedEmbedding, QuantWeight
 
-SUPPORTED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
-_BLOCK_BYTES = {T.Q4_0: 18, T.Q4_1: 20, T.Q5_0: 22, T.Q5_1: 24, T.Q8_0: 34, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
+SUPPORTED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4)
+_BLOCK_BYTES = {T.Q4_0: 18, T.Q4_1: 20, T.Q5_0: 22, T.Q5_1: 24, T.Q8_0: 34, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210,
+                T.MXFP4: 17}
 
 
 def check_supported(qtype: T, name: str) -> None:
@@ -88,6 +90,10 @@ def repack(raw: np.ndarray, qtype: T, num_rows: int, num_cols: int, name: str = 
         m = _f16(blocks[..., 2:4]) if qtype == T.Q4_1 else (d * np.float16(-8)).astype(np.float16)  # w = d(q - 8)
         qs = blocks[..., 4:] if qtype == T.Q4_1 else blocks[..., 2:]
         return QuantWeight(Q4, _t(qs.reshape(n, -1)), _t(d), _t(m), source=src)  # already our nibble order
+    if qtype == T.MXFP4:  # held exactly in Q5_0's layout (quant/mxfp4.py); a scale with no fp16 form: fp32 values
+        weight = mxfp4.quant_weight_of_gguf(_t(blocks))
+        return weight or QuantWeight(F32, _t(np.asarray(dequantize(raw.reshape(-1), qtype), dtype=np.float32)
+                                             .reshape(n, num_cols)), source="F32")
     if qtype == T.Q8_0:
         return QuantWeight(Q8, _t(blocks[..., 2:].reshape(n, -1).view(np.int8)), _t(_f16(blocks[..., 0:2])),
                            source=src)

@@ -51,12 +51,24 @@ def quant_weight(blocks: torch.Tensor, scales: torch.Tensor) -> QuantWeight | No
     times d = 2 ** (scale - 128), an fp16. 5.5 bits a weight where MXFP4 has 4.25; None where a d is not an fp16
     (a scale byte outside [104, 143])."""
     _check(blocks, scales)
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(blocks.shape[0], -1, 32)  # [N, G, 32] in order
+    return _q5(codes, scales)
+
+
+def quant_weight_of_gguf(blocks: torch.Tensor) -> QuantWeight | None:
+    """GGUF's MXFP4 blocks [N, G, 17] (llama.cpp: the scale byte, then 16 bytes whose low nibbles are weights 0-15
+    and high nibbles 16-31, each weight 2 * E2M1 * 2 ** (scale - 128)) as quant_weight's; None as there."""
+    qs = blocks[..., 1:]
+    return _q5(torch.cat([qs & 15, qs >> 4], dim=-1), blocks[..., 0])
+
+
+def _q5(codes: torch.Tensor, scales: torch.Tensor) -> QuantWeight | None:
+    """codes [N, G, 32] E2M1 codes of each block's weights in order, scales [N, G] their E8M0 bytes."""
     exps = scales.int() - 128
     if exps.numel() and (int(exps.min()) < -24 or int(exps.max()) > 15):
         return None
-    n = blocks.shape[0]
-    values = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(n, -1, 32)          # [N, G, 32] E2M1 codes
-    q = (TWICE_E2M1[values.int()] + 16).to(torch.uint8)                                   # [N, G, 32] in 4..28
+    n = codes.shape[0]
+    q = (TWICE_E2M1[codes.int()] + 16).to(torch.uint8)                                    # [N, G, 32] in 4..28
     low = q & 15
     nibbles = low[..., :16] | (low[..., 16:] << 4)           # byte i: weights i and 16 + i, as Q5_0's
     planes = np.packbits(((q >> 4) & 1).numpy(), axis=-1, bitorder="little")              # [N, G, 4]: bit j, weight j
