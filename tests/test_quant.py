@@ -320,8 +320,9 @@ def test_mapped_embedding_reads_rows_from_the_file(tmp_path, qtype):
 
 @pytest.mark.parametrize("qtype", [t for t in SUPPORTED if t != T.F32], ids=lambda t: t.name)
 def test_held_within_115_percent_of_the_file(qtype):
+    """MXFP4 aside: held in Q5_0's layout, its 4.25 bits a weight become 5.5 (the E2M1 values need 5-bit codes)."""
     raw = gguf_tensor(qtype, 16, 512)
-    assert repack(raw, qtype, 16, 512).nbytes <= 1.15 * raw.nbytes
+    assert repack(raw, qtype, 16, 512).nbytes <= (5.5 / 4.25 if qtype == T.MXFP4 else 1.15) * raw.nbytes
 
 
 @pytest.mark.parametrize("kv_dtype, atol", KV_DTYPES)
