@@ -227,3 +227,18 @@ def test_a_failure_of_the_stage_in_this_process_is_named_and_ends_the_llm(llama_
     with pytest.raises(RuntimeError, match="create a new LLM"):
         llm.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=False)
     llm.shutdown()
+
+
+@pytest.mark.parametrize("parent_alive", [True, False])
+def test_a_stage_whose_driver_died_while_it_started_exits_at_once(parent_alive):
+    """A driver killed in the second a stage imports torch leaves it no death signal to receive (it asks for one
+    after): the stage sees that its parent is not the one that started it and exits, not waiting 300 s for a store."""
+    import subprocess
+    import sys
+
+    from pipellm.pipeline import comm
+    started_by = os.getpid() if parent_alive else 1  # pid 1 stands for a parent that died: it adopts orphans
+    out = subprocess.run([sys.executable, "-c", "from pipellm.pipeline.stage import _die_with_parent; "
+                          "_die_with_parent(); print('running')"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, comm.PARENT_PID_ENV: str(started_by)})
+    assert (out.returncode, out.stdout.strip()) == ((0, "running") if parent_alive else (1, "")), out.stderr

@@ -96,6 +96,7 @@ class SignedStore:
 # keys, process group included, live under a prefix of their own, so a restarted pipeline never reads stale ones.
 GENERATION_KEY = "pipellm/generation"  # the newest generation; stages and node agents start on it
 GENERATION_ENV = "PIPELLM_GENERATION"  # ... handed to the stages pipellm starts; torchrun's read the key
+PARENT_PID_ENV = "PIPELLM_PARENT_PID"  # the process that started a stage: a stage whose parent is gone exits
 NNODES_KEY = "pipellm/nnodes"
 SHUTDOWN_KEY = "pipellm/shutdown"      # the driver is done: node agents exit
 

@@ -53,5 +53,5 @@ def start_stage(env: dict[str, str], model_dir: str | None = None) -> subprocess
             _spawner_thread.start()
     future: Future = Future()
     cmd = [sys.executable, "-c", STAGE_ENTRY, *(["--model", model_dir] if model_dir else [])]
-    _spawn_requests.put((cmd, env, future))
+    _spawn_requests.put((cmd, {**env, comm.PARENT_PID_ENV: str(os.getpid())}, future))
     return future.result(timeout=60)

@@ -46,6 +46,9 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    parent = os.environ.get(comm.PARENT_PID_ENV)
+    if parent is not None and os.getppid() != int(parent):  # it died while we started: no signal will come (an
+        os._exit(1)                                        # orphan waited START_TIMEOUT_S for its store)
 
 
 def stage_cores(local_rank: int, local_world_size: int, threads: int) -> list[int]:
