@@ -180,7 +180,8 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         elif arch == "qwen2moe":  # and never Qwen2-MoE's
             cfg.update(num_experts=experts, moe_intermediate_size=m("expert_feed_forward_length"),
                        shared_expert_intermediate_size=m("expert_shared_feed_forward_length"), norm_topk_prob=False)
-        elif arch == "gpt-oss":  # llama.cpp's rule, not in the file: even layers slide (and yarn truncates, as ours)
+        elif arch == "gpt-oss":  # llama.cpp's rules, not in the file: even layers slide; yarn rounds its ramp's ends
+            # (RopeConfig's default, truncate=True; HF's GPT-OSS config says false)
             cfg.update(intermediate_size=m("expert_feed_forward_length"), sliding_window=window,
                        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
         else:
