@@ -11,7 +11,6 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from pipellm.quant import mxfp4
 from pipellm.quant.linear import BF16, F16, F32, Q4, Q8, MappedEmbedding, QuantWeight
 
 SUPPORTED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4)
@@ -64,6 +63,22 @@ def _planes(bits: np.ndarray) -> np.ndarray:
     return np.packbits(bits, axis=-1, bitorder="little").reshape(bits.shape[0], -1)
 
 
+E2M1_TWICE = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)  # 2 x E2M1 values
+
+
+def e2m1_weight(codes: np.ndarray, scales: np.ndarray) -> QuantWeight | None:
+    """MXFP4's blocks (GGUF's, and HF checkpoints' with quant/mxfp4.py) as the same matrix, exactly, in Q5_0's layout:
+    E2M1 codes [N, G, 32] (each block's weights in order) and E8M0 scale bytes [N, G], a weight 2 * E2M1 (an integer
+    in [-12, 12]: q - 16 of a 5-bit code) times d = 2 ** (scale - 128) (an fp16). 5.5 bits a weight where MXFP4 has
+    4.25; None where a d is no fp16 (a scale byte outside [104, 143])."""
+    if scales.size and (int(scales.min()) < 104 or int(scales.max()) > 143):
+        return None
+    q = (E2M1_TWICE[codes] + 16).astype(np.uint8)                                         # [N, G, 32] in 4..28
+    d = np.ldexp(np.float32(1), scales.astype(np.int32) - 128).astype(np.float16)         # [N, G], exact
+    return QuantWeight(Q4, _t(_pack_q4(q & np.uint8(15))), _t(d), source="MXFP4",
+                       high=_t(_planes((q >> np.uint8(4))[:, :, None, :])), offset=16)
+
+
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins [N, S, 12] -> ([N, S, 8], [N, S, 8])."""
     d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
@@ -90,8 +105,8 @@ def repack(raw: np.ndarray, qtype: T, num_rows: int, num_cols: int, name: str = 
         m = _f16(blocks[..., 2:4]) if qtype == T.Q4_1 else (d * np.float16(-8)).astype(np.float16)  # w = d(q - 8)
         qs = blocks[..., 4:] if qtype == T.Q4_1 else blocks[..., 2:]
         return QuantWeight(Q4, _t(qs.reshape(n, -1)), _t(d), _t(m), source=src)  # already our nibble order
-    if qtype == T.MXFP4:  # held exactly in Q5_0's layout (quant/mxfp4.py); a scale with no fp16 form: fp32 values
-        weight = mxfp4.quant_weight_of_gguf(_t(blocks))
+    if qtype == T.MXFP4:  # the scale byte, then weights 0-15 in the low nibbles, 16-31 in the high ones
+        weight = e2m1_weight(np.concatenate(_nibbles(blocks[..., 1:]), axis=-1), blocks[..., 0])
         return weight or QuantWeight(F32, _t(np.asarray(dequantize(raw.reshape(-1), qtype), dtype=np.float32)
                                              .reshape(n, num_cols)), source="F32")
     if qtype == T.Q8_0:

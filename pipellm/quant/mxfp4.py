@@ -2,13 +2,11 @@
 uint8, 32 values a block, each a 4-bit E2M1 float, two to a byte (the low nibble first), and NAME_scales
 [..., out, G] uint8, one E8M0 scale a block (2 ** (byte - 127)). Kept compact at load, exactly, in a layout our
 kernels multiply (quant_weight); else dequantized, exactly too."""
-import numpy as np
 import torch
 
-from pipellm.quant.linear import Q4, QuantWeight
+from pipellm.quant.gguf_blocks import E2M1_TWICE, e2m1_weight
+from pipellm.quant.linear import QuantWeight
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-TWICE_E2M1 = torch.tensor([int(2 * v) for v in E2M1], dtype=torch.int32)  # integers in [-12, 12]
 BLOCKS, SCALES = "_blocks", "_scales"
 
 
@@ -28,8 +26,8 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, c
     """blocks [..., G, 16] uint8 and scales [..., G] uint8 -> [..., G * 32] in dtype, chunk blocks at a time (the
     lookup's indices and fp32 values of a whole layer's experts would take ~12x its packed bytes)."""
     _check(blocks, scales)
-    lut = torch.tensor(E2M1)
-    rows, exps = blocks.reshape(-1, 16), scales.reshape(-1, 1).int() - 127                    # [R, 16], [R, 1]
+    lut = torch.from_numpy(E2M1_TWICE).float()                                                # 2 x E2M1
+    rows, exps = blocks.reshape(-1, 16), scales.reshape(-1, 1).int() - 128                    # [R, 16], [R, 1]
     out = torch.empty(len(rows), 32, dtype=dtype)                                             # [R, 32]
     for start in range(0, len(rows), chunk):
         part = rows[start:start + chunk]
@@ -46,32 +44,8 @@ def _check(blocks: torch.Tensor, scales: torch.Tensor) -> None:
 
 
 def quant_weight(blocks: torch.Tensor, scales: torch.Tensor) -> QuantWeight | None:
-    """blocks [N, G, 16] and scales [N, G] as the same [N, G * 32] matrix, exactly, in GGUF Q5_0's layout that our
-    kernels multiply (Q4 codes with one bit plane, w = d (q - 16)): each value is 2 * E2M1 (an integer in [-12, 12])
-    times d = 2 ** (scale - 128), an fp16. 5.5 bits a weight where MXFP4 has 4.25; None where a d is not an fp16
-    (a scale byte outside [104, 143])."""
+    """blocks [N, G, 16] and scales [N, G] as the same [N, G * 32] matrix, exactly, in Q5_0's layout that our kernels
+    multiply (gguf_blocks.e2m1_weight); None where a scale has no fp16 form."""
     _check(blocks, scales)
     codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(blocks.shape[0], -1, 32)  # [N, G, 32] in order
-    return _q5(codes, scales)
-
-
-def quant_weight_of_gguf(blocks: torch.Tensor) -> QuantWeight | None:
-    """GGUF's MXFP4 blocks [N, G, 17] (llama.cpp: the scale byte, then 16 bytes whose low nibbles are weights 0-15
-    and high nibbles 16-31, each weight 2 * E2M1 * 2 ** (scale - 128)) as quant_weight's; None as there."""
-    qs = blocks[..., 1:]
-    return _q5(torch.cat([qs & 15, qs >> 4], dim=-1), blocks[..., 0])
-
-
-def _q5(codes: torch.Tensor, scales: torch.Tensor) -> QuantWeight | None:
-    """codes [N, G, 32] E2M1 codes of each block's weights in order, scales [N, G] their E8M0 bytes."""
-    exps = scales.int() - 128
-    if exps.numel() and (int(exps.min()) < -24 or int(exps.max()) > 15):
-        return None
-    n = codes.shape[0]
-    q = (TWICE_E2M1[codes.int()] + 16).to(torch.uint8)                                    # [N, G, 32] in 4..28
-    low = q & 15
-    nibbles = low[..., :16] | (low[..., 16:] << 4)           # byte i: weights i and 16 + i, as Q5_0's
-    planes = np.packbits(((q >> 4) & 1).numpy(), axis=-1, bitorder="little")              # [N, G, 4]: bit j, weight j
-    d = torch.ldexp(torch.ones(exps.shape), exps).half()                                  # [N, G], exact
-    return QuantWeight(Q4, nibbles.reshape(n, -1), d, source="MXFP4", high=torch.from_numpy(planes).reshape(n, -1),
-                       offset=16)
+    return e2m1_weight(codes.numpy(), scales.numpy())
