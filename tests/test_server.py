@@ -436,6 +436,63 @@ def test_auto_tool_choice_and_reasoning_parsers(llama_dir, tmp_path):
                 assert (got_content and got_content.strip() or None, got_reasoning) == (content, reasoning)
 
 
+def test_gpt_oss_harmony_replies(tmp_path):
+    """A GPT-OSS model's harmony reply, with no --reasoning-parser given: the analysis channel comes back as
+    reasoning_content, the final channel as content, a message to functions.NAME as the call (--tool-call-parser
+    openai), streamed or not, with no marker left in the text (they are special tokens). The replies are held to those
+    texts by a grammar."""
+    from transformers import AutoTokenizer
+
+    from tests.test_families import make_family_checkpoint
+    folder = str(tmp_path / "gpt_oss")
+    make_family_checkpoint("gpt_oss", folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    markers = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+    tok.add_special_tokens({"additional_special_tokens": markers})
+    tok.save_pretrained(folder)
+    ids = dict(zip(markers, tok.convert_tokens_to_ids(markers)))
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:  # as gpt-oss's: <|return|>, <|call|> end
+        json.dump({"eos_token_id": [0, ids["<|return|>"], ids["<|call|>"]]}, f)
+
+    def held_to(*parts: str) -> dict:  # a lark grammar: markers as the special tokens, the rest as text
+        return {"structured_outputs": {"grammar": "start: " + " ".join(p if p in ids else json.dumps(p)
+                                                                          for p in parts)}}
+    think = ("<|channel|>", "analysis", "<|message|>", "Rome, then.", "<|end|>", "<|start|>", "assistant")
+    final = ("<|channel|>", "final", "<|message|>", "It is noon.", "<|return|>")
+    call = (" to=functions.get_weather", "<|channel|>", "commentary ", "<|constrain|>", "json", "<|message|>",
+            '{"city": "Rome"}', "<|call|>")
+    weather = [("get_weather", {"city": "Rome"})]
+    # a thought sent back in a conversation reaches the template, under Qwen3's name and GPT-OSS's
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.thinking }}|{{ m.reasoning_content }}|{{ m.content }}" \
+               "{% endfor %}"
+    with serve(folder, tmp_path, "-pp", "1", "--enable-auto-tool-choice", "--tool-call-parser", "openai",
+               "--chat-template", template) as srv:
+        turns = [{"role": "user", "content": "Hi"},
+                 {"role": "assistant", "content": "Noon.", "reasoning_content": "Easy."}]
+        body = {"messages": turns, "add_generation_prompt": False}
+        assert httpx.post(f"{srv.url}/tokenize", json=body).json()["tokens"] \
+            == tok.encode("<user>||Hi<assistant>Easy.|Easy.|Noon.", add_special_tokens=False)
+        client = srv.client()
+        model = client.models.list().data[0].id
+        for grammar, reasoning, content, calls in ((held_to(*think, *final), "Rome, then.", "It is noon.", []),
+                                                   (held_to(*final), None, "It is noon.", []),
+                                                   (held_to(*think, *call), "Rome, then.", None, weather)):
+            kwargs = dict(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=100,
+                          tools=[WEATHER, TIME], extra_body=grammar)
+            out = client.chat.completions.create(**kwargs).choices[0]
+            chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+            streamed = ([tc for c in chunks for tc in c.delta.tool_calls or []],
+                        "".join(c.delta.content or "" for c in chunks) or None,
+                        "".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks) or None,
+                        chunks[-1].finish_reason)
+            for got_calls, got_content, got_reasoning, finish in (
+                    (out.message.tool_calls or [], out.message.content, out.message.reasoning_content,
+                     out.finish_reason), streamed):
+                assert [(c.function.name, json.loads(c.function.arguments)) for c in got_calls] == calls
+                assert finish == ("tool_calls" if calls else "stop")
+                assert (got_content or None, got_reasoning) == (content, reasoning)
+
+
 def test_tools_and_chat_template_options_reach_the_template(server, llama_dir):
     client = server.client()
     plain = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=1)

@@ -128,3 +128,19 @@ def test_unknown_parsers_are_refused_with_the_known_ones():
         ServerConfig("m", tool_call_parser="mistral")
     with pytest.raises(ValueError, match="--reasoning-parser r2: give one of qwen3, deepseek_r1"):
         ServerConfig("m", reasoning_parser="r2")
+
+
+def test_harmony_parsers_go_together_and_are_a_gpt_oss_models_default():
+    from pipellm.entrypoints.openai_server import for_model
+    from pipellm.entrypoints.server import ServerConfig
+    with pytest.raises(ValueError, match="--tool-call-parser openai, not hermes"):
+        ServerConfig("m", tool_call_parser="hermes", reasoning_parser="openai_gptoss")
+    with pytest.raises(ValueError, match="give --reasoning-parser openai_gptoss, not qwen3"):
+        ServerConfig("m", tool_call_parser="openai", reasoning_parser="qwen3")
+    with pytest.raises(ValueError, match="give --reasoning-parser openai_gptoss too"):
+        for_model(ServerConfig("m", tool_call_parser="openai"), "LlamaForCausalLM")
+    assert for_model(ServerConfig("m"), "GptOssForCausalLM").reasoning_parser == "openai_gptoss"
+    assert for_model(ServerConfig("m", tool_call_parser="openai"), "GptOssForCausalLM").reasoning_parser \
+        == "openai_gptoss"
+    assert for_model(ServerConfig("m"), "LlamaForCausalLM").reasoning_parser is None
+    assert for_model(ServerConfig("m", reasoning_parser="qwen3"), "GptOssForCausalLM").reasoning_parser == "qwen3"

@@ -262,13 +262,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja chat template file, or the template itself, for /v1/chat/completions (default: "
                             "the model's)")
-    serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
-                       help="a thinking model's <think>...</think>, as chat messages' reasoning_content")
+    serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1", "openai_gptoss"],
+                       help="a thinking model's <think>...</think>, as chat messages' reasoning_content; "
+                            "openai_gptoss: GPT-OSS's harmony analysis channel (a GPT-OSS model's default)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)')
-    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "openai"],
                        help="how the model writes its tool calls: hermes = <tool_call>{json}</tool_call> (Qwen2.5/3, "
-                            "Hermes); llama3_json = the reply a JSON call (Llama 3.1-3.3)")
+                            "Hermes); llama3_json = the reply a JSON call (Llama 3.1-3.3); openai = harmony "
+                            "messages to functions.NAME (GPT-OSS)")
     stage = sub.add_parser("stage", help="run this host's pipeline stages for a driver on another host")
     stage.add_argument("--model", default=None, help="this host's copy of the model (default: the driver's path)")
     _multinode_args(stage)

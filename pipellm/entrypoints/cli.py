@@ -292,7 +292,7 @@ def cmd_serve(args) -> None:
     from pipellm.entrypoints.server import ServerConfig, run_server
     from pipellm.loader.default_model import DEFAULT_MODEL_NAME
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or openai)")
     template = _chat_template(args.chat_template)
     sock = _bind(args.host, args.port)
     config = ServerConfig(args.served_model_name or args.model or DEFAULT_MODEL_NAME, args.host, args.port,

@@ -2,6 +2,7 @@
 settings, request checks (key, size, model, room, prompts), running a request's prompts on the AsyncEngine, and
 streaming their deltas as server-sent events."""
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -53,6 +54,12 @@ class ServerConfig:
         for name, known in (("tool_call_parser", tool_parsers), ("reasoning_parser", reasoning_parsers)):
             if getattr(self, name) not in (None, *known):
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: give one of {', '.join(known)}")
+        if self.reasoning_parser == "openai_gptoss" and self.tool_call_parser not in (None, "openai"):
+            raise ValueError("--reasoning-parser openai_gptoss reads GPT-OSS's harmony replies: give "
+                             f"--tool-call-parser openai, not {self.tool_call_parser}")
+        if self.tool_call_parser == "openai" and self.reasoning_parser not in (None, "openai_gptoss"):
+            raise ValueError("--tool-call-parser openai reads GPT-OSS's harmony replies: give --reasoning-parser "
+                             f"openai_gptoss, not {self.reasoning_parser}")
         for name in ("max_request_bytes", "max_request_seqs", "max_request_tokens", "max_waiting_seqs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive integer")
@@ -80,7 +87,7 @@ class Work:
 
 class OpenAIServer:
     def __init__(self, engine: LLMEngine, config: ServerConfig):
-        self.config, self.engine = config, engine
+        self.config, self.engine = for_model(config, engine.model_config.architecture), engine
         self.async_engine = AsyncEngine(engine)
         self.metrics = ServerMetrics(config.served_model_name, lambda: self.async_engine.stats)
         self.async_engine.metrics = self.metrics
@@ -332,3 +339,15 @@ def _depth(value) -> int:
                 level.append((child, d + 1))
         deepest = max(deepest, d + isinstance(item, (dict, list)))
     return deepest
+
+
+def for_model(config: ServerConfig, architecture: str) -> ServerConfig:
+    """The config for the model it serves: a GPT-OSS model's replies are harmony, read by the openai_gptoss parser
+    unless another is given (vLLM reads them so whatever it is told)."""
+    if config.reasoning_parser is None and architecture == "GptOssForCausalLM":
+        logger.info("reading GPT-OSS's harmony replies: --reasoning-parser openai_gptoss")
+        config = dataclasses.replace(config, reasoning_parser="openai_gptoss")
+    if config.tool_call_parser == "openai" and config.reasoning_parser != "openai_gptoss":
+        raise ValueError("--tool-call-parser openai reads GPT-OSS's harmony replies: give --reasoning-parser "
+                         "openai_gptoss too")
+    return config

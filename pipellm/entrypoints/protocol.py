@@ -72,6 +72,7 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict] | None = None     # an assistant's calls, earlier in the conversation
     tool_call_id: str | None = None          # a tool message's answer to one of them
     name: str | None = None
+    reasoning_content: str | None = None     # an assistant's thought, as this server returned it
 
 
 class ChatTemplateFields(BaseModel):

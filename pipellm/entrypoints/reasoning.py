@@ -1,10 +1,10 @@
 """Reasoning in chat completions, as vLLM's `--reasoning-parser`: a thinking model's thought comes back as the
 message's `reasoning_content`, the rest as its `content` (where tool calls are then looked for). The thought starts
 the output: with qwen3 where the output opens with <think> (thinking on), with deepseek_r1 always (its template opens
-the tag); it ends at </think>, or with the output."""
+the tag); it ends at </think>, or with the output. openai_gptoss reads GPT-OSS's harmony channels (harmony.py)."""
 from pipellm.engine.detokenizer import stop_prefix_len
 
-PARSERS = ("qwen3", "deepseek_r1")
+PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
 _START, _END = "<think>", "</think>"
 
 

@@ -25,6 +25,8 @@ from pipellm.entrypoints.openai_server import OpenAIServer, ServerConfig
 from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, ChatTemplateFields, CompletionLogprobs,
                                           CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs,
                                           parse_request, sampling_params, usage)
+from pipellm.entrypoints.harmony import HarmonyStream
+from pipellm.entrypoints.harmony import split as split_harmony
 from pipellm.entrypoints.reasoning import ReasoningStream
 from pipellm.entrypoints.reasoning import split as split_reasoning
 from pipellm.entrypoints.tools import ReplyStream, check_tools, choice_of, forced_output
@@ -59,6 +61,9 @@ class _Endpoints:
                     tools: list[dict] | None = None) -> list[int]:
         conversation = [{"role": m.role, "content": m.content or ""}
                         | {k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}
+                        # a thought, under Qwen3's name and GPT-OSS's
+                        | ({"reasoning_content": m.reasoning_content, "thinking": m.reasoning_content}
+                           if m.reasoning_content is not None else {})
                         for m in messages]
         try:
             return chat.render(self.s.async_engine.tokenizer, conversation, self.s.config.chat_template, tools,
@@ -146,6 +151,11 @@ class _Endpoints:
                 raise APIError(400, f"tool_choice {req.tool_choice!r} holds the output to the tools' JSON: give no "
                                "response_format or structured_outputs with it", param="tool_choice")
             params.structured_outputs = forced
+        parser = s.config.reasoning_parser
+        harmony = parser == "openai_gptoss"
+        harmony_calls = harmony and tool_choice == "auto"  # else a forced choice's calls are the text's JSON
+        if harmony:  # its markers are special tokens, which the parser reads and takes out
+            params.skip_special_tokens = False
         prompts = [s.engine.inputs.truncated(self.chat_prompt(req.messages, req, tools), params)]
         work = await s.checked_work(req, prompts, params, max_tokens is not None)
         base = self.base("chatcmpl", "chat.completion")
@@ -153,11 +163,15 @@ class _Endpoints:
         def lps(token_ids, entries):
             return chat_logprobs(token_ids, entries, top_k) if top_k is not None else None
 
-        parser = s.config.reasoning_parser
-
         def message(text: str) -> tuple[dict, bool]:  # the assistant's message, and whether it calls tools
-            reasoning, text = split_reasoning(text, parser) if parser else (None, text)
-            content, calls = parse_tool_calls(text, tool_choice, parallel, s.config.tool_call_parser)
+            if harmony:
+                reasoning, content, calls = split_harmony(text, harmony_calls, parallel)
+                if not harmony_calls:
+                    content, calls = parse_tool_calls(content, tool_choice, parallel)
+                content = (content or None) if calls else content
+            else:
+                reasoning, text = split_reasoning(text, parser) if parser else (None, text)
+                content, calls = parse_tool_calls(text, tool_choice, parallel, s.config.tool_call_parser)
             return {"role": "assistant", "content": content} | ({"reasoning_content": reasoning} if parser else {}) \
                 | ({"tool_calls": calls} if calls else {}), bool(calls)
 
@@ -165,14 +179,18 @@ class _Endpoints:
             base["object"] = "chat.completion.chunk"
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(params.n)]
-            thoughts = [ReasoningStream(parser) for _ in range(params.n)] if parser else None
+            thoughts = [HarmonyStream(harmony_calls, parallel) if harmony else ReasoningStream(parser)
+                        for _ in range(params.n)] if parser else None
             replies = [ReplyStream(tool_choice, parallel, s.config.tool_call_parser) for _ in range(params.n)]
 
             def make_choice(index: int, d: StreamDelta) -> dict | None:
                 finished, calls = d.finish_reason is not None, []
-                reasoning, content = thoughts[index].add(d.text, finished) if thoughts else ("", d.text)
-                if tool_choice != "none":  # a reply that may call tools: its calls whole, in its last chunk
-                    content, calls = replies[index].add(content, finished)
+                if harmony:
+                    reasoning, content, calls = thoughts[index].add(d.text, finished)
+                else:
+                    reasoning, content = thoughts[index].add(d.text, finished) if thoughts else ("", d.text)
+                if tool_choice != "none" and not harmony_calls:  # a reply that may call tools: its calls whole, in
+                    content, calls = replies[index].add(content, finished)  # its last chunk
                 with_logprobs = tool_choice == "none" and d.logprobs and d.token_ids
                 if not (reasoning or content or calls or finished or with_logprobs):
                     return None

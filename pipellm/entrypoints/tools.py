@@ -10,7 +10,8 @@ from pipellm.engine.detokenizer import stop_prefix_len
 from pipellm.entrypoints.protocol import APIError
 from pipellm.sampling_params import StructuredOutputsParams
 
-PARSERS = ("hermes", "llama3_json")  # how a model writes its calls: Qwen2.5/3 and Hermes; Llama 3.1-3.3
+PARSERS = ("hermes", "llama3_json", "openai")  # how a model writes its calls: Qwen2.5/3 and Hermes; Llama 3.1-3.3;
+#                                               GPT-OSS's harmony messages to functions.NAME (harmony.py)
 _MARK = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
@@ -47,8 +48,8 @@ def choice_of(tools: list[dict] | None, tool_choice, parser: str | None) -> str 
                        '{"name": ...}}', param="tool_choice")
     if choice == "auto" and parser is None:
         raise APIError(400, '"auto" tool choice needs a server started with --enable-auto-tool-choice '
-                       '--tool-call-parser hermes (or llama3_json); or give tool_choice "required" or a named function',
-                       param="tool_choice")
+                       '--tool-call-parser hermes (or llama3_json, or openai for GPT-OSS); or give tool_choice '
+                       '"required" or a named function', param="tool_choice")
     return choice
 
 
@@ -67,8 +68,13 @@ def forced_output(tools: list[dict], choice, parallel: bool = True) -> Structure
 
 
 def _call(name: str, arguments) -> dict:
+    return call(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def call(name: str, arguments: str) -> dict:
+    """An OpenAI tool call: the function's name and its arguments as a JSON text."""
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            "function": {"name": name, "arguments": arguments}}
 
 
 def parse(text: str, choice, parallel: bool = True, parser: str = "hermes") -> tuple[str | None, list[dict]]:
@@ -102,8 +108,8 @@ def _llama3_json(text: str) -> tuple[None, list[dict]]:
         return None, []
     calls, decoder, at = [], json.JSONDecoder(), 0
     while at < len(body):
-        call, at = decoder.raw_decode(body, at)
-        calls.append(_call(call["name"], call["arguments"] if "arguments" in call else call["parameters"]))
+        found, at = decoder.raw_decode(body, at)
+        calls.append(_call(found["name"], found["arguments"] if "arguments" in found else found["parameters"]))
         while at < len(body) and body[at] in "; \n\t":
             at += 1
     return None, calls
