@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from pipellm.config import ModelConfig
 from pipellm.loader.default_model import default_model_path
 from pipellm.loader.gguf import cached_gguf_folder, load_gguf_stage_weights
+from pipellm.model_config import ModelConfig
 from pipellm.models import fused
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache

@@ -13,7 +13,7 @@ from transformers import GptOssConfig
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-from pipellm.config import ModelConfig
+from pipellm.model_config import ModelConfig
 from pipellm.models.layers import transpose_linears
 from pipellm.models.moe import SparseMoE
 from pipellm.pipeline.profile import best_of

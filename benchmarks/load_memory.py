@@ -15,7 +15,8 @@ import tempfile
 
 PROBE = """
 import json, sys, threading, time, torch
-from pipellm.config import EngineConfig, ModelConfig
+from pipellm.config import EngineConfig
+from pipellm.model_config import ModelConfig
 from pipellm.pipeline.messages import StageArgs
 from pipellm.pipeline.partition import make_partition
 from pipellm.pipeline.stage import _release_free_heap

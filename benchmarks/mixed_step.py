@@ -10,7 +10,7 @@ import time
 import torch
 from decode_step import BLOCK, default_model_stage, random_caches
 
-from pipellm.config import ModelConfig
+from pipellm.model_config import ModelConfig
 from pipellm.models.attention import AttentionMetadata
 
 CHUNK, DECODES, CONTEXT = 512, 15, 256

@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from pipellm.config import ModelConfig
+from pipellm.model_config import ModelConfig
 from pipellm.models.layers import GatedMLP, transpose_linears
 from pipellm.models.moe import SparseMoE
 from pipellm.pipeline.profile import best_of

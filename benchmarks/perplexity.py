@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from pipellm.config import ModelConfig
 from pipellm.loader.model_folder import load_tokenizer
 from pipellm.loader.default_model import default_model_path
 from pipellm.loader.gguf import cached_gguf_folder, convert_gguf, load_gguf_stage_weights
 from pipellm.loader.safetensors import load_stage_weights
+from pipellm.model_config import ModelConfig
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache
 from pipellm.models.layers import transpose_linears

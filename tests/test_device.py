@@ -9,9 +9,9 @@ from gguf.quants import dequantize
 from torch import nn
 
 from pipellm import LLM, SamplingParams, device
-from pipellm.config import ModelConfig
 from pipellm.entrypoints.args import parse_args
 from pipellm.entrypoints.cli import _engine_kwargs
+from pipellm.model_config import ModelConfig
 from pipellm.pipeline.partition import make_partition
 from pipellm.quant.gguf_blocks import repack
 from pipellm.quant.linear import CompactEmbedding, CompactLinear, densify

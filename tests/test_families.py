@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from pipellm import LLM, SamplingParams
-from pipellm.config import ModelConfig
+from pipellm.model_config import ModelConfig
 from tests.conftest import VOCAB, NUM_LAYERS, save_tokenizer, spy_chunks_ahead
 from tests.test_parity import NEW_TOKENS, PROMPTS
 

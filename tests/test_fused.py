@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from pipellm import kernels
-from pipellm.config import ModelConfig
 from pipellm.loader.safetensors import load_stage_weights
+from pipellm.model_config import ModelConfig
 from pipellm.models import fused
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache
@@ -157,7 +157,7 @@ def test_building_on_meta_skips_init_and_its_imports(checkpoints):
     code = f"""
 import sys, torch
 from torch import nn
-from pipellm.config import ModelConfig
+from pipellm.model_config import ModelConfig
 from pipellm.models.registry import build_stage_model
 from pipellm.pipeline.partition import StageLayers
 init = nn.init.normal_

@@ -14,10 +14,10 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 import pipellm.loader.gguf as gguf_loader
-from pipellm.config import ModelConfig
 from pipellm.loader.model_folder import load_tokenizer
 from pipellm.loader.default_model import default_model_path
 from pipellm.loader.gguf import cached_gguf_folder, convert_gguf, unpermute_qk
+from pipellm.model_config import ModelConfig
 
 # A tiny byte-level BPE vocabulary: specials, the 256 byte symbols, and a few merges.
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

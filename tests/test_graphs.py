@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from pipellm import kernels
-from pipellm.config import EngineConfig, ModelConfig
+from pipellm.config import EngineConfig
 from pipellm.loader.safetensors import load_stage_weights
+from pipellm.model_config import ModelConfig
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache
 from pipellm.models.layers import transpose_linears

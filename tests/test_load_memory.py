@@ -12,8 +12,8 @@ from tests.conftest import hf_config
 
 PROBE = """
 import json, sys, torch
-from pipellm.config import ModelConfig
 from pipellm.loader.safetensors import load_stage_weights
+from pipellm.model_config import ModelConfig
 from pipellm.models.registry import build_stage_model
 from pipellm.pipeline.partition import StageLayers
 from pipellm.quant.linear import weight_bytes

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipellm import LLM
-from pipellm.config import ModelConfig
+from pipellm.model_config import ModelConfig
 
 
 @pytest.fixture

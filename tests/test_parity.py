@@ -49,7 +49,7 @@ def test_greedy_matches_hf(checkpoints, hf_reference, arch, pp, partition):
 
 def test_last_token_logits_match_hf(checkpoints):
     """The raw last-token logits, not only their log-softmax: read from the stage model directly."""
-    from pipellm.config import ModelConfig
+    from pipellm.model_config import ModelConfig
     from pipellm.loader.safetensors import load_stage_weights
     from pipellm.models.attention import AttentionMetadata
     from pipellm.models.kv_cache import KVCache

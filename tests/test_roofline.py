@@ -2,7 +2,7 @@
 import pytest
 from torch import nn
 
-from pipellm.config import ModelConfig
+from pipellm.model_config import ModelConfig
 from pipellm.observe.roofline import _context_sum, _linear_params
 
 

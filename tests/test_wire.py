@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipellm.config import EngineConfig, ModelConfig, RopeConfig
+from pipellm.config import EngineConfig
+from pipellm.model_config import ModelConfig, RopeConfig
 from pipellm.pipeline import wire
 from pipellm.pipeline.block_tables import StageBlockTables
 from pipellm.pipeline.messages import (AHEAD_TOKEN, BlockTableChanges, Inspect, NewRequest, ProbeReport,

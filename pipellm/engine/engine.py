@@ -10,7 +10,7 @@ from collections import deque
 from datetime import timedelta
 
 from pipellm import device, kernels
-from pipellm.config import EngineConfig, ModelConfig
+from pipellm.config import EngineConfig
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.input_processor import InputProcessor
 from pipellm.engine.kv_budget import kv_budget
@@ -20,6 +20,7 @@ from pipellm.engine.sequence import Request
 from pipellm.loader.gguf import gguf_source
 from pipellm.loader.model_folder import load_tokenizer, resolve_model
 from pipellm.loader.safetensors import checkpoint_files
+from pipellm.model_config import ModelConfig
 from pipellm.observe.trace import TraceRecorder
 from pipellm.outputs import RequestOutput
 from pipellm.pipeline import comm, wire

@@ -2,7 +2,7 @@
 is queued (a bad one raises ValueError and changes nothing), and what the sampler needs of a request's parameters
 as token ids."""
 from pipellm import structured
-from pipellm.config import ModelConfig
+from pipellm.model_config import ModelConfig
 from pipellm.sampling_params import SamplingParams
 
 

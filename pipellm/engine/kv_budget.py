@@ -4,7 +4,8 @@ import logging
 from dataclasses import dataclass
 
 from pipellm import device
-from pipellm.config import DEFAULT_KV_CACHE_GIB, EngineConfig, ModelConfig
+from pipellm.config import DEFAULT_KV_CACHE_GIB, EngineConfig
+from pipellm.model_config import ModelConfig
 from pipellm.models.kv_cache import block_bytes, cache_dtype
 from pipellm.pipeline.partition import StageLayers
 

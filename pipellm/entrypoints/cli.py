@@ -48,7 +48,7 @@ def _engine_kwargs(args, restart_default: bool = False) -> dict:
 def _check_model(model: str | None) -> str:
     """The model's folder. Fails in one line on a model that is missing, not installed or malformed, before any
     process starts (the engine reads the same files again; that is cheap)."""
-    from pipellm.config import ModelConfig
+    from pipellm.model_config import ModelConfig
     from pipellm.loader.model_folder import resolve_model
     try:
         folder = resolve_model(model)

@@ -4,7 +4,7 @@ import re
 
 import numpy as np
 
-from pipellm.config import ModelConfig
+from pipellm.model_config import ModelConfig
 
 # GGUF general.architecture -> (HF class, model_type, whether llama.cpp permuted the Q/K rows for its rotary).
 # llama.cpp writes Mistral and Mixtral as "llama" (Mixtral with experts); "mistral" is accepted in case a file says so.

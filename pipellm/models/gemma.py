@@ -5,7 +5,7 @@ embedding and GeGLU."""
 import torch
 from torch import nn
 
-from pipellm.config import ModelConfig
+from pipellm.model_config import ModelConfig
 from pipellm.models.layers import GatedMLP, GemmaRMSNorm
 from pipellm.models.llama import LlamaAttention, LlamaLayer, LlamaStage
 

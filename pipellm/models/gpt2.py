@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipellm.config import ModelConfig
+from pipellm.model_config import ModelConfig
 from pipellm.models.attention import AttentionMetadata, paged_attention
 from pipellm.models.layers import greedy_head
 from pipellm.pipeline.partition import StageLayers

@@ -4,7 +4,7 @@ holds a layer holds all its experts."""
 import torch
 from torch import nn
 
-from pipellm.config import ModelConfig
+from pipellm.model_config import ModelConfig
 from pipellm.models.layers import GatedMLP
 
 

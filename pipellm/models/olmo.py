@@ -3,7 +3,7 @@ their inputs. OLMo's q/k norms span all of a token's heads at once (OLMo 3 adds 
 their own); EXAONE 4's are per head, and its full layers (among sliding ones) take no rotary positions."""
 from torch import nn
 
-from pipellm.config import ModelConfig
+from pipellm.model_config import ModelConfig
 from pipellm.models.layers import Fp32ScaledRMSNorm, RMSNorm
 from pipellm.models.llama import LlamaAttention, LlamaStage, make_mlp
 

@@ -3,7 +3,7 @@ import contextlib
 import torch
 from torch import nn
 
-from pipellm.config import ModelConfig
+from pipellm.model_config import ModelConfig
 from pipellm.models.gemma import Gemma1Stage, GemmaStage
 from pipellm.models.glm import Glm4Stage
 from pipellm.models.gpt2 import GPT2Stage

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from pipellm.config import ModelConfig
+from pipellm.model_config import ModelConfig
 from pipellm.pipeline.partition import StageLayers
 
 

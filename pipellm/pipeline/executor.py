@@ -14,7 +14,8 @@ from collections import deque
 from dataclasses import replace
 from datetime import timedelta
 
-from pipellm.config import EngineConfig, ModelConfig
+from pipellm.config import EngineConfig
+from pipellm.model_config import ModelConfig
 from pipellm.pipeline import comm, wire
 from pipellm.pipeline.messages import (Inspect, ProbeReport, SampledBatch, Shutdown, StageArgs, StageBatch,
                                        StageReport, num_drafts)

@@ -10,7 +10,8 @@ import os
 import socket
 import traceback
 
-from pipellm.config import EngineConfig, ModelConfig
+from pipellm.config import EngineConfig
+from pipellm.model_config import ModelConfig
 from pipellm.pipeline.executor import PipelineError
 from pipellm.pipeline.messages import ProbeReport, SampledBatch, StageArgs, StageBatch, StageReport
 from pipellm.pipeline.partition import StageLayers

@@ -3,7 +3,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipellm.config import MAX_SCHEDULER_STEPS, EngineConfig, ModelConfig
+from pipellm.config import MAX_SCHEDULER_STEPS, EngineConfig
+from pipellm.model_config import ModelConfig
 from pipellm.pipeline.partition import StageLayers
 from pipellm.quant.linear import MAPPED
 from pipellm.sampler import PromptLogprobs, SampledToken

@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pipellm import kernels
-from pipellm.config import EngineConfig, ModelConfig
+from pipellm.config import EngineConfig
+from pipellm.model_config import ModelConfig
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache, cache_dtype
 from pipellm.models.layers import transpose_linears

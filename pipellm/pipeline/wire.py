@@ -24,7 +24,8 @@ import typing
 
 import numpy as np
 
-from pipellm.config import EngineConfig, ModelConfig, RopeConfig, SpeculativeConfig
+from pipellm.config import EngineConfig, SpeculativeConfig
+from pipellm.model_config import ModelConfig, RopeConfig
 from pipellm.pipeline.messages import (BlockTableChanges, Inspect, NewRequest, ProbeReport, SampledBatch, Shutdown,
                                        StageArgs, StageBatch, StageReport)
 from pipellm.pipeline.partition import StageLayers

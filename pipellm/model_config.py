@@ -1,0 +1,253 @@
+"""A model's shape as its HF config.json gives it (ModelConfig, with RopeConfig for its rotary positions), and the
+architectures pipellm runs. The engine's settings: config.py."""
+import json
+import os
+from dataclasses import dataclass, field
+
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+                "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
+                "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM")
+OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM")
+GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+
+@dataclass
+class RopeConfig:
+    """Rotary positions of one kind of layer, as HF's rope_parameters (rope_scaling) give them."""
+    rope_type: str = "default"      # one of ROPE_TYPES
+    theta: float = 10000.0          # base
+    partial_rotary_factor: float = 1.0  # share of head_dim that is rotated (Phi-4-mini: 0.75)
+    factor: float = 1.0             # linear, dynamic, llama3, yarn, longrope
+    original_max_position_embeddings: int = 0  # llama3, yarn, longrope: the pretraining context
+    low_freq_factor: float = 1.0    # llama3
+    high_freq_factor: float = 4.0   # llama3
+    attention_factor: float | None = None  # yarn, longrope: scale on cos/sin; None = from factor
+    beta_fast: float = 32.0         # yarn
+    beta_slow: float = 1.0          # yarn
+    mscale: float = 0.0             # yarn (DeepSeek style, with mscale_all_dim)
+    mscale_all_dim: float = 0.0
+    truncate: bool = True           # yarn: round the correction range
+    short_factor: tuple[float, ...] = ()  # longrope, per rotated frequency
+    long_factor: tuple[float, ...] = ()
+    freq_factors: tuple[float, ...] = ()  # llama.cpp's rope_freqs (Llama 3 GGUF): each frequency divided by one
+
+    @classmethod
+    def from_hf(cls, d: dict, hf: dict, source: str) -> "RopeConfig":
+        """d: one layer kind's rope parameters; hf: the whole config.json (older keys live at its top level)."""
+        rope_type = d.get("rope_type", d.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        theta = d.get("rope_theta", hf.get("rope_theta", 10000.0))
+        partial = d.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        original = hf.get("original_max_position_embeddings") if rope_type in ("llama3", "yarn", "longrope") else None
+        original = original or d.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 2048)
+        factor = d.get("factor")
+        if factor is None:  # yarn and longrope infer it from the two context lengths
+            factor = hf.get("max_position_embeddings", original) / original if rope_type in ("yarn", "longrope") \
+                else 1.0
+        if rope_type in ("linear", "dynamic", "llama3", "yarn") and "factor" not in d:
+            raise ValueError(f"{source}: rope type {rope_type!r} needs a factor")
+        rope = cls(rope_type, float(theta), float(partial), float(factor), int(original),
+                   float(d.get("low_freq_factor", 1.0)), float(d.get("high_freq_factor", 4.0)),
+                   d.get("attention_factor"), float(d.get("beta_fast") or 32), float(d.get("beta_slow") or 1),
+                   float(d.get("mscale") or 0), float(d.get("mscale_all_dim") or 0), bool(d.get("truncate", True)),
+                   tuple(map(float, d.get("short_factor") or ())), tuple(map(float, d.get("long_factor") or ())),
+                   tuple(map(float, d.get("freq_factors") or ())))
+        if rope_type == "longrope" and not (rope.short_factor and rope.long_factor):
+            raise ValueError(f"{source}: rope type 'longrope' needs short_factor and long_factor")
+        return rope
+
+
+@dataclass
+class ModelConfig:
+    architecture: str               # HF class name, one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int               # < num_heads means grouped-query attention
+    head_dim: int
+    intermediate_size: int          # MLP width
+    max_position_embeddings: int
+    norm_eps: float                 # RMSNorm (Llama family) or LayerNorm (GPT-2) epsilon
+    rope: RopeConfig = field(default_factory=RopeConfig)  # unused by GPT-2 (learned positions)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False          # Qwen2, and Llama with attention_bias
+    o_bias: bool = False            # Llama with attention_bias
+    sliding_window: int | None = None  # sliding layers attend to the last sliding_window keys only
+    eos_token_ids: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; () = all full, or all
+    #                                    sliding when sliding_window is set (Mistral)
+    rope_local: RopeConfig | None = None  # Gemma 3: rotary of the sliding layers (another base)
+    qk_norm: bool = False           # Qwen3, Gemma 3: RMSNorm over each head of q and k before rotary
+    hidden_act: str = "silu"        # MLP gate: silu, or gelu_pytorch_tanh (Gemma)
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale is its -1/2 power, not head_dim's
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: the same on the logits
+    num_experts: int = 0            # mixture of experts (Mixtral, Qwen3-MoE); 0 = dense MLPs
+    num_experts_per_tok: int = 0    # experts each token is routed to
+    moe_intermediate_size: int = 0  # width of one expert's MLP
+    norm_topk_prob: bool = True     # renormalise the chosen experts' router weights to sum to 1
+    dense_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with a dense MLP among the MoE ones
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token takes, weighted by a sigmoid gate
+    nope_layers: tuple[int, ...] = ()   # SmolLM3: layers whose q and k take no rotary positions
+    qk_norm_per_head: bool = True       # qk_norm over each head's values; OLMo 2: over all heads' at once
+    # Granite: the embedding, each block's output before it joins the residual, and the logits (divided) scaled;
+    # attention_multiplier the attention's scale
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None
+    # GPT-OSS: a learned logit per head that joins each softmax's denominator (attention "sinks"); experts with
+    # biases whose gate is clamped above and up on both sides at swiglu_limit, gated by gate * sigmoid(alpha * gate)
+    # times (up + 1); a router with a bias whose top-k logits are softmaxed (0: plain SwiGLU experts)
+    attention_sinks: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"the model's num_attention_heads={self.num_heads} is not a multiple of its "
+                             f"num_key_value_heads={self.num_kv_heads}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"the model's layer_types has {len(self.layer_types)} entries for its "
+                             f"{self.num_layers} layers")
+
+    @property
+    def is_gpt2(self) -> bool:
+        return self.architecture == "GPT2LMHeadModel"
+
+    @property
+    def max_context(self) -> int:
+        """Tokens a sequence may hold: dynamic and yarn rotary stretch the trained context by their factor."""
+        rope = self.rope
+        if rope.rope_type == "dynamic":
+            return int(self.max_position_embeddings * rope.factor)
+        if rope.rope_type == "yarn":
+            return max(self.max_position_embeddings, int(rope.original_max_position_embeddings * rope.factor))
+        return self.max_position_embeddings
+
+    def is_sliding(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return not self.layer_types or self.layer_types[layer] == "sliding_attention"
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @classmethod
+    def from_pretrained(cls, folder: str) -> "ModelConfig":
+        path = os.path.join(folder, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: no config.json; a model folder needs config.json and *.safetensors")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_hf_dict(d, path)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        archs = d.get("architectures") or []
+        archs = [archs] if isinstance(archs, str) else archs
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"{source}: architecture {archs or d.get('model_type')} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        quant = d.get("quantization_config")
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        if method is not None and not (method == "mxfp4" and arch == "GptOssForCausalLM"):
+            raise ValueError(f"{source}: weights quantized as {method!r} are not supported (GPT-OSS's mxfp4 is): "
+                             "use the unquantized checkpoint (quantization='int8' or 'int4' compacts it at load) "
+                             "or a GGUF file")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if arch == "GPT2LMHeadModel":
+            for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+                if d.get(flag):
+                    raise ValueError(f"{source}: GPT-2 option {flag}=true is not supported")
+            n_embd, n_head = d["n_embd"], d["n_head"]
+            return cls(arch, d["vocab_size"], n_embd, d["n_layer"], n_head, n_head, n_embd // n_head,
+                       d.get("n_inner") or 4 * n_embd, d["n_positions"], d.get("layer_norm_epsilon", 1e-5),
+                       tie_word_embeddings=d.get("tie_word_embeddings", True), eos_token_ids=eos_ids)
+        is_gemma = arch in GEMMA_FAMILY
+        act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"{source}: activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+        layers = d["num_hidden_layers"]
+        window = d.get("sliding_window")
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
+                    "SmolLM3ForCausalLM") \
+                and not d.get("use_sliding_window", False):
+            window = None
+        layer_types = tuple(d.get("layer_types") or ())
+        if arch == "Gemma3ForCausalLM" and not layer_types:  # older configs: every n-th layer is global
+            pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
+            layer_types = tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                for i in range(layers))
+        if arch == "Gemma2ForCausalLM" and not layer_types:
+            layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+        if not any(t == "sliding_attention" for t in layer_types):
+            layer_types = ()
+            if arch != "MistralForCausalLM" and d.get("layer_types"):
+                window = None  # every layer is full (Qwen's layer_types without use_sliding_window)
+        if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+            raise ValueError(f"{source}: layer_types {sorted(set(layer_types))} are not supported "
+                             "(full_attention, sliding_attention)")
+        params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_local = None
+        if "full_attention" in params or "sliding_attention" in params:  # per layer kind (Gemma 3)
+            rope = RopeConfig.from_hf(params.get("full_attention") or {}, d, source)
+            rope_local = RopeConfig.from_hf(params.get("sliding_attention") or {}, d, source)
+        else:
+            rope = RopeConfig.from_hf(params, d, source)
+            if arch == "Gemma3ForCausalLM":  # older configs: local layers use rope_local_base_freq, unscaled
+                rope_local = RopeConfig(theta=float(d.get("rope_local_base_freq", 10000.0)))
+        heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        attention_bias = bool(d.get("attention_bias", arch in ("SeedOssForCausalLM", "GptOssForCausalLM")))
+        o_bias = bool(d.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM" else \
+            attention_bias and arch != "Glm4ForCausalLM"  # GLM-4: biases on q, k and v only
+        if d.get("mlp_bias"):
+            raise ValueError(f"{source}: mlp_bias=true is not supported")
+        num_experts = d.get("num_local_experts") or d.get("num_experts") or 0
+        dense_layers = ()
+        if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+            step = d.get("decoder_sparse_step", 1) or 1
+            dense_layers = tuple(i for i in range(layers)
+                                 if i in (d.get("mlp_only_layers") or ()) or (i + 1) % step != 0)
+        nope_layers = ()
+        if arch == "SmolLM3ForCausalLM":  # no_rope_layers: 1 where a layer uses rotary positions
+            uses_rope = d.get("no_rope_layers") or [int((i + 1) % (d.get("no_rope_layer_interval") or 4) != 0)
+                                                    for i in range(layers)]
+            nope_layers = tuple(i for i, r in enumerate(uses_rope) if not r)
+        if arch == "Exaone4ForCausalLM" and d.get("sliding_window") is not None:  # its full layers: no rotary
+            nope_layers = tuple(i for i, t in enumerate(d.get("layer_types") or ()) if t == "full_attention")
+        granite = {k: float(d.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling",
+                                                     "attention_multiplier")} if arch == "GraniteForCausalLM" else {}
+        gpt_oss = dict(attention_sinks=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+                       swiglu_alpha=float(d.get("swiglu_alpha", 1.702))) if arch == "GptOssForCausalLM" else {}
+        return cls(arch, d["vocab_size"], d["hidden_size"], layers, heads,
+                   d.get("num_key_value_heads") or heads, head_dim, d["intermediate_size"],
+                   d.get("max_position_embeddings", 2048), d.get("rms_norm_eps", 1e-6), rope,
+                   tie_word_embeddings=d.get("tie_word_embeddings", is_gemma),
+                   qkv_bias=attention_bias or arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"), o_bias=o_bias,
+                   sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
+                   qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+                                    "Exaone4ForCausalLM") + OLMO_FAMILY,
+                   hidden_act=act, query_pre_attn_scalar=d.get("query_pre_attn_scalar") if is_gemma else None,
+                   attn_logit_softcapping=d.get("attn_logit_softcapping") if is_gemma else None,
+                   final_logit_softcapping=d.get("final_logit_softcapping") if is_gemma else None,
+                   num_experts=num_experts if arch in MOE_FAMILY else 0,
+                   num_experts_per_tok=d.get("num_experts_per_tok", 0) if arch in MOE_FAMILY else 0,
+                   moe_intermediate_size=d.get("moe_intermediate_size") or d["intermediate_size"],
+                   norm_topk_prob=arch == "MixtralForCausalLM" or bool(d.get("norm_topk_prob", False)),
+                   dense_layers=dense_layers, nope_layers=nope_layers,
+                   shared_expert_intermediate_size=(d.get("shared_expert_intermediate_size") or 0)
+                   if arch == "Qwen2MoeForCausalLM" else 0,
+                   qk_norm_per_head=arch not in OLMO_FAMILY,
+                   **granite, **gpt_oss)
