@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="Triton (the test extra, on Linux) is not i
 # query heads, KV heads, head size: groups of 1 to 16 query heads a KV head, heads 64 to 256 wide
 MODELS = {"SmolLM2-135M": (9, 3, 64), "Llama-3.1-8B": (32, 8, 128), "Llama-3.1-70B": (64, 8, 128),
           "Llama-3.1-405B": (128, 8, 128), "Gemma-2-9B": (16, 8, 256), "Gemma-3-1B": (4, 1, 256),
-          "Phi-3-mini": (32, 32, 96), "GPT-2": (12, 12, 64)}
+          "Phi-3-mini": (32, 32, 96), "GPT-2": (12, 12, 64), "GPT-OSS-20B": (64, 8, 64)}  # GPT-OSS: with sinks
 CASES = [  # (model, cache dtype, block size, split, soft cap, compute capability)
     *[(m, "bf16", 16, split, m.startswith("Gemma-2"), 90) for m in MODELS for split in (False, True)],
     *[(m, dtype, 16, True, False, 90) for m in ("Llama-3.1-8B", "Gemma-2-9B", "Phi-3-mini")
@@ -31,7 +31,8 @@ CASES = [  # (model, cache dtype, block size, split, soft cap, compute capabilit
     *[(m, "bf16", 16, True, False, arch) for m in ("SmolLM2-135M", "Llama-3.1-405B") for arch in (80, 100, 120)],
     *[("Llama-3.1-8B", dtype, 16, True, False, 75) for dtype in ("fp16", "i8")],  # a T4's: fp16, not bf16
 ]
-MERGES = [(64, 4, 90), (128, 64, 90), (256, 16, 90), (128, 64, 80)]  # (head size, splits, compute capability)
+MERGES = [(64, 4, 90, False), (128, 64, 90, False), (256, 16, 90, False), (128, 64, 80, False),
+          (64, 16, 90, True)]  # (head size, splits, compute capability, sinks)
 
 
 def _case_id(case) -> str:
@@ -59,7 +60,7 @@ def test_decode_kernel_compiles_for_nvidia_gpus_without_spilling(compiled, case)
     assert result["spilled"] == 0, result
 
 
-@pytest.mark.parametrize("case", MERGES, ids=lambda c: f"head{c[0]}-splits{c[1]}-sm{c[2]}")
+@pytest.mark.parametrize("case", MERGES, ids=lambda c: f"head{c[0]}-splits{c[1]}-sm{c[2]}{'-sinks' if c[3] else ''}")
 def test_merge_kernel_compiles_for_nvidia_gpus_without_spilling(compiled, case):
     result = compiled["merge"][f"{case}"]
     assert result["error"] is None, result["error"]
@@ -98,16 +99,18 @@ def _compile_all(decode_cases: list, merge_cases: list) -> dict:
         heads, kv_heads, head_dim = MODELS[model]
         constants = triton_decode._config(heads, kv_heads, head_dim, block)
         num_warps = constants.pop("num_warps")
-        constants.update(INT8=dtype == "i8", SOFTCAP=softcap, SPLIT=split)
+        constants.update(INT8=dtype == "i8", SOFTCAP=softcap, SPLIT=split, SINKS=model.startswith("GPT-OSS"))
         signature = {"q_ptr": "*fp32", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "ks_ptr": "*fp32",
-                     "vs_ptr": "*fp32", "tables_ptr": "*i64", "lens_ptr": "*i64", "out_ptr": "*fp32",
+                     "vs_ptr": "*fp32", "tables_ptr": "*i64", "lens_ptr": "*i64", "sinks_ptr": "*fp32",
+                     "out_ptr": "*fp32",
                      "part_ptr": "*fp32", "stats_ptr": "*fp32", "table_width": "i32", "window": "i32",
                      "scale": "fp32", "softcap": "fp32", "blocks_per_split": "i32"}
         results["decode"][_case_id(case)] = _compile(triton_decode._decode, signature, constants, num_warps, arch)
-    for head_dim, splits, arch in merge_cases:
-        constants = dict(H=32, D=head_dim, D_P=head_dim, SPLITS_P=splits)
-        signature = {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*fp32", "num_splits": "i32"}
-        results["merge"][f"{(head_dim, splits, arch)}"] = _compile(triton_decode._merge, signature, constants, 4,
+    for head_dim, splits, arch, sinks in merge_cases:
+        constants = dict(H=32, D=head_dim, D_P=head_dim, SPLITS_P=splits, SINKS=sinks)
+        signature = {"part_ptr": "*fp32", "stats_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*fp32",
+                     "num_splits": "i32"}
+        results["merge"][f"{(head_dim, splits, arch, sinks)}"] = _compile(triton_decode._merge, signature, constants, 4,
                                                                   arch)
     return results
 

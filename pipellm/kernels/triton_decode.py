@@ -16,15 +16,16 @@ MIN_SPLIT_BLOCKS = 4  # blocks a program reads at least, where a context is spli
 
 
 @triton.jit
-def _decode(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, stats_ptr,
+def _decode(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, sinks_ptr, out_ptr, part_ptr, stats_ptr,
             table_width, window, scale, softcap, blocks_per_split,
             H: tl.constexpr, KV: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr,
             D_P: tl.constexpr, BS: tl.constexpr, BS_P: tl.constexpr, INT8: tl.constexpr, SOFTCAP: tl.constexpr,
-            SPLIT: tl.constexpr, DOT: tl.constexpr):
+            SPLIT: tl.constexpr, DOT: tl.constexpr, SINKS: tl.constexpr):
     """One program: sequence b, KV head h (its GROUP query heads together), split s of the context's blocks.
     DOT: the group's scores and weighted values as matrix products (GROUP_P, D_P, BS_P >= 16), on the tensor cores
     in the cache's 16-bit type (int8 codes are exact in bf16, their scales applied after) and in fp32 for an fp32
-    cache; else as products broadcast in registers, for a group of one head."""
+    cache; else as products broadcast in registers, for a group of one head. SINKS (GPT-OSS): each head's sink logit
+    joins its softmax's denominator, here where the context is whole, else in _merge."""
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # the first key the row sees
@@ -76,19 +77,30 @@ def _decode(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, out_ptr, 
         tl.store(stats_ptr + part * 2, m, mask=g < GROUP)
         tl.store(stats_ptr + part * 2 + 1, total, mask=g < GROUP)
     else:
+        if SINKS:  # exp(sink) in the denominator, both sides scaled to the larger of the maximum and the sink
+            sink = tl.load(sinks_ptr + heads, mask=g < GROUP, other=0.0)
+            top = tl.maximum(m, sink)
+            acc, total = acc * tl.exp(m - top)[:, None], total * tl.exp(m - top) + tl.exp(sink - top)
         tl.store(out_ptr + (b * H + heads)[:, None] * D + d[None, :], acc / total[:, None], mask=qd_mask)
 
 
 @triton.jit
-def _merge(part_ptr, stats_ptr, out_ptr, num_splits, H: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
-           SPLITS_P: tl.constexpr):
-    """One program per sequence b and query head h: its splits' parts, each rescaled to their common maximum."""
+def _merge(part_ptr, stats_ptr, sinks_ptr, out_ptr, num_splits, H: tl.constexpr, D: tl.constexpr,
+           D_P: tl.constexpr, SPLITS_P: tl.constexpr, SINKS: tl.constexpr):
+    """One program per sequence b and query head h: its splits' parts, each rescaled to their common maximum (or
+    the head's sink, where it is larger), and the sink's exp in the denominator."""
     b, h = tl.program_id(0), tl.program_id(1)
     s, d = tl.arange(0, SPLITS_P), tl.arange(0, D_P)
     part = (b * num_splits + s) * H + h                                           # [S]
     top = tl.load(stats_ptr + part * 2, mask=s < num_splits, other=float("-inf"))
-    w = tl.exp(top - tl.max(top, axis=0))                                         # [S], 0 for a split with no keys
+    most = tl.max(top, axis=0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + h)
+        most = tl.maximum(most, sink)
+    w = tl.exp(top - most)                                                        # [S], 0 for a split with no keys
     total = tl.sum(w * tl.load(stats_ptr + part * 2 + 1, mask=s < num_splits, other=0.0), axis=0)
+    if SINKS:
+        total += tl.exp(sink - most)
     sd_mask = (s[:, None] < num_splits) & (d[None, :] < D)
     acc = tl.sum(w[:, None] * tl.load(part_ptr + part[:, None] * D + d[None, :], mask=sd_mask, other=0.0), axis=0)
     tl.store(out_ptr + (b * H + h) * D + d, acc / total, mask=d < D)
@@ -103,9 +115,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     KV, D] (fp32, bf16, fp16, or int8 with scales [blocks, KV]). softcap 0: none. The C++ kernel's call; isa is the
     CPU's, unused here. Ids and lengths are not checked against the cache, as the C++ kernel does: that would wait
     for the GPU, and a CUDA graph's capture refuses it (the block manager hands out only the cache's blocks).
-    sinks (GPT-OSS) are the C++ kernel's only: models/attention.py sends a GPU's to its by-hand scores."""
-    if sinks is not None:
-        raise ValueError("the GPU decode kernel takes no attention sinks")
+    sinks [H] fp32 (GPT-OSS): a logit per head in each softmax's denominator."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv, block_size = k_cache.shape[2], k_cache.shape[1]
     if not (q.dtype == torch.float32 and q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -118,18 +128,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if block_tables.dtype != torch.int64 or not block_tables.is_contiguous() or block_tables.shape[0] != num_seqs \
             or seq_lens.dtype != torch.int64 or seq_lens.shape != (num_seqs,):
         raise ValueError("block_tables must be contiguous int64 [B, width], seq_lens int64 [B]")
+    if sinks is not None and not (sinks.dtype == torch.float32 and sinks.shape == (num_heads,)):
+        raise ValueError("sinks must be fp32 [H]")
     num_splits, blocks_per_split = _splits(num_seqs, num_kv, block_tables.shape[1], block_size, q.device)
     out = torch.empty_like(q)
     split = num_splits > 1
     part = torch.empty(num_seqs, num_splits, num_heads, head_dim, device=q.device) if split else out
     stats = torch.empty(num_seqs, num_splits, num_heads, 2, device=q.device) if split else out
     _decode[(num_seqs, num_kv, num_splits)](
-        q, k_cache, v_cache, k_scale if int8 else q, v_scale if int8 else q, block_tables, seq_lens, out, part, stats,
-        block_tables.shape[1], window, scale, softcap, blocks_per_split, INT8=int8, SOFTCAP=softcap > 0, SPLIT=split,
+        q, k_cache, v_cache, k_scale if int8 else q, v_scale if int8 else q, block_tables, seq_lens,
+        q if sinks is None else sinks, out, part, stats, block_tables.shape[1], window, scale, softcap,
+        blocks_per_split, INT8=int8, SOFTCAP=softcap > 0, SPLIT=split, SINKS=sinks is not None,
         **_config(num_heads, num_kv, head_dim, block_size))
     if split:
-        _merge[(num_seqs, num_heads)](part, stats, out, num_splits, H=num_heads, D=head_dim,
-                                      D_P=triton.next_power_of_2(head_dim), SPLITS_P=triton.next_power_of_2(num_splits))
+        _merge[(num_seqs, num_heads)](part, stats, q if sinks is None else sinks, out, num_splits, H=num_heads,
+                                      D=head_dim, D_P=triton.next_power_of_2(head_dim),
+                                      SPLITS_P=triton.next_power_of_2(num_splits), SINKS=sinks is not None)
     return out
 
 

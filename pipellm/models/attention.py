@@ -226,8 +226,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         rows = q if d.token_idx is None else q[d.token_idx]
         num_seqs = len(rows)
         ops, o = decode_kernels(q), None
-        if sinks is not None and ops is not kernels.for_tensor(q):
-            ops = None  # sinks: our C++ kernel's only
         if ops is not None:  # reads K/V in place through the block tables: no gathered copy. It computes in fp32:
             # bf16 rows are widened (a few KB), which costs far less than torch's SDPA on gathered bf16 K/V
             try:
