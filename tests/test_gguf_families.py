@@ -20,7 +20,8 @@ GGUF_PROMPTS = [[t % VOCAB for t in p] for p in PROMPTS]
 # family -> GGUF general.architecture (llama.cpp writes Mixtral as "llama" with experts)
 ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3moe", "gemma2": "gemma2",
         "gemma3": "gemma3", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
-        "olmo3": "olmo2", "qwen2moe": "qwen2moe", "gemma": "gemma", "gpt_oss": "gpt-oss"}
+        "olmo3": "olmo2", "qwen2moe": "qwen2moe", "gemma": "gemma", "gpt_oss": "gpt-oss", "exaone4": "exaone4",
+        "seed_oss": "seed_oss", "glm4": "glm4"}
 PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
 FAMILIES = list(ARCH)
 
@@ -38,6 +39,9 @@ PHI3_TO_GGUF = HF_TO_GGUF | {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj
 OLMO_TO_GGUF = HF_TO_GGUF | {"post_attention_layernorm": "post_attention_norm",
                              "post_feedforward_layernorm": "post_ffw_norm"}
 GPT_OSS_TO_GGUF = HF_TO_GGUF | {"post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
+SEED_OSS_TO_GGUF = HF_TO_GGUF | {"post_attention_layernorm": "post_attention_norm"}  # no ffn_norm in its arch
+GLM4_TO_GGUF = HF_TO_GGUF | {"post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",
+                             "mlp.gate_up_proj": "ffn_up"}
 GLOBAL_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                   "lm_head.weight": "output.weight"}
 
@@ -89,6 +93,15 @@ def gguf_family_config(name: str):
     if name == "olmo3":  # sliding layers; one rotary for both kinds, as the file holds one
         return tf.Olmo3Config(**BASE, sliding_window=24, layer_types=[
             "sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"])
+    if name == "exaone4":  # norms after attention and MLP; full layers without rotary; llama3's rope as rope_freqs
+        return tf.Exaone4Config(**BASE, sliding_window=24, layer_types=[
+            "sliding_attention", "sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                 high_freq_factor=4.0, original_max_position_embeddings=64))
+    if name == "seed_oss":  # q/k/v biases, and one on the attention's output
+        return tf.SeedOssConfig(**BASE, head_dim=32, attention_bias=True, attention_out_bias=True)
+    if name == "glm4":  # rotary on half of each head, its pairs interleaved; gate and up fused
+        return tf.Glm4Config(**BASE, head_dim=32, partial_rotary_factor=0.5)
     if name == "gpt_oss":  # sinks, experts in MXFP4; llama.cpp's yarn truncates its ramp's ends, as HF's truncate=True
         return tf.GptOssConfig(**BASE, head_dim=16, sliding_window=24, num_local_experts=4, num_experts_per_tok=2,
                                rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0,
@@ -105,7 +118,7 @@ def _rope_parameters(cfg) -> dict:
 def llama3_rope_freqs(cfg) -> np.ndarray:
     """llama.cpp's rope_freqs for Llama 3: per default frequency, the divisor HF's llama3 rotary applies."""
     rope = _rope_parameters(cfg)
-    dim = cfg.head_dim
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
     original = rope["original_max_position_embeddings"]
@@ -139,6 +152,8 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_rope_freq_base(_rope_parameters(cfg)["rope_theta"])
     if name in ("llama3", "mixtral"):
         w.add_rope_dimension_count(head_dim or cfg.hidden_size // cfg.num_attention_heads)
+    if name == "glm4":
+        w.add_rope_dimension_count(int(head_dim * _rope_parameters(cfg)["partial_rotary_factor"]))
     if name in ("mixtral", "gpt_oss"):
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -169,7 +184,7 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
         w.add_logit_scale(cfg.logits_scaling)
-    if name == "olmo3":
+    if name in ("olmo3", "exaone4"):
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     if name == "phi3":
@@ -193,7 +208,8 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
     converter's changes undone), for the reference. edit(writer) may add metadata."""
     cfg, arch = model.config, ARCH[name]
     names = {"gemma2": GEMMA_TO_GGUF, "gemma3": GEMMA_TO_GGUF, "phi3": PHI3_TO_GGUF, "olmo2": OLMO_TO_GGUF,
-             "olmo3": OLMO_TO_GGUF, "gpt_oss": GPT_OSS_TO_GGUF}.get(name, HF_TO_GGUF)
+             "olmo3": OLMO_TO_GGUF, "gpt_oss": GPT_OSS_TO_GGUF, "exaone4": OLMO_TO_GGUF,
+             "seed_oss": SEED_OSS_TO_GGUF, "glm4": GLM4_TO_GGUF}.get(name, HF_TO_GGUF)
     w = gguf.GGUFWriter(str(path), arch)
     write_metadata(w, name, cfg)
     write_tokenizer(w)
@@ -208,7 +224,7 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
         w.add_tensor(gname, data, raw_dtype=None if qtype == Q.F32 else qtype)
         return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32).reshape(arr.shape)
 
-    if name == "llama3":
+    if name in ("llama3", "exaone4"):
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
     if name == "phi3":
         rope = _rope_parameters(cfg)

@@ -265,6 +265,7 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
     data = np.memmap(path, dtype=np.uint8, mode="r")
     pieces: dict[str, list] = {}  # parameter -> [(first row, a QuantWeight, tensor or MappedEmbedding)]
     embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    row_order = getattr(model, "row_order", lambda name: None)  # GLM-4's q/k rows: the stage's order, not HF's
     read = []
     for t in table:
         targets = model.map_weight(t["hf_name"])
@@ -288,6 +289,8 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
             if t["unpermute_heads"]:  # llama.cpp's rotary row order, undone by moving whole rows
                 order = unpermute_qk(np.arange(shape[0])[:, None], t["unpermute_heads"])[:, 0]
                 value = value.take_rows(torch.from_numpy(order))
+        if (order := row_order(t["hf_name"])) is not None:
+            value = value[order] if isinstance(value, torch.Tensor) else value.take_rows(order)
         read.append(t["hf_name"])
         for param, row in targets:
             pieces.setdefault(param, []).append((row, value))

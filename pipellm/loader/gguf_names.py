@@ -23,6 +23,9 @@ ARCHITECTURES = {
     "granite": ("GraniteForCausalLM", "granite", True),
     "olmo2": ("Olmo2ForCausalLM", "olmo2", False),
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss", False),
+    "exaone4": ("Exaone4ForCausalLM", "exaone4", False),
+    "seed_oss": ("SeedOssForCausalLM", "seed_oss", False),
+    "glm4": ("Glm4ForCausalLM", "glm4", False),  # rotary pairs interleaved, as HF's: llama.cpp's NORM rope
 }
 OLMO3 = ("Olmo3ForCausalLM", "olmo3", False)  # "olmo2" with sliding layers
 MIXTRAL = ("MixtralForCausalLM", "mixtral", True)  # "llama" with expert tensors
@@ -42,7 +45,12 @@ _FAMILY_NAMES = {
               "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # kept fused, as HF's Phi-3
     "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "exaone4": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    # the converter names the MLP's input norm after attention where the arch has no ffn_norm
     "gpt-oss": {"post_attention_norm": "post_attention_layernorm"},
+    "seed_oss": {"post_attention_norm": "post_attention_layernorm"},
+    "glm4": {"post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm",
+             "ffn_up": "mlp.gate_up_proj"},  # gate and up kept fused, as HF's
 }
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -73,14 +81,17 @@ def expected_shapes(cfg: dict) -> dict:
     q, kv = mc.num_heads * d, mc.num_kv_heads * d
     is_gemma = mc.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # its norms after attention and MLP
     is_phi3 = mc.architecture == "Phi3ForCausalLM"
-    is_olmo = mc.architecture.startswith("Olmo")
+    is_glm = mc.architecture == "Glm4ForCausalLM"  # norms before and after attention and MLP
+    norms_after = mc.architecture.startswith("Olmo") or mc.architecture == "Exaone4ForCausalLM"  # after only
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not mc.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
     for i in range(mc.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({p + ("post_feedforward_layernorm.weight" if is_olmo else "input_layernorm.weight"): (h,),
+        shapes.update({p + ("post_feedforward_layernorm.weight" if norms_after else "input_layernorm.weight"): (h,),
                        p + "post_attention_layernorm.weight": (h,), p + "self_attn.o_proj.weight": (h, q)})
+        if is_glm:
+            shapes.update({p + "post_self_attn_layernorm.weight": (h,), p + "post_mlp_layernorm.weight": (h,)})
         if is_phi3:
             shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
         else:
@@ -117,7 +128,7 @@ def expected_shapes(cfg: dict) -> dict:
                 shapes[p + "mlp.gate.bias"] = (mc.num_experts,)
             continue
         ff = mc.intermediate_size
-        if is_phi3:
+        if is_phi3 or is_glm:
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * ff, h)
         else:
             shapes.update({p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h)})
@@ -166,9 +177,9 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
     rope = _rope(m, arch, tensors, head_dim, path)
     rotated = m("rope.dimension_count", head_dim)
     if rotated != head_dim:
-        if arch != "phi3":
+        if arch not in ("phi3", "glm4"):
             raise ValueError(f"{path}: partial rotary (rope.dimension_count={rotated}, head_dim={head_dim}) is "
-                             "supported for phi3 only")
+                             "supported for phi3 and glm4 only")
         rope["partial_rotary_factor"] = rotated / head_dim
     window = m("attention.sliding_window", None)
     if arch == "mistral" or (arch == "llama" and not experts):  # llama.cpp attends to the whole context otherwise
@@ -211,6 +222,16 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         entry = OLMO3
         cfg.update(architectures=[OLMO3[0]], sliding_window=window,
                    layer_types=["sliding_attention" if p else "full_attention" for p in pattern])
+    if arch in ("seed_oss", "glm4"):  # biases on q, k and v
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "seed_oss":  # and on the output, where the file has one
+        cfg["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
+    if arch == "exaone4":  # the file's sliding layers, else llama.cpp's rule: the 64-layer model's every 4th is full
+        pattern = m("attention.sliding_window_pattern", [i % 4 != 3 for i in range(layers)] if layers == 64 else [])
+        cfg["sliding_window"] = None  # no sliding layer: every layer takes rotary (HF's and llama.cpp's rule)
+        if any(pattern):
+            cfg.update(sliding_window=window or 4096,
+                       layer_types=["sliding_attention" if p else "full_attention" for p in pattern])
     if arch == "phi3":
         cfg["sliding_window"] = window or None
         if "rope_factors_long.weight" in tensors:  # HF's Phi-3 takes it from here over rope_parameters (default 4096)

@@ -22,12 +22,16 @@ class Glm4Stage(LlamaStage):
     def map_weight(self, name: str) -> list[tuple[str, int]]:
         return super().map_weight(NORM_NAME.sub(lambda m: f".{NORMS[m[1]]}.", name))
 
-    def to_param_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def row_order(self, name: str) -> torch.Tensor | None:
+        """The rows of a checkpoint's tensor in this stage's layout (q's and k's reordered), or None: as they are."""
         if not (m := QK.search(name)):
-            return tensor
+            return None
         cfg = self.cfg
         heads, rotated = cfg.num_heads if m[1] == "q" else cfg.num_kv_heads, self.rotary.rotated_dim
         order = torch.cat([torch.arange(0, rotated, 2), torch.arange(1, rotated, 2),
-                           torch.arange(rotated, cfg.head_dim)])
-        rows = tensor.view(heads, cfg.head_dim, *tensor.shape[1:])                      # [heads, D, (hidden)]
-        return rows[:, order].reshape(tensor.shape)
+                           torch.arange(rotated, cfg.head_dim)])                        # [D] within a head
+        return (torch.arange(heads)[:, None] * cfg.head_dim + order).flatten()         # [heads * D]
+
+    def to_param_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        order = self.row_order(name)
+        return tensor if order is None else tensor[order]
