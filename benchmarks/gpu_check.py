@@ -1,8 +1,9 @@
 """The GPU checks of pipellm, one line each, for benchmarks/gpu_check.sh (which installs what they need first).
 
 1. Greedy ids equal HF transformers' on the same GPU, on tiny random checkpoints (llama, qwen2 with biases and a tied
-   head, gpt2), fp32: PP=1, and PP=2 (a GPU a stage where there are two, else both stages on one GPU); decode steps
-   replay CUDA graphs, and the llama's also with multi-step decoding and with enforce_eager.
+   head, gpt2, gpt_oss with sinks and experts), fp32: PP=1, and PP=2 (a GPU a stage where there are two, else both
+   stages on one GPU); decode steps replay CUDA graphs, and the llama's also with multi-step decoding and with
+   enforce_eager.
 2. The default model (its GGUF, dequantized to the activations' dtype at load) agrees with HF on it.
 3. Throughput of the batch workload (32 requests, 64-192 prompt tokens, 64 new) at PP=1 and PP=2 against HF
    transformers `generate` on the same GPU, bf16: targets >= 2x HF at PP=1 and PP=2 >= 0.9x PP=1.
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from pipellm import LLM, SamplingParams  # noqa: E402
 from pipellm.entrypoints.bench import run_bench  # noqa: E402
 from tests.conftest import hf_greedy_ids, make_checkpoint  # noqa: E402
+from tests.test_families import make_family_checkpoint  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 13, 2, 7], [7, 3], list(range(3, 60))]
 # a hung step fails its check within a minute, not the script's whole time; a stage's first CUDA calls (its context,
@@ -91,9 +93,9 @@ def main():
         check("decode attention at long contexts, Triton (matrix and broadcast products) vs gather",
               long_decode_attention)
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in () if args.skip_tiny else ("llama", "qwen2", "gpt2"):
+        for arch in () if args.skip_tiny else ("llama", "qwen2", "gpt2", "gpt_oss"):
             folder = os.path.join(tmp, arch)
-            hf_model = make_checkpoint(arch, folder).to(hf_dev)
+            hf_model = (make_family_checkpoint if arch == "gpt_oss" else make_checkpoint)(arch, folder).to(hf_dev)
             check(f"parity {arch} PP=1", lambda: parity(folder, hf_model, 1, args.device, hf_dev, "float32"))
             check(f"parity {arch} PP=2", lambda: parity(folder, hf_model, 2, pp2_device, hf_dev, "float32"))
             if arch == "llama":  # multi-step decoding feeds each step's samples to the next step's graph
@@ -116,9 +118,10 @@ def main():
 
 def attention(device: str):
     """tests/test_attention.py's steps (decodes, prefills, chunks after cached prefixes, mixed; grouped heads; fp32
-    and bf16, soft-capped scores, an int8 cache, a sliding window) through paged attention on the device, against
-    its dense reference. On a GPU the decodes go three ways: through Triton's kernel (contexts in one part, then
-    split into parts of 16 keys and merged) and through the gather for SDPA (its path where Triton is missing)."""
+    and bf16, soft-capped scores, an int8 cache, a sliding window, GPT-OSS's sinks) through paged attention on the
+    device, against its dense reference. On a GPU the decodes go three ways: through Triton's kernel (contexts in one
+    part, then split into parts of 16 keys and merged) and through the gather for SDPA (its path where Triton is
+    missing)."""
     from pipellm import kernels
     from pipellm.models import attention as paged
     from tests.test_attention import STEPS, _run
@@ -130,17 +133,19 @@ def attention(device: str):
         paths |= {"triton, split": dict(target=gpu, attribute="SPLIT_KEYS", new=16),
                   "gather": dict(target=paged, attribute="decode_kernels", new=lambda q: None)}
     worst = {}
-    # (activations, KV cache, soft-capped scores, window, tolerance); the last ones attend chunk by chunk
-    f32, bf16 = torch.float32, torch.bfloat16
+    # (activations, KV cache, soft-capped scores, window, sinks, tolerance); the last ones attend chunk by chunk
+    f32, bf16, sinks = torch.float32, torch.bfloat16, torch.linspace(-1, 3, 6)
     for path, patch in paths.items():
-        for act, kv, softcap, window, tol in ((f32, f32, None, None, 1e-4), (bf16, bf16, None, None, 3e-2),
-                                              (f32, f32, 0.5, None, 1e-4), (f32, torch.int8, None, None, 4e-2),
-                                              (bf16, bf16, None, 5, 3e-2)):
+        for act, kv, softcap, window, sink, tol in (
+                (f32, f32, None, None, None, 1e-4), (bf16, bf16, None, None, None, 3e-2),
+                (f32, f32, 0.5, None, None, 1e-4), (f32, torch.int8, None, None, None, 4e-2),
+                (bf16, bf16, None, 5, None, 3e-2), (f32, f32, None, 5, sinks, 1e-4)):
             for name, steps in STEPS.items():
                 with mock.patch.object(**patch) if patch else contextlib.nullcontext():
                     out, dense = _run(steps, 6, 2, window, seed=len(name), kv_dtype=kv, dim=64, act_dtype=act,
-                                      softcap=softcap, device=device)
-                case = f"{path}: {name}, {act}, KV {kv}, softcap {softcap}, window {window}"
+                                      softcap=softcap, device=device, sinks=sink)
+                case = f"{path}: {name}, {act}, KV {kv}, softcap {softcap}, window {window}, " \
+                       f"sinks {sink is not None}"
                 worst[case] = err = (out.float() - dense).abs().max().item()
                 if not err <= tol:
                     return False, f"{case}: max error {err:.2e} (tolerance {tol})"
