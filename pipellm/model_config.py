@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
                 "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
-                "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM")
+                "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM",
+                "Ernie4_5ForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM")
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -77,6 +78,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False          # Qwen2, and Llama with attention_bias
     o_bias: bool = False            # Llama with attention_bias
+    mlp_bias: bool = False          # Llama with mlp_bias, ERNIE 4.5 with use_bias
     sliding_window: int | None = None  # sliding layers attend to the last sliding_window keys only
     eos_token_ids: tuple[int, ...] = ()
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; () = all full, or all
@@ -212,8 +214,9 @@ class ModelConfig:
         attention_bias = bool(d.get("attention_bias", arch in ("SeedOssForCausalLM", "GptOssForCausalLM")))
         o_bias = bool(d.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM" else \
             attention_bias and arch != "Glm4ForCausalLM"  # GLM-4: biases on q, k and v only
-        if d.get("mlp_bias"):
-            raise ValueError(f"{source}: mlp_bias=true is not supported")
+        mlp_bias = bool(d.get("mlp_bias", False))
+        if arch == "Ernie4_5ForCausalLM":  # one switch for every linear layer's bias
+            attention_bias = o_bias = mlp_bias = bool(d.get("use_bias", False))
         num_experts = d.get("num_local_experts") or d.get("num_experts") or 0
         dense_layers = ()
         if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
@@ -236,6 +239,7 @@ class ModelConfig:
                    d.get("max_position_embeddings", 2048), d.get("rms_norm_eps", 1e-6), rope,
                    tie_word_embeddings=d.get("tie_word_embeddings", is_gemma),
                    qkv_bias=attention_bias or arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"), o_bias=o_bias,
+                   mlp_bias=mlp_bias,
                    sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
                    qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                                     "Exaone4ForCausalLM") + OLMO_FAMILY,

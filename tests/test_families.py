@@ -82,6 +82,10 @@ def family_config(name: str):
         return tf.SeedOssConfig(**COMMON, head_dim=32, attention_bias=True, attention_out_bias=True)
     if name == "ministral":  # sliding and full layers
         return tf.MinistralConfig(**COMMON, head_dim=16, sliding_window=24, layer_types=SLIDING_TYPES)
+    if name == "ernie4_5":  # rotary pairs interleaved over all of each head; a bias on every linear layer
+        return tf.Ernie4_5Config(**COMMON, head_dim=16, use_bias=True, tie_word_embeddings=True)
+    if name == "llama-mlp-bias":
+        return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
         return tf.GptOssConfig(**COMMON | dict(max_position_embeddings=SHORT * 8), head_dim=16, sliding_window=24,
                                layer_types=SLIDING_TYPES, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.5,
@@ -93,7 +97,7 @@ def family_config(name: str):
 
 FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longrope", "qwen3", "gemma2", "gemma3",
             "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral",
-            "qwen2moe", "glm4", "gemma", "gpt_oss"]
+            "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias"]
 WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]

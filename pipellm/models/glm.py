@@ -1,7 +1,10 @@
-"""GLM-4 (Glm4ForCausalLM): Gemma's layer order (norms after attention and MLP too) with plain RMSNorms, biases on
-q, k and v, and rotary on half of each head, its pairs interleaved. The q/k rows of the rotated half are reordered
-at load so that the pairs (2i, 2i+1) become (i, i + half): the layout the rotary kernels turn. Scores are dot
-products of q and k, which one reordering of both leaves as they were."""
+"""Rotary pairs interleaved, (2i, 2i+1), as GLM-4's and ERNIE 4.5's checkpoints hold them: the q/k rows of the rotated
+part are reordered at load so that the pairs become (i, i + half), the layout the rotary kernels turn. Scores are dot
+products of q and k, which one reordering of both leaves as they were.
+
+GLM-4 (Glm4ForCausalLM): Gemma's layer order (norms after attention and MLP too) with plain RMSNorms, biases on q, k
+and v, and rotary on half of each head. ERNIE 4.5 (Ernie4_5ForCausalLM): Llama's block, rotary on all of each head,
+and with use_bias a bias on every linear layer."""
 import re
 
 import torch
@@ -16,12 +19,7 @@ NORM_NAME = re.compile(rf"\.({'|'.join(NORMS)})\.")
 QK = re.compile(r"\.self_attn\.(q|k)_proj\.(weight|bias)$")
 
 
-class Glm4Stage(LlamaStage):
-    layer_class = GemmaLayer  # with LlamaStage's RMSNorm
-
-    def map_weight(self, name: str) -> list[tuple[str, int]]:
-        return super().map_weight(NORM_NAME.sub(lambda m: f".{NORMS[m[1]]}.", name))
-
+class InterleavedRotaryStage(LlamaStage):
     def row_order(self, name: str) -> torch.Tensor | None:
         """The rows of a checkpoint's tensor in this stage's layout (q's and k's reordered), or None: as they are."""
         if not (m := QK.search(name)):
@@ -35,3 +33,10 @@ class Glm4Stage(LlamaStage):
     def to_param_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         order = self.row_order(name)
         return tensor if order is None else tensor[order]
+
+
+class Glm4Stage(InterleavedRotaryStage):
+    layer_class = GemmaLayer  # with LlamaStage's RMSNorm
+
+    def map_weight(self, name: str) -> list[tuple[str, int]]:
+        return super().map_weight(NORM_NAME.sub(lambda m: f".{NORMS[m[1]]}.", name))

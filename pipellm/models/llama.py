@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
 def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     if cfg.is_moe(layer):
         return SparseMoE(cfg)
-    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
 
 
 class LlamaLayer(nn.Module):

@@ -5,7 +5,7 @@ from torch import nn
 
 from pipellm.model_config import ModelConfig
 from pipellm.models.gemma import Gemma1Stage, GemmaStage
-from pipellm.models.glm import Glm4Stage
+from pipellm.models.glm import Glm4Stage, InterleavedRotaryStage
 from pipellm.models.gpt2 import GPT2Stage
 from pipellm.models.gpt_oss import GptOssStage
 from pipellm.models.llama import LlamaStage
@@ -26,6 +26,7 @@ STAGE_CLASSES = {
     "SeedOssForCausalLM": LlamaStage,
     "MinistralForCausalLM": LlamaStage,
     "Glm4ForCausalLM": Glm4Stage,
+    "Ernie4_5ForCausalLM": InterleavedRotaryStage,
     "MixtralForCausalLM": LlamaStage,
     "Qwen3MoeForCausalLM": LlamaStage,
     "Qwen2MoeForCausalLM": LlamaStage,
