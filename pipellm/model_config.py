@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
                 "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM",
-                "Ernie4_5ForCausalLM")
+                "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
+COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM")
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -228,16 +229,20 @@ class ModelConfig:
             uses_rope = d.get("no_rope_layers") or [int((i + 1) % (d.get("no_rope_layer_interval") or 4) != 0)
                                                     for i in range(layers)]
             nope_layers = tuple(i for i, r in enumerate(uses_rope) if not r)
-        if arch == "Exaone4ForCausalLM" and d.get("sliding_window") is not None:  # its full layers: no rotary
+        if arch == "Exaone4ForCausalLM" and d.get("sliding_window") is not None or arch == "Cohere2ForCausalLM":
             nope_layers = tuple(i for i, t in enumerate(d.get("layer_types") or ()) if t == "full_attention")
+        if arch in COHERE_FAMILY and d.get("use_qk_norm"):
+            raise ValueError(f"{source}: Cohere's use_qk_norm=true (per-head LayerNorms) is not supported")
         granite = {k: float(d.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling",
                                                      "attention_multiplier")} if arch == "GraniteForCausalLM" else {}
+        if arch in COHERE_FAMILY:  # logits * logit_scale, a power of two in Cohere's releases: exact as a divisor
+            granite = {"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))}
         gpt_oss = dict(attention_sinks=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),
                        swiglu_alpha=float(d.get("swiglu_alpha", 1.702))) if arch == "GptOssForCausalLM" else {}
         return cls(arch, d["vocab_size"], d["hidden_size"], layers, heads,
                    d.get("num_key_value_heads") or heads, head_dim, d["intermediate_size"],
-                   d.get("max_position_embeddings", 2048), d.get("rms_norm_eps", 1e-6), rope,
-                   tie_word_embeddings=d.get("tie_word_embeddings", is_gemma),
+                   d.get("max_position_embeddings", 2048), d.get("rms_norm_eps", d.get("layer_norm_eps", 1e-6)), rope,
+                   tie_word_embeddings=d.get("tie_word_embeddings", is_gemma or arch in COHERE_FAMILY),
                    qkv_bias=attention_bias or arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"), o_bias=o_bias,
                    mlp_bias=mlp_bias,
                    sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,

@@ -84,6 +84,10 @@ def family_config(name: str):
         return tf.MinistralConfig(**COMMON, head_dim=16, sliding_window=24, layer_types=SLIDING_TYPES)
     if name == "ernie4_5":  # rotary pairs interleaved over all of each head; a bias on every linear layer
         return tf.Ernie4_5Config(**COMMON, head_dim=16, use_bias=True, tie_word_embeddings=True)
+    if name == "cohere":  # attention and MLP side by side on one LayerNorm; rotary pairs interleaved; logits scaled
+        return tf.CohereConfig(**COMMON, logit_scale=0.25)
+    if name == "cohere2":  # and sliding layers, the full ones without rotary
+        return tf.Cohere2Config(**COMMON, logit_scale=0.25, sliding_window=24, layer_types=SLIDING_TYPES)
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -97,8 +101,8 @@ def family_config(name: str):
 
 FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longrope", "qwen3", "gemma2", "gemma3",
             "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral",
-            "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias"]
-WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss")  # sliding layers
+            "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2"]
+WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
 
@@ -207,6 +211,7 @@ def test_gemma3_older_config_keys():
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "needs a factor"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized as 'gptq' are not supported"),
     ({"quantization_config": {"quant_method": "mxfp4"}}, "quantized as 'mxfp4' are not supported"),  # not GPT-OSS
+    ({"architectures": ["CohereForCausalLM"], "use_qk_norm": True}, "use_qk_norm=true .* is not supported"),
 ])
 def test_unsupported_config_names_it(change, needle):
     d = dict(architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=96,

@@ -39,6 +39,19 @@ class Fp32ScaledRMSNorm(RMSNorm):
         return (self.weight.float() * y).to(x.dtype)
 
 
+class CohereLayerNorm(nn.Module):
+    """Cohere's LayerNorm: each row less its mean, over its standard deviation, scaled by w (no bias); in fp32,
+    rounded once."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None, self.eps).to(x.dtype)
+
+
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: scaled by 1 + w (the weight is stored as an offset from 1), and in fp32 before the cast."""
 

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from pipellm.model_config import ModelConfig
+from pipellm.models.cohere import CohereStage
 from pipellm.models.gemma import Gemma1Stage, GemmaStage
 from pipellm.models.glm import Glm4Stage, InterleavedRotaryStage
 from pipellm.models.gpt2 import GPT2Stage
@@ -27,6 +28,8 @@ STAGE_CLASSES = {
     "MinistralForCausalLM": LlamaStage,
     "Glm4ForCausalLM": Glm4Stage,
     "Ernie4_5ForCausalLM": InterleavedRotaryStage,
+    "CohereForCausalLM": CohereStage,
+    "Cohere2ForCausalLM": CohereStage,
     "MixtralForCausalLM": LlamaStage,
     "Qwen3MoeForCausalLM": LlamaStage,
     "Qwen2MoeForCausalLM": LlamaStage,
