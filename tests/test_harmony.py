@@ -29,8 +29,13 @@ CASES = [  # reply, calls wanted, (reasoning, content, [(name, arguments)])
     ("<|channel|>analysis<|message|>cut off by max_tokens", True, ("cut off by max_tokens", "", [])),
     ('<|channel|>final<|message|>a < b and <|x|> is text<|return|>', True, (None, "a < b and <|x|> is text", [])),
     ('[{"name": "get_weather", "parameters": {}}]', True, (None, '[{"name": "get_weather", "parameters": {}}]', [])),
-    ('<|channel|>commentary to=functions.get_weather<|message|>{"city": "Ro', True,  # cut off in the call: as written
-     (None, "", [("get_weather", '{"city": "Ro')])),
+    # as the server reads them: without the token that ended the reply (<|call|>, <|return|>)
+    (THINK + CALL.removesuffix("<|call|>"), True, ("The user wants Rome's weather.", "", [WEATHER])),
+    ("<|channel|>final<|message|>It is noon.", True, (None, "It is noon.", [])),
+    # the first message's recipient in its role part, right after the prompt's <|start|>assistant
+    (' to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Rome"}', True,
+     (None, "", [WEATHER])),
+    ('{"city": "Rome"}', True, (None, '{"city": "Rome"}', [])),  # held to a named function's JSON
 ]
 
 
@@ -51,6 +56,12 @@ def test_split(text, want_calls, expected):
     assert (reasoning, content, _calls(calls)) == expected
 
 
+def test_a_call_cut_off_by_max_tokens_stays_text():
+    text = THINK + '<|start|>assistant to=functions.get_weather<|channel|>commentary<|message|>{"city": "Ro'
+    assert split(text, True, finish_reason="length") == ("The user wants Rome's weather.", '{"city": "Ro', [])
+    assert _calls(split(text, True)[2]) == [("get_weather", '{"city": "Ro')]  # ended by <|call|>: as written
+
+
 def test_one_call_unless_parallel():
     text = THINK + CALL + CALL.replace("Rome", "Oslo")
     assert _calls(split(text, True)[2]) == [WEATHER, ("get_weather", {"city": "Oslo"})]
@@ -63,7 +74,7 @@ def test_a_stream_gives_the_same_split(text, want_calls, expected, step):
     stream, thought, answer, calls = HarmonyStream(want_calls), [], [], []
     for i in range(0, len(text), step):
         finished = i + step >= len(text)
-        reasoning, content, got = stream.add(text[i:i + step], finished)
+        reasoning, content, got = stream.add(text[i:i + step], "stop" if finished else None)
         assert not any(m in reasoning + content for m in MARKERS)
         assert not got or finished  # the calls come whole, at the end
         thought.append(reasoning)

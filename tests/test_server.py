@@ -474,23 +474,36 @@ def test_gpt_oss_harmony_replies(tmp_path):
             == tok.encode("<user>||Hi<assistant>Easy.|Easy.|Noon.", add_special_tokens=False)
         client = srv.client()
         model = client.models.list().data[0].id
+        ask = dict(model=model, messages=[{"role": "user", "content": "Hi"}], tools=[WEATHER, TIME])
+
+        def both_ways(**kwargs) -> list[tuple]:  # (calls, content, reasoning, finish_reason), whole and streamed
+            out = client.chat.completions.create(**ask, **kwargs).choices[0]
+            chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **ask, **kwargs) if c.choices]
+            return [(out.message.tool_calls or [], out.message.content or None, out.message.reasoning_content,
+                     out.finish_reason),
+                    ([tc for c in chunks for tc in c.delta.tool_calls or []],
+                     "".join(c.delta.content or "" for c in chunks) or None,
+                     "".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks) or None,
+                     chunks[-1].finish_reason)]
+
         for grammar, reasoning, content, calls in ((held_to(*think, *final), "Rome, then.", "It is noon.", []),
                                                    (held_to(*final), None, "It is noon.", []),
-                                                   (held_to(*think, *call), "Rome, then.", None, weather)):
-            kwargs = dict(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=100,
-                          tools=[WEATHER, TIME], extra_body=grammar)
-            out = client.chat.completions.create(**kwargs).choices[0]
-            chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
-            streamed = ([tc for c in chunks for tc in c.delta.tool_calls or []],
-                        "".join(c.delta.content or "" for c in chunks) or None,
-                        "".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks) or None,
-                        chunks[-1].finish_reason)
-            for got_calls, got_content, got_reasoning, finish in (
-                    (out.message.tool_calls or [], out.message.content, out.message.reasoning_content,
-                     out.finish_reason), streamed):
+                                                   (held_to(*think, *call), "Rome, then.", None, weather),
+                                                   (held_to(*call), None, None, weather)):  # recipient first
+            for got_calls, got_content, got_reasoning, finish in both_ways(max_tokens=100, extra_body=grammar):
                 assert [(c.function.name, json.loads(c.function.arguments)) for c in got_calls] == calls
                 assert finish == ("tool_calls" if calls else "stop")
-                assert (got_content or None, got_reasoning) == (content, reasoning)
+                assert (got_content, got_reasoning) == (content, reasoning)
+        # cut off by max_tokens in the call's body: no call, its text as content, finish_reason "length"
+        whole = client.chat.completions.create(**ask, max_tokens=100, extra_body=held_to(*call))
+        for got_calls, got_content, _, finish in both_ways(max_tokens=whole.usage.completion_tokens - 2,
+                                                           extra_body=held_to(*call)):
+            assert (got_calls, finish) == ([], "length") and '{"city": "Rome"}'.startswith(got_content)
+        # a named function: the reply is held to its JSON, which ends with an EOS token the text leaves out
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for got_calls, got_content, got_reasoning, finish in both_ways(max_tokens=60, tool_choice=named):
+            assert [c.function.name for c in got_calls] == ["get_weather"] and finish == "tool_calls"
+            assert isinstance(json.loads(got_calls[0].function.arguments), dict) and got_content is None
 
 
 def test_tools_and_chat_template_options_reach_the_template(server, llama_dir):

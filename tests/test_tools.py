@@ -137,10 +137,14 @@ def test_harmony_parsers_go_together_and_are_a_gpt_oss_models_default():
         ServerConfig("m", tool_call_parser="hermes", reasoning_parser="openai_gptoss")
     with pytest.raises(ValueError, match="give --reasoning-parser openai_gptoss, not qwen3"):
         ServerConfig("m", tool_call_parser="openai", reasoning_parser="qwen3")
-    with pytest.raises(ValueError, match="give --reasoning-parser openai_gptoss too"):
+    with pytest.raises(ValueError, match="this model is LlamaForCausalLM: give --reasoning-parser openai_gptoss"):
         for_model(ServerConfig("m", tool_call_parser="openai"), "LlamaForCausalLM")
+    for given in (dict(reasoning_parser="qwen3"), dict(tool_call_parser="hermes")):  # they would return markup
+        with pytest.raises(ValueError, match=f"which {next(iter(given.values()))} cannot read: give --reasoning-"):
+            for_model(ServerConfig("m", **given), "GptOssForCausalLM")
     assert for_model(ServerConfig("m"), "GptOssForCausalLM").reasoning_parser == "openai_gptoss"
     assert for_model(ServerConfig("m", tool_call_parser="openai"), "GptOssForCausalLM").reasoning_parser \
         == "openai_gptoss"
     assert for_model(ServerConfig("m"), "LlamaForCausalLM").reasoning_parser is None
-    assert for_model(ServerConfig("m", reasoning_parser="qwen3"), "GptOssForCausalLM").reasoning_parser == "qwen3"
+    assert for_model(ServerConfig("m", reasoning_parser="openai_gptoss"), "LlamaForCausalLM").reasoning_parser \
+        == "openai_gptoss"  # a model of another architecture trained on harmony

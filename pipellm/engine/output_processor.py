@@ -82,8 +82,19 @@ class OutputProcessor:
             return ""
         if req.detok is None:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
-        req.detok.update(req.output_token_ids[len(req.detok.token_ids):], final=req.is_finished)
+        ids = self._text_ids(req)
+        req.detok.update(ids[len(req.detok.token_ids):], final=req.is_finished)
         return req.detok.text
+
+    @staticmethod
+    def _text_ids(req: Request) -> list[int]:
+        """The tokens the text shows: as vLLM's, not the EOS or stop token that ended it (its text would show where
+        special tokens are kept), unless include_stop_str_in_output."""
+        ids = req.output_token_ids
+        if req.finish_reason == "stop" and not isinstance(req.stop_reason, str) \
+                and not req.params.include_stop_str_in_output:
+            return ids[:-1]
+        return ids
 
     def completion(self, req: Request) -> CompletionOutput:
         if isinstance(req.stop_reason, str):
@@ -91,7 +102,7 @@ class OutputProcessor:
         elif req.detok is not None or self.tokenizer is None:
             text = self.text(req)
         else:  # never read before: one decode of the whole output costs less than a window per token
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+            text = self.tokenizer.decode(self._text_ids(req), skip_special_tokens=req.params.skip_special_tokens)
         return CompletionOutput(req.index, text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
                                 list(req.output_logprobs) if req.params.logprobs is not None else None,
                                 req.cumulative_logprob if req.params.logprobs is not None else None)

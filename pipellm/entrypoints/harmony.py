@@ -8,8 +8,10 @@ second's body is on a line of its own):
 
 The analysis channel (and a message to a built-in tool) is the reasoning; a message to functions.NAME is a tool call;
 the final channel, and commentary to no one, are the content. The markers are special tokens: the server keeps them
-in the text for this parser (skip_special_tokens=False) and takes them all out. A reply with no marker at all (one held
-to JSON by a forced tool_choice) is all content."""
+in the text for this parser (skip_special_tokens=False) and takes them out. The text leaves out the token that ended
+the reply (<|return|> or <|call|>, as vLLM's does), so a message still open at the end ends there; where max_tokens
+cut it, a call's text stays content. A reply that opens with neither a marker nor a recipient (one held to JSON by a
+forced tool_choice) is all content."""
 import json
 import re
 
@@ -18,29 +20,31 @@ from pipellm.entrypoints.tools import call
 
 MARKERS = [f"<|{name}|>" for name in ("start", "channel", "message", "end", "return", "call", "constrain")]
 _MARKER = re.compile("|".join(map(re.escape, MARKERS)))
+_OPENINGS = (*MARKERS, "to=")  # a reply opens with a header: a marker, or the recipient after <|start|>assistant
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 
 
 class HarmonyStream:
     """A reply read as its pieces come: each piece's (reasoning, content) deltas, and the tool calls once the reply
-    is finished. A tail that could begin a marker waits for the next piece."""
+    is finished (finish_reason given). A tail that could begin a marker waits for the next piece."""
 
     def __init__(self, calls: bool, parallel: bool = True):
         self.want_calls, self.parallel = calls, parallel  # whether messages to functions are calls (tool_choice auto)
         self.text, self.at = "", 0
-        self.plain: bool | None = None  # no marker at the start: not harmony, all content
+        self.plain: bool | None = None  # no header at the start: not harmony, all content
         self.header, self.kind, self.body = "", None, ""  # kind: where the open message's body goes; None = header
         self.fresh, self.sent = False, set()  # a second message of a kind starts on a new line
         self.calls: list[dict] = []
 
-    def add(self, piece: str, finished: bool) -> tuple[str, str, list[dict]]:
+    def add(self, piece: str, finish_reason: str | None) -> tuple[str, str, list[dict]]:
         self.text += piece
+        finished = finish_reason is not None
         if self.plain is None:
             stripped = self.text.lstrip()
-            if stripped.startswith(tuple(MARKERS)):
+            if stripped.startswith(_OPENINGS):
                 self.plain = False
-            elif finished or stop_prefix_len(stripped, MARKERS) != len(stripped):
+            elif finished or stop_prefix_len(stripped, _OPENINGS) != len(stripped):
                 self.plain = True
             else:
                 return "", "", []
@@ -59,7 +63,10 @@ class HarmonyStream:
             self._marker(m.group(0))
         if not finished:
             return "".join(out["reasoning"]), "".join(out["content"]), []
-        self._marker("<|end|>")  # a reply cut off in a call's body still gives the call
+        if self.kind == "call" and finish_reason != "stop":  # cut off in a call's body: its text, not a call
+            self.kind = "content"
+            self._take(self.body, out)
+        self._marker("<|end|>")  # the token that ended the reply (<|call|>, <|return|>) is not in the text
         calls = [call(name, arguments(body)) for name, body in self.calls]
         return "".join(out["reasoning"]), "".join(out["content"]), calls if self.parallel else calls[:1]
 
@@ -95,9 +102,10 @@ class HarmonyStream:
             self.header += marker
 
 
-def split(text: str, calls: bool, parallel: bool = True) -> tuple[str | None, str, list[dict]]:
+def split(text: str, calls: bool, parallel: bool = True, finish_reason: str = "stop") \
+        -> tuple[str | None, str, list[dict]]:
     """(the reasoning or None, the content, the tool calls) of a whole reply."""
-    reasoning, content, found = HarmonyStream(calls, parallel).add(text, True)
+    reasoning, content, found = HarmonyStream(calls, parallel).add(text, finish_reason)
     return reasoning or None, content, found
 
 

@@ -342,12 +342,18 @@ def _depth(value) -> int:
 
 
 def for_model(config: ServerConfig, architecture: str) -> ServerConfig:
-    """The config for the model it serves: a GPT-OSS model's replies are harmony, read by the openai_gptoss parser
-    unless another is given (vLLM reads them so whatever it is told)."""
-    if config.reasoning_parser is None and architecture == "GptOssForCausalLM":
-        logger.info("reading GPT-OSS's harmony replies: --reasoning-parser openai_gptoss")
-        config = dataclasses.replace(config, reasoning_parser="openai_gptoss")
-    if config.tool_call_parser == "openai" and config.reasoning_parser != "openai_gptoss":
-        raise ValueError("--tool-call-parser openai reads GPT-OSS's harmony replies: give --reasoning-parser "
-                         "openai_gptoss too")
+    """The config for the model it serves: a GPT-OSS model's replies are harmony, which the openai_gptoss parser
+    reads (its default, as vLLM reads them so whatever it is told); another parser there would return its markup."""
+    if architecture == "GptOssForCausalLM":
+        if config.reasoning_parser not in (None, "openai_gptoss") or config.tool_call_parser not in (None, "openai"):
+            given = config.reasoning_parser if config.reasoning_parser not in (None, "openai_gptoss") else \
+                config.tool_call_parser
+            raise ValueError(f"GPT-OSS writes harmony replies, which {given} cannot read: give --reasoning-parser "
+                             "openai_gptoss (its default) and --tool-call-parser openai")
+        if config.reasoning_parser is None:
+            logger.info("reading GPT-OSS's harmony replies: --reasoning-parser openai_gptoss")
+            config = dataclasses.replace(config, reasoning_parser="openai_gptoss")
+    elif config.tool_call_parser == "openai" and config.reasoning_parser is None:
+        raise ValueError(f"--tool-call-parser openai reads GPT-OSS's harmony replies, and this model is "
+                         f"{architecture}: give --reasoning-parser openai_gptoss too if it writes them")
     return config

@@ -21,7 +21,7 @@ import pipellm
 from pipellm import chat
 from pipellm.engine.async_engine import StreamDelta
 from pipellm.engine.engine import LLMEngine
-from pipellm.entrypoints.openai_server import OpenAIServer, ServerConfig
+from pipellm.entrypoints.openai_server import OpenAIServer, ServerConfig, for_model
 from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, ChatTemplateFields, CompletionLogprobs,
                                           CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs,
                                           parse_request, sampling_params, usage)
@@ -61,9 +61,11 @@ class _Endpoints:
                     tools: list[dict] | None = None) -> list[int]:
         conversation = [{"role": m.role, "content": m.content or ""}
                         | {k: v for k in ("tool_calls", "tool_call_id", "name") if (v := getattr(m, k)) is not None}
-                        # a thought, under Qwen3's name and GPT-OSS's
-                        | ({"reasoning_content": m.reasoning_content, "thinking": m.reasoning_content}
-                           if m.reasoning_content is not None else {})
+                        # a thought, under Qwen3's name, and GPT-OSS's where its template takes it (not beside
+                        # both content and calls, which that template refuses)
+                        | ({"reasoning_content": m.reasoning_content} if m.reasoning_content is not None else {})
+                        | ({"thinking": m.reasoning_content}
+                           if m.reasoning_content is not None and not (m.content and m.tool_calls) else {})
                         for m in messages]
         try:
             return chat.render(self.s.async_engine.tokenizer, conversation, self.s.config.chat_template, tools,
@@ -163,9 +165,9 @@ class _Endpoints:
         def lps(token_ids, entries):
             return chat_logprobs(token_ids, entries, top_k) if top_k is not None else None
 
-        def message(text: str) -> tuple[dict, bool]:  # the assistant's message, and whether it calls tools
+        def message(text: str, finish_reason: str) -> tuple[dict, bool]:  # the message; whether it calls tools
             if harmony:
-                reasoning, content, calls = split_harmony(text, harmony_calls, parallel)
+                reasoning, content, calls = split_harmony(text, harmony_calls, parallel, finish_reason)
                 if not harmony_calls:
                     content, calls = parse_tool_calls(content, tool_choice, parallel)
                 content = (content or None) if calls else content
@@ -181,16 +183,17 @@ class _Endpoints:
                       "finish_reason": None} for i in range(params.n)]
             thoughts = [HarmonyStream(harmony_calls, parallel) if harmony else ReasoningStream(parser)
                         for _ in range(params.n)] if parser else None
-            replies = [ReplyStream(tool_choice, parallel, s.config.tool_call_parser) for _ in range(params.n)]
+            replies = [ReplyStream(tool_choice, parallel, s.config.tool_call_parser) for _ in range(params.n)] \
+                if tool_choice != "none" and not harmony_calls else None
 
             def make_choice(index: int, d: StreamDelta) -> dict | None:
                 finished, calls = d.finish_reason is not None, []
                 if harmony:
-                    reasoning, content, calls = thoughts[index].add(d.text, finished)
+                    reasoning, content, calls = thoughts[index].add(d.text, d.finish_reason)
                 else:
                     reasoning, content = thoughts[index].add(d.text, finished) if thoughts else ("", d.text)
-                if tool_choice != "none" and not harmony_calls:  # a reply that may call tools: its calls whole, in
-                    content, calls = replies[index].add(content, finished)  # its last chunk
+                if replies:  # a reply that may call tools: its calls whole, in its last chunk
+                    content, calls = replies[index].add(content, finished)
                 with_logprobs = tool_choice == "none" and d.logprobs and d.token_ids
                 if not (reasoning or content or calls or finished or with_logprobs):
                     return None
@@ -206,7 +209,7 @@ class _Endpoints:
         choices = await s.collect_unless_gone(request, base["id"], work)
         if choices is None:
             return Response(status_code=499)
-        replies = [message(c.text) for c in choices]
+        replies = [message(c.text, c.finish_reason) for c in choices]
         return base | {"choices": [{"index": i, "message": msg, "logprobs": lps(c.token_ids, c.logprobs),
                                     "finish_reason": "tool_calls" if calls else c.finish_reason,
                                     "stop_reason": c.stop_reason} for i, (c, (msg, calls)) in
@@ -328,6 +331,7 @@ def run_server(model: str | None, engine_kwargs: dict, config: ServerConfig, soc
                                 True, False, None, "")
                 except chat.ChatTemplateError as e:
                     raise ValueError(f"--chat-template: {e}") from None
+            config = for_model(config, engine.model_config.architecture)  # its parsers: refused before it serves
             for stage in engine.stages:
                 print(stage.describe(), flush=True)
             host, port = sock.getsockname()[:2]
