@@ -21,7 +21,7 @@ GGUF_PROMPTS = [[t % VOCAB for t in p] for p in PROMPTS]
 ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3moe", "gemma2": "gemma2",
         "gemma3": "gemma3", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
         "olmo3": "olmo2", "qwen2moe": "qwen2moe", "gemma": "gemma", "gpt_oss": "gpt-oss", "exaone4": "exaone4",
-        "seed_oss": "seed_oss", "glm4": "glm4"}
+        "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "cohere": "command-r", "cohere2": "cohere2"}
 PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
 FAMILIES = list(ARCH)
 
@@ -102,6 +102,13 @@ def gguf_family_config(name: str):
         return tf.SeedOssConfig(**BASE, head_dim=32, attention_bias=True, attention_out_bias=True)
     if name == "glm4":  # rotary on half of each head, its pairs interleaved; gate and up fused
         return tf.Glm4Config(**BASE, head_dim=32, partial_rotary_factor=0.5)
+    if name == "ernie4_5":  # rotary pairs interleaved over the whole head
+        return tf.Ernie4_5Config(**BASE, head_dim=16)
+    if name == "cohere":  # a LayerNorm, attention and MLP side by side; logits scaled
+        return tf.CohereConfig(**BASE, logit_scale=0.25)
+    if name == "cohere2":  # and llama.cpp's fixed pattern: every 4th layer full, without rotary
+        return tf.Cohere2Config(**BASE, logit_scale=0.25, sliding_window=24, layer_types=[
+            "sliding_attention", "sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])
     if name == "gpt_oss":  # sinks, experts in MXFP4; llama.cpp's yarn truncates its ramp's ends, as HF's truncate=True
         return tf.GptOssConfig(**BASE, head_dim=16, sliding_window=24, num_local_experts=4, num_experts_per_tok=2,
                                rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0,
@@ -142,7 +149,11 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if name.startswith("cohere"):
+        w.add_layer_norm_eps(cfg.layer_norm_eps)
+        w.add_logit_scale(cfg.logit_scale)
+    else:
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(VOCAB)
     head_dim = getattr(cfg, "head_dim", None)
     if head_dim is not None and name != "phi3":  # written when the config names it
@@ -184,8 +195,9 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
         w.add_logit_scale(cfg.logits_scaling)
-    if name in ("olmo3", "exaone4"):
+    if name in ("olmo3", "exaone4", "cohere2"):
         w.add_sliding_window(cfg.sliding_window)
+    if name in ("olmo3", "exaone4"):  # cohere2's converter writes no pattern
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     if name == "phi3":
         rope = _rope_parameters(cfg)

@@ -165,13 +165,15 @@ def _tokenizer_reads(arch: str):
     """transformers builds a GGUF file's tokenizer only for the architectures whose weights it also maps, though the
     tokenizer (tokenizer.ggml.*) does not depend on them: for that call, it counts this one among them. For gpt-oss
     its reader also hides the rope scaling keys, which transformers' config parsing reads wrongly (it takes a key's
-    length field for the value: float() of an array); the tokenizer needs none of them."""
+    length field for the value: float() of an array); the tokenizer needs none of them. A command-r file is shown as
+    "cohere", the model type transformers knows."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as known
 
-    added = arch not in known.GGUF_SUPPORTED_ARCHITECTURES
+    shown = {"command-r": "cohere"}.get(arch, arch)
+    added = shown not in known.GGUF_SUPPORTED_ARCHITECTURES
     if added:
-        known.GGUF_SUPPORTED_ARCHITECTURES.append(arch)
+        known.GGUF_SUPPORTED_ARCHITECTURES.append(shown)
     reader = gguf.GGUFReader
 
     class ReaderForTokenizer(reader):
@@ -179,15 +181,18 @@ def _tokenizer_reads(arch: str):
             super().__init__(*args, **kwargs)
             for key in [k for k in self.fields if k.startswith(f"{arch}.rope.scaling.")]:
                 del self.fields[key]
+            if shown != arch:
+                field = self.fields["general.architecture"]
+                field.parts[field.data[0]] = np.frombuffer(shown.encode(), dtype=np.uint8)
 
-    if arch == "gpt-oss":
+    if arch in ("gpt-oss", "command-r"):
         gguf.GGUFReader = ReaderForTokenizer  # transformers imports it from gguf as it reads
     try:
         yield
     finally:
         gguf.GGUFReader = reader
         if added:
-            known.GGUF_SUPPORTED_ARCHITECTURES.remove(arch)
+            known.GGUF_SUPPORTED_ARCHITECTURES.remove(shown)
 
 
 def _sha256(path: str) -> str:

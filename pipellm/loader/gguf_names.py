@@ -26,7 +26,11 @@ ARCHITECTURES = {
     "exaone4": ("Exaone4ForCausalLM", "exaone4", False),
     "seed_oss": ("SeedOssForCausalLM", "seed_oss", False),
     "glm4": ("Glm4ForCausalLM", "glm4", False),  # rotary pairs interleaved, as HF's: llama.cpp's NORM rope
+    "ernie4_5": ("Ernie4_5ForCausalLM", "ernie4_5", False),  # and these three too
+    "command-r": ("CohereForCausalLM", "cohere", False),
+    "cohere2": ("Cohere2ForCausalLM", "cohere2", False),
 }
+COHERE = ("command-r", "cohere2")  # a LayerNorm (its own epsilon key), attention and MLP side by side
 OLMO3 = ("Olmo3ForCausalLM", "olmo3", False)  # "olmo2" with sliding layers
 MIXTRAL = ("MixtralForCausalLM", "mixtral", True)  # "llama" with expert tensors
 GEMMA = ("gemma", "gemma2", "gemma3")  # store every norm weight as w + 1
@@ -82,6 +86,7 @@ def expected_shapes(cfg: dict) -> dict:
     is_gemma = mc.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # its norms after attention and MLP
     is_phi3 = mc.architecture == "Phi3ForCausalLM"
     is_glm = mc.architecture == "Glm4ForCausalLM"  # norms before and after attention and MLP
+    is_cohere = mc.architecture in ("CohereForCausalLM", "Cohere2ForCausalLM")  # one norm a layer
     norms_after = mc.architecture.startswith("Olmo") or mc.architecture == "Exaone4ForCausalLM"  # after only
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not mc.tie_word_embeddings:
@@ -89,7 +94,9 @@ def expected_shapes(cfg: dict) -> dict:
     for i in range(mc.num_layers):
         p = f"model.layers.{i}."
         shapes.update({p + ("post_feedforward_layernorm.weight" if norms_after else "input_layernorm.weight"): (h,),
-                       p + "post_attention_layernorm.weight": (h,), p + "self_attn.o_proj.weight": (h, q)})
+                       p + "self_attn.o_proj.weight": (h, q)})
+        if not is_cohere:
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
         if is_glm:
             shapes.update({p + "post_self_attn_layernorm.weight": (h,), p + "post_mlp_layernorm.weight": (h,)})
         if is_phi3:
@@ -133,6 +140,9 @@ def expected_shapes(cfg: dict) -> dict:
         else:
             shapes.update({p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h)})
         shapes[p + "mlp.down_proj.weight"] = (h, ff)
+        if mc.mlp_bias:
+            shapes.update({p + "mlp.gate_proj.bias": (ff,), p + "mlp.up_proj.bias": (ff,),
+                           p + "mlp.down_proj.bias": (h,)})
     return shapes
 
 
@@ -167,7 +177,8 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         "num_attention_heads": heads,
         "num_key_value_heads": m("attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "rms_norm_eps": _f32(m("attention.layer_norm_rms_epsilon")),
+        **({"layer_norm_eps": _f32(m("attention.layer_norm_epsilon"))} if arch in COHERE else
+           {"rms_norm_eps": _f32(m("attention.layer_norm_rms_epsilon"))}),
         "max_position_embeddings": m("context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta("tokenizer.ggml.bos_token_id", None),
@@ -224,6 +235,13 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
                    layer_types=["sliding_attention" if p else "full_attention" for p in pattern])
     if arch in ("seed_oss", "glm4"):  # biases on q, k and v
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "ernie4_5":  # on every linear layer
+        cfg["use_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch in COHERE:
+        cfg["logit_scale"] = _f32(m("logit_scale"))
+    if arch == "cohere2":  # llama.cpp's rule, not in the file: every 4th layer full (and without rotary)
+        cfg.update(sliding_window=window, layer_types=["sliding_attention" if i % 4 < 3 else "full_attention"
+                                                       for i in range(layers)])
     if arch == "seed_oss":  # and on the output, where the file has one
         cfg["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
     if arch == "exaone4":  # the file's sliding layers, else llama.cpp's rule: the 64-layer model's every 4th is full
