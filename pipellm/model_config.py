@@ -10,7 +10,8 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
 COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
-MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM")
+MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
+              "Ernie4_5_MoeForCausalLM")
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -96,6 +97,8 @@ class ModelConfig:
     norm_topk_prob: bool = True     # renormalise the chosen experts' router weights to sum to 1
     dense_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with a dense MLP among the MoE ones
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token takes, weighted by a sigmoid gate
+    shared_expert_gated: bool = True    # ERNIE 4.5 MoE: its shared experts (one MLP) added as they are
+    router_selection_bias: bool = False  # ERNIE 4.5 MoE: experts picked by softmax + a bias, weighed without it
     nope_layers: tuple[int, ...] = ()   # SmolLM3: layers whose q and k take no rotary positions
     qk_norm_per_head: bool = True       # qk_norm over each head's values; OLMo 2: over all heads' at once
     # Granite: the embedding, each block's output before it joins the residual, and the logits (divided) scaled;
@@ -216,10 +219,16 @@ class ModelConfig:
         o_bias = bool(d.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM" else \
             attention_bias and arch != "Glm4ForCausalLM"  # GLM-4: biases on q, k and v only
         mlp_bias = bool(d.get("mlp_bias", False))
-        if arch == "Ernie4_5ForCausalLM":  # one switch for every linear layer's bias
+        if arch in ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM"):  # one switch for every linear layer's bias
             attention_bias = o_bias = mlp_bias = bool(d.get("use_bias", False))
-        num_experts = d.get("num_local_experts") or d.get("num_experts") or 0
+        num_experts = d.get("num_local_experts") or d.get("num_experts") or d.get("moe_num_experts") or 0
         dense_layers = ()
+        shared = (d.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+        if arch == "Ernie4_5_MoeForCausalLM":  # MoE layers: every interval-th from start to end
+            start, end = d.get("moe_layer_start_index", 0), d.get("moe_layer_end_index", layers - 1)
+            interval = d.get("moe_layer_interval", 1)
+            dense_layers = tuple(i for i in range(layers) if not ((i + 1) % interval == 0 and start <= i <= end))
+            shared = d.get("moe_num_shared_experts", 0) * d["moe_intermediate_size"]
         if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
             step = d.get("decoder_sparse_step", 1) or 1
             dense_layers = tuple(i for i in range(layers)
@@ -252,11 +261,12 @@ class ModelConfig:
                    attn_logit_softcapping=d.get("attn_logit_softcapping") if is_gemma else None,
                    final_logit_softcapping=d.get("final_logit_softcapping") if is_gemma else None,
                    num_experts=num_experts if arch in MOE_FAMILY else 0,
-                   num_experts_per_tok=d.get("num_experts_per_tok", 0) if arch in MOE_FAMILY else 0,
+                   num_experts_per_tok=d.get("num_experts_per_tok") or d.get("moe_k", 0) if arch in MOE_FAMILY else 0,
                    moe_intermediate_size=d.get("moe_intermediate_size") or d["intermediate_size"],
-                   norm_topk_prob=arch == "MixtralForCausalLM" or bool(d.get("norm_topk_prob", False)),
+                   norm_topk_prob=arch in ("MixtralForCausalLM", "Ernie4_5_MoeForCausalLM")
+                   or bool(d.get("norm_topk_prob", False)),
                    dense_layers=dense_layers, nope_layers=nope_layers,
-                   shared_expert_intermediate_size=(d.get("shared_expert_intermediate_size") or 0)
-                   if arch == "Qwen2MoeForCausalLM" else 0,
+                   shared_expert_intermediate_size=shared, shared_expert_gated=arch == "Qwen2MoeForCausalLM",
+                   router_selection_bias=arch == "Ernie4_5_MoeForCausalLM",
                    qk_norm_per_head=arch not in OLMO_FAMILY,
                    **granite, **gpt_oss)

@@ -88,6 +88,9 @@ def family_config(name: str):
         return tf.CohereConfig(**COMMON, logit_scale=0.25)
     if name == "cohere2":  # and sliding layers, the full ones without rotary
         return tf.Cohere2Config(**COMMON, logit_scale=0.25, sliding_window=24, layer_types=SLIDING_TYPES)
+    if name == "ernie4_5_moe":  # MoE layers 1 and 3 (every 2nd from 1), a shared expert, experts picked with a bias
+        return tf.Ernie4_5_MoeConfig(**COMMON, head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=48,
+                                     moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_interval=2)
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -101,7 +104,8 @@ def family_config(name: str):
 
 FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longrope", "qwen3", "gemma2", "gemma3",
             "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral",
-            "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2"]
+            "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
+            "ernie4_5_moe"]
 WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]

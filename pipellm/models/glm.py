@@ -4,7 +4,8 @@ products of q and k, which one reordering of both leaves as they were.
 
 GLM-4 (Glm4ForCausalLM): Gemma's layer order (norms after attention and MLP too) with plain RMSNorms, biases on q, k
 and v, and rotary on half of each head. ERNIE 4.5 (Ernie4_5ForCausalLM): Llama's block, rotary on all of each head,
-and with use_bias a bias on every linear layer."""
+and with use_bias a bias on every linear layer; its MoE (Ernie4_5_MoeForCausalLM) names its shared experts and its
+router's selection bias (moe.py) its own way."""
 import re
 
 import torch
@@ -40,3 +41,14 @@ class Glm4Stage(InterleavedRotaryStage):
 
     def map_weight(self, name: str) -> list[tuple[str, int]]:
         return super().map_weight(NORM_NAME.sub(lambda m: f".{NORMS[m[1]]}.", name))
+
+
+class Ernie45MoeStage(InterleavedRotaryStage):
+    def map_weight(self, name: str) -> list[tuple[str, int]]:
+        return super().map_weight(name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+                                  .replace(".mlp.moe_statics.e_score_correction_bias", ".mlp.selection_bias"))
+
+    def to_param_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith(".e_score_correction_bias"):
+            return tensor.reshape(-1)                                                   # [1, E] -> [E]
+        return super().to_param_layout(name, tensor)

@@ -1,6 +1,7 @@
-"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS): a router picks top-k experts per token; each expert
-is a SwiGLU MLP (GPT-OSS: with biases, clamped); Qwen2-MoE adds a shared expert every token takes. The stage that
-holds a layer holds all its experts."""
+"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, ERNIE 4.5 MoE): a router picks top-k experts per token;
+each expert is a SwiGLU MLP (GPT-OSS: with biases, clamped); Qwen2-MoE adds a shared expert every token takes (behind
+a sigmoid gate; ERNIE's as it is), and ERNIE picks its experts by their probability plus a bias. The stage that holds
+a layer holds all its experts."""
 import torch
 from torch import nn
 
@@ -37,8 +38,13 @@ class SparseMoE(nn.Module):
             if self.softmax_after_topk else GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
             for _ in range(cfg.num_experts))
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act,
+                                          bias=cfg.mlp_bias)
+            if cfg.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        # [E]: added to the probabilities to pick the experts only (ERNIE's moe_statics)
+        self.selection_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False) \
+            if cfg.router_selection_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.softmax_after_topk:
@@ -46,7 +52,11 @@ class SparseMoE(nn.Module):
             weights = torch.softmax(top, dim=-1)
         else:
             probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)             # [T, E]
-            weights, chosen = torch.topk(probs, self.top_k, dim=-1)                      # [T, k]
+            if self.selection_bias is None:
+                weights, chosen = torch.topk(probs, self.top_k, dim=-1)                  # [T, k]
+            else:
+                chosen = torch.topk(probs + self.selection_bias, self.top_k, dim=-1)[1]
+                weights = probs.gather(-1, chosen)
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             if not self.weights_in_fp32:
@@ -62,6 +72,8 @@ class SparseMoE(nn.Module):
                 rows = tokens[start:start + count]
                 out.index_add_(0, rows, (expert(x[rows]) * weights[start:start + count, None]).to(x.dtype))
                 start += count
-        if hasattr(self, "shared_expert"):
+        if hasattr(self, "shared_expert_gate"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif hasattr(self, "shared_expert"):
+            out = out + self.shared_expert(x)
         return out

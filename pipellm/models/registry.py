@@ -6,7 +6,7 @@ from torch import nn
 from pipellm.model_config import ModelConfig
 from pipellm.models.cohere import CohereStage
 from pipellm.models.gemma import Gemma1Stage, GemmaStage
-from pipellm.models.glm import Glm4Stage, InterleavedRotaryStage
+from pipellm.models.glm import Ernie45MoeStage, Glm4Stage, InterleavedRotaryStage
 from pipellm.models.gpt2 import GPT2Stage
 from pipellm.models.gpt_oss import GptOssStage
 from pipellm.models.llama import LlamaStage
@@ -28,6 +28,7 @@ STAGE_CLASSES = {
     "MinistralForCausalLM": LlamaStage,
     "Glm4ForCausalLM": Glm4Stage,
     "Ernie4_5ForCausalLM": InterleavedRotaryStage,
+    "Ernie4_5_MoeForCausalLM": Ernie45MoeStage,
     "CohereForCausalLM": CohereStage,
     "Cohere2ForCausalLM": CohereStage,
     "MixtralForCausalLM": LlamaStage,
