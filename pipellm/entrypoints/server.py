@@ -21,12 +21,12 @@ import pipellm
 from pipellm import chat
 from pipellm.engine.async_engine import StreamDelta
 from pipellm.engine.engine import LLMEngine
+from pipellm.entrypoints.harmony import HarmonyStream
+from pipellm.entrypoints.harmony import split as split_harmony
 from pipellm.entrypoints.openai_server import OpenAIServer, ServerConfig, for_model
 from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, ChatTemplateFields, CompletionLogprobs,
                                           CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs,
                                           parse_request, sampling_params, usage)
-from pipellm.entrypoints.harmony import HarmonyStream
-from pipellm.entrypoints.harmony import split as split_harmony
 from pipellm.entrypoints.reasoning import ReasoningStream
 from pipellm.entrypoints.reasoning import split as split_reasoning
 from pipellm.entrypoints.tools import ReplyStream, check_tools, choice_of, forced_output
