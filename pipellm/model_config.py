@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
                 "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM",
-                "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
+                "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "HunYuanDenseV1ForCausalLM")
 COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
@@ -44,6 +44,9 @@ class RopeConfig:
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
         theta = d.get("rope_theta", hf.get("rope_theta", 10000.0))
+        if rope_type == "dynamic" and d.get("alpha"):  # Hunyuan's NTK alpha: a fixed, larger base, as HF's
+            dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+            rope_type, theta = "default", theta * d["alpha"] ** (dim / (dim - 2))
         partial = d.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         original = hf.get("original_max_position_embeddings") if rope_type in ("llama3", "yarn", "longrope") else None
         original = original or d.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 2048)
@@ -101,6 +104,7 @@ class ModelConfig:
     router_selection_bias: bool = False  # ERNIE 4.5 MoE: experts picked by softmax + a bias, weighed without it
     nope_layers: tuple[int, ...] = ()   # SmolLM3: layers whose q and k take no rotary positions
     qk_norm_per_head: bool = True       # qk_norm over each head's values; OLMo 2: over all heads' at once
+    qk_norm_after_rope: bool = False    # Hunyuan: q and k normed after their rotary, not before
     # Granite: the embedding, each block's output before it joins the residual, and the logits (divided) scaled;
     # attention_multiplier the attention's scale
     embedding_multiplier: float = 1.0
@@ -256,7 +260,8 @@ class ModelConfig:
                    mlp_bias=mlp_bias,
                    sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
                    qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                                    "Exaone4ForCausalLM") + OLMO_FAMILY,
+                                    "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM") + OLMO_FAMILY,
+                   qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
                    hidden_act=act, query_pre_attn_scalar=d.get("query_pre_attn_scalar") if is_gemma else None,
                    attn_logit_softcapping=d.get("attn_logit_softcapping") if is_gemma else None,
                    final_logit_softcapping=d.get("final_logit_softcapping") if is_gemma else None,

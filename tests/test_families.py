@@ -91,6 +91,9 @@ def family_config(name: str):
     if name == "ernie4_5_moe":  # MoE layers 1 and 3 (every 2nd from 1), a shared expert, experts picked with a bias
         return tf.Ernie4_5_MoeConfig(**COMMON, head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=48,
                                      moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_interval=2)
+    if name == "hunyuan":  # q/k norms after rotary; a rotary base stretched by NTK alpha
+        return tf.HunYuanDenseV1Config(**COMMON, head_dim=16, rope_parameters=dict(
+            rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0))
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -105,7 +108,7 @@ def family_config(name: str):
 FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longrope", "qwen3", "gemma2", "gemma3",
             "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral",
             "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
-            "ernie4_5_moe"]
+            "ernie4_5_moe", "hunyuan"]
 WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
@@ -138,12 +141,15 @@ def make_family_checkpoint(name: str, folder: str):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(family_config(name), attn_implementation="eager").eval()
-    with torch.no_grad():  # biases not at their initial 0, so loading them is tested; sinks that weigh
-        for param_name, p in model.named_parameters():
+    with torch.no_grad():  # biases not at their initial 0, so loading them is tested; sinks that weigh; q/k norms
+        for param_name, p in model.named_parameters():  # whose weights differ within a head
             if param_name.endswith((".bias", "_bias")):
                 torch.nn.init.normal_(p, std=0.2)
             elif param_name.endswith(".sinks"):
                 torch.nn.init.normal_(p, std=2.0)
+            elif param_name.endswith(("q_norm.weight", "k_norm.weight", "query_layernorm.weight",
+                                      "key_layernorm.weight")):
+                p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(folder)
     save_tokenizer(folder)
     return model

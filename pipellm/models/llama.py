@@ -33,6 +33,7 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:  # over each head's values, or (OLMo) over all of a token's q and all of its k
             q_n, k_n = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm_per_head else (self.q_size, self.kv_size)
             self.q_norm, self.k_norm = norm(q_n, cfg.norm_eps), norm(k_n, cfg.norm_eps)
+        self.norm_after_rope = cfg.qk_norm_after_rope
         self.is_sliding = cfg.is_sliding(layer)
         self.rotary = layer not in cfg.nope_layers
         self.scale = cfg.attention_multiplier or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
@@ -44,14 +45,21 @@ class LlamaAttention(nn.Module):
         q = qkv[..., :self.q_size].view(-1, self.num_heads, self.head_dim)                           # [T, H, D]
         k = qkv[..., self.q_size:self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         v = qkv[..., self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):  # [T * heads, D], or [T, heads * D] (OLMo)
-            q = self.q_norm(q.reshape(-1, self.q_norm.weight.numel())).view(-1, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.k_norm.weight.numel())).view(-1, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm") and not self.norm_after_rope:
+            q, k = self.qk_norm(q, k)
         if self.rotary:
             q, k = apply_rotary(q, k, *ropes[self.is_sliding])
+        if self.norm_after_rope:
+            q, k = self.qk_norm(q, k)
         out = paged_attention(q, k, v, cache, meta.local if self.is_sliding else meta, self.scale,
                               self.softcap, self.sinks)
         return self.o_proj(out.reshape(-1, self.q_size))     # [T, H * D] -> [T, hidden]
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Over [T * heads, D], or [T, heads * D] (OLMo)."""
+        q = self.q_norm(q.reshape(-1, self.q_norm.weight.numel())).view(-1, self.num_heads, self.head_dim)
+        k = self.k_norm(k.reshape(-1, self.k_norm.weight.numel())).view(-1, self.num_kv_heads, self.head_dim)
+        return q, k
 
 
 def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:

@@ -1,0 +1,9 @@
+"""Hunyuan dense (HunYuanDenseV1ForCausalLM): Llama's block with q and k RMS-normed per head after their rotary
+(llama.py's norm_after_rope), and a rotary base stretched by NTK alpha (model_config.py)."""
+from pipellm.models.llama import LlamaStage
+
+
+class HunyuanStage(LlamaStage):
+    def map_weight(self, name: str) -> list[tuple[str, int]]:
+        return super().map_weight(name.replace(".self_attn.query_layernorm.", ".self_attn.q_norm.")
+                                  .replace(".self_attn.key_layernorm.", ".self_attn.k_norm."))
