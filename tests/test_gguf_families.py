@@ -21,7 +21,8 @@ GGUF_PROMPTS = [[t % VOCAB for t in p] for p in PROMPTS]
 ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3moe", "gemma2": "gemma2",
         "gemma3": "gemma3", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
         "olmo3": "olmo2", "qwen2moe": "qwen2moe", "gemma": "gemma", "gpt_oss": "gpt-oss", "exaone4": "exaone4",
-        "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "cohere": "command-r", "cohere2": "cohere2"}
+        "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "cohere": "command-r", "cohere2": "cohere2",
+        "ernie4_5_moe": "ernie4_5-moe"}
 PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
 FAMILIES = list(ARCH)
 
@@ -31,7 +32,9 @@ HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
               "mlp.gate": "ffn_gate_inp", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
-              "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+              "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+              "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+              "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 GEMMA_TO_GGUF = HF_TO_GGUF | {"pre_feedforward_layernorm": "ffn_norm",
                               "post_attention_layernorm": "post_attention_norm",
                               "post_feedforward_layernorm": "post_ffw_norm"}
@@ -104,6 +107,10 @@ def gguf_family_config(name: str):
         return tf.Glm4Config(**BASE, head_dim=32, partial_rotary_factor=0.5)
     if name == "ernie4_5":  # rotary pairs interleaved over the whole head
         return tf.Ernie4_5Config(**BASE, head_dim=16)
+    if name == "ernie4_5_moe":  # experts picked with a bias, a shared expert; layer 0 dense (llama.cpp: an interval
+        # of 1 only)
+        return tf.Ernie4_5_MoeConfig(**BASE, head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=48,
+                                     moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_interval=1)
     if name == "cohere":  # a LayerNorm, attention and MLP side by side; logits scaled
         return tf.CohereConfig(**BASE, logit_scale=0.25)
     if name == "cohere2":  # and llama.cpp's fixed pattern: every 4th layer full, without rotary
@@ -175,6 +182,13 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if name == "ernie4_5_moe":  # the converter's shared width: intermediate_size // num_key_value_heads
+        w.add_expert_count(cfg.moe_num_experts)
+        w.add_expert_used_count(cfg.moe_k)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.intermediate_size // cfg.num_key_value_heads)
+        w.add_interleave_moe_layer_step(cfg.moe_layer_interval)
+        w.add_leading_dense_block_count(cfg.moe_layer_start_index)
     if name in ("qwen3moe", "qwen2moe"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -253,6 +267,9 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
         else:
             _, _, layer, rest = hf.split(".", 3)
             module, suffix = rest.rsplit(".", 1)
+            if suffix == "e_score_correction_bias":  # ERNIE's, [1, E]
+                held[hf] = add(f"blk.{layer}.exp_probs_b.bias", arr, router=True)
+                continue
             if name == "gpt_oss" and module in ("mlp.experts", "self_attn") and suffix != "o_proj":
                 held[hf] = _add_gpt_oss(add, f"blk.{layer}.", suffix, arr)
                 continue

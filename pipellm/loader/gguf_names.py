@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "ernie4_5": ("Ernie4_5ForCausalLM", "ernie4_5", False),  # and these three too
     "command-r": ("CohereForCausalLM", "cohere", False),
     "cohere2": ("Cohere2ForCausalLM", "cohere2", False),
+    "ernie4_5-moe": ("Ernie4_5_MoeForCausalLM", "ernie4_5_moe", False),
 }
 COHERE = ("command-r", "cohere2")  # a LayerNorm (its own epsilon key), attention and MLP side by side
 OLMO3 = ("Olmo3ForCausalLM", "olmo3", False)  # "olmo2" with sliding layers
@@ -71,6 +72,8 @@ def hf_name(name: str, arch: str) -> str | None:
     kind = match[2]
     if kind == "attn_sinks":  # a parameter of its own, without .weight
         return f"model.layers.{match[1]}.self_attn.sinks"
+    if kind == "exp_probs_b":  # ERNIE's router bias that picks the experts, as HF names it
+        return f"model.layers.{match[1]}.mlp.moe_statics.e_score_correction_bias"
     if kind in EXPERT_NAMES:
         return f"model.layers.{match[1]}.mlp.experts.{{e}}.{EXPERT_NAMES[kind]}.{match[3]}"
     names = _FAMILY_NAMES.get("gemma2" if arch in NORMS_AFTER else arch, {})
@@ -122,8 +125,11 @@ def expected_shapes(cfg: dict) -> dict:
             if shared:
                 shapes.update({p + "mlp.shared_expert.gate_proj.weight": (shared, h),
                                p + "mlp.shared_expert.up_proj.weight": (shared, h),
-                               p + "mlp.shared_expert.down_proj.weight": (h, shared),
-                               p + "mlp.shared_expert_gate.weight": (1, h)})
+                               p + "mlp.shared_expert.down_proj.weight": (h, shared)})
+            if shared and mc.shared_expert_gated:
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+            if mc.router_selection_bias:
+                shapes[p + "mlp.moe_statics.e_score_correction_bias"] = (mc.num_experts,)
             for e in range(mc.num_experts):
                 shapes.update({f"{p}mlp.experts.{e}.gate_proj.weight": (ff, h),
                                f"{p}mlp.experts.{e}.up_proj.weight": (ff, h),
@@ -202,6 +208,12 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         elif arch == "qwen2moe":  # and never Qwen2-MoE's
             cfg.update(num_experts=experts, moe_intermediate_size=m("expert_feed_forward_length"),
                        shared_expert_intermediate_size=m("expert_shared_feed_forward_length"), norm_topk_prob=False)
+        elif arch == "ernie4_5-moe":  # MoE layers: every interleave_moe_layer_step-th from the leading dense ones
+            ff = m("expert_feed_forward_length")
+            shexp = next((shape[0] for name, (shape, _) in tensors.items() if name.endswith(".ffn_up_shexp.weight")), 0)
+            cfg.update(moe_num_experts=experts, moe_k=m("expert_used_count"), moe_intermediate_size=ff,
+                       moe_num_shared_experts=shexp // ff, moe_layer_start_index=m("leading_dense_block_count", 0),
+                       moe_layer_interval=m("interleave_moe_layer_step", 1))
         elif arch == "gpt-oss":  # llama.cpp's rules, not in the file: even layers slide; yarn rounds its ramp's ends
             # (RopeConfig's default, truncate=True; HF's GPT-OSS config says false)
             cfg.update(intermediate_size=m("expert_feed_forward_length"), sliding_window=window,
@@ -235,7 +247,7 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
                    layer_types=["sliding_attention" if p else "full_attention" for p in pattern])
     if arch in ("seed_oss", "glm4"):  # biases on q, k and v
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    if arch == "ernie4_5":  # on every linear layer
+    if arch in ("ernie4_5", "ernie4_5-moe"):  # on every linear layer
         cfg["use_bias"] = "blk.0.attn_q.bias" in tensors
     if arch in COHERE:
         cfg["logit_scale"] = _f32(m("logit_scale"))
