@@ -11,7 +11,7 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
 COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
-              "Ernie4_5_MoeForCausalLM")
+              "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM")
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -102,6 +102,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token takes, weighted by a sigmoid gate
     shared_expert_gated: bool = True    # ERNIE 4.5 MoE: its shared experts (one MLP) added as they are
     router_selection_bias: bool = False  # ERNIE 4.5 MoE: experts picked by softmax + a bias, weighed without it
+    router_softmax_after_topk: bool = False  # GPT-OSS, Granite MoE: the top-k logits softmaxed among themselves
     nope_layers: tuple[int, ...] = ()   # SmolLM3: layers whose q and k take no rotary positions
     qk_norm_per_head: bool = True       # qk_norm over each head's values; OLMo 2: over all heads' at once
     qk_norm_after_rope: bool = False    # Hunyuan: q and k normed after their rotary, not before
@@ -247,7 +248,8 @@ class ModelConfig:
         if arch in COHERE_FAMILY and d.get("use_qk_norm"):
             raise ValueError(f"{source}: Cohere's use_qk_norm=true (per-head LayerNorms) is not supported")
         granite = {k: float(d.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling",
-                                                     "attention_multiplier")} if arch == "GraniteForCausalLM" else {}
+                                                     "attention_multiplier")} \
+            if arch in ("GraniteForCausalLM", "GraniteMoeForCausalLM") else {}
         if arch in COHERE_FAMILY:  # logits * logit_scale, a power of two in Cohere's releases: exact as a divisor
             granite = {"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))}
         gpt_oss = dict(attention_sinks=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),
@@ -273,5 +275,6 @@ class ModelConfig:
                    dense_layers=dense_layers, nope_layers=nope_layers,
                    shared_expert_intermediate_size=shared, shared_expert_gated=arch == "Qwen2MoeForCausalLM",
                    router_selection_bias=arch == "Ernie4_5_MoeForCausalLM",
+                   router_softmax_after_topk=arch in ("GptOssForCausalLM", "GraniteMoeForCausalLM"),
                    qk_norm_per_head=arch not in OLMO_FAMILY,
                    **granite, **gpt_oss)

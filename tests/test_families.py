@@ -94,6 +94,10 @@ def family_config(name: str):
     if name == "hunyuan":  # q/k norms after rotary; a rotary base stretched by NTK alpha
         return tf.HunYuanDenseV1Config(**COMMON, head_dim=16, rope_parameters=dict(
             rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0))
+    if name == "granitemoe":  # Granite's multipliers; experts stacked, the top-k logits softmaxed
+        return tf.GraniteMoeConfig(**COMMON | dict(intermediate_size=48), num_local_experts=4, num_experts_per_tok=2,
+                                   embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                                   logits_scaling=2.0)
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -108,7 +112,7 @@ def family_config(name: str):
 FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longrope", "qwen3", "gemma2", "gemma3",
             "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral",
             "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
-            "ernie4_5_moe", "hunyuan"]
+            "ernie4_5_moe", "hunyuan", "granitemoe"]
 WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]

@@ -58,8 +58,8 @@ def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
             return None  # the kernels' attention takes no sinks, and norms q and k before their rotary
         if type(layer.mlp) is SparseMoE:
             moe = layer.mlp
-            if hasattr(moe, "shared_expert") or moe.selection_bias is not None:
-                return None  # the kernels' Experts take no shared expert, and pick by the probabilities alone
+            if hasattr(moe, "shared_expert") or moe.selection_bias is not None or moe.softmax_after_topk:
+                return None  # the kernels' Experts take no shared expert, and weigh by all the probabilities
             experts = [_mlp(ops, e) for e in moe.experts]
             router = _linear(ops, moe.gate)
             mlp = None if None in experts or router is None else ops.Experts(router, experts, moe.top_k,

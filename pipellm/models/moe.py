@@ -1,4 +1,5 @@
-"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, ERNIE 4.5 MoE): a router picks top-k experts per token;
+"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, ERNIE 4.5 MoE, Granite MoE): a router picks top-k
+experts per token;
 each expert is a SwiGLU MLP (GPT-OSS: with biases, clamped); Qwen2-MoE adds a shared expert every token takes (behind
 a sigmoid gate; ERNIE's as it is), and ERNIE picks its experts by their probability plus a bias. The stage that holds
 a layer holds all its experts."""
@@ -30,12 +31,13 @@ class SparseMoE(nn.Module):
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         # Mixtral multiplies by the fp32 router weights, Qwen3-MoE by weights cast to the model's dtype (as HF)
         self.weights_in_fp32 = cfg.architecture == "MixtralForCausalLM"
-        # GPT-OSS: the router has a bias, and softmaxes the top-k logits (in the model's dtype, as HF)
-        self.softmax_after_topk = cfg.swiglu_limit > 0
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=self.softmax_after_topk)
+        # GPT-OSS and Granite MoE softmax the top-k logits (GPT-OSS in the model's dtype, Granite in fp32, as HF);
+        # GPT-OSS's router has a bias
+        self.softmax_after_topk, self.softmax_in_fp32 = cfg.router_softmax_after_topk, not cfg.swiglu_limit
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.swiglu_limit > 0)
         self.experts = nn.ModuleList(
             ClampedSwiGLU(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit, cfg.swiglu_alpha)
-            if self.softmax_after_topk else GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
+            if cfg.swiglu_limit else GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
             for _ in range(cfg.num_experts))
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act,
@@ -49,7 +51,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.softmax_after_topk:
             top, chosen = torch.topk(self.gate(x), self.top_k, dim=-1)                   # [T, k]
-            weights = torch.softmax(top, dim=-1)
+            weights = torch.softmax(top.float() if self.softmax_in_fp32 else top, dim=-1).to(x.dtype)
         else:
             probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)             # [T, E]
             if self.selection_bias is None:

@@ -9,6 +9,7 @@ from pipellm.models.gemma import Gemma1Stage, GemmaStage
 from pipellm.models.glm import Ernie45MoeStage, Glm4Stage, InterleavedRotaryStage
 from pipellm.models.gpt2 import GPT2Stage
 from pipellm.models.gpt_oss import GptOssStage
+from pipellm.models.granite import GraniteMoeStage
 from pipellm.models.hunyuan import HunyuanStage
 from pipellm.models.llama import LlamaStage
 from pipellm.models.olmo import Olmo2Stage, OlmoStage
@@ -33,6 +34,7 @@ STAGE_CLASSES = {
     "CohereForCausalLM": CohereStage,
     "Cohere2ForCausalLM": CohereStage,
     "HunYuanDenseV1ForCausalLM": HunyuanStage,
+    "GraniteMoeForCausalLM": GraniteMoeStage,
     "MixtralForCausalLM": LlamaStage,
     "Qwen3MoeForCausalLM": LlamaStage,
     "Qwen2MoeForCausalLM": LlamaStage,
