@@ -22,8 +22,9 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "gemma3": "gemma3", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
         "olmo3": "olmo2", "qwen2moe": "qwen2moe", "gemma": "gemma", "gpt_oss": "gpt-oss", "exaone4": "exaone4",
         "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "cohere": "command-r", "cohere2": "cohere2",
-        "ernie4_5_moe": "ernie4_5-moe"}
-PERMUTED = ("llama", "smollm3", "granite")  # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
+        "ernie4_5_moe": "ernie4_5-moe", "granitemoe": "granitemoe"}
+# the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
+PERMUTED = ("llama", "smollm3", "granite", "granitemoe")
 FAMILIES = list(ARCH)
 
 # HF module -> llama.cpp tensor kind (gguf-py's tensor_mapping.py), per family where it differs
@@ -34,7 +35,7 @@ HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
               "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
-              "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+              "mlp.shared_experts.down_proj": "ffn_down_shexp", "block_sparse_moe.router": "ffn_gate_inp"}
 GEMMA_TO_GGUF = HF_TO_GGUF | {"pre_feedforward_layernorm": "ffn_norm",
                               "post_attention_layernorm": "post_attention_norm",
                               "post_feedforward_layernorm": "post_ffw_norm"}
@@ -111,6 +112,10 @@ def gguf_family_config(name: str):
         # of 1 only)
         return tf.Ernie4_5_MoeConfig(**BASE, head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=48,
                                      moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_interval=1)
+    if name == "granitemoe":  # Granite's multipliers; experts split into gate and up, as the converter does
+        return tf.GraniteMoeConfig(**BASE | dict(intermediate_size=48), num_local_experts=4, num_experts_per_tok=2,
+                                   embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                                   logits_scaling=2.0)
     if name == "cohere":  # a LayerNorm, attention and MLP side by side; logits scaled
         return tf.CohereConfig(**BASE, logit_scale=0.25)
     if name == "cohere2":  # and llama.cpp's fixed pattern: every 4th layer full, without rotary
@@ -172,7 +177,7 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_rope_dimension_count(head_dim or cfg.hidden_size // cfg.num_attention_heads)
     if name == "glm4":
         w.add_rope_dimension_count(int(head_dim * _rope_parameters(cfg)["partial_rotary_factor"]))
-    if name in ("mixtral", "gpt_oss"):
+    if name in ("mixtral", "gpt_oss", "granitemoe"):
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
     if name == "gpt_oss":
@@ -204,7 +209,7 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_sliding_window(cfg.sliding_window)
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)  # global layers only
         w.add_rope_scaling_factor(_rope_parameters(cfg)["factor"])
-    if name == "granite":  # the converter renames the multipliers to scales
+    if name in ("granite", "granitemoe"):  # the converter renames the multipliers to scales
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
@@ -273,7 +278,8 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
             if name == "gpt_oss" and module in ("mlp.experts", "self_attn") and suffix != "o_proj":
                 held[hf] = _add_gpt_oss(add, f"blk.{layer}.", suffix, arr)
                 continue
-            if module == "mlp.experts":  # stacked [E, ...] (HF fuses gate and up; llama.cpp keeps three)
+            if module in ("mlp.experts", "block_sparse_moe.experts"):  # stacked [E, ...] (HF fuses gate and up;
+                # llama.cpp keeps three)
                 prefix = f"blk.{layer}."
                 if suffix == "gate_up_proj":
                     ff = arr.shape[1] // 2

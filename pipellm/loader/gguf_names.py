@@ -21,6 +21,7 @@ ARCHITECTURES = {
     "phi3": ("Phi3ForCausalLM", "phi3", False),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),
     "granite": ("GraniteForCausalLM", "granite", True),
+    "granitemoe": ("GraniteMoeForCausalLM", "granitemoe", True),
     "olmo2": ("Olmo2ForCausalLM", "olmo2", False),
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss", False),
     "exaone4": ("Exaone4ForCausalLM", "exaone4", False),
@@ -233,7 +234,7 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
             rope = {"full_attention": rope, "sliding_attention": local}
     if arch == "smollm3":  # llama.cpp's rule, not in the file: every 4th layer without rotary
         cfg["no_rope_layer_interval"] = 4
-    if arch == "granite":  # llama.cpp: an attention scale of 0 (or none) is 1 / sqrt(head_dim)
+    if arch in ("granite", "granitemoe"):  # llama.cpp: an attention scale of 0 (or none) is 1 / sqrt(head_dim)
         cfg.update(attention_multiplier=_f32(m("attention.scale", 0.0)) or head_dim ** -0.5,
                    embedding_multiplier=_f32(m("embedding_scale", 1.0)),
                    residual_multiplier=_f32(m("residual_scale", 1.0)), logits_scaling=_f32(m("logit_scale", 1.0)))
