@@ -9,9 +9,10 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM",
                 "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "HunYuanDenseV1ForCausalLM")
 COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM")
-OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")  # q/k norms over all heads at once
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
-              "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM")
+              "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "OlmoeForCausalLM")
+GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -229,6 +230,10 @@ class ModelConfig:
         num_experts = d.get("num_local_experts") or d.get("num_experts") or d.get("moe_num_experts") or 0
         dense_layers = ()
         shared = (d.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+        if arch == "GraniteMoeSharedForCausalLM":
+            shared = d.get("shared_intermediate_size") or 0
+        if arch == "OlmoeForCausalLM" and d.get("clip_qkv") is not None:
+            raise ValueError(f"{source}: OLMoE's clip_qkv={d['clip_qkv']} is not supported")
         if arch == "Ernie4_5_MoeForCausalLM":  # MoE layers: every interval-th from start to end
             start, end = d.get("moe_layer_start_index", 0), d.get("moe_layer_end_index", layers - 1)
             interval = d.get("moe_layer_interval", 1)
@@ -249,7 +254,7 @@ class ModelConfig:
             raise ValueError(f"{source}: Cohere's use_qk_norm=true (per-head LayerNorms) is not supported")
         granite = {k: float(d.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling",
                                                      "attention_multiplier")} \
-            if arch in ("GraniteForCausalLM", "GraniteMoeForCausalLM") else {}
+            if arch in GRANITE_FAMILY else {}
         if arch in COHERE_FAMILY:  # logits * logit_scale, a power of two in Cohere's releases: exact as a divisor
             granite = {"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))}
         gpt_oss = dict(attention_sinks=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),
@@ -275,6 +280,7 @@ class ModelConfig:
                    dense_layers=dense_layers, nope_layers=nope_layers,
                    shared_expert_intermediate_size=shared, shared_expert_gated=arch == "Qwen2MoeForCausalLM",
                    router_selection_bias=arch == "Ernie4_5_MoeForCausalLM",
-                   router_softmax_after_topk=arch in ("GptOssForCausalLM", "GraniteMoeForCausalLM"),
+                   router_softmax_after_topk=arch in ("GptOssForCausalLM", "GraniteMoeForCausalLM",
+                                                      "GraniteMoeSharedForCausalLM"),
                    qk_norm_per_head=arch not in OLMO_FAMILY,
                    **granite, **gpt_oss)

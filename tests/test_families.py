@@ -98,6 +98,12 @@ def family_config(name: str):
         return tf.GraniteMoeConfig(**COMMON | dict(intermediate_size=48), num_local_experts=4, num_experts_per_tok=2,
                                    embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                    logits_scaling=2.0)
+    if name == "granitemoeshared":  # and a shared expert
+        return tf.GraniteMoeSharedConfig(**COMMON | dict(intermediate_size=48), num_local_experts=4,
+                                         num_experts_per_tok=2, shared_intermediate_size=40, embedding_multiplier=4.0,
+                                         residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
+    if name == "olmoe":  # Llama's block, q/k norms over all heads, experts' weights not renormalised
+        return tf.OlmoeConfig(**COMMON | dict(intermediate_size=48), num_experts=4, num_experts_per_tok=2)
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -112,7 +118,7 @@ def family_config(name: str):
 FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longrope", "qwen3", "gemma2", "gemma3",
             "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral",
             "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
-            "ernie4_5_moe", "hunyuan", "granitemoe"]
+            "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe"]
 WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
@@ -226,6 +232,7 @@ def test_gemma3_older_config_keys():
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized as 'gptq' are not supported"),
     ({"quantization_config": {"quant_method": "mxfp4"}}, "quantized as 'mxfp4' are not supported"),  # not GPT-OSS
     ({"architectures": ["CohereForCausalLM"], "use_qk_norm": True}, "use_qk_norm=true .* is not supported"),
+    ({"architectures": ["OlmoeForCausalLM"], "clip_qkv": 8.0}, "clip_qkv=8.0 is not supported"),
 ])
 def test_unsupported_config_names_it(change, needle):
     d = dict(architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=96,

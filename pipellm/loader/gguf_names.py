@@ -91,7 +91,7 @@ def expected_shapes(cfg: dict) -> dict:
     is_phi3 = mc.architecture == "Phi3ForCausalLM"
     is_glm = mc.architecture == "Glm4ForCausalLM"  # norms before and after attention and MLP
     is_cohere = mc.architecture in ("CohereForCausalLM", "Cohere2ForCausalLM")  # one norm a layer
-    norms_after = mc.architecture.startswith("Olmo") or mc.architecture == "Exaone4ForCausalLM"  # after only
+    norms_after = mc.architecture in ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM")  # after only
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not mc.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)

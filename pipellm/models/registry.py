@@ -35,6 +35,8 @@ STAGE_CLASSES = {
     "Cohere2ForCausalLM": CohereStage,
     "HunYuanDenseV1ForCausalLM": HunyuanStage,
     "GraniteMoeForCausalLM": GraniteMoeStage,
+    "GraniteMoeSharedForCausalLM": GraniteMoeStage,
+    "OlmoeForCausalLM": LlamaStage,
     "MixtralForCausalLM": LlamaStage,
     "Qwen3MoeForCausalLM": LlamaStage,
     "Qwen2MoeForCausalLM": LlamaStage,
