@@ -22,7 +22,7 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "gemma3": "gemma3", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
         "olmo3": "olmo2", "qwen2moe": "qwen2moe", "gemma": "gemma", "gpt_oss": "gpt-oss", "exaone4": "exaone4",
         "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "cohere": "command-r", "cohere2": "cohere2",
-        "ernie4_5_moe": "ernie4_5-moe", "granitemoe": "granitemoe"}
+        "ernie4_5_moe": "ernie4_5-moe", "granitemoe": "granitemoe", "olmoe": "olmoe", "hunyuan": "hunyuan-dense"}
 # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
 PERMUTED = ("llama", "smollm3", "granite", "granitemoe")
 FAMILIES = list(ARCH)
@@ -35,7 +35,8 @@ HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
               "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
-              "mlp.shared_experts.down_proj": "ffn_down_shexp", "block_sparse_moe.router": "ffn_gate_inp"}
+              "mlp.shared_experts.down_proj": "ffn_down_shexp", "block_sparse_moe.router": "ffn_gate_inp",
+              "self_attn.query_layernorm": "attn_q_norm", "self_attn.key_layernorm": "attn_k_norm"}
 GEMMA_TO_GGUF = HF_TO_GGUF | {"pre_feedforward_layernorm": "ffn_norm",
                               "post_attention_layernorm": "post_attention_norm",
                               "post_feedforward_layernorm": "post_ffw_norm"}
@@ -116,6 +117,12 @@ def gguf_family_config(name: str):
         return tf.GraniteMoeConfig(**BASE | dict(intermediate_size=48), num_local_experts=4, num_experts_per_tok=2,
                                    embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                    logits_scaling=2.0)
+    if name == "olmoe":  # q/k norms over all heads (llama.cpp: as many KV heads as query heads); no renormalising
+        return tf.OlmoeConfig(**BASE | dict(intermediate_size=48, num_key_value_heads=4), num_experts=4,
+                              num_experts_per_tok=2)
+    if name == "hunyuan":  # q/k norms after rotary; the converter writes the base NTK alpha stretched
+        return tf.HunYuanDenseV1Config(**BASE, head_dim=16, rope_parameters=dict(
+            rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0))
     if name == "cohere":  # a LayerNorm, attention and MLP side by side; logits scaled
         return tf.CohereConfig(**BASE, logit_scale=0.25)
     if name == "cohere2":  # and llama.cpp's fixed pattern: every 4th layer full, without rotary
@@ -171,12 +178,18 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     if head_dim is not None and name != "phi3":  # written when the config names it
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if name != "gemma2":  # llama.cpp assumes Gemma 2's base, 10000
+    if name == "hunyuan":
+        rope = _rope_parameters(cfg)
+        w.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (head_dim / (head_dim - 2)))
+    elif name != "gemma2":  # llama.cpp assumes Gemma 2's base, 10000
         w.add_rope_freq_base(_rope_parameters(cfg)["rope_theta"])
     if name in ("llama3", "mixtral"):
         w.add_rope_dimension_count(head_dim or cfg.hidden_size // cfg.num_attention_heads)
     if name == "glm4":
         w.add_rope_dimension_count(int(head_dim * _rope_parameters(cfg)["partial_rotary_factor"]))
+    if name == "olmoe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     if name in ("mixtral", "gpt_oss", "granitemoe"):
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)

@@ -165,12 +165,12 @@ def _tokenizer_reads(arch: str):
     """transformers builds a GGUF file's tokenizer only for the architectures whose weights it also maps, though the
     tokenizer (tokenizer.ggml.*) does not depend on them: for that call, it counts this one among them. For gpt-oss
     its reader also hides the rope scaling keys, which transformers' config parsing reads wrongly (it takes a key's
-    length field for the value: float() of an array); the tokenizer needs none of them. A command-r or ernie4_5-moe
-    file is shown as the model type transformers knows."""
+    length field for the value: float() of an array); the tokenizer needs none of them. A command-r, ernie4_5-moe or
+    hunyuan-dense file is shown as the model type transformers knows."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as known
 
-    shown = {"command-r": "cohere", "ernie4_5-moe": "ernie4_5_moe"}.get(arch, arch)
+    shown = {"command-r": "cohere", "ernie4_5-moe": "ernie4_5_moe", "hunyuan-dense": "hunyuan_v1_dense"}.get(arch, arch)
     added = shown not in known.GGUF_SUPPORTED_ARCHITECTURES
     if added:
         known.GGUF_SUPPORTED_ARCHITECTURES.append(shown)

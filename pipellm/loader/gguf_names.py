@@ -31,6 +31,8 @@ ARCHITECTURES = {
     "command-r": ("CohereForCausalLM", "cohere", False),
     "cohere2": ("Cohere2ForCausalLM", "cohere2", False),
     "ernie4_5-moe": ("Ernie4_5_MoeForCausalLM", "ernie4_5_moe", False),
+    "olmoe": ("OlmoeForCausalLM", "olmoe", False),
+    "hunyuan-dense": ("HunYuanDenseV1ForCausalLM", "hunyuan_v1_dense", False),  # its base already stretched by alpha
 }
 COHERE = ("command-r", "cohere2")  # a LayerNorm (its own epsilon key), attention and MLP side by side
 OLMO3 = ("Olmo3ForCausalLM", "olmo3", False)  # "olmo2" with sliding layers
@@ -209,6 +211,8 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         elif arch == "qwen2moe":  # and never Qwen2-MoE's
             cfg.update(num_experts=experts, moe_intermediate_size=m("expert_feed_forward_length"),
                        shared_expert_intermediate_size=m("expert_shared_feed_forward_length"), norm_topk_prob=False)
+        elif arch == "olmoe":  # llama.cpp never renormalises the chosen experts' weights
+            cfg.update(num_experts=experts, norm_topk_prob=False)
         elif arch == "ernie4_5-moe":  # MoE layers: every interleave_moe_layer_step-th from the leading dense ones
             ff = m("expert_feed_forward_length")
             shexp = next((shape[0] for name, (shape, _) in tensors.items() if name.endswith(".ffn_up_shexp.weight")), 0)
