@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
                 "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM",
-                "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "HunYuanDenseV1ForCausalLM")
+                "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "HunYuanDenseV1ForCausalLM",
+                "ArceeForCausalLM")
 COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")  # q/k norms over all heads at once
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
@@ -91,7 +92,7 @@ class ModelConfig:
     #                                    sliding when sliding_window is set (Mistral)
     rope_local: RopeConfig | None = None  # Gemma 3: rotary of the sliding layers (another base)
     qk_norm: bool = False           # Qwen3, Gemma 3: RMSNorm over each head of q and k before rotary
-    hidden_act: str = "silu"        # MLP gate: silu, or gelu_pytorch_tanh (Gemma)
+    hidden_act: str = "silu"        # MLP gate: silu, or gelu_pytorch_tanh (Gemma); relu2: Arcee's ungated MLP
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale is its -1/2 power, not head_dim's
     attn_logit_softcapping: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # Gemma 2: the same on the logits
@@ -188,8 +189,8 @@ class ModelConfig:
                        tie_word_embeddings=d.get("tie_word_embeddings", True), eos_token_ids=eos_ids)
         is_gemma = arch in GEMMA_FAMILY
         act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
-        if act not in ("silu", "gelu_pytorch_tanh"):
-            raise ValueError(f"{source}: activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+        if act not in ("silu", "gelu_pytorch_tanh") and not (act == "relu2" and arch == "ArceeForCausalLM"):
+            raise ValueError(f"{source}: activation {act!r} is not supported (silu, gelu_pytorch_tanh; Arcee's relu2)")
         layers = d["num_hidden_layers"]
         window = d.get("sliding_window")
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",

@@ -104,6 +104,9 @@ def family_config(name: str):
                                          residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
     if name == "olmoe":  # Llama's block, q/k norms over all heads, experts' weights not renormalised
         return tf.OlmoeConfig(**COMMON | dict(intermediate_size=48), num_experts=4, num_experts_per_tok=2)
+    if name == "arcee":  # Llama's block with an ungated relu(x)**2 MLP; yarn rotary
+        return tf.ArceeConfig(**COMMON | dict(max_position_embeddings=SHORT * 8), rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=SHORT))
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -118,7 +121,8 @@ def family_config(name: str):
 FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longrope", "qwen3", "gemma2", "gemma3",
             "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral",
             "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
-            "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe"]
+            "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe",
+            "arcee"]
 WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]

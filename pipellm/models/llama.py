@@ -11,7 +11,7 @@ from pipellm.model_config import ModelConfig
 from pipellm.models import fused
 from pipellm.models.attention import AttentionMetadata, paged_attention
 from pipellm.models.kv_cache import KVCache
-from pipellm.models.layers import GatedMLP, RMSNorm, greedy_head
+from pipellm.models.layers import GatedMLP, ReluSquaredMLP, RMSNorm, greedy_head
 from pipellm.models.moe import SparseMoE
 from pipellm.models.rotary import RotaryEmbedding, apply_rotary
 from pipellm.pipeline.partition import StageLayers
@@ -65,6 +65,8 @@ class LlamaAttention(nn.Module):
 def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     if cfg.is_moe(layer):
         return SparseMoE(cfg)
+    if cfg.hidden_act == "relu2":
+        return ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
 
 
@@ -170,7 +172,7 @@ class LlamaStage(nn.Module):
             row = cfg.moe_intermediate_size if proj in ("w3", "up_proj") else 0
             return [(f"{prefix}mlp.experts.{expert}.{target}.{kind}", row)]
         module, _, kind = rest.rpartition(".")
-        if module in fused:
+        if module in fused and not (cfg.hidden_act == "relu2" and module == "mlp.up_proj"):  # Arcee's: no gate
             target, row = fused[module]
             return [(f"{prefix}{target}.{kind}", row)]
         return [(prefix + rest, 0)]

@@ -37,6 +37,7 @@ STAGE_CLASSES = {
     "GraniteMoeForCausalLM": GraniteMoeStage,
     "GraniteMoeSharedForCausalLM": GraniteMoeStage,
     "OlmoeForCausalLM": LlamaStage,
+    "ArceeForCausalLM": LlamaStage,
     "MixtralForCausalLM": LlamaStage,
     "Qwen3MoeForCausalLM": LlamaStage,
     "Qwen2MoeForCausalLM": LlamaStage,
