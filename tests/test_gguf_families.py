@@ -22,9 +22,10 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "gemma3": "gemma3", "phi3": "phi3", "smollm3": "smollm3", "granite": "granite", "olmo2": "olmo2",
         "olmo3": "olmo2", "qwen2moe": "qwen2moe", "gemma": "gemma", "gpt_oss": "gpt-oss", "exaone4": "exaone4",
         "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "cohere": "command-r", "cohere2": "cohere2",
-        "ernie4_5_moe": "ernie4_5-moe", "granitemoe": "granitemoe", "olmoe": "olmoe", "hunyuan": "hunyuan-dense"}
+        "ernie4_5_moe": "ernie4_5-moe", "granitemoe": "granitemoe", "olmoe": "olmoe", "hunyuan": "hunyuan-dense",
+        "arcee": "arcee"}
 # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
-PERMUTED = ("llama", "smollm3", "granite", "granitemoe")
+PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee")
 FAMILIES = list(ARCH)
 
 # HF module -> llama.cpp tensor kind (gguf-py's tensor_mapping.py), per family where it differs
@@ -123,6 +124,9 @@ def gguf_family_config(name: str):
     if name == "hunyuan":  # q/k norms after rotary; the converter writes the base NTK alpha stretched
         return tf.HunYuanDenseV1Config(**BASE, head_dim=16, rope_parameters=dict(
             rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0))
+    if name == "arcee":  # an ungated relu(x)**2 MLP; yarn, as llama.cpp computes it (its ramp's ends rounded)
+        return tf.ArceeConfig(**BASE | dict(max_position_embeddings=SHORT * 8), rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=SHORT))
     if name == "cohere":  # a LayerNorm, attention and MLP side by side; logits scaled
         return tf.CohereConfig(**BASE, logit_scale=0.25)
     if name == "cohere2":  # and llama.cpp's fixed pattern: every 4th layer full, without rotary
@@ -193,13 +197,14 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     if name in ("mixtral", "gpt_oss", "granitemoe"):
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-    if name == "gpt_oss":
-        w.add_expert_feed_forward_length(cfg.intermediate_size)
-        w.add_sliding_window(cfg.sliding_window)
+    if name in ("gpt_oss", "arcee"):
         rope = _rope_parameters(cfg)
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if name == "gpt_oss":
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_sliding_window(cfg.sliding_window)
     if name == "ernie4_5_moe":  # the converter's shared width: intermediate_size // num_key_value_heads
         w.add_expert_count(cfg.moe_num_experts)
         w.add_expert_used_count(cfg.moe_k)

@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),
     "granite": ("GraniteForCausalLM", "granite", True),
     "granitemoe": ("GraniteMoeForCausalLM", "granitemoe", True),
+    "arcee": ("ArceeForCausalLM", "arcee", True),
     "olmo2": ("Olmo2ForCausalLM", "olmo2", False),
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss", False),
     "exaone4": ("Exaone4ForCausalLM", "exaone4", False),
@@ -146,6 +147,8 @@ def expected_shapes(cfg: dict) -> dict:
         ff = mc.intermediate_size
         if is_phi3 or is_glm:
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * ff, h)
+        elif mc.hidden_act == "relu2":  # Arcee's MLP has no gate
+            shapes[p + "mlp.up_proj.weight"] = (ff, h)
         else:
             shapes.update({p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h)})
         shapes[p + "mlp.down_proj.weight"] = (h, ff)
@@ -252,6 +255,8 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
                    layer_types=["sliding_attention" if p else "full_attention" for p in pattern])
     if arch in ("seed_oss", "glm4"):  # biases on q, k and v
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "arcee":  # an ungated relu(x)**2 MLP
+        cfg["hidden_act"] = "relu2"
     if arch in ("ernie4_5", "ernie4_5-moe"):  # on every linear layer
         cfg["use_bias"] = "blk.0.attn_q.bias" in tensors
     if arch in COHERE:
