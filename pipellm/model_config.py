@@ -249,15 +249,14 @@ class ModelConfig:
             uses_rope = d.get("no_rope_layers") or [int((i + 1) % (d.get("no_rope_layer_interval") or 4) != 0)
                                                     for i in range(layers)]
             nope_layers = tuple(i for i, r in enumerate(uses_rope) if not r)
-        if arch == "Exaone4ForCausalLM" and d.get("sliding_window") is not None or arch == "Cohere2ForCausalLM":
+        if (arch == "Exaone4ForCausalLM" and d.get("sliding_window") is not None) or arch == "Cohere2ForCausalLM":
             nope_layers = tuple(i for i, t in enumerate(d.get("layer_types") or ()) if t == "full_attention")
         if arch in COHERE_FAMILY and d.get("use_qk_norm"):
             raise ValueError(f"{source}: Cohere's use_qk_norm=true (per-head LayerNorms) is not supported")
-        granite = {k: float(d.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling",
-                                                     "attention_multiplier")} \
-            if arch in GRANITE_FAMILY else {}
+        scales = {k: float(d.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling",
+                                                    "attention_multiplier")} if arch in GRANITE_FAMILY else {}
         if arch in COHERE_FAMILY:  # logits * logit_scale, a power of two in Cohere's releases: exact as a divisor
-            granite = {"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))}
+            scales = {"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))}
         gpt_oss = dict(attention_sinks=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),
                        swiglu_alpha=float(d.get("swiglu_alpha", 1.702))) if arch == "GptOssForCausalLM" else {}
         return cls(arch, d["vocab_size"], d["hidden_size"], layers, heads,
@@ -284,4 +283,4 @@ class ModelConfig:
                    router_softmax_after_topk=arch in ("GptOssForCausalLM", "GraniteMoeForCausalLM",
                                                       "GraniteMoeSharedForCausalLM"),
                    qk_norm_per_head=arch not in OLMO_FAMILY,
-                   **granite, **gpt_oss)
+                   **scales, **gpt_oss)
