@@ -139,13 +139,14 @@ def kv_cache_bytes(total_bytes: int, utilization: float, weight_bytes: int, stag
 def stage_params(cfg, stage) -> int:
     """Parameters a stage holds (every expert of a MoE layer; norms and biases aside), a ModelConfig's and a
     StageLayers': its GPU memory is planned before it loads."""
-    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h = cfg.hidden_size
     total = 0
     for layer in range(stage.start, stage.end):
         ffn = (2 if cfg.is_gpt2 else 3) * h * cfg.intermediate_size
         if cfg.is_moe(layer):
-            ffn = h * cfg.num_experts + cfg.num_experts * 3 * h * cfg.moe_intermediate_size
-        total += h * (q + 2 * kv) + q * h + ffn
+            ffn = h * cfg.num_experts + (cfg.num_experts * cfg.moe_intermediate_size
+                                         + cfg.shared_expert_intermediate_size) * 3 * h
+        total += cfg.attention_params + ffn
     return total + cfg.vocab_size * h * (stage.is_first + stage.is_last)
 
 

@@ -9,10 +9,12 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM",
                 "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "HunYuanDenseV1ForCausalLM",
                 "ArceeForCausalLM")
+DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # latent attention, grouped expert routing
 COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")  # q/k norms over all heads at once
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
-              "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "OlmoeForCausalLM")
+              "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "OlmoeForCausalLM") \
+    + DEEPSEEK_FAMILY
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
@@ -120,6 +122,20 @@ class ModelConfig:
     attention_sinks: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
+    # DeepSeek V2/V3's multi-head latent attention (models/deepseek.py): q through a rank-q_lora_rank bottleneck (0:
+    # one q_proj); each token's keys and values from one kv_lora_rank latent (0: not MLA) and a qk_rope_head_dim
+    # rotary key all heads share. head_dim is q.k's width (the unrotated dims, then the rotary ones), v_head_dim v's.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False   # the checkpoint's rotary pairs are (2i, 2i+1): reordered at load
+    # DeepSeek's router: sigmoid scores (V3) or softmax (V2); the experts in expert_groups groups, of which the
+    # best expert_groups_kept (by their top expert, V2; their top two's sum, V3) are chosen from; weights scaled
+    router_sigmoid: bool = False
+    expert_groups: int = 1
+    expert_groups_kept: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -128,6 +144,26 @@ class ModelConfig:
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(f"the model's layer_types has {len(self.layer_types)} entries for its "
                              f"{self.num_layers} layers")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def cache_shape(self) -> tuple[int, int]:
+        """(heads, width) a layer caches per token: MLA's one latent with its rotary key, which K and V share."""
+        return (1, self.kv_lora_rank + self.qk_rope_head_dim) if self.is_mla else (self.num_kv_heads, self.head_dim)
+
+    @property
+    def attention_params(self) -> int:
+        """Weights of one layer's attention, biases and norms aside."""
+        h, q = self.hidden_size, self.num_heads * self.head_dim
+        if not self.is_mla:
+            return h * (q + 2 * self.num_kv_heads * self.head_dim) + q * h
+        nope, rank = self.head_dim - self.qk_rope_head_dim, self.kv_lora_rank
+        q_params = (h + q) * self.q_lora_rank if self.q_lora_rank else h * q
+        return q_params + h * (rank + self.qk_rope_head_dim) + rank * self.num_heads * (nope + self.v_head_dim) \
+            + self.num_heads * self.v_head_dim * h
 
     @property
     def is_gpt2(self) -> bool:
@@ -228,7 +264,8 @@ class ModelConfig:
         mlp_bias = bool(d.get("mlp_bias", False))
         if arch in ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM"):  # one switch for every linear layer's bias
             attention_bias = o_bias = mlp_bias = bool(d.get("use_bias", False))
-        num_experts = d.get("num_local_experts") or d.get("num_experts") or d.get("moe_num_experts") or 0
+        num_experts = d.get("num_local_experts") or d.get("num_experts") or d.get("moe_num_experts") \
+            or d.get("n_routed_experts") or 0
         dense_layers = ()
         shared = (d.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
         if arch == "GraniteMoeSharedForCausalLM":
@@ -257,6 +294,12 @@ class ModelConfig:
                                                     "attention_multiplier")} if arch in GRANITE_FAMILY else {}
         if arch in COHERE_FAMILY:  # logits * logit_scale, a power of two in Cohere's releases: exact as a divisor
             scales = {"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))}
+        deepseek = _deepseek(d, source, arch == "DeepseekV3ForCausalLM") if arch in DEEPSEEK_FAMILY else {}
+        if arch in DEEPSEEK_FAMILY:
+            head_dim = deepseek["qk_rope_head_dim"] + d.get("qk_nope_head_dim", 128)
+            dense_layers = tuple(i for i in range(layers)
+                                 if i < d.get("first_k_dense_replace", 0) or i % d.get("moe_layer_freq", 1))
+            shared = d.get("n_shared_experts", 0) * d["moe_intermediate_size"]
         gpt_oss = dict(attention_sinks=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),
                        swiglu_alpha=float(d.get("swiglu_alpha", 1.702))) if arch == "GptOssForCausalLM" else {}
         return cls(arch, d["vocab_size"], d["hidden_size"], layers, heads,
@@ -276,11 +319,30 @@ class ModelConfig:
                    num_experts_per_tok=d.get("num_experts_per_tok") or d.get("moe_k", 0) if arch in MOE_FAMILY else 0,
                    moe_intermediate_size=d.get("moe_intermediate_size") or d["intermediate_size"],
                    norm_topk_prob=arch in ("MixtralForCausalLM", "Ernie4_5_MoeForCausalLM")
-                   or bool(d.get("norm_topk_prob", False)),
+                   or bool(d.get("norm_topk_prob", arch == "DeepseekV3ForCausalLM")),
                    dense_layers=dense_layers, nope_layers=nope_layers,
                    shared_expert_intermediate_size=shared, shared_expert_gated=arch == "Qwen2MoeForCausalLM",
-                   router_selection_bias=arch == "Ernie4_5_MoeForCausalLM",
+                   router_selection_bias=arch in ("Ernie4_5_MoeForCausalLM", "DeepseekV3ForCausalLM"),
                    router_softmax_after_topk=arch in ("GptOssForCausalLM", "GraniteMoeForCausalLM",
                                                       "GraniteMoeSharedForCausalLM"),
                    qk_norm_per_head=arch not in OLMO_FAMILY,
-                   **scales, **gpt_oss)
+                   **scales, **gpt_oss, **deepseek)
+
+
+def _deepseek(d: dict, source: str, v3: bool) -> dict:
+    """ModelConfig's MLA and router fields of a DeepSeek V2/V3 config.json, as HF's modeling reads them."""
+    method = "noaux_tc" if v3 else d.get("topk_method") or "greedy"  # HF's V3 routes by noaux_tc whatever it says
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ValueError(f"{source}: DeepSeek's topk_method={method!r} is not supported "
+                         "(greedy, group_limited_greedy; V3's noaux_tc)")
+    groups, kept = (d.get("n_group") or 1, d.get("topk_group") or 1) if method != "greedy" else (1, 1)
+    experts, top_k = d.get("n_routed_experts") or 0, d.get("num_experts_per_tok") or 0
+    if experts % groups or kept > groups or top_k > kept * (experts // groups):
+        raise ValueError(f"{source}: n_group={groups}, topk_group={kept} and num_experts_per_tok={top_k} do not fit "
+                         f"n_routed_experts={experts}: the groups must split the experts evenly, and the kept "
+                         "groups hold at least num_experts_per_tok experts")
+    return dict(q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=d["kv_lora_rank"],
+                qk_rope_head_dim=d.get("qk_rope_head_dim", 64), v_head_dim=d.get("v_head_dim") or 128,
+                rope_interleave=bool(d.get("rope_interleave", True)) if v3 else True,
+                router_sigmoid=v3, expert_groups=groups, expert_groups_kept=kept,
+                routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0))

@@ -75,7 +75,7 @@ def test_cli_device_flags_reach_the_engine():
     assert "device" not in unset and "enforce_eager" not in unset
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3moe"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3moe", "deepseek_v2", "deepseek_v3"])
 @pytest.mark.parametrize("pp", [1, 3])
 def test_gpu_memory_plan_counts_the_parameters_hf_holds(tmp_path, family, pp):
     from transformers import AutoModelForCausalLM

@@ -107,6 +107,20 @@ def family_config(name: str):
     if name == "arcee":  # Llama's block with an ungated relu(x)**2 MLP; yarn rotary
         return tf.ArceeConfig(**COMMON | dict(max_position_embeddings=SHORT * 8), rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=SHORT))
+    if name.startswith("deepseek"):  # latent attention (v narrower than q.k), grouped routing, shared
+        mla = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                   moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                   n_group=4, topk_group=2, first_k_dense_replace=1)
+    if name == "deepseek_v2":  # one q_proj, experts from the groups of the best expert, biases, yarn scaling q.k
+        return tf.DeepseekV2Config(**COMMON | mla | dict(max_position_embeddings=SHORT * 8), q_lora_rank=None,
+                                   topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+                                   attention_bias=True, rope_parameters=dict(
+                                       rope_type="yarn", rope_theta=10000.0, factor=8.0, mscale=1.0,
+                                       mscale_all_dim=0.8, original_max_position_embeddings=SHORT))
+    if name == "deepseek_v3":  # q through a low rank; sigmoid router with a selection bias; weights renormalised
+        return tf.DeepseekV3Config(**COMMON | mla, q_lora_rank=48, routed_scaling_factor=2.5)
+    if name == "deepseek_v3-dense":  # no experts, whose choice a rounding may flip
+        return tf.DeepseekV3Config(**COMMON | mla | dict(first_k_dense_replace=NUM_LAYERS), q_lora_rank=48)
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -122,7 +136,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral",
             "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
             "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe",
-            "arcee"]
+            "arcee", "deepseek_v2", "deepseek_v3"]
 WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
@@ -156,7 +170,8 @@ def make_family_checkpoint(name: str, folder: str):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(family_config(name), attn_implementation="eager").eval()
     with torch.no_grad():  # biases not at their initial 0, so loading them is tested; sinks that weigh; q/k norms
-        for param_name, p in model.named_parameters():  # whose weights differ within a head
+        selection_biases = [(n, b) for n, b in model.named_buffers() if n.endswith(".e_score_correction_bias")]
+        for param_name, p in [*model.named_parameters(), *selection_biases]:  # whose weights differ within a head
             if param_name.endswith((".bias", "_bias")):
                 torch.nn.init.normal_(p, std=0.2)
             elif param_name.endswith(".sinks"):
@@ -243,6 +258,41 @@ def test_unsupported_config_names_it(change, needle):
              num_hidden_layers=2, num_attention_heads=4) | change
     with pytest.raises(ValueError, match=needle):
         ModelConfig.from_hf_dict(d)
+
+
+@pytest.mark.parametrize("kv", ["auto", "bfloat16", "int8"])
+def test_deepseek_caches_each_tokens_latent_alone(family, kv):
+    """MLA's cache holds a token's latent and rotary key once for K and V: as many bytes a token and layer as HF's
+    own cache of the model holds (fp32; bfloat16 half of them, int8 about a quarter), and the prompt's and the new
+    tokens' log-probabilities, prefilled in 16-token chunks over two stages, are HF's (rounded caches: close to
+    them; a model without experts, whose choice a rounding may flip)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from tests.test_kv_cache_dtype import TOLERANCE
+
+    folder, _ = family("deepseek_v3-dense")
+    prompt = LONG_PROMPT[:40]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    with LLM(folder, pipeline_parallel_size=2, dtype="float32", kv_cache_dtype=kv, max_num_batched_tokens=16) as llm:
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        reports = llm.engine.inspect()
+    tokens = prompt + out.outputs[0].token_ids
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    cache = DynamicCache(config=hf.config)
+    with torch.no_grad():
+        reference = hf(torch.tensor([tokens]), cache=cache).logits[0].log_softmax(-1)  # row i scores token i+1
+    hf_bytes = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values)) / len(cache.layers)
+    hf_bytes /= len(tokens)  # a token's in a layer
+    ours = {r.kv_cache_bytes / (r.kv_cache_shape[0] * r.kv_cache_shape[1] * r.num_kv_caches) for r in reports}
+    engine = [out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]
+    engine += [step[t].logprob for step, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+    err = (torch.tensor(engine) - reference[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]).abs()
+    mean, worst = TOLERANCE.get(kv, (1e-5, 1e-4))
+    assert err.mean().item() < mean and err.max().item() < worst
+    if kv == "int8":  # int8 values, and a float32 scale a block
+        assert hf_bytes / 4 < max(ours) < hf_bytes / 3.9
+    else:
+        assert ours == {hf_bytes / (2 if kv == "bfloat16" else 1)}
 
 
 def test_gpt_oss_mxfp4_checkpoint(tmp_path):

@@ -36,7 +36,7 @@ def kv_budget(mc: ModelConfig, cfg: EngineConfig, stages: list[StageLayers], dev
     either way."""
     needed = -(-max_model_len // cfg.block_size)  # one full-length sequence
     ring, ring_blocks = window_ring(mc, cfg, max_model_len), 0
-    size = block_bytes(cache_dtype(cfg.kv_cache_dtype, cfg.torch_dtype), cfg.block_size, mc.num_kv_heads, mc.head_dim)
+    size = block_bytes(cache_dtype(cfg.kv_cache_dtype, cfg.torch_dtype), cfg.block_size, *mc.cache_shape, mc.is_mla)
     if cfg.num_kv_blocks is not None:
         num_blocks, source, ring = cfg.num_kv_blocks, f"num_kv_blocks={cfg.num_kv_blocks}", 0
     else:

@@ -59,8 +59,9 @@ def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
             return None  # the kernels' attention takes no sinks, and norms each head of q and k before their rotary
         if type(layer.mlp) is SparseMoE:
             moe = layer.mlp
-            if hasattr(moe, "shared_expert") or moe.selection_bias is not None or moe.softmax_after_topk:
-                return None  # the kernels' Experts take no shared expert, and weigh by all the probabilities
+            if hasattr(moe, "shared_expert") or moe.selection_bias is not None or moe.softmax_after_topk \
+                    or moe.sigmoid or moe.groups > 1 or moe.scaling != 1:
+                return None  # the kernels' Experts: a softmax's top k, weighed unscaled, and no shared expert
             experts = [_mlp(ops, e) for e in moe.experts]
             router = _linear(ops, moe.gate)
             mlp = None if None in experts or router is None else ops.Experts(router, experts, moe.top_k,

@@ -16,22 +16,22 @@ def cache_dtype(kv_cache_dtype: str, activations: torch.dtype) -> torch.dtype:
     return activations if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype]
 
 
-def block_bytes(dtype: torch.dtype, block_size: int, num_kv_heads: int, head_dim: int) -> int:
-    """Bytes of one block of one layer, K and V, with int8's fp32 scales."""
+def block_bytes(dtype: torch.dtype, block_size: int, num_kv_heads: int, head_dim: int, shared: bool = False) -> int:
+    """Bytes of one block of one layer, K and V (once where they are one tensor), with int8's fp32 scales."""
     values = block_size * num_kv_heads * head_dim * dtype.itemsize
-    return 2 * (values + (num_kv_heads * 4 if dtype == torch.int8 else 0))
+    return (1 if shared else 2) * (values + (num_kv_heads * 4 if dtype == torch.int8 else 0))
 
 
 @dataclass
 class KVCache:
     k: torch.Tensor                       # [num_blocks, block_size, KV, D]
-    v: torch.Tensor
+    v: torch.Tensor                       # k itself where K and V are one (MLA's latent, models/deepseek.py)
     k_scale: torch.Tensor | None = None   # [num_blocks, KV] fp32, int8 caches only: value = int8 * scale
     v_scale: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> "KVCache":
+                 dtype: torch.dtype, device: torch.device | str = "cpu", shared: bool = False) -> "KVCache":
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         def scales():
             return torch.zeros(num_blocks, num_kv_heads, device=device) if dtype == torch.int8 else None
@@ -40,20 +40,28 @@ class KVCache:
             if torch.device(device).type == "cpu":
                 return zeros_on_huge_pages(shape, dtype)
             return torch.zeros(shape, dtype=dtype, device=device)
+        if shared:
+            k, k_scale = values(), scales()
+            return cls(k, k, k_scale, k_scale)
         return cls(values(), values(), scales(), scales())
 
     @property
+    def shared(self) -> bool:
+        return self.v is self.k
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+        tensors = (self.k, self.k_scale) if self.shared else (self.k, self.v, self.k_scale, self.v_scale)
+        return sum(t.nbytes for t in tensors if t is not None)
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Blocks src[i] -> dst[i], every slot, scales too. src and dst: [C] int64, no block in both."""
-        for t in (self.k, self.v, self.k_scale, self.v_scale):
+        for t in (self.k, self.k_scale) if self.shared else (self.k, self.v, self.k_scale, self.v_scale):
             if t is not None:
                 t[dst] = t[src]
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k/v [T, KV, D] into flat slots [T] (block * block_size + offset)."""
+        """k/v [T, KV, D] into flat slots [T] (block * block_size + offset); a shared cache's v is k."""
         ops = kernels.for_tensor(self.k)
         if self.k_scale is None:
             if ops is not None and k.dtype == self.k.dtype and k.stride(-1) == v.stride(-1) == 1:
@@ -64,7 +72,8 @@ class KVCache:
             return
         write = _write_int8 if ops is None else ops.kv_cache_write_int8
         write(self.k, self.k_scale, slots, k.float().contiguous())
-        write(self.v, self.v_scale, slots, v.float().contiguous())
+        if not self.shared:
+            write(self.v, self.v_scale, slots, v.float().contiguous())
 
     def keys(self, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
         """K of num_seqs sequences' blocks, [S * N] block ids -> [S, KV, K = N * block_size, D], in dtype."""

@@ -71,10 +71,12 @@ def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
 
 
 class LlamaLayer(nn.Module):
+    attention_class = LlamaAttention
+
     def __init__(self, cfg: ModelConfig, layer: int, norm=RMSNorm):
         super().__init__()
         self.input_layernorm = norm(cfg.hidden_size, cfg.norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer, norm)
+        self.self_attn = self.attention_class(cfg, layer, norm)
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = make_mlp(cfg, layer)
         self.residual_multiplier = cfg.residual_multiplier

@@ -1,12 +1,12 @@
-"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, ERNIE 4.5 MoE, Granite MoE): a router picks top-k
-experts per token;
-each expert is a SwiGLU MLP (GPT-OSS: with biases, clamped); Qwen2-MoE adds a shared expert every token takes (behind
-a sigmoid gate; ERNIE's as it is), and ERNIE picks its experts by their probability plus a bias. The stage that holds
-a layer holds all its experts."""
+"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, ERNIE 4.5 MoE, Granite MoE, DeepSeek V2/V3): a router
+picks top-k experts per token; each expert is a SwiGLU MLP (GPT-OSS: with biases, clamped); Qwen2-MoE adds a shared
+expert every token takes (behind a sigmoid gate; ERNIE's and DeepSeek's as it is), ERNIE and DeepSeek V3 pick their
+experts by their score plus a bias, and DeepSeek from the best groups of experts only. The stage that holds a layer
+holds all its experts."""
 import torch
 from torch import nn
 
-from pipellm.model_config import ModelConfig
+from pipellm.model_config import DEEPSEEK_FAMILY, ModelConfig
 from pipellm.models.layers import GatedMLP
 
 
@@ -29,8 +29,10 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        # Mixtral multiplies by the fp32 router weights, Qwen3-MoE by weights cast to the model's dtype (as HF)
-        self.weights_in_fp32 = cfg.architecture == "MixtralForCausalLM"
+        # Mixtral and DeepSeek multiply by the fp32 router weights, Qwen3-MoE by weights cast to the model's dtype
+        self.weights_in_fp32 = cfg.architecture in ("MixtralForCausalLM",) + DEEPSEEK_FAMILY
+        self.sigmoid, self.scaling = cfg.router_sigmoid, cfg.routed_scaling_factor
+        self.groups, self.groups_kept = cfg.expert_groups, cfg.expert_groups_kept
         # GPT-OSS and Granite MoE softmax the top-k logits (GPT-OSS in the model's dtype, Granite in fp32, as HF);
         # GPT-OSS's router has a bias
         self.softmax_after_topk, self.softmax_in_fp32 = cfg.router_softmax_after_topk, not cfg.swiglu_limit
@@ -53,14 +55,18 @@ class SparseMoE(nn.Module):
             top, chosen = torch.topk(self.gate(x), self.top_k, dim=-1)                   # [T, k]
             weights = torch.softmax(top.float() if self.softmax_in_fp32 else top, dim=-1).to(x.dtype)
         else:
-            probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)             # [T, E]
-            if self.selection_bias is None:
+            logits = self.gate(x)
+            probs = torch.sigmoid(logits.float()) if self.sigmoid else torch.softmax(logits, -1, dtype=torch.float32)
+            if self.selection_bias is None and self.groups == 1:
                 weights, chosen = torch.topk(probs, self.top_k, dim=-1)                  # [T, k]
             else:
-                chosen = torch.topk(probs + self.selection_bias, self.top_k, dim=-1)[1]
+                choice = probs if self.selection_bias is None else probs + self.selection_bias
+                chosen = torch.topk(self.best_groups(choice), self.top_k, dim=-1)[1]
                 weights = probs.gather(-1, chosen)
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
+            if self.scaling != 1:
+                weights = weights * self.scaling
             if not self.weights_in_fp32:
                 weights = weights.to(x.dtype)
         # Tokens batched per expert: the (token, slot) pairs sorted by expert, one matmul per expert hit.
@@ -79,3 +85,14 @@ class SparseMoE(nn.Module):
         elif hasattr(self, "shared_expert"):
             out = out + self.shared_expert(x)
         return out
+
+    def best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice [T, E] with every expert outside each token's groups_kept best groups at -inf. A group's score:
+        its best expert's (DeepSeek V2), or its best two's sum (V3)."""
+        if self.groups == 1:
+            return choice
+        grouped = choice.view(len(choice), self.groups, -1)                              # [T, G, E / G]
+        score = grouped.topk(2, dim=-1)[0].sum(-1) if self.sigmoid else grouped.amax(-1)  # [T, G]
+        dropped = torch.ones_like(score, dtype=torch.bool).scatter_(
+            1, torch.topk(score, self.groups_kept, dim=-1)[1], False)                   # [T, G]
+        return grouped.masked_fill(dropped[..., None], float("-inf")).view_as(choice)

@@ -5,6 +5,7 @@ from torch import nn
 
 from pipellm.model_config import ModelConfig
 from pipellm.models.cohere import CohereStage
+from pipellm.models.deepseek import DeepseekStage
 from pipellm.models.gemma import Gemma1Stage, GemmaStage
 from pipellm.models.glm import Ernie45MoeStage, Glm4Stage, InterleavedRotaryStage
 from pipellm.models.gpt2 import GPT2Stage
@@ -42,6 +43,8 @@ STAGE_CLASSES = {
     "Qwen3MoeForCausalLM": LlamaStage,
     "Qwen2MoeForCausalLM": LlamaStage,
     "GptOssForCausalLM": GptOssStage,
+    "DeepseekV2ForCausalLM": DeepseekStage,
+    "DeepseekV3ForCausalLM": DeepseekStage,
     "GemmaForCausalLM": Gemma1Stage,
     "Gemma2ForCausalLM": GemmaStage,
     "Gemma3ForCausalLM": GemmaStage,

@@ -40,12 +40,12 @@ def limits_worker(job_json: str, rounds: int = 7) -> None:
 
 def _linear_params(cfg: ModelConfig, layer: int) -> int:
     """Weights one token's pass through a layer multiplies (a MoE layer: its router and the experts it picks)."""
-    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    attention = h * (q + 2 * kv) + q * h
+    h, attention = cfg.hidden_size, cfg.attention_params
     if cfg.is_gpt2:
         return attention + 2 * h * cfg.intermediate_size
     if cfg.is_moe(layer):
-        return attention + h * cfg.num_experts + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
+        return attention + h * cfg.num_experts + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size \
+            + 3 * h * cfg.shared_expert_intermediate_size
     return attention + 3 * h * cfg.intermediate_size
 
 
@@ -66,13 +66,15 @@ def analyze(limits: dict, cfg: ModelConfig, stages: list[StageLayers], seq_lens:
     a step, plus the K/V each decode token reads) over the time it was busy, as shares of the measured limits."""
     tokens = sum(p + g - 1 for p, g in seq_lens)
     sampled = sum(g for _, g in seq_lens)
-    kv_token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    heads, width = cfg.cache_shape
+    kv_token_bytes = (1 if cfg.is_mla else 2) * heads * width * dtype_bytes
+    qk_width = width if cfg.is_mla else cfg.head_dim  # MLA: attention over the latent, its up-projection absorbed
     out = []
     for stage, busy, n_steps, w_bytes in zip(stages, busy_s, steps, weight_bytes):
         flops, kv_bytes = 0, 0
         for layer in range(stage.start, stage.end):
             keys = _context_sum(cfg, layer, seq_lens)
-            flops += 2 * _linear_params(cfg, layer) * tokens + 4 * cfg.num_heads * cfg.head_dim * keys
+            flops += 2 * _linear_params(cfg, layer) * tokens + 4 * cfg.num_heads * qk_width * keys
             decode_keys = keys - _context_sum(cfg, layer, [(p, 1) for p, _ in seq_lens])
             kv_bytes += decode_keys * kv_token_bytes
         if stage.is_last:

@@ -131,7 +131,7 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
         bs = ecfg.block_size
         blocks_per_seq = -(-CONTEXT // bs)
         kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)
-        caches = [KVCache.allocate(num_tokens * blocks_per_seq, bs, cfg.num_kv_heads, cfg.head_dim, kv_dtype)]
+        caches = [KVCache.allocate(num_tokens * blocks_per_seq, bs, *cfg.cache_shape, kv_dtype, shared=cfg.is_mla)]
         tables = torch.arange(num_tokens * blocks_per_seq, dtype=torch.int32).view(num_tokens, blocks_per_seq)
         positions = torch.full((num_tokens,), CONTEXT - 1)
         slots = tables[:, -1].long() * bs + (CONTEXT - 1) % bs
@@ -147,7 +147,7 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
         # A prefill chunk of one sequence, as big as a step's token budget.
         chunk = min(ecfg.max_num_batched_tokens, CONTEXT * 4, cfg.max_position_embeddings)
         blocks = -(-chunk // bs)
-        cache = KVCache.allocate(blocks, bs, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        cache = KVCache.allocate(blocks, bs, *cfg.cache_shape, kv_dtype, shared=cfg.is_mla)
         pos = torch.arange(chunk)
         pmeta = AttentionMetadata.for_layers(is_sliding, cfg.sliding_window, pos, torch.tensor([chunk]),
                                              torch.tensor([chunk]), torch.arange(blocks, dtype=torch.int32)[None],

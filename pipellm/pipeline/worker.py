@@ -58,7 +58,7 @@ class StageWorker:
         # graphs' padding rows write to a block past the driver's
         self.kv_caches = [KVCache.allocate(args.num_window_blocks if sliding and args.num_window_blocks
                                            else args.num_blocks + (eager_why is None), ecfg.block_size,
-                                           cfg.num_kv_heads, cfg.head_dim, kv_dtype, device)
+                                           *cfg.cache_shape, kv_dtype, device, shared=cfg.is_mla)
                           for sliding in self.is_sliding]
         self.graphs = None if eager_why else graphs.DecodeGraphs(
             self.model, self.kv_caches, self.is_sliding, cfg.sliding_window, ecfg.block_size, ecfg.max_num_seqs,
@@ -269,7 +269,7 @@ class StageWorker:
             earlier = self.chan.recv_tensor((self.stage.start, batch.num_tokens, cfg.hidden_size), dtype,
                                             self.world_rank - 1)
             outputs = torch.cat([earlier, outputs])                              # [layers so far, T, hidden]
-        fields = recorder.report_fields(self.kv_caches, cfg.num_kv_heads, int(batch.seq_lens[0]))
+        fields = recorder.report_fields(self.kv_caches, cfg.cache_shape[0], int(batch.seq_lens[0]))
         if self.stage.is_last:
             fields |= probe.logit_lens(self.model, outputs, torch.from_numpy(batch.logits_indices),
                                        [t.token_id for t in tokens])
