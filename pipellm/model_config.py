@@ -9,12 +9,13 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM",
                 "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "HunYuanDenseV1ForCausalLM",
                 "ArceeForCausalLM")
-DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # latent attention, grouped expert routing
+DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # latent attention
+GROUP_ROUTED = DEEPSEEK_FAMILY + ("Glm4MoeForCausalLM",)  # DeepSeek's router: experts in groups, shared experts
 COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")  # q/k norms over all heads at once
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
               "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "OlmoeForCausalLM") \
-    + DEEPSEEK_FAMILY
+    + GROUP_ROUTED
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
@@ -260,7 +261,7 @@ class ModelConfig:
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
         attention_bias = bool(d.get("attention_bias", arch in ("SeedOssForCausalLM", "GptOssForCausalLM")))
         o_bias = bool(d.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM" else \
-            attention_bias and arch != "Glm4ForCausalLM"  # GLM-4: biases on q, k and v only
+            attention_bias and arch not in ("Glm4ForCausalLM", "Glm4MoeForCausalLM")  # GLM: on q, k and v only
         mlp_bias = bool(d.get("mlp_bias", False))
         if arch in ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM"):  # one switch for every linear layer's bias
             attention_bias = o_bias = mlp_bias = bool(d.get("use_bias", False))
@@ -294,9 +295,11 @@ class ModelConfig:
                                                     "attention_multiplier")} if arch in GRANITE_FAMILY else {}
         if arch in COHERE_FAMILY:  # logits * logit_scale, a power of two in Cohere's releases: exact as a divisor
             scales = {"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))}
-        deepseek = _deepseek(d, source, arch == "DeepseekV3ForCausalLM") if arch in DEEPSEEK_FAMILY else {}
+        deepseek = _group_router(d, source, arch != "DeepseekV2ForCausalLM") if arch in GROUP_ROUTED else {}
         if arch in DEEPSEEK_FAMILY:
+            deepseek |= _latent_attention(d, arch == "DeepseekV3ForCausalLM")
             head_dim = deepseek["qk_rope_head_dim"] + d.get("qk_nope_head_dim", 128)
+        if arch in GROUP_ROUTED:
             dense_layers = tuple(i for i in range(layers)
                                  if i < d.get("first_k_dense_replace", 0) or i % d.get("moe_layer_freq", 1))
             shared = d.get("n_shared_experts", 0) * d["moe_intermediate_size"]
@@ -310,7 +313,8 @@ class ModelConfig:
                    mlp_bias=mlp_bias,
                    sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
                    qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                                    "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM") + OLMO_FAMILY,
+                                    "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM") + OLMO_FAMILY
+                   or (arch == "Glm4MoeForCausalLM" and bool(d.get("use_qk_norm"))),
                    qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
                    hidden_act=act, query_pre_attn_scalar=d.get("query_pre_attn_scalar") if is_gemma else None,
                    attn_logit_softcapping=d.get("attn_logit_softcapping") if is_gemma else None,
@@ -319,19 +323,20 @@ class ModelConfig:
                    num_experts_per_tok=d.get("num_experts_per_tok") or d.get("moe_k", 0) if arch in MOE_FAMILY else 0,
                    moe_intermediate_size=d.get("moe_intermediate_size") or d["intermediate_size"],
                    norm_topk_prob=arch in ("MixtralForCausalLM", "Ernie4_5_MoeForCausalLM")
-                   or bool(d.get("norm_topk_prob", arch == "DeepseekV3ForCausalLM")),
+                   or bool(d.get("norm_topk_prob", arch in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"))),
                    dense_layers=dense_layers, nope_layers=nope_layers,
                    shared_expert_intermediate_size=shared, shared_expert_gated=arch == "Qwen2MoeForCausalLM",
-                   router_selection_bias=arch in ("Ernie4_5_MoeForCausalLM", "DeepseekV3ForCausalLM"),
+                   router_selection_bias=arch in ("Ernie4_5_MoeForCausalLM", "DeepseekV3ForCausalLM",
+                                                  "Glm4MoeForCausalLM"),
                    router_softmax_after_topk=arch in ("GptOssForCausalLM", "GraniteMoeForCausalLM",
                                                       "GraniteMoeSharedForCausalLM"),
                    qk_norm_per_head=arch not in OLMO_FAMILY,
                    **scales, **gpt_oss, **deepseek)
 
 
-def _deepseek(d: dict, source: str, v3: bool) -> dict:
-    """ModelConfig's MLA and router fields of a DeepSeek V2/V3 config.json, as HF's modeling reads them."""
-    method = "noaux_tc" if v3 else d.get("topk_method") or "greedy"  # HF's V3 routes by noaux_tc whatever it says
+def _group_router(d: dict, source: str, sigmoid: bool) -> dict:
+    """ModelConfig's router fields of a DeepSeek V2/V3 or GLM-4.5 config.json, as HF's modeling reads them."""
+    method = "noaux_tc" if sigmoid else d.get("topk_method") or "greedy"  # HF's V3 and GLM route by noaux_tc
     if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
         raise ValueError(f"{source}: DeepSeek's topk_method={method!r} is not supported "
                          "(greedy, group_limited_greedy; V3's noaux_tc)")
@@ -341,8 +346,12 @@ def _deepseek(d: dict, source: str, v3: bool) -> dict:
         raise ValueError(f"{source}: n_group={groups}, topk_group={kept} and num_experts_per_tok={top_k} do not fit "
                          f"n_routed_experts={experts}: the groups must split the experts evenly, and the kept "
                          "groups hold at least num_experts_per_tok experts")
+    return dict(router_sigmoid=sigmoid, expert_groups=groups, expert_groups_kept=kept,
+                routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0))
+
+
+def _latent_attention(d: dict, v3: bool) -> dict:
+    """ModelConfig's MLA fields of a DeepSeek V2/V3 config.json."""
     return dict(q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=d["kv_lora_rank"],
                 qk_rope_head_dim=d.get("qk_rope_head_dim", 64), v_head_dim=d.get("v_head_dim") or 128,
-                rope_interleave=bool(d.get("rope_interleave", True)) if v3 else True,
-                router_sigmoid=v3, expert_groups=groups, expert_groups_kept=kept,
-                routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0))
+                rope_interleave=bool(d.get("rope_interleave", True)) if v3 else True)

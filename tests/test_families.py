@@ -121,6 +121,10 @@ def family_config(name: str):
         return tf.DeepseekV3Config(**COMMON | mla, q_lora_rank=48, routed_scaling_factor=2.5)
     if name == "deepseek_v3-dense":  # no experts, whose choice a rounding may flip
         return tf.DeepseekV3Config(**COMMON | mla | dict(first_k_dense_replace=NUM_LAYERS), q_lora_rank=48)
+    if name == "glm4_moe":  # Llama's attention with q/k norms and rotary on half of each head; DeepSeek V3's experts
+        return tf.Glm4MoeConfig(**COMMON | dict(intermediate_size=48), head_dim=16, attention_bias=True,
+                                use_qk_norm=True, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                                n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.5)
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -136,7 +140,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral",
             "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
             "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe",
-            "arcee", "deepseek_v2", "deepseek_v3"]
+            "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe"]
 WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]

@@ -1,5 +1,6 @@
 """DeepSeek V2 and V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM; Kimi K2 and Moonlight are V3): Llama's block
-with multi-head latent attention (MLA), and experts routed by groups beside shared experts (moe.py).
+with multi-head latent attention (MLA), and experts routed by groups beside shared experts (moe.py). GLM-4.5
+(Glm4MoeForCausalLM): Llama's attention (rotary on part of each head) with DeepSeek V3's experts.
 
 MLA: a token's keys and values all come from one latent c (kv_lora_rank wide, RMS-normed) and one rotary key k_pe
 (qk_rope_head_dim) that every head shares. The cache holds [c, k_pe] alone, one "head" a token that K and V share
@@ -81,7 +82,15 @@ class DeepseekLayer(LlamaLayer):
     attention_class = LatentAttention
 
 
-class DeepseekStage(LlamaStage):
+class GroupRoutedStage(LlamaStage):
+    """Llama's block with DeepSeek's experts: GLM-4.5 (Glm4MoeForCausalLM) as it is, DeepSeek with MLA."""
+
+    def map_weight(self, name: str) -> list[tuple[str, int]]:
+        return super().map_weight(name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+                                  .replace(".mlp.gate.e_score_correction_bias", ".mlp.selection_bias"))
+
+
+class DeepseekStage(GroupRoutedStage):
     layer_class = DeepseekLayer
 
     def __init__(self, cfg: ModelConfig, stage):
@@ -89,8 +98,7 @@ class DeepseekStage(LlamaStage):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
 
     def map_weight(self, name: str) -> list[tuple[str, int]]:
-        targets = super().map_weight(name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
-                                     .replace(".mlp.gate.e_score_correction_bias", ".mlp.selection_bias"))
+        targets = super().map_weight(name)
         if ".self_attn.q_proj." in name:  # a whole q_proj (no q_lora_rank), not Llama's rows of qkv_proj
             return [(param.replace(".qkv_proj.", ".q_proj."), row) for param, row in targets]
         return targets

@@ -5,7 +5,7 @@ from torch import nn
 
 from pipellm.model_config import ModelConfig
 from pipellm.models.cohere import CohereStage
-from pipellm.models.deepseek import DeepseekStage
+from pipellm.models.deepseek import DeepseekStage, GroupRoutedStage
 from pipellm.models.gemma import Gemma1Stage, GemmaStage
 from pipellm.models.glm import Ernie45MoeStage, Glm4Stage, InterleavedRotaryStage
 from pipellm.models.gpt2 import GPT2Stage
@@ -45,6 +45,7 @@ STAGE_CLASSES = {
     "GptOssForCausalLM": GptOssStage,
     "DeepseekV2ForCausalLM": DeepseekStage,
     "DeepseekV3ForCausalLM": DeepseekStage,
+    "Glm4MoeForCausalLM": GroupRoutedStage,
     "GemmaForCausalLM": Gemma1Stage,
     "Gemma2ForCausalLM": GemmaStage,
     "Gemma3ForCausalLM": GemmaStage,
