@@ -137,6 +137,7 @@ class ModelConfig:
     expert_groups: int = 1
     expert_groups_kept: int = 1
     routed_scaling_factor: float = 1.0
+    fp8_block: tuple[int, ...] = ()  # the checkpoint's FP8 weights' (rows, columns) a scale (quant/fp8.py); () none
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -210,8 +211,10 @@ class ModelConfig:
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         quant = d.get("quantization_config")
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        if method is not None and not (method == "mxfp4" and arch == "GptOssForCausalLM"):
-            raise ValueError(f"{source}: weights quantized as {method!r} are not supported (GPT-OSS's mxfp4 is): "
+        fp8_block = _fp8_block(quant, source) if method == "fp8" else ()
+        if method not in (None, "fp8") and not (method == "mxfp4" and arch == "GptOssForCausalLM"):
+            raise ValueError(f"{source}: weights quantized as {method!r} are not supported (block-scaled fp8 and "
+                             "GPT-OSS's mxfp4 are): "
                              "use the unquantized checkpoint (quantization='int8' or 'int4' compacts it at load) "
                              "or a GGUF file")
         eos = d.get("eos_token_id")
@@ -223,7 +226,8 @@ class ModelConfig:
             n_embd, n_head = d["n_embd"], d["n_head"]
             return cls(arch, d["vocab_size"], n_embd, d["n_layer"], n_head, n_head, n_embd // n_head,
                        d.get("n_inner") or 4 * n_embd, d["n_positions"], d.get("layer_norm_epsilon", 1e-5),
-                       tie_word_embeddings=d.get("tie_word_embeddings", True), eos_token_ids=eos_ids)
+                       tie_word_embeddings=d.get("tie_word_embeddings", True), eos_token_ids=eos_ids,
+                       fp8_block=fp8_block)
         is_gemma = arch in GEMMA_FAMILY
         act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
         if act not in ("silu", "gelu_pytorch_tanh") and not (act == "relu2" and arch == "ArceeForCausalLM"):
@@ -331,7 +335,7 @@ class ModelConfig:
                    router_softmax_after_topk=arch in ("GptOssForCausalLM", "GraniteMoeForCausalLM",
                                                       "GraniteMoeSharedForCausalLM"),
                    qk_norm_per_head=arch not in OLMO_FAMILY,
-                   **scales, **gpt_oss, **deepseek)
+                   fp8_block=fp8_block, **scales, **gpt_oss, **deepseek)
 
 
 def _group_router(d: dict, source: str, sigmoid: bool) -> dict:
@@ -355,3 +359,14 @@ def _latent_attention(d: dict, v3: bool) -> dict:
     return dict(q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=d["kv_lora_rank"],
                 qk_rope_head_dim=d.get("qk_rope_head_dim", 64), v_head_dim=d.get("v_head_dim") or 128,
                 rope_interleave=bool(d.get("rope_interleave", True)) if v3 else True)
+
+
+def _fp8_block(quant: dict, source: str) -> tuple[int, int]:
+    """The block of a block-scaled fp8 quantization_config (HF's FineGrainedFP8, DeepSeek's), made dense at load."""
+    block = quant.get("weight_block_size")
+    if quant.get("fmt", "e4m3") != "e4m3" or quant.get("activation_scheme", "dynamic") != "dynamic" \
+            or not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"{source}: fp8 weights are supported as e4m3 with a weight_block_size of two ints and the "
+                         f"dynamic activation_scheme; this quantization_config has fmt={quant.get('fmt')!r}, "
+                         f"weight_block_size={block!r}, activation_scheme={quant.get('activation_scheme')!r}")
+    return tuple(block)

@@ -256,6 +256,13 @@ def test_gemma3_older_config_keys():
     ({"quantization_config": {"quant_method": "mxfp4"}}, "quantized as 'mxfp4' are not supported"),  # not GPT-OSS
     ({"architectures": ["CohereForCausalLM"], "use_qk_norm": True}, "use_qk_norm=true .* is not supported"),
     ({"architectures": ["OlmoeForCausalLM"], "clip_qkv": 8.0}, "clip_qkv=8.0 is not supported"),
+    ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}},
+     "fp8 weights are supported as e4m3 .* activation_scheme='static'"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "weight_block_size=None"),  # one scale a tensor
+    ({"architectures": ["DeepseekV2ForCausalLM"], "kv_lora_rank": 8, "topk_method": "noaux"},
+     "topk_method='noaux' is not supported"),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 8, "n_routed_experts": 8, "num_experts_per_tok": 4,
+      "n_group": 4, "topk_group": 1}, "the kept groups hold at least num_experts_per_tok"),
 ])
 def test_unsupported_config_names_it(change, needle):
     d = dict(architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
@@ -297,6 +304,64 @@ def test_deepseek_caches_each_tokens_latent_alone(family, kv):
         assert hf_bytes / 4 < max(ours) < hf_bytes / 3.9
     else:
         assert ours == {hf_bytes / (2 if kv == "bfloat16" else 1)}
+
+
+def fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] as float8_e4m3fn and the fp32 scale of each block x block square, DeepSeek's FP8 form."""
+    rows, cols = w.shape
+    grid = w.reshape(rows // block, block, cols // block, block)
+    scales = grid.abs().amax((1, 3)) / 448                                              # [out / b, in / b]
+    values = (grid / scales[:, None, :, None]).to(torch.float8_e4m3fn).reshape(rows, cols)
+    return values, scales
+
+
+def test_deepseek_fp8_checkpoint(tmp_path):
+    """A DeepSeek V3 checkpoint with its linear layers in block-scaled FP8 (as the released V3, R1 and Kimi K2) equals
+    HF running the weights transformers' own FP8 dequantizer gives, over two stages."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    make_family_checkpoint("deepseek_v3", str(tmp_path))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    quantized = [n for n in tensors if ".layers." in n and n.endswith("proj.weight")]
+    for name in quantized:
+        tensors[name], tensors[name + "_scale_inv"] = fp8_blocks(tensors[name], 8)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [8, 8]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert hf.model.layers[1].self_attn.kv_b_proj.weight.dtype == torch.float32  # dequantized, not FP8 matmuls
+    reference = hf_greedy(hf, PROMPTS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
+    with LLM(str(tmp_path), pipeline_parallel_size=2, dtype="float32") as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        read = {n for r in llm.engine.inspect() for n in r.checkpoint_tensors}
+    assert_matches_hf(outputs, reference)
+    assert {n + "_scale_inv" for n in quantized} <= read
+
+
+def test_fp8_short_edge_blocks_take_their_own_scales():
+    """Where a weight's rows or columns are no multiple of the block, the last blocks are short, each with its own
+    scale (DeepSeek V3's kv_a_proj_with_mqa: 576 rows in 128-row blocks): blocks whose values differ by powers of
+    ten come back within FP8's rounding."""
+    from pipellm.quant import fp8
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 24, generator=gen) * 10.0 ** torch.randint(-3, 3, (40, 24), generator=gen)
+    w = w * 10.0 ** torch.arange(3).repeat_interleave(16)[:40, None]     # 16-row blocks of another magnitude each
+    padded = torch.zeros(48, 32)
+    padded[:40, :24] = w
+    grid = padded.reshape(3, 16, 2, 16).abs().amax((1, 3)) / 448                        # [3, 2] scales
+    values = (padded.reshape(3, 16, 2, 16) / grid[:, None, :, None]).reshape(48, 32)[:40, :24]
+    dense = fp8.dequantize(values.to(torch.float8_e4m3fn), grid, (16, 16), torch.float32)
+    step = grid.repeat_interleave(16, 0)[:40].repeat_interleave(16, 1)[:, :24] * 2 ** -9  # e4m3's least, a block
+    assert ((dense - w).abs() <= w.abs() / 16 + step).all()
+    with pytest.raises(ValueError, match=r"expected float8_e4m3fn \[out, in\] with \[3, 2\] scales"):
+        fp8.dequantize(values.to(torch.float8_e4m3fn), grid[:2], (16, 16), torch.float32)
 
 
 def test_gpt_oss_mxfp4_checkpoint(tmp_path):

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pipellm.quant import mxfp4
+from pipellm.quant import fp8, mxfp4
 from pipellm.quant.linear import CompactLinear, MappedEmbedding, QuantWeight
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -78,8 +78,8 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
     read = []
     files = checkpoint_files(folder)
     for name, file in files.items():
-        if name.endswith(IGNORED_SUFFIXES) or mxfp4.is_scales(name, files):  # scales: read with their blocks
-            continue
+        if name.endswith(IGNORED_SUFFIXES) or mxfp4.is_scales(name, files) or fp8.is_scales(name, files):
+            continue  # scales: read with their blocks or weights
         targets = model.map_weight(mxfp4.packed_name(name, files) or name)
         if len(targets) == 1 and targets[0][1] == 0 and targets[0][0] in embeddings:
             module = embeddings[targets[0][0]]
@@ -106,7 +106,14 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
             with handle as f:
                 for name, targets in entries:
                     try:
-                        tensor, parts = to_layout(name, f.get_tensor(name)), None
+                        tensor, parts = f.get_tensor(name), None
+                        if (scales_name := fp8.scales_name(name, files)) is not None:
+                            with safe_open(files[scales_name], framework="pt") as g:
+                                tensor = fp8.dequantize(tensor, g.get_tensor(scales_name), model.cfg.fp8_block, dtype)
+                            read.append(scales_name)
+                        elif tensor.dtype == torch.float8_e4m3fn:
+                            raise ValueError(f"an FP8 tensor without its {name}{fp8.SCALES}")
+                        tensor = to_layout(name, tensor)
                         dense_name = mxfp4.packed_name(name, files)
                         if dense_name is not None:  # MXFP4 blocks with their scales ([.., out, G, 16], [.., out, G]:
                             scales_name = dense_name + mxfp4.SCALES  # a linear's rows), kept compact or made dense
