@@ -306,6 +306,26 @@ def test_deepseek_caches_each_tokens_latent_alone(family, kv):
         assert ours == {hf_bytes / (2 if kv == "bfloat16" else 1)}
 
 
+def test_selection_bias_stays_fp32_in_a_bf16_model(family):
+    """The bias that picks DeepSeek V3's experts among close scores is held as the checkpoint's fp32, exactly, in a
+    bf16 model too (as HF keeps it)."""
+    from safetensors import safe_open
+
+    from pipellm.loader.safetensors import load_stage_weights
+    from pipellm.models.registry import build_stage_model
+    from pipellm.pipeline.partition import StageLayers
+
+    folder, _ = family("deepseek_v3")
+    cfg = ModelConfig.from_pretrained(folder)
+    stage = build_stage_model(cfg, StageLayers(0, 0, cfg.num_layers, True, True), meta=True)
+    load_stage_weights(stage, folder, torch.bfloat16)
+    with safe_open(f"{folder}/model.safetensors", framework="pt") as f:
+        saved = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+    held = stage.layers[1].mlp.selection_bias
+    assert saved.dtype == held.dtype == torch.float32 and torch.equal(held, saved)
+    assert stage.layers[1].mlp.gate.weight.dtype == torch.bfloat16
+
+
 def fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] as float8_e4m3fn and the fp32 scale of each block x block square, DeepSeek's FP8 form."""
     rows, cols = w.shape

@@ -23,7 +23,7 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "olmo3": "olmo2", "qwen2moe": "qwen2moe", "gemma": "gemma", "gpt_oss": "gpt-oss", "exaone4": "exaone4",
         "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "cohere": "command-r", "cohere2": "cohere2",
         "ernie4_5_moe": "ernie4_5-moe", "granitemoe": "granitemoe", "olmoe": "olmoe", "hunyuan": "hunyuan-dense",
-        "arcee": "arcee"}
+        "arcee": "arcee", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe"}
 # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
 PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee")
 FAMILIES = list(ARCH)
@@ -48,6 +48,13 @@ GPT_OSS_TO_GGUF = HF_TO_GGUF | {"post_attention_layernorm": "post_attention_norm
 SEED_OSS_TO_GGUF = HF_TO_GGUF | {"post_attention_layernorm": "post_attention_norm"}  # no ffn_norm in its arch
 GLM4_TO_GGUF = HF_TO_GGUF | {"post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",
                              "mlp.gate_up_proj": "ffn_up"}
+DEEPSEEK_TO_GGUF = HF_TO_GGUF | {"self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+                                "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+                                "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b"}
+GLM4_MOE_TO_GGUF = HF_TO_GGUF | {"post_attention_layernorm": "post_attention_norm"}  # the norm before the MLP
+MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+           moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4,
+           topk_group=2, first_k_dense_replace=1)
 GLOBAL_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                   "lm_head.weight": "output.weight"}
 
@@ -137,6 +144,18 @@ def gguf_family_config(name: str):
                                rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0,
                                                     beta_slow=1.0, original_max_position_embeddings=SHORT,
                                                     truncate=True))
+    if name == "deepseek_v2":  # kv_b whole (older converters), one q_proj, softmax routing in groups; DeepSeek's yarn
+        return tf.DeepseekV2Config(**BASE | MLA | dict(max_position_embeddings=SHORT * 8), q_lora_rank=None,
+                                   topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+                                   rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0,
+                                                        mscale=0.707, mscale_all_dim=0.707,
+                                                        original_max_position_embeddings=SHORT))
+    if name == "deepseek_v3":  # kv_b split into each head's k_b and v_b (newer converters); sigmoid routing
+        return tf.DeepseekV3Config(**BASE | MLA, q_lora_rank=48, routed_scaling_factor=2.5)
+    if name == "glm4_moe":  # q/k norms and biases, rotary on half of each head; DeepSeek V3's experts; an MTP layer
+        return tf.Glm4MoeConfig(**BASE | dict(intermediate_size=48), head_dim=16, attention_bias=True,
+                                use_qk_norm=True, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                                n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.5)
     raise ValueError(name)
 
 
@@ -166,7 +185,7 @@ def llama3_rope_freqs(cfg) -> np.ndarray:
 
 
 def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
-    w.add_block_count(cfg.num_hidden_layers)
+    w.add_block_count(cfg.num_hidden_layers + (name == "glm4_moe"))  # and its MTP layer
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
@@ -179,7 +198,9 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(VOCAB)
     head_dim = getattr(cfg, "head_dim", None)
-    if head_dim is not None and name != "phi3":  # written when the config names it
+    if name.startswith("deepseek"):
+        write_deepseek_metadata(w, name, cfg)
+    elif head_dim is not None and name != "phi3":  # written when the config names it
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if name == "hunyuan":
@@ -212,6 +233,10 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_expert_shared_feed_forward_length(cfg.intermediate_size // cfg.num_key_value_heads)
         w.add_interleave_moe_layer_step(cfg.moe_layer_interval)
         w.add_leading_dense_block_count(cfg.moe_layer_start_index)
+    if name == "glm4_moe":
+        w.add_rope_dimension_count(int(head_dim * _rope_parameters(cfg)["partial_rotary_factor"]))
+        w.add_nextn_predict_layers(1)
+        write_group_routed_metadata(w, cfg, sigmoid=True)
     if name in ("qwen3moe", "qwen2moe"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -246,6 +271,44 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
 
 
+def write_group_routed_metadata(w: gguf.GGUFWriter, cfg, sigmoid: bool) -> None:
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:  # the converter writes it only when true
+        w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+
+
+def write_deepseek_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
+    """deepseek2: V3's file as newer converters write it (one KV head of the latent and rotary key, the MLA widths
+    apart), V2's as older ones did (key and value widths per head); yarn's mscale_all_dim as 0.1 times it."""
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    if name == "deepseek_v3":
+        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_key_length_mla(qk)
+        w.add_value_length_mla(cfg.v_head_dim)
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    else:
+        w.add_key_length(qk)
+        w.add_value_length(cfg.v_head_dim)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    write_group_routed_metadata(w, cfg, sigmoid=name == "deepseek_v3")
+    rope = _rope_parameters(cfg)
+    if rope["rope_type"] == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
 def _row_order(rows: int, n_head: int) -> np.ndarray:
     # llama.cpp's stored row r holds HF row order[r]
     return llama_cpp_permute(np.arange(rows)[:, None], n_head)[:, 0]
@@ -258,7 +321,8 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
     cfg, arch = model.config, ARCH[name]
     names = {"gemma2": GEMMA_TO_GGUF, "gemma3": GEMMA_TO_GGUF, "phi3": PHI3_TO_GGUF, "olmo2": OLMO_TO_GGUF,
              "olmo3": OLMO_TO_GGUF, "gpt_oss": GPT_OSS_TO_GGUF, "exaone4": OLMO_TO_GGUF,
-             "seed_oss": SEED_OSS_TO_GGUF, "glm4": GLM4_TO_GGUF}.get(name, HF_TO_GGUF)
+             "seed_oss": SEED_OSS_TO_GGUF, "glm4": GLM4_TO_GGUF, "deepseek_v2": DEEPSEEK_TO_GGUF,
+             "deepseek_v3": DEEPSEEK_TO_GGUF, "glm4_moe": GLM4_MOE_TO_GGUF}.get(name, HF_TO_GGUF)
     w = gguf.GGUFWriter(str(path), arch)
     write_metadata(w, name, cfg)
     write_tokenizer(w)
@@ -290,8 +354,15 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
         else:
             _, _, layer, rest = hf.split(".", 3)
             module, suffix = rest.rsplit(".", 1)
-            if suffix == "e_score_correction_bias":  # ERNIE's, [1, E]
+            if suffix == "e_score_correction_bias":  # ERNIE's [1, E], DeepSeek's and GLM's [E]
                 held[hf] = add(f"blk.{layer}.exp_probs_b.bias", arr, router=True)
+                continue
+            if module == "self_attn.kv_b_proj" and name == "deepseek_v3":  # each head's k_b transposed, and v_b
+                heads, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
+                per_head = arr.reshape(heads, -1, arr.shape[1])                           # [H, nope + v, rank]
+                k_b = add(f"blk.{layer}.attn_k_b.weight", per_head[:, :nope].transpose(0, 2, 1))
+                v_b = add(f"blk.{layer}.attn_v_b.weight", per_head[:, nope:])
+                held[hf] = np.concatenate([k_b.transpose(0, 2, 1), v_b], 1).reshape(arr.shape)
                 continue
             if name == "gpt_oss" and module in ("mlp.experts", "self_attn") and suffix != "o_proj":
                 held[hf] = _add_gpt_oss(add, f"blk.{layer}.", suffix, arr)
@@ -321,6 +392,10 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
             held[hf] = add(gname, arr + np.float32(1)) - np.float32(1)
         else:
             held[hf] = add(gname, arr, router=kind == "ffn_gate_inp")
+    if name == "glm4_moe":  # the MTP layer after the last, which inference leaves unread
+        mtp = f"blk.{cfg.num_hidden_layers}."
+        add(mtp + "nextn.eh_proj.weight", np.ones((cfg.hidden_size, 2 * cfg.hidden_size)))
+        add(mtp + "attn_norm.weight", np.ones(cfg.hidden_size))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -358,7 +433,8 @@ def random_model(name: str):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(gguf_family_config(name), attn_implementation="eager").eval()
     with torch.no_grad():  # norms not at their initial 1 (or Gemma's 0), so a wrong offset shows; biases not 0
-        for param_name, p in model.named_parameters():
+        selection_biases = [(n, b) for n, b in model.named_buffers() if n.endswith(".e_score_correction_bias")]
+        for param_name, p in [*model.named_parameters(), *selection_biases]:
             if p.ndim == 1 or param_name.endswith("_bias"):
                 p.add_(torch.randn_like(p) * 0.2)
     return model
@@ -417,3 +493,16 @@ def test_unsupported_rope_scaling_names_it(tmp_path):
                       edit=lambda w: w.add_string(gguf.Keys.Rope.SCALING_TYPE.format(arch="llama"), "dynamic"))
     with pytest.raises(ValueError, match="dynamic.gguf: rope scaling 'dynamic' is not supported"):
         LLM(str(path), pipeline_parallel_size=2, dtype="float32")
+
+
+def test_deepseek_gguf_converts_to_an_hf_folder(family_gguf, tmp_path):
+    """A deepseek2 file whose heads' up-projections are split (k_b, v_b) made an HF folder: transformers runs it as
+    the model the file was written from (kv_b_proj put together again)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipellm.loader.gguf import convert_gguf
+
+    path, reference = family_gguf("deepseek_v3")
+    convert_gguf(path, str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    assert [ids for ids, _ in hf_greedy(model, GGUF_PROMPTS)] == [ids for ids, _ in reference]

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipellm.loader.gguf_names import GEMMA, ROPE_TENSORS, expected_shapes, hf_config, hf_name
+from pipellm.loader.gguf_names import BLOCK_INDEX, GEMMA, ROPE_TENSORS, expected_shapes, hf_config, hf_name
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +63,11 @@ def _hf_config(reader, path: str) -> tuple[str, tuple, dict]:
 def _entries(reader, path: str, arch: str, cfg: dict):
     """(tensor, HF name, shape, expert or None) for every weight, experts one by one; checks that every tensor the
     architecture needs is there with its shape (from the header; no data is read)."""
-    expected = expected_shapes(cfg)
+    expected = expected_shapes(cfg, split_kv_b=any(t.name.endswith(".attn_k_b.weight") for t in reader.tensors))
     seen = set()
     for t in reader.tensors:
-        if t.name in ROPE_TENSORS:
+        block = BLOCK_INDEX.match(t.name)
+        if t.name in ROPE_TENSORS or block and int(block[1]) >= cfg["num_hidden_layers"]:  # glm4moe's MTP layer
             continue
         name = hf_name(t.name, arch)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first ([in, out])
@@ -107,6 +108,10 @@ def _tensors(reader, path: str, arch: str, cfg: dict, permuted: bool) -> dict:
         if arch in GEMMA and t.name.endswith("norm.weight"):
             w = w - np.float32(1)  # stored as 1 + w
         out[name] = np.ascontiguousarray(w)
+    for k_name in [n for n in out if n.endswith(".self_attn.k_b_proj.weight")]:  # llama.cpp's split, as HF's
+        k = out.pop(k_name).transpose(0, 2, 1)                                       # [heads, nope, rank]
+        v = out.pop(k_name.replace(".k_b_proj.", ".v_b_proj."))                      # [heads, v, rank]
+        out[k_name.replace(".k_b_proj.", ".kv_b_proj.")] = np.concatenate([k, v], 1).reshape(-1, k.shape[2])
     return out
 
 
@@ -165,12 +170,13 @@ def _tokenizer_reads(arch: str):
     """transformers builds a GGUF file's tokenizer only for the architectures whose weights it also maps, though the
     tokenizer (tokenizer.ggml.*) does not depend on them: for that call, it counts this one among them. For gpt-oss
     its reader also hides the rope scaling keys, which transformers' config parsing reads wrongly (it takes a key's
-    length field for the value: float() of an array); the tokenizer needs none of them. A command-r, ernie4_5-moe or
-    hunyuan-dense file is shown as the model type transformers knows."""
+    length field for the value: float() of an array); the tokenizer needs none of them. A command-r, ernie4_5-moe,
+    hunyuan-dense, deepseek2 or glm4moe file is shown as the model type transformers knows."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as known
 
-    shown = {"command-r": "cohere", "ernie4_5-moe": "ernie4_5_moe", "hunyuan-dense": "hunyuan_v1_dense"}.get(arch, arch)
+    shown = {"command-r": "cohere", "ernie4_5-moe": "ernie4_5_moe", "hunyuan-dense": "hunyuan_v1_dense",
+             "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe"}.get(arch, arch)
     added = shown not in known.GGUF_SUPPORTED_ARCHITECTURES
     if added:
         known.GGUF_SUPPORTED_ARCHITECTURES.append(shown)
@@ -271,6 +277,7 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
     pieces: dict[str, list] = {}  # parameter -> [(first row, a QuantWeight, tensor or MappedEmbedding)]
     embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     row_order = getattr(model, "row_order", lambda name: None)  # GLM-4's q/k rows: the stage's order, not HF's
+    to_layout = getattr(model, "to_param_layout", lambda name, t: t)
     read = []
     for t in table:
         targets = model.map_weight(t["hf_name"])
@@ -283,22 +290,22 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
             # only looked up here (no tied LM head on this stage): left in the file
             value = mapped_embedding(path, t["offset"], t["nbytes"], qtype, *shape, dtype,
                                      name=f"{path}: {t['name']}")
-        elif len(shape) == 1:
+        elif len(shape) != 2:  # a vector (norm, bias), or DeepSeek's heads' k_b and v_b [heads, rows, columns]
             from gguf.quants import dequantize
             value = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape)
             if t.get("minus_one"):  # Gemma's norms are stored as 1 + w
                 value = value - np.float32(1)
-            value = torch.tensor(value, dtype=dtype)
+            value = to_layout(t["hf_name"], torch.tensor(value, dtype=model.get_parameter(targets[0][0]).dtype))
         else:
             value = repack(raw, qtype, *shape, name=f"{path}: {t['name']}")
             if t["unpermute_heads"]:  # llama.cpp's rotary row order, undone by moving whole rows
                 order = unpermute_qk(np.arange(shape[0])[:, None], t["unpermute_heads"])[:, 0]
                 value = value.take_rows(torch.from_numpy(order))
-        if (order := row_order(t["hf_name"])) is not None:
-            value = value[order] if isinstance(value, torch.Tensor) else value.take_rows(order)
+            if (order := row_order(t["hf_name"])) is not None:
+                value = value.take_rows(order)
         read.append(t["hf_name"])
-        for param, row in targets:
-            pieces.setdefault(param, []).append((row, value))
+        for param, row, *index in targets:  # index: one head's slice of a [heads, ...] tensor
+            pieces.setdefault(param, []).append((row, value[index[0]] if index else value))
 
     def parts_of(param: str, rows: int) -> list:
         got = sorted(pieces.pop(param, []), key=lambda p: p[0])
@@ -330,7 +337,8 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
     for name, param in list(model.named_parameters()):
         if param.is_meta:
             module_name, _, attr = name.rpartition(".")
-            value = torch.cat(parts_of(name, param.shape[0]))
+            value = torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize().to(param.dtype)
+                               for p in parts_of(name, param.shape[0])])  # a weight outside a linear layer
             setattr(model.get_submodule(module_name), attr, nn.Parameter(value, requires_grad=False))
     left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
     if left:

@@ -34,7 +34,11 @@ ARCHITECTURES = {
     "ernie4_5-moe": ("Ernie4_5_MoeForCausalLM", "ernie4_5_moe", False),
     "olmoe": ("OlmoeForCausalLM", "olmoe", False),
     "hunyuan-dense": ("HunYuanDenseV1ForCausalLM", "hunyuan_v1_dense", False),  # its base already stretched by alpha
+    # V3 (sigmoid router with a selection bias), else V2; rotary pairs interleaved, as HF's (llama.cpp's NORM rope)
+    "deepseek2": ("DeepseekV3ForCausalLM", "deepseek_v3", False),
+    "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe", False),
 }
+DEEPSEEK_V2 = ("DeepseekV2ForCausalLM", "deepseek_v2", False)  # "deepseek2" with a softmax router
 COHERE = ("command-r", "cohere2")  # a LayerNorm (its own epsilon key), attention and MLP side by side
 OLMO3 = ("Olmo3ForCausalLM", "olmo3", False)  # "olmo2" with sliding layers
 MIXTRAL = ("MixtralForCausalLM", "mixtral", True)  # "llama" with expert tensors
@@ -49,6 +53,7 @@ _BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate",
                 "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
                 "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+SHARED_EXPERTS = {f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")}  # not Qwen's
 _FAMILY_NAMES = {
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
               "post_ffw_norm": "post_feedforward_layernorm"},
@@ -60,9 +65,17 @@ _FAMILY_NAMES = {
     "seed_oss": {"post_attention_norm": "post_attention_layernorm"},
     "glm4": {"post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm",
              "ffn_up": "mlp.gate_up_proj"},  # gate and up kept fused, as HF's
+    "glm4moe": {"post_attention_norm": "post_attention_layernorm", **SHARED_EXPERTS},
+    "ernie4_5-moe": SHARED_EXPERTS,
+    # newer converters split kv_b_proj into each head's k_b (transposed) and v_b, as llama.cpp's MLA reads them
+    "deepseek2": {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                  "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                  "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                  "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj", **SHARED_EXPERTS},
 }
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # read into config
 
 
@@ -76,8 +89,9 @@ def hf_name(name: str, arch: str) -> str | None:
     kind = match[2]
     if kind == "attn_sinks":  # a parameter of its own, without .weight
         return f"model.layers.{match[1]}.self_attn.sinks"
-    if kind == "exp_probs_b":  # ERNIE's router bias that picks the experts, as HF names it
-        return f"model.layers.{match[1]}.mlp.moe_statics.e_score_correction_bias"
+    if kind == "exp_probs_b":  # the router's bias that picks the experts, as HF names it
+        module = "mlp.moe_statics" if arch == "ernie4_5-moe" else "mlp.gate"
+        return f"model.layers.{match[1]}.{module}.e_score_correction_bias"
     if kind in EXPERT_NAMES:
         return f"model.layers.{match[1]}.mlp.experts.{{e}}.{EXPERT_NAMES[kind]}.{match[3]}"
     names = _FAMILY_NAMES.get("gemma2" if arch in NORMS_AFTER else arch, {})
@@ -85,8 +99,9 @@ def hf_name(name: str, arch: str) -> str | None:
     return None if module is None else f"model.layers.{match[1]}.{module}.{match[3]}"
 
 
-def expected_shapes(cfg: dict) -> dict:
-    """HF name -> shape of every tensor the model needs (experts one by one)."""
+def expected_shapes(cfg: dict, split_kv_b: bool = False) -> dict:
+    """HF name -> shape of every tensor the model needs (experts one by one). split_kv_b: an MLA file's heads'
+    up-projections as k_b and v_b (newer converters), not kv_b."""
     mc = ModelConfig.from_hf_dict(cfg)
     h, v, d = mc.hidden_size, mc.vocab_size, mc.head_dim
     q, kv = mc.num_heads * d, mc.num_kv_heads * d
@@ -101,17 +116,19 @@ def expected_shapes(cfg: dict) -> dict:
     for i in range(mc.num_layers):
         p = f"model.layers.{i}."
         shapes.update({p + ("post_feedforward_layernorm.weight" if norms_after else "input_layernorm.weight"): (h,),
-                       p + "self_attn.o_proj.weight": (h, q)})
+                       p + "self_attn.o_proj.weight": (h, mc.num_heads * mc.v_head_dim if mc.is_mla else q)})
         if not is_cohere:
             shapes[p + "post_attention_layernorm.weight"] = (h,)
         if is_glm:
             shapes.update({p + "post_self_attn_layernorm.weight": (h,), p + "post_mlp_layernorm.weight": (h,)})
         if is_phi3:
             shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+        elif mc.is_mla:
+            shapes.update(_mla_shapes(mc, p, split_kv_b))
         else:
             shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                            p + "self_attn.v_proj.weight": (kv, h)})
-        if mc.qkv_bias:
+        if mc.qkv_bias and not mc.is_mla:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
         if mc.o_bias:
@@ -127,13 +144,14 @@ def expected_shapes(cfg: dict) -> dict:
             ff, shared = mc.moe_intermediate_size, mc.shared_expert_intermediate_size
             shapes[p + "mlp.gate.weight"] = (mc.num_experts, h)
             if shared:
-                shapes.update({p + "mlp.shared_expert.gate_proj.weight": (shared, h),
-                               p + "mlp.shared_expert.up_proj.weight": (shared, h),
-                               p + "mlp.shared_expert.down_proj.weight": (h, shared)})
+                module = p + ("mlp.shared_expert" if mc.shared_expert_gated else "mlp.shared_experts")  # Qwen2-MoE's
+                shapes.update({module + ".gate_proj.weight": (shared, h), module + ".up_proj.weight": (shared, h),
+                               module + ".down_proj.weight": (h, shared)})
             if shared and mc.shared_expert_gated:
                 shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
             if mc.router_selection_bias:
-                shapes[p + "mlp.moe_statics.e_score_correction_bias"] = (mc.num_experts,)
+                module = "mlp.moe_statics" if mc.architecture == "Ernie4_5_MoeForCausalLM" else "mlp.gate"
+                shapes[f"{p}{module}.e_score_correction_bias"] = (mc.num_experts,)
             for e in range(mc.num_experts):
                 shapes.update({f"{p}mlp.experts.{e}.gate_proj.weight": (ff, h),
                                f"{p}mlp.experts.{e}.up_proj.weight": (ff, h),
@@ -156,6 +174,63 @@ def expected_shapes(cfg: dict) -> dict:
             shapes.update({p + "mlp.gate_proj.bias": (ff,), p + "mlp.up_proj.bias": (ff,),
                            p + "mlp.down_proj.bias": (h,)})
     return shapes
+
+
+def _mla_shapes(mc: ModelConfig, p: str, split_kv_b: bool) -> dict:
+    """DeepSeek's MLA tensors of one layer (prefix p), and their shapes."""
+    h, heads, rank, rope = mc.hidden_size, mc.num_heads, mc.kv_lora_rank, mc.qk_rope_head_dim
+    nope, v = mc.head_dim - rope, mc.v_head_dim
+    shapes = {p + "self_attn.kv_a_proj_with_mqa.weight": (rank + rope, h),
+              p + "self_attn.kv_a_layernorm.weight": (rank,)}
+    if mc.q_lora_rank:
+        shapes.update({p + "self_attn.q_a_proj.weight": (mc.q_lora_rank, h),
+                       p + "self_attn.q_a_layernorm.weight": (mc.q_lora_rank,),
+                       p + "self_attn.q_b_proj.weight": (heads * mc.head_dim, mc.q_lora_rank)})
+    else:
+        shapes[p + "self_attn.q_proj.weight"] = (heads * mc.head_dim, h)
+    if split_kv_b:
+        shapes.update({p + "self_attn.k_b_proj.weight": (heads, rank, nope),
+                       p + "self_attn.v_b_proj.weight": (heads, v, rank)})
+    else:
+        shapes[p + "self_attn.kv_b_proj.weight"] = (heads * (nope + v), rank)
+    if mc.qkv_bias:
+        shapes.update({p + "self_attn.kv_a_proj_with_mqa.bias": (rank + rope,)})
+        if mc.q_lora_rank:
+            shapes[p + "self_attn.q_a_proj.bias"] = (mc.q_lora_rank,)
+    return shapes
+
+
+def _group_routed(m, arch: str, tensors: dict, path: str) -> tuple[tuple, dict]:
+    """(ARCHITECTURES entry, HF config fields) of a deepseek2 or glm4moe file's experts: a softmax router (DeepSeek
+    V2) or a sigmoid one with a selection bias (V3, GLM-4.5), in groups, with shared experts; the first layers dense.
+    glm4moe files hold a multi-token prediction layer after the last (block_count counts it), left unread."""
+    sigmoid = m("expert_gating_func", 2 if arch == "glm4moe" else 1) == 2
+    groups = m("expert_group_count", 1) or 1
+    biased = f"blk.{m('leading_dense_block_count', 0)}.exp_probs_b.bias" in tensors
+    if sigmoid != biased or (arch == "glm4moe" and not sigmoid):  # HF's: softmax alone (V2), sigmoid with a bias
+        raise ValueError(f"{path}: a {'sigmoid' if sigmoid else 'softmax'} router {'with' if biased else 'without'} "
+                         f"exp_probs_b is not supported for {arch}")
+    entry = ARCHITECTURES[arch] if sigmoid or arch == "glm4moe" else DEEPSEEK_V2
+    return entry, dict(
+        architectures=[entry[0]], n_routed_experts=m("expert_count"),
+        moe_intermediate_size=m("expert_feed_forward_length"),
+        n_shared_experts=m("expert_shared_count", 0), first_k_dense_replace=m("leading_dense_block_count", 0),
+        routed_scaling_factor=_f32(m("expert_weights_scale", 0.0) or 1.0),
+        norm_topk_prob=bool(m("expert_weights_norm", False)), n_group=groups,
+        topk_group=m("expert_group_used_count", 1) or 1,
+        topk_method="noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy",
+        num_hidden_layers=m("block_count") - m("nextn_predict_layers", 0))
+
+
+def _mla_config(m, rotated: int, tensors: dict) -> dict:
+    """HF config fields of a deepseek2 file's latent attention. Newer converters write the MLA widths apart (and
+    one KV head); older ones as key_length and value_length."""
+    qk = m("attention.key_length_mla", None) or m("attention.key_length")
+    return dict(kv_lora_rank=m("attention.kv_lora_rank"), q_lora_rank=m("attention.q_lora_rank", None),
+                qk_rope_head_dim=rotated, qk_nope_head_dim=qk - rotated,
+                v_head_dim=m("attention.value_length_mla", None) or m("attention.value_length"),
+                num_key_value_heads=m("attention.head_count"), rope_interleave=True,
+                head_dim=rotated)  # HF's DeepSeek config names the rotary width so
 
 
 def _f32(x: float) -> float:
@@ -199,10 +274,10 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
     }
     rope = _rope(m, arch, tensors, head_dim, path)
     rotated = m("rope.dimension_count", head_dim)
-    if rotated != head_dim:
-        if arch not in ("phi3", "glm4"):
+    if rotated != head_dim and arch != "deepseek2":  # whose rotary dims are qk_rope_head_dim's (below)
+        if arch not in ("phi3", "glm4", "glm4moe"):
             raise ValueError(f"{path}: partial rotary (rope.dimension_count={rotated}, head_dim={head_dim}) is "
-                             "supported for phi3 and glm4 only")
+                             "supported for phi3, glm4 and glm4moe only")
         rope["partial_rotary_factor"] = rotated / head_dim
     window = m("attention.sliding_window", None)
     if arch == "mistral" or (arch == "llama" and not experts):  # llama.cpp attends to the whole context otherwise
@@ -222,6 +297,9 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
             cfg.update(moe_num_experts=experts, moe_k=m("expert_used_count"), moe_intermediate_size=ff,
                        moe_num_shared_experts=shexp // ff, moe_layer_start_index=m("leading_dense_block_count", 0),
                        moe_layer_interval=m("interleave_moe_layer_step", 1))
+        elif arch in ("deepseek2", "glm4moe"):
+            entry, extra = _group_routed(m, arch, tensors, path)
+            cfg.update(extra)
         elif arch == "gpt-oss":  # llama.cpp's rules, not in the file: even layers slide; yarn rounds its ramp's ends
             # (RopeConfig's default, truncate=True; HF's GPT-OSS config says false)
             cfg.update(intermediate_size=m("expert_feed_forward_length"), sliding_window=window,
@@ -253,8 +331,15 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         entry = OLMO3
         cfg.update(architectures=[OLMO3[0]], sliding_window=window,
                    layer_types=["sliding_attention" if p else "full_attention" for p in pattern])
-    if arch in ("seed_oss", "glm4"):  # biases on q, k and v
+    if arch in ("seed_oss", "glm4", "glm4moe"):  # biases on q, k and v
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "glm4moe":
+        cfg["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
+    if arch == "deepseek2":
+        cfg.update(_mla_config(m, rotated, tensors))
+        if rope["rope_type"] == "yarn":  # llama.cpp's: q.k scaled by mscale_all_dim's mscale squared, cos/sin not
+            rope.update(mscale_all_dim=_f32(m("rope.scaling.yarn_log_multiplier", 0.0) / 0.1))
+            rope["mscale"] = rope["mscale_all_dim"]
     if arch == "arcee":  # an ungated relu(x)**2 MLP
         cfg["hidden_act"] = "relu2"
     if arch in ("ernie4_5", "ernie4_5-moe"):  # on every linear layer

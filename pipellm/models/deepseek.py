@@ -23,6 +23,7 @@ from pipellm.models.layers import RMSNorm
 from pipellm.models.llama import LlamaLayer, LlamaStage
 from pipellm.models.rotary import RotaryEmbedding, apply_rotary
 
+SPLIT_UP = re.compile(r"\.self_attn\.(k|v)_b_proj\.weight$")  # llama.cpp's kv_b_proj, split
 ROTARY_ROWS = re.compile(r"\.self_attn\.(q_proj|q_b_proj|kv_a_proj_with_mqa)\.(weight|bias)$")
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's, whatever rms_norm_eps says (as HF and DeepSeek's)
 
@@ -97,10 +98,15 @@ class DeepseekStage(GroupRoutedStage):
         super().__init__(cfg, stage)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
 
-    def map_weight(self, name: str) -> list[tuple[str, int]]:
+    def map_weight(self, name: str) -> list[tuple]:
         targets = super().map_weight(name)
         if ".self_attn.q_proj." in name:  # a whole q_proj (no q_lora_rank), not Llama's rows of qkv_proj
             return [(param.replace(".qkv_proj.", ".q_proj."), row) for param, row in targets]
+        if (m := SPLIT_UP.search(name)) and targets:  # a GGUF file's k_b or v_b [heads, ...]: each head's rows
+            cfg = self.cfg
+            nope, width = cfg.head_dim - cfg.qk_rope_head_dim, cfg.head_dim - cfg.qk_rope_head_dim + cfg.v_head_dim
+            param = targets[0][0].replace(f".{m[1]}_b_proj.", ".kv_b_proj.")
+            return [(param, h * width + (nope if m[1] == "v" else 0), h) for h in range(cfg.num_heads)]
         return targets
 
     def row_order(self, name: str) -> torch.Tensor | None:
@@ -117,5 +123,7 @@ class DeepseekStage(GroupRoutedStage):
         return (torch.arange(cfg.num_heads)[:, None] * cfg.head_dim + within).flatten()
 
     def to_param_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith(".k_b_proj.weight"):  # [heads, rank, nope]: each head's W_UK transposed
+            return tensor.transpose(1, 2)
         order = self.row_order(name)
         return tensor if order is None else tensor[order]

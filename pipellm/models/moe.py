@@ -50,6 +50,12 @@ class SparseMoE(nn.Module):
         self.selection_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False) \
             if cfg.router_selection_bias else None
 
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.selection_bias is not None:  # fp32 whatever the dtype (as HF): it moves picks among close scores
+            self.selection_bias.data = self.selection_bias.data.float()
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.softmax_after_topk:
             top, chosen = torch.topk(self.gate(x), self.top_k, dim=-1)                   # [T, k]

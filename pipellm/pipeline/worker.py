@@ -34,7 +34,7 @@ class StageWorker:
         spec = ecfg.speculative_config  # a token and its drafts attend as decodes: the decode step's kernels
         self.decode_chunks = 1 + spec.num_speculative_tokens if spec is not None else 1
         if gguf_source(args.model_dir):  # built without memory, then filled with compact weights from the file
-            self.model = build_stage_model(cfg, self.stage, meta=True)
+            self.model = build_stage_model(cfg, self.stage, meta=True).to(ecfg.torch_dtype)
             self.checkpoint_tensors = load_gguf_stage_weights(self.model, args.model_dir, ecfg.torch_dtype)
         else:  # no random init (0.6 s for half the default model): the loader fills every parameter, or refuses
             self.model = build_stage_model(cfg, self.stage, meta=True)
