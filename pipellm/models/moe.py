@@ -1,12 +1,12 @@
-"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, ERNIE 4.5 MoE, Granite MoE, DeepSeek V2/V3): a router
-picks top-k experts per token; each expert is a SwiGLU MLP (GPT-OSS: with biases, clamped); Qwen2-MoE adds a shared
-expert every token takes (behind a sigmoid gate; ERNIE's and DeepSeek's as it is), ERNIE and DeepSeek V3 pick their
-experts by their score plus a bias, and DeepSeek from the best groups of experts only. The stage that holds a layer
-holds all its experts."""
+"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, ERNIE 4.5 MoE, Granite MoE, DeepSeek V2/V3, GLM-4.5): a
+router picks top-k experts per token; each expert is a SwiGLU MLP (GPT-OSS: with biases, clamped); Qwen2-MoE adds a
+shared expert every token takes (behind a sigmoid gate; ERNIE's, DeepSeek's and GLM's as it is), ERNIE, DeepSeek V3
+and GLM pick their experts by their score plus a bias, and DeepSeek and GLM from the best groups of experts only.
+The stage that holds a layer holds all its experts."""
 import torch
 from torch import nn
 
-from pipellm.model_config import DEEPSEEK_FAMILY, ModelConfig
+from pipellm.model_config import GROUP_ROUTED, ModelConfig
 from pipellm.models.layers import GatedMLP
 
 
@@ -29,8 +29,8 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        # Mixtral and DeepSeek multiply by the fp32 router weights, Qwen3-MoE by weights cast to the model's dtype
-        self.weights_in_fp32 = cfg.architecture in ("MixtralForCausalLM",) + DEEPSEEK_FAMILY
+        # Mixtral, DeepSeek and GLM-4.5 multiply by the fp32 router weights, Qwen3-MoE by weights in the model's dtype
+        self.weights_in_fp32 = cfg.architecture in ("MixtralForCausalLM",) + GROUP_ROUTED
         self.sigmoid, self.scaling = cfg.router_sigmoid, cfg.routed_scaling_factor
         self.groups, self.groups_kept = cfg.expert_groups, cfg.expert_groups_kept
         # GPT-OSS and Granite MoE softmax the top-k logits (GPT-OSS in the model's dtype, Granite in fp32, as HF);
