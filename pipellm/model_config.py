@@ -9,8 +9,10 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM",
                 "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "HunYuanDenseV1ForCausalLM",
                 "ArceeForCausalLM")
-DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # latent attention
-GROUP_ROUTED = DEEPSEEK_FAMILY + ("Glm4MoeForCausalLM",)  # DeepSeek's router: experts in groups, shared experts
+# latent attention (GLM-4.7-Flash's Glm4MoeLite is DeepSeek V3's model)
+DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+# DeepSeek's router: experts in groups, shared experts; all but V2's by sigmoid scores with a selection bias
+GROUP_ROUTED = DEEPSEEK_FAMILY + ("Glm4MoeForCausalLM", "Dots1ForCausalLM")
 COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")  # q/k norms over all heads at once
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
@@ -299,14 +301,16 @@ class ModelConfig:
                                                     "attention_multiplier")} if arch in GRANITE_FAMILY else {}
         if arch in COHERE_FAMILY:  # logits * logit_scale, a power of two in Cohere's releases: exact as a divisor
             scales = {"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))}
-        deepseek = _group_router(d, source, arch != "DeepseekV2ForCausalLM") if arch in GROUP_ROUTED else {}
+        v3_router = arch in GROUP_ROUTED and arch != "DeepseekV2ForCausalLM"
+        deepseek = _group_router(d, source, v3_router) if arch in GROUP_ROUTED else {}
         if arch in DEEPSEEK_FAMILY:
-            deepseek |= _latent_attention(d, arch == "DeepseekV3ForCausalLM")
+            deepseek |= _latent_attention(d, v3_router)
             head_dim = deepseek["qk_rope_head_dim"] + d.get("qk_nope_head_dim", 128)
-        if arch in GROUP_ROUTED:
-            dense_layers = tuple(i for i in range(layers)
-                                 if i < d.get("first_k_dense_replace", 0) or i % d.get("moe_layer_freq", 1))
-            shared = d.get("n_shared_experts", 0) * d["moe_intermediate_size"]
+        if arch in GROUP_ROUTED:  # Glm4MoeLite names each layer's MLP; the others count the first dense ones
+            kinds = d.get("mlp_layer_types") or ["dense" if i < d.get("first_k_dense_replace", 0)
+                                                 or i % d.get("moe_layer_freq", 1) else "sparse" for i in range(layers)]
+            dense_layers = tuple(i for i, kind in enumerate(kinds) if kind == "dense")
+            shared = (d.get("n_shared_experts") or 0) * d["moe_intermediate_size"]
         gpt_oss = dict(attention_sinks=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),
                        swiglu_alpha=float(d.get("swiglu_alpha", 1.702))) if arch == "GptOssForCausalLM" else {}
         return cls(arch, d["vocab_size"], d["hidden_size"], layers, heads,
@@ -317,7 +321,7 @@ class ModelConfig:
                    mlp_bias=mlp_bias,
                    sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
                    qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                                    "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM") + OLMO_FAMILY
+                                    "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM", "Dots1ForCausalLM") + OLMO_FAMILY
                    or (arch == "Glm4MoeForCausalLM" and bool(d.get("use_qk_norm"))),
                    qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
                    hidden_act=act, query_pre_attn_scalar=d.get("query_pre_attn_scalar") if is_gemma else None,
@@ -327,11 +331,11 @@ class ModelConfig:
                    num_experts_per_tok=d.get("num_experts_per_tok") or d.get("moe_k", 0) if arch in MOE_FAMILY else 0,
                    moe_intermediate_size=d.get("moe_intermediate_size") or d["intermediate_size"],
                    norm_topk_prob=arch in ("MixtralForCausalLM", "Ernie4_5_MoeForCausalLM")
-                   or bool(d.get("norm_topk_prob", arch in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"))),
+                   or bool(d.get("norm_topk_prob", arch in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
+                                                            "Glm4MoeLiteForCausalLM"))),
                    dense_layers=dense_layers, nope_layers=nope_layers,
                    shared_expert_intermediate_size=shared, shared_expert_gated=arch == "Qwen2MoeForCausalLM",
-                   router_selection_bias=arch in ("Ernie4_5_MoeForCausalLM", "DeepseekV3ForCausalLM",
-                                                  "Glm4MoeForCausalLM"),
+                   router_selection_bias=arch == "Ernie4_5_MoeForCausalLM" or v3_router,
                    router_softmax_after_topk=arch in ("GptOssForCausalLM", "GraniteMoeForCausalLM",
                                                       "GraniteMoeSharedForCausalLM"),
                    qk_norm_per_head=arch not in OLMO_FAMILY,

@@ -107,7 +107,7 @@ def family_config(name: str):
     if name == "arcee":  # Llama's block with an ungated relu(x)**2 MLP; yarn rotary
         return tf.ArceeConfig(**COMMON | dict(max_position_embeddings=SHORT * 8), rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=SHORT))
-    if name.startswith("deepseek"):  # latent attention (v narrower than q.k), grouped routing, shared
+    if name.startswith(("deepseek", "glm4_moe_lite")):  # latent attention (v narrower than q.k), grouped routing, shared
         mla = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                    n_group=4, topk_group=2, first_k_dense_replace=1)
@@ -119,12 +119,21 @@ def family_config(name: str):
                                        mscale_all_dim=0.8, original_max_position_embeddings=SHORT))
     if name == "deepseek_v3":  # q through a low rank; sigmoid router with a selection bias; weights renormalised
         return tf.DeepseekV3Config(**COMMON | mla, q_lora_rank=48, routed_scaling_factor=2.5)
+    if name == "glm4_moe_lite":  # DeepSeek V3's model, its dense layers named one by one
+        lite = {k: v for k, v in mla.items() if k != "first_k_dense_replace"}
+        return tf.Glm4MoeLiteConfig(**COMMON | lite, q_lora_rank=48, routed_scaling_factor=1.8,
+                                    mlp_layer_types=["dense", "sparse", "dense", "sparse", "sparse"])
     if name == "deepseek_v3-dense":  # no experts, whose choice a rounding may flip
         return tf.DeepseekV3Config(**COMMON | mla | dict(first_k_dense_replace=NUM_LAYERS), q_lora_rank=48)
     if name == "glm4_moe":  # Llama's attention with q/k norms and rotary on half of each head; DeepSeek V3's experts
         return tf.Glm4MoeConfig(**COMMON | dict(intermediate_size=48), head_dim=16, attention_bias=True,
                                 use_qk_norm=True, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                                 n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.5)
+    if name == "dots1":  # Qwen3's attention (q/k norms, sliding layers), DeepSeek V3's experts
+        return tf.Dots1Config(**COMMON | dict(intermediate_size=48), head_dim=16, moe_intermediate_size=32,
+                              n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                              first_k_dense_replace=1, routed_scaling_factor=1.5, sliding_window=24,
+                              layer_types=SLIDING_TYPES)
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -140,8 +149,8 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral",
             "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
             "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe",
-            "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe"]
-WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2")  # sliding layers
+            "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1"]
+WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
 

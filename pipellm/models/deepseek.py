@@ -1,6 +1,7 @@
-"""DeepSeek V2 and V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM; Kimi K2 and Moonlight are V3): Llama's block
-with multi-head latent attention (MLA), and experts routed by groups beside shared experts (moe.py). GLM-4.5
-(Glm4MoeForCausalLM): Llama's attention (rotary on part of each head) with DeepSeek V3's experts.
+"""DeepSeek V2 and V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM; Kimi K2 and Moonlight are V3, and GLM-4.7-Flash's
+Glm4MoeLiteForCausalLM): Llama's block with multi-head latent attention (MLA), and experts routed by groups beside
+shared experts (moe.py). GLM-4.5 (Glm4MoeForCausalLM: rotary on part of each head) and dots.llm1 (Dots1ForCausalLM:
+Qwen3's q/k norms): Llama's attention with DeepSeek V3's experts.
 
 MLA: a token's keys and values all come from one latent c (kv_lora_rank wide, RMS-normed) and one rotary key k_pe
 (qk_rope_head_dim) that every head shares. The cache holds [c, k_pe] alone, one "head" a token that K and V share
@@ -84,7 +85,7 @@ class DeepseekLayer(LlamaLayer):
 
 
 class GroupRoutedStage(LlamaStage):
-    """Llama's block with DeepSeek's experts: GLM-4.5 (Glm4MoeForCausalLM) as it is, DeepSeek with MLA."""
+    """Llama's block with DeepSeek's experts: GLM-4.5 and dots.llm1 as it is, DeepSeek with MLA."""
 
     def map_weight(self, name: str) -> list[tuple[str, int]]:
         return super().map_weight(name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
