@@ -15,9 +15,10 @@ DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLit
 GROUP_ROUTED = DEEPSEEK_FAMILY + ("Glm4MoeForCausalLM", "Dots1ForCausalLM")
 COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")  # q/k norms over all heads at once
+ALL_HEADS_QK_NORM = OLMO_FAMILY + ("MiniMaxM2ForCausalLM",)
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
-              "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "OlmoeForCausalLM") \
-    + GROUP_ROUTED
+              "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "OlmoeForCausalLM",
+              "MiniMaxM2ForCausalLM") + GROUP_ROUTED
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
@@ -54,7 +55,10 @@ class RopeConfig:
         if rope_type == "dynamic" and d.get("alpha"):  # Hunyuan's NTK alpha: a fixed, larger base, as HF's
             dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
             rope_type, theta = "default", theta * d["alpha"] ** (dim / (dim - 2))
-        partial = d.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        partial = d.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+        if partial is None:  # MiniMax-M2's configs give the rotated width instead
+            dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+            partial = hf["rotary_dim"] / dim if hf.get("rotary_dim") else 1.0
         original = hf.get("original_max_position_embeddings") if rope_type in ("llama3", "yarn", "longrope") else None
         original = original or d.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 2048)
         factor = d.get("factor")
@@ -321,7 +325,8 @@ class ModelConfig:
                    mlp_bias=mlp_bias,
                    sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
                    qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                                    "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM", "Dots1ForCausalLM") + OLMO_FAMILY
+                                    "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM", "Dots1ForCausalLM")
+                   + ALL_HEADS_QK_NORM
                    or (arch == "Glm4MoeForCausalLM" and bool(d.get("use_qk_norm"))),
                    qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
                    hidden_act=act, query_pre_attn_scalar=d.get("query_pre_attn_scalar") if is_gemma else None,
@@ -330,16 +335,17 @@ class ModelConfig:
                    num_experts=num_experts if arch in MOE_FAMILY else 0,
                    num_experts_per_tok=d.get("num_experts_per_tok") or d.get("moe_k", 0) if arch in MOE_FAMILY else 0,
                    moe_intermediate_size=d.get("moe_intermediate_size") or d["intermediate_size"],
-                   norm_topk_prob=arch in ("MixtralForCausalLM", "Ernie4_5_MoeForCausalLM")
+                   norm_topk_prob=arch in ("MixtralForCausalLM", "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM")
                    or bool(d.get("norm_topk_prob", arch in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
                                                             "Glm4MoeLiteForCausalLM"))),
                    dense_layers=dense_layers, nope_layers=nope_layers,
                    shared_expert_intermediate_size=shared, shared_expert_gated=arch == "Qwen2MoeForCausalLM",
-                   router_selection_bias=arch == "Ernie4_5_MoeForCausalLM" or v3_router,
+                   router_selection_bias=arch in ("Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM") or v3_router,
                    router_softmax_after_topk=arch in ("GptOssForCausalLM", "GraniteMoeForCausalLM",
                                                       "GraniteMoeSharedForCausalLM"),
-                   qk_norm_per_head=arch not in OLMO_FAMILY,
-                   fp8_block=fp8_block, **scales, **gpt_oss, **deepseek)
+                   qk_norm_per_head=arch not in ALL_HEADS_QK_NORM,
+                   fp8_block=fp8_block, **scales, **gpt_oss,
+                   **(deepseek or {"router_sigmoid": arch == "MiniMaxM2ForCausalLM"}))
 
 
 def _group_router(d: dict, source: str, sigmoid: bool) -> dict:

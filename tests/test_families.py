@@ -134,6 +134,9 @@ def family_config(name: str):
                               n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
                               first_k_dense_replace=1, routed_scaling_factor=1.5, sliding_window=24,
                               layer_types=SLIDING_TYPES)
+    if name == "minimax_m2":  # Mixtral's names; q/k norms over all heads, rotary on half of each; a sigmoid router
+        return tf.MiniMaxM2Config(**COMMON | dict(intermediate_size=32), head_dim=16, num_local_experts=8,
+                                  num_experts_per_tok=2, rotary_dim=8)
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -149,7 +152,8 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral",
             "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
             "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe",
-            "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1"]
+            "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1",
+            "minimax_m2"]
 WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
@@ -313,6 +317,20 @@ def test_deepseek_caches_each_tokens_latent_alone(family, kv):
         assert hf_bytes / 4 < max(ours) < hf_bytes / 3.9
     else:
         assert ours == {hf_bytes / (2 if kv == "bfloat16" else 1)}
+
+
+def test_minimax_m2_release_config_rotates_rotary_dim():
+    """MiniMax-M2's released config.json gives its rotated width as rotary_dim, no rope_parameters: the share of
+    each head that turns is HF's reading of it."""
+    import transformers as tf
+
+    d = dict(architectures=["MiniMaxM2ForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=32,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rotary_dim=4,
+             rope_theta=5e6, num_local_experts=4, num_experts_per_tok=2)
+    hf = tf.MiniMaxM2Config(**{k: v for k, v in d.items() if k != "architectures"})
+    rope = ModelConfig.from_hf_dict(d).rope
+    assert rope.partial_rotary_factor == hf.rope_parameters["partial_rotary_factor"] == 0.25
+    assert rope.theta == hf.rope_parameters["rope_theta"]
 
 
 def test_selection_bias_stays_fp32_in_a_bf16_model(family):

@@ -24,6 +24,7 @@ from pipellm.models.layers import RMSNorm
 from pipellm.models.llama import LlamaLayer, LlamaStage
 from pipellm.models.rotary import RotaryEmbedding, apply_rotary
 
+SELECTION_BIAS = re.compile(r"\.(mlp\.gate|block_sparse_moe)\.e_score_correction_bias$")  # DeepSeek's, MiniMax's
 SPLIT_UP = re.compile(r"\.self_attn\.(k|v)_b_proj\.weight$")  # llama.cpp's kv_b_proj, split
 ROTARY_ROWS = re.compile(r"\.self_attn\.(q_proj|q_b_proj|kv_a_proj_with_mqa)\.(weight|bias)$")
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's, whatever rms_norm_eps says (as HF and DeepSeek's)
@@ -84,15 +85,17 @@ class DeepseekLayer(LlamaLayer):
     attention_class = LatentAttention
 
 
-class GroupRoutedStage(LlamaStage):
-    """Llama's block with DeepSeek's experts: GLM-4.5 and dots.llm1 as it is, DeepSeek with MLA."""
+class BiasedRouterStage(LlamaStage):
+    """Llama's block whose router picks experts by their score plus a bias (e_score_correction_bias): DeepSeek's
+    experts with GLM-4.5's and dots.llm1's attention as it is, with MLA as DeepSeek's; MiniMax-M2's (Mixtral's names,
+    q/k norms over all heads)."""
 
     def map_weight(self, name: str) -> list[tuple[str, int]]:
-        return super().map_weight(name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
-                                  .replace(".mlp.gate.e_score_correction_bias", ".mlp.selection_bias"))
+        return super().map_weight(SELECTION_BIAS.sub(".mlp.selection_bias",
+                                                     name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")))
 
 
-class DeepseekStage(GroupRoutedStage):
+class DeepseekStage(BiasedRouterStage):
     layer_class = DeepseekLayer
 
     def __init__(self, cfg: ModelConfig, stage):

@@ -29,8 +29,8 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        # Mixtral, DeepSeek and GLM-4.5 multiply by the fp32 router weights, Qwen3-MoE by weights in the model's dtype
-        self.weights_in_fp32 = cfg.architecture in ("MixtralForCausalLM",) + GROUP_ROUTED
+        # Mixtral, MiniMax, DeepSeek and GLM-4.5 multiply by fp32 router weights, Qwen3-MoE by the model's dtype's
+        self.weights_in_fp32 = cfg.architecture in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM") + GROUP_ROUTED
         self.sigmoid, self.scaling = cfg.router_sigmoid, cfg.routed_scaling_factor
         self.groups, self.groups_kept = cfg.expert_groups, cfg.expert_groups_kept
         # GPT-OSS and Granite MoE softmax the top-k logits (GPT-OSS in the model's dtype, Granite in fp32, as HF);

@@ -5,7 +5,7 @@ from torch import nn
 
 from pipellm.model_config import ModelConfig
 from pipellm.models.cohere import CohereStage
-from pipellm.models.deepseek import DeepseekStage, GroupRoutedStage
+from pipellm.models.deepseek import DeepseekStage, BiasedRouterStage
 from pipellm.models.gemma import Gemma1Stage, GemmaStage
 from pipellm.models.glm import Ernie45MoeStage, Glm4Stage, InterleavedRotaryStage
 from pipellm.models.gpt2 import GPT2Stage
@@ -46,8 +46,9 @@ STAGE_CLASSES = {
     "DeepseekV2ForCausalLM": DeepseekStage,
     "DeepseekV3ForCausalLM": DeepseekStage,
     "Glm4MoeLiteForCausalLM": DeepseekStage,
-    "Glm4MoeForCausalLM": GroupRoutedStage,
-    "Dots1ForCausalLM": GroupRoutedStage,
+    "Glm4MoeForCausalLM": BiasedRouterStage,
+    "Dots1ForCausalLM": BiasedRouterStage,
+    "MiniMaxM2ForCausalLM": BiasedRouterStage,
     "GemmaForCausalLM": Gemma1Stage,
     "Gemma2ForCausalLM": GemmaStage,
     "Gemma3ForCausalLM": GemmaStage,
