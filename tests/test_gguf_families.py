@@ -23,7 +23,8 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "olmo3": "olmo2", "qwen2moe": "qwen2moe", "gemma": "gemma", "gpt_oss": "gpt-oss", "exaone4": "exaone4",
         "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "cohere": "command-r", "cohere2": "cohere2",
         "ernie4_5_moe": "ernie4_5-moe", "granitemoe": "granitemoe", "olmoe": "olmoe", "hunyuan": "hunyuan-dense",
-        "arcee": "arcee", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe"}
+        "arcee": "arcee", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe",
+        "dots1": "dots1", "minimax_m2": "minimax-m2"}
 # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
 PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee")
 FAMILIES = list(ARCH)
@@ -156,6 +157,13 @@ def gguf_family_config(name: str):
         return tf.Glm4MoeConfig(**BASE | dict(intermediate_size=48), head_dim=16, attention_bias=True,
                                 use_qk_norm=True, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                                 n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.5)
+    if name == "dots1":  # Qwen3's attention, DeepSeek V3's experts in groups
+        return tf.Dots1Config(**BASE | dict(intermediate_size=48), head_dim=16, moe_intermediate_size=32,
+                              n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                              first_k_dense_replace=1, routed_scaling_factor=1.5, norm_topk_prob=True)
+    if name == "minimax_m2":  # q/k norms over all heads, rotary on half of each head; a sigmoid router's bias
+        return tf.MiniMaxM2Config(**BASE | dict(intermediate_size=32), head_dim=16, num_local_experts=8,
+                                  num_experts_per_tok=2, rotary_dim=8)
     raise ValueError(name)
 
 
@@ -236,7 +244,14 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     if name == "glm4_moe":
         w.add_rope_dimension_count(int(head_dim * _rope_parameters(cfg)["partial_rotary_factor"]))
         w.add_nextn_predict_layers(1)
+    if name in ("glm4_moe", "dots1"):
         write_group_routed_metadata(w, cfg, sigmoid=True)
+    if name == "minimax_m2":  # its converter: the rotated width from rotary_dim; no weights' norm or scale keys
+        w.add_rope_dimension_count(cfg.rotary_dim)
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if name in ("qwen3moe", "qwen2moe"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)

@@ -171,12 +171,12 @@ def _tokenizer_reads(arch: str):
     tokenizer (tokenizer.ggml.*) does not depend on them: for that call, it counts this one among them. For gpt-oss
     its reader also hides the rope scaling keys, which transformers' config parsing reads wrongly (it takes a key's
     length field for the value: float() of an array); the tokenizer needs none of them. A command-r, ernie4_5-moe,
-    hunyuan-dense, deepseek2 or glm4moe file is shown as the model type transformers knows."""
+    hunyuan-dense, deepseek2, glm4moe or minimax-m2 file is shown as the model type transformers knows."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as known
 
     shown = {"command-r": "cohere", "ernie4_5-moe": "ernie4_5_moe", "hunyuan-dense": "hunyuan_v1_dense",
-             "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe"}.get(arch, arch)
+             "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "minimax-m2": "minimax_m2"}.get(arch, arch)
     added = shown not in known.GGUF_SUPPORTED_ARCHITECTURES
     if added:
         known.GGUF_SUPPORTED_ARCHITECTURES.append(shown)

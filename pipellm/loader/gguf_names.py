@@ -37,6 +37,8 @@ ARCHITECTURES = {
     # V3 (sigmoid router with a selection bias), else V2; rotary pairs interleaved, as HF's (llama.cpp's NORM rope)
     "deepseek2": ("DeepseekV3ForCausalLM", "deepseek_v3", False),
     "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe", False),
+    "dots1": ("Dots1ForCausalLM", "dots1", False),
+    "minimax-m2": ("MiniMaxM2ForCausalLM", "minimax_m2", False),  # q/k norms over all heads
 }
 DEEPSEEK_V2 = ("DeepseekV2ForCausalLM", "deepseek_v2", False)  # "deepseek2" with a softmax router
 COHERE = ("command-r", "cohere2")  # a LayerNorm (its own epsilon key), attention and MLP side by side
@@ -67,6 +69,7 @@ _FAMILY_NAMES = {
              "ffn_up": "mlp.gate_up_proj"},  # gate and up kept fused, as HF's
     "glm4moe": {"post_attention_norm": "post_attention_layernorm", **SHARED_EXPERTS},
     "ernie4_5-moe": SHARED_EXPERTS,
+    "dots1": SHARED_EXPERTS,
     # newer converters split kv_b_proj into each head's k_b (transposed) and v_b, as llama.cpp's MLA reads them
     "deepseek2": {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
                   "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
@@ -201,16 +204,17 @@ def _mla_shapes(mc: ModelConfig, p: str, split_kv_b: bool) -> dict:
 
 
 def _group_routed(m, arch: str, tensors: dict, path: str) -> tuple[tuple, dict]:
-    """(ARCHITECTURES entry, HF config fields) of a deepseek2 or glm4moe file's experts: a softmax router (DeepSeek
-    V2) or a sigmoid one with a selection bias (V3, GLM-4.5), in groups, with shared experts; the first layers dense.
-    glm4moe files hold a multi-token prediction layer after the last (block_count counts it), left unread."""
-    sigmoid = m("expert_gating_func", 2 if arch == "glm4moe" else 1) == 2
+    """(ARCHITECTURES entry, HF config fields) of a deepseek2, glm4moe or dots1 file's experts: a softmax router
+    (DeepSeek V2) or a sigmoid one with a selection bias (V3, GLM-4.5, dots.llm1), in groups, with shared experts;
+    the first layers dense. glm4moe files hold a multi-token prediction layer after the last (block_count counts
+    it), left unread."""
+    sigmoid = m("expert_gating_func", 1 if arch == "deepseek2" else 2) == 2
     groups = m("expert_group_count", 1) or 1
     biased = f"blk.{m('leading_dense_block_count', 0)}.exp_probs_b.bias" in tensors
-    if sigmoid != biased or (arch == "glm4moe" and not sigmoid):  # HF's: softmax alone (V2), sigmoid with a bias
+    if sigmoid != biased or (arch != "deepseek2" and not sigmoid):  # HF's: softmax alone (V2), sigmoid with a bias
         raise ValueError(f"{path}: a {'sigmoid' if sigmoid else 'softmax'} router {'with' if biased else 'without'} "
                          f"exp_probs_b is not supported for {arch}")
-    entry = ARCHITECTURES[arch] if sigmoid or arch == "glm4moe" else DEEPSEEK_V2
+    entry = ARCHITECTURES[arch] if sigmoid else DEEPSEEK_V2
     return entry, dict(
         architectures=[entry[0]], n_routed_experts=m("expert_count"),
         moe_intermediate_size=m("expert_feed_forward_length"),
@@ -275,9 +279,9 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
     rope = _rope(m, arch, tensors, head_dim, path)
     rotated = m("rope.dimension_count", head_dim)
     if rotated != head_dim and arch != "deepseek2":  # whose rotary dims are qk_rope_head_dim's (below)
-        if arch not in ("phi3", "glm4", "glm4moe"):
+        if arch not in ("phi3", "glm4", "glm4moe", "minimax-m2"):
             raise ValueError(f"{path}: partial rotary (rope.dimension_count={rotated}, head_dim={head_dim}) is "
-                             "supported for phi3, glm4 and glm4moe only")
+                             "supported for phi3, glm4, glm4moe and minimax-m2 only")
         rope["partial_rotary_factor"] = rotated / head_dim
     window = m("attention.sliding_window", None)
     if arch == "mistral" or (arch == "llama" and not experts):  # llama.cpp attends to the whole context otherwise
@@ -297,9 +301,13 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
             cfg.update(moe_num_experts=experts, moe_k=m("expert_used_count"), moe_intermediate_size=ff,
                        moe_num_shared_experts=shexp // ff, moe_layer_start_index=m("leading_dense_block_count", 0),
                        moe_layer_interval=m("interleave_moe_layer_step", 1))
-        elif arch in ("deepseek2", "glm4moe"):
+        elif arch in ("deepseek2", "glm4moe", "dots1"):
             entry, extra = _group_routed(m, arch, tensors, path)
             cfg.update(extra)
+        elif arch == "minimax-m2":  # a sigmoid router whose bias picks the experts, their weights renormalised
+            if m("expert_gating_func", 2) != 2 or "blk.0.exp_probs_b.bias" not in tensors:
+                raise ValueError(f"{path}: a minimax-m2 router without sigmoid scores and exp_probs_b is not "
+                                 "supported")
         elif arch == "gpt-oss":  # llama.cpp's rules, not in the file: even layers slide; yarn rounds its ramp's ends
             # (RopeConfig's default, truncate=True; HF's GPT-OSS config says false)
             cfg.update(intermediate_size=m("expert_feed_forward_length"), sliding_window=window,
