@@ -8,7 +8,7 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM",
                 "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "HunYuanDenseV1ForCausalLM",
-                "ArceeForCausalLM")
+                "ArceeForCausalLM", "ApertusForCausalLM")
 # latent attention (GLM-4.7-Flash's Glm4MoeLite is DeepSeek V3's model)
 DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 # DeepSeek's router: experts in groups, shared experts; all but V2's by sigmoid scores with a selection bias
@@ -101,7 +101,8 @@ class ModelConfig:
     #                                    sliding when sliding_window is set (Mistral)
     rope_local: RopeConfig | None = None  # Gemma 3: rotary of the sliding layers (another base)
     qk_norm: bool = False           # Qwen3, Gemma 3: RMSNorm over each head of q and k before rotary
-    hidden_act: str = "silu"        # MLP gate: silu, or gelu_pytorch_tanh (Gemma); relu2: Arcee's ungated MLP
+    hidden_act: str = "silu"        # MLP gate: silu, or gelu_pytorch_tanh (Gemma); relu2, xielu: Arcee's, Apertus's
+    #                                 ungated MLPs
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale is its -1/2 power, not head_dim's
     attn_logit_softcapping: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # Gemma 2: the same on the logits
@@ -236,8 +237,10 @@ class ModelConfig:
                        fp8_block=fp8_block)
         is_gemma = arch in GEMMA_FAMILY
         act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
-        if act not in ("silu", "gelu_pytorch_tanh") and not (act == "relu2" and arch == "ArceeForCausalLM"):
-            raise ValueError(f"{source}: activation {act!r} is not supported (silu, gelu_pytorch_tanh; Arcee's relu2)")
+        if act not in ("silu", "gelu_pytorch_tanh") and (act, arch) not in (("relu2", "ArceeForCausalLM"),
+                                                                           ("xielu", "ApertusForCausalLM")):
+            raise ValueError(f"{source}: activation {act!r} is not supported (silu, gelu_pytorch_tanh; Arcee's relu2, "
+                             "Apertus's xielu)")
         layers = d["num_hidden_layers"]
         window = d.get("sliding_window")
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
@@ -325,7 +328,8 @@ class ModelConfig:
                    mlp_bias=mlp_bias,
                    sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
                    qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                                    "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM", "Dots1ForCausalLM")
+                                    "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM", "Dots1ForCausalLM",
+                                    "ApertusForCausalLM")
                    + ALL_HEADS_QK_NORM
                    or (arch == "Glm4MoeForCausalLM" and bool(d.get("use_qk_norm"))),
                    qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",

@@ -137,6 +137,10 @@ def family_config(name: str):
     if name == "minimax_m2":  # Mixtral's names; q/k norms over all heads, rotary on half of each; a sigmoid router
         return tf.MiniMaxM2Config(**COMMON | dict(intermediate_size=32), head_dim=16, num_local_experts=8,
                                   num_experts_per_tok=2, rotary_dim=8)
+    if name == "apertus":  # q/k norms; an ungated MLP through xIELU, its alphas learned a layer; llama3 rotary
+        return tf.ApertusConfig(**COMMON, rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=64))
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -153,7 +157,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
             "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe",
             "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1",
-            "minimax_m2"]
+            "minimax_m2", "apertus"]
 WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
@@ -191,7 +195,7 @@ def make_family_checkpoint(name: str, folder: str):
         for param_name, p in [*model.named_parameters(), *selection_biases]:  # whose weights differ within a head
             if param_name.endswith((".bias", "_bias")):
                 torch.nn.init.normal_(p, std=0.2)
-            elif param_name.endswith(".sinks"):
+            elif param_name.endswith((".sinks", ".alpha_p", ".alpha_n")):  # and xIELU's alphas differ a layer
                 torch.nn.init.normal_(p, std=2.0)
             elif param_name.endswith(("q_norm.weight", "k_norm.weight", "query_layernorm.weight",
                                       "key_layernorm.weight")):

@@ -11,12 +11,13 @@ from pipellm.model_config import ModelConfig
 from pipellm.models import fused
 from pipellm.models.attention import AttentionMetadata, paged_attention
 from pipellm.models.kv_cache import KVCache
-from pipellm.models.layers import GatedMLP, ReluSquaredMLP, RMSNorm, greedy_head
+from pipellm.models.layers import GatedMLP, ReluSquaredMLP, RMSNorm, XieluMLP, greedy_head
 from pipellm.models.moe import SparseMoE
 from pipellm.models.rotary import RotaryEmbedding, apply_rotary
 from pipellm.pipeline.partition import StageLayers
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, rotated dims]
+UNGATED = {"relu2": ReluSquaredMLP, "xielu": XieluMLP}  # Arcee's, Apertus's MLPs: up, activation, down
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # an expert's MLP: Mixtral's block_sparse_moe.experts.E.w1/w3/w2, Qwen3-MoE's mlp.experts.E.gate/up/down_proj
 EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(\w+)$")
@@ -65,8 +66,8 @@ class LlamaAttention(nn.Module):
 def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     if cfg.is_moe(layer):
         return SparseMoE(cfg)
-    if cfg.hidden_act == "relu2":
-        return ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+    if cfg.hidden_act in UNGATED:
+        return UNGATED[cfg.hidden_act](cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
 
 
@@ -174,7 +175,7 @@ class LlamaStage(nn.Module):
             row = cfg.moe_intermediate_size if proj in ("w3", "up_proj") else 0
             return [(f"{prefix}mlp.experts.{expert}.{target}.{kind}", row)]
         module, _, kind = rest.rpartition(".")
-        if module in fused and not (cfg.hidden_act == "relu2" and module == "mlp.up_proj"):  # Arcee's: no gate
+        if module in fused and not (cfg.hidden_act in UNGATED and module == "mlp.up_proj"):  # no gate to fuse with
             target, row = fused[module]
             return [(f"{prefix}{target}.{kind}", row)]
         return [(prefix + rest, 0)]

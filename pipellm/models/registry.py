@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from pipellm.model_config import ModelConfig
+from pipellm.models.apertus import ApertusStage
 from pipellm.models.cohere import CohereStage
 from pipellm.models.deepseek import DeepseekStage, BiasedRouterStage
 from pipellm.models.gemma import Gemma1Stage, GemmaStage
@@ -39,6 +40,7 @@ STAGE_CLASSES = {
     "GraniteMoeSharedForCausalLM": GraniteMoeStage,
     "OlmoeForCausalLM": LlamaStage,
     "ArceeForCausalLM": LlamaStage,
+    "ApertusForCausalLM": ApertusStage,
     "MixtralForCausalLM": LlamaStage,
     "Qwen3MoeForCausalLM": LlamaStage,
     "Qwen2MoeForCausalLM": LlamaStage,
