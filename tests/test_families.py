@@ -107,7 +107,7 @@ def family_config(name: str):
     if name == "arcee":  # Llama's block with an ungated relu(x)**2 MLP; yarn rotary
         return tf.ArceeConfig(**COMMON | dict(max_position_embeddings=SHORT * 8), rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=SHORT))
-    if name.startswith(("deepseek", "glm4_moe_lite")):  # latent attention (v narrower than q.k), grouped routing, shared
+    if name.startswith(("deepseek", "glm4_moe_lite")):  # latent attention (v narrower than q.k), grouped routing
         mla = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                    n_group=4, topk_group=2, first_k_dense_replace=1)
