@@ -67,7 +67,8 @@ def _entries(reader, path: str, arch: str, cfg: dict):
     seen = set()
     for t in reader.tensors:
         block = BLOCK_INDEX.match(t.name)
-        if t.name in ROPE_TENSORS or block and int(block[1]) >= cfg["num_hidden_layers"]:  # glm4moe's MTP layer
+        mtp = arch in ("glm4moe", "deepseek2") and block and int(block[1]) >= cfg["num_hidden_layers"]
+        if t.name in ROPE_TENSORS or mtp:  # the multi-token prediction layer after the last: left unread
             continue
         name = hf_name(t.name, arch)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first ([in, out])
