@@ -302,8 +302,8 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
             if t["unpermute_heads"]:  # llama.cpp's rotary row order, undone by moving whole rows
                 order = unpermute_qk(np.arange(shape[0])[:, None], t["unpermute_heads"])[:, 0]
                 value = value.take_rows(torch.from_numpy(order))
-            if (order := row_order(t["hf_name"])) is not None:
-                value = value.take_rows(order)
+        if (order := row_order(t["hf_name"])) is not None:
+            value = value[order] if isinstance(value, torch.Tensor) else value.take_rows(order)
         read.append(t["hf_name"])
         for param, row, *index in targets:  # index: one head's slice of a [heads, ...] tensor
             pieces.setdefault(param, []).append((row, value[index[0]] if index else value))

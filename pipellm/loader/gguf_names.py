@@ -226,7 +226,7 @@ def _group_routed(m, arch: str, tensors: dict, path: str) -> tuple[tuple, dict]:
         num_hidden_layers=m("block_count") - m("nextn_predict_layers", 0))
 
 
-def _mla_config(m, rotated: int, tensors: dict) -> dict:
+def _mla_config(m, rotated: int) -> dict:
     """HF config fields of a deepseek2 file's latent attention. Newer converters write the MLA widths apart (and
     one KV head); older ones as key_length and value_length."""
     qk = m("attention.key_length_mla", None) or m("attention.key_length")
@@ -344,7 +344,7 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
     if arch == "glm4moe":
         cfg["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
     if arch == "deepseek2":
-        cfg.update(_mla_config(m, rotated, tensors))
+        cfg.update(_mla_config(m, rotated))
         if rope["rope_type"] == "yarn":  # llama.cpp's: q.k scaled by mscale_all_dim's mscale squared, cos/sin not
             rope.update(mscale_all_dim=_f32(m("rope.scaling.yarn_log_multiplier", 0.0) / 0.1))
             rope["mscale"] = rope["mscale_all_dim"]

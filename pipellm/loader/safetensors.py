@@ -96,6 +96,7 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
     rows = {name: p.shape[0] for name, p in params.items()}
     filled: dict[str, int] = {}  # parameter -> rows filled
     to_layout = getattr(model, "to_param_layout", lambda name, t: t)
+    row_order = getattr(model, "row_order", lambda name: None)  # GLM's, DeepSeek's q/k rows: the stage's order
     compact: dict[str, QuantWeight] = {}  # MXFP4 weights kept compact: parameter -> its weight
     with torch.no_grad():
         for file, entries in by_file.items():
@@ -114,6 +115,8 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
                         elif tensor.dtype == torch.float8_e4m3fn:
                             raise ValueError(f"an FP8 tensor without its {name}{fp8.SCALES}")
                         tensor = to_layout(name, tensor)
+                        if (order := row_order(name)) is not None:
+                            tensor = tensor[order]
                         dense_name = mxfp4.packed_name(name, files)
                         if dense_name is not None:  # MXFP4 blocks with their scales ([.., out, G, 16], [.., out, G]:
                             scales_name = dense_name + mxfp4.SCALES  # a linear's rows), kept compact or made dense

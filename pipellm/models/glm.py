@@ -31,10 +31,6 @@ class InterleavedRotaryStage(LlamaStage):
                            torch.arange(rotated, cfg.head_dim)])                        # [D] within a head
         return (torch.arange(heads)[:, None] * cfg.head_dim + order).flatten()         # [heads * D]
 
-    def to_param_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        order = self.row_order(name)
-        return tensor if order is None else tensor[order]
-
 
 class Glm4Stage(InterleavedRotaryStage):
     layer_class = GemmaLayer  # with LlamaStage's RMSNorm
@@ -48,7 +44,6 @@ class Ernie45MoeStage(InterleavedRotaryStage):
         return super().map_weight(name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
                                   .replace(".mlp.moe_statics.e_score_correction_bias", ".mlp.selection_bias"))
 
-    def to_param_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name.endswith(".e_score_correction_bias"):
-            return tensor.reshape(-1)                                                   # [1, E] -> [E]
-        return super().to_param_layout(name, tensor)
+    @staticmethod
+    def to_param_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.reshape(-1) if name.endswith(".e_score_correction_bias") else tensor  # [1, E] -> [E]
