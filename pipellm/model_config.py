@@ -349,11 +349,11 @@ class ModelConfig:
                                                       "GraniteMoeSharedForCausalLM"),
                    qk_norm_per_head=arch not in ALL_HEADS_QK_NORM,
                    fp8_block=fp8_block, **scales, **gpt_oss,
-                   **(deepseek or {"router_sigmoid": arch == "MiniMaxM2ForCausalLM"}))
+                   router_sigmoid=v3_router or arch == "MiniMaxM2ForCausalLM", **deepseek)
 
 
 def _group_router(d: dict, source: str, sigmoid: bool) -> dict:
-    """ModelConfig's router fields of a DeepSeek V2/V3 or GLM-4.5 config.json, as HF's modeling reads them."""
+    """ModelConfig's router fields of a DeepSeek V2/V3, GLM-4.5 or dots.llm1 config.json, as HF reads them."""
     method = "noaux_tc" if sigmoid else d.get("topk_method") or "greedy"  # HF's V3 and GLM route by noaux_tc
     if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
         raise ValueError(f"{source}: DeepSeek's topk_method={method!r} is not supported "
@@ -364,7 +364,7 @@ def _group_router(d: dict, source: str, sigmoid: bool) -> dict:
         raise ValueError(f"{source}: n_group={groups}, topk_group={kept} and num_experts_per_tok={top_k} do not fit "
                          f"n_routed_experts={experts}: the groups must split the experts evenly, and the kept "
                          "groups hold at least num_experts_per_tok experts")
-    return dict(router_sigmoid=sigmoid, expert_groups=groups, expert_groups_kept=kept,
+    return dict(expert_groups=groups, expert_groups_kept=kept,
                 routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0))
 
 
