@@ -4,7 +4,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from pipellm import kernels
-from pipellm.model_config import RopeConfig
+from pipellm.rope_config import RopeConfig
 from pipellm.models.layers import RMSNorm
 from pipellm.models.rotary import RotaryEmbedding, apply_rotary
 

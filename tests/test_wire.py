@@ -11,12 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipellm.config import EngineConfig
-from pipellm.model_config import ModelConfig, RopeConfig
+from pipellm.model_config import ModelConfig
 from pipellm.pipeline import wire
 from pipellm.pipeline.block_tables import StageBlockTables
 from pipellm.pipeline.messages import (AHEAD_TOKEN, BlockTableChanges, Inspect, NewRequest, ProbeReport,
                                        SampledBatch, Shutdown, StageArgs, StageBatch, StageReport)
 from pipellm.pipeline.partition import make_partition
+from pipellm.rope_config import RopeConfig
 from pipellm.sampler import PromptLogprobs, SampledToken
 from pipellm.sampling_params import SamplingParams, StructuredOutputsParams
 

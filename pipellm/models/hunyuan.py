@@ -1,5 +1,5 @@
 """Hunyuan dense (HunYuanDenseV1ForCausalLM): Llama's block with q and k RMS-normed per head after their rotary
-(llama.py's norm_after_rope), and a rotary base stretched by NTK alpha (model_config.py)."""
+(llama.py's norm_after_rope), and a rotary base stretched by NTK alpha (rope_config.py)."""
 from pipellm.models.llama import LlamaStage
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pipellm import kernels
-from pipellm.model_config import RopeConfig
+from pipellm.rope_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int, max_positions: int,

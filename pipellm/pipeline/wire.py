@@ -25,10 +25,11 @@ import typing
 import numpy as np
 
 from pipellm.config import EngineConfig, SpeculativeConfig
-from pipellm.model_config import ModelConfig, RopeConfig
+from pipellm.model_config import ModelConfig
 from pipellm.pipeline.messages import (BlockTableChanges, Inspect, NewRequest, ProbeReport, SampledBatch, Shutdown,
                                        StageArgs, StageBatch, StageReport)
 from pipellm.pipeline.partition import StageLayers
+from pipellm.rope_config import RopeConfig
 from pipellm.sampler import PromptLogprobs, SampledToken
 from pipellm.sampling_params import SamplingParams, StructuredOutputsParams
 
