@@ -10,10 +10,12 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM",
                 "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "HunYuanDenseV1ForCausalLM",
-                "ArceeForCausalLM", "ApertusForCausalLM")
-# latent attention (GLM-4.7-Flash's Glm4MoeLite is DeepSeek V3's model)
-DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
-# DeepSeek's router: experts in groups, shared experts; all but V2's by sigmoid scores with a selection bias
+                "ArceeForCausalLM", "ApertusForCausalLM", "Ministral3ForCausalLM")
+# latent attention (GLM-4.7-Flash's Glm4MoeLite is DeepSeek V3's model; Mistral 4 is too, with a softmax router)
+DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM")
+SOFTMAX_GROUP_ROUTED = ("DeepseekV2ForCausalLM", "Mistral4ForCausalLM")
+# DeepSeek's router: experts in groups, shared experts; all but V2's and Mistral 4's by sigmoid scores with a
+# selection bias
 GROUP_ROUTED = DEEPSEEK_FAMILY + ("Glm4MoeForCausalLM", "Dots1ForCausalLM")
 COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")  # q/k norms over all heads at once
@@ -86,11 +88,13 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False   # the checkpoint's rotary pairs are (2i, 2i+1): reordered at load
-    # DeepSeek's router: sigmoid scores (V3) or softmax (V2); the experts in expert_groups groups, of which the
-    # best expert_groups_kept (by their top expert, V2; their top two's sum, V3) are chosen from; weights scaled
+    # DeepSeek's router: sigmoid scores (V3) or softmax (V2, Mistral 4); the experts in expert_groups groups, of
+    # which the best expert_groups_kept (by their top two's sum, or with group_by_top_expert their top expert's: V2)
+    # are chosen from; weights scaled
     router_sigmoid: bool = False
     expert_groups: int = 1
     expert_groups_kept: int = 1
+    group_by_top_expert: bool = False
     routed_scaling_factor: float = 1.0
     fp8_block: tuple[int, ...] = ()  # the checkpoint's FP8 weights' (rows, columns) a scale (quant/fp8.py); () none
 
@@ -204,7 +208,7 @@ class ModelConfig:
             layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
         if not any(t == "sliding_attention" for t in layer_types):
             layer_types = ()
-            if arch != "MistralForCausalLM" and d.get("layer_types"):
+            if arch not in ("MistralForCausalLM", "Ministral3ForCausalLM") and d.get("layer_types"):
                 window = None  # every layer is full (Qwen's layer_types without use_sliding_window)
         if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
             raise ValueError(f"{source}: layer_types {sorted(set(layer_types))} are not supported "
@@ -256,10 +260,10 @@ class ModelConfig:
                                                     "attention_multiplier")} if arch in GRANITE_FAMILY else {}
         if arch in COHERE_FAMILY:  # logits * logit_scale, a power of two in Cohere's releases: exact as a divisor
             scales = {"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))}
-        v3_router = arch in GROUP_ROUTED and arch != "DeepseekV2ForCausalLM"
-        deepseek = _group_router(d, source, v3_router) if arch in GROUP_ROUTED else {}
+        v3_router = arch in GROUP_ROUTED and arch not in SOFTMAX_GROUP_ROUTED
+        deepseek = _group_router(d, source, arch) if arch in GROUP_ROUTED else {}
         if arch in DEEPSEEK_FAMILY:
-            deepseek |= _latent_attention(d, v3_router)
+            deepseek |= _latent_attention(d, arch)
             head_dim = deepseek["qk_rope_head_dim"] + d.get("qk_nope_head_dim", 128)
         if arch in GROUP_ROUTED:  # Glm4MoeLite names each layer's MLP; the others count the first dense ones
             kinds = d.get("mlp_layer_types") or ["dense" if i < d.get("first_k_dense_replace", 0)
@@ -289,7 +293,7 @@ class ModelConfig:
                    moe_intermediate_size=d.get("moe_intermediate_size") or d["intermediate_size"],
                    norm_topk_prob=arch in ("MixtralForCausalLM", "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM")
                    or bool(d.get("norm_topk_prob", arch in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
-                                                            "Glm4MoeLiteForCausalLM"))),
+                                                            "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM"))),
                    dense_layers=dense_layers, nope_layers=nope_layers,
                    shared_expert_intermediate_size=shared, shared_expert_gated=arch == "Qwen2MoeForCausalLM",
                    router_selection_bias=arch in ("Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM") or v3_router,
@@ -300,9 +304,11 @@ class ModelConfig:
                    router_sigmoid=v3_router or arch == "MiniMaxM2ForCausalLM", **deepseek)
 
 
-def _group_router(d: dict, source: str, sigmoid: bool) -> dict:
-    """ModelConfig's router fields of a DeepSeek V2/V3, GLM-4.5 or dots.llm1 config.json, as HF reads them."""
-    method = "noaux_tc" if sigmoid else d.get("topk_method") or "greedy"  # HF's V3 and GLM route by noaux_tc
+def _group_router(d: dict, source: str, arch: str) -> dict:
+    """ModelConfig's router fields of a DeepSeek V2/V3, GLM-4.5, dots.llm1 or Mistral 4 config.json, as HF reads
+    them: V2 by its topk_method, Mistral 4 always from groups, the others by noaux_tc (sigmoid, a selection bias)."""
+    method = {"DeepseekV2ForCausalLM": d.get("topk_method") or "greedy",
+              "Mistral4ForCausalLM": "group_limited_greedy"}.get(arch, "noaux_tc")
     if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
         raise ValueError(f"{source}: DeepSeek's topk_method={method!r} is not supported "
                          "(greedy, group_limited_greedy; V3's noaux_tc)")
@@ -312,15 +318,16 @@ def _group_router(d: dict, source: str, sigmoid: bool) -> dict:
         raise ValueError(f"{source}: n_group={groups}, topk_group={kept} and num_experts_per_tok={top_k} do not fit "
                          f"n_routed_experts={experts}: the groups must split the experts evenly, and the kept "
                          "groups hold at least num_experts_per_tok experts")
-    return dict(expert_groups=groups, expert_groups_kept=kept,
+    return dict(expert_groups=groups, expert_groups_kept=kept, group_by_top_expert=arch == "DeepseekV2ForCausalLM",
                 routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0))
 
 
-def _latent_attention(d: dict, v3: bool) -> dict:
-    """ModelConfig's MLA fields of a DeepSeek V2/V3 config.json."""
+def _latent_attention(d: dict, arch: str) -> dict:
+    """ModelConfig's MLA fields of a DeepSeek V2/V3 (or Mistral 4) config.json: V2's rotary pairs always
+    interleaved."""
     return dict(q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=d["kv_lora_rank"],
                 qk_rope_head_dim=d.get("qk_rope_head_dim", 64), v_head_dim=d.get("v_head_dim") or 128,
-                rope_interleave=bool(d.get("rope_interleave", True)) if v3 else True)
+                rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(d.get("rope_interleave", True)))
 
 
 def _fp8_block(quant: dict, source: str) -> tuple[int, int]:

@@ -24,6 +24,9 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()  # longrope, per rotated frequency
     long_factor: tuple[float, ...] = ()
     freq_factors: tuple[float, ...] = ()  # llama.cpp's rope_freqs (Llama 3 GGUF): each frequency divided by one
+    # Llama 4's attention temperature (Ministral 3, Mistral 4): q times 1 + beta * log(1 + floor(position /
+    # original_max_position_embeddings)), past the trained context only; 0: none
+    llama4_scaling_beta: float = 0.0
 
     @classmethod
     def from_hf(cls, d: dict, hf: dict, source: str) -> "RopeConfig":
@@ -52,7 +55,7 @@ class RopeConfig:
                    d.get("attention_factor"), float(d.get("beta_fast") or 32), float(d.get("beta_slow") or 1),
                    float(d.get("mscale") or 0), float(d.get("mscale_all_dim") or 0), bool(d.get("truncate", True)),
                    tuple(map(float, d.get("short_factor") or ())), tuple(map(float, d.get("long_factor") or ())),
-                   tuple(map(float, d.get("freq_factors") or ())))
+                   tuple(map(float, d.get("freq_factors") or ())), float(d.get("llama_4_scaling_beta") or 0))
         if rope_type == "longrope" and not (rope.short_factor and rope.long_factor):
             raise ValueError(f"{source}: rope type 'longrope' needs short_factor and long_factor")
         return rope

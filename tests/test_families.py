@@ -107,7 +107,7 @@ def family_config(name: str):
     if name == "arcee":  # Llama's block with an ungated relu(x)**2 MLP; yarn rotary
         return tf.ArceeConfig(**COMMON | dict(max_position_embeddings=SHORT * 8), rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=SHORT))
-    if name.startswith(("deepseek", "glm4_moe_lite")):  # latent attention (v narrower than q.k), grouped routing
+    if name.startswith(("deepseek", "glm4_moe_lite", "mistral4")):  # latent attention (v narrower than q.k), grouped routing
         mla = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                    n_group=4, topk_group=2, first_k_dense_replace=1)
@@ -141,6 +141,17 @@ def family_config(name: str):
         return tf.ApertusConfig(**COMMON, rope_parameters=dict(
             rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=64))
+    if name == "ministral3":  # Mistral's block; yarn rotary, and Llama 4's temperature on q past SHORT tokens
+        return tf.Ministral3Config(**COMMON | dict(max_position_embeddings=SHORT * 8), head_dim=16, rope_parameters=dict(
+            rope_type="yarn", rope_theta=1e6, factor=8.0, original_max_position_embeddings=SHORT, beta_fast=32.0,
+            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1))
+    if name == "mistral4":  # DeepSeek V3's model, a softmax router from groups scored by their best two, no bias;
+        #                     Llama 4's temperature on q past SHORT tokens
+        return tf.Mistral4Config(**COMMON | mla | dict(max_position_embeddings=SHORT * 8), q_lora_rank=48,
+                                 routed_scaling_factor=1.5, rope_parameters=dict(
+                                     rope_type="yarn", rope_theta=10000.0, factor=8.0,
+                                     original_max_position_embeddings=SHORT, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                                     mscale_all_dim=1.0, llama_4_scaling_beta=0.1, partial_rotary_factor=8 / 24))
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -157,7 +168,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
             "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe",
             "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1",
-            "minimax_m2", "apertus"]
+            "minimax_m2", "apertus", "ministral3", "mistral4"]
 WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1")  # sliding layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
@@ -186,10 +197,14 @@ def assert_matches_hf(outputs, reference) -> None:
 
 def make_family_checkpoint(name: str, folder: str):
     """A random checkpoint of family_config(name) (seed 0) with the tests' tokenizer, saved to folder; the HF model."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(family_config(name), attn_implementation="eager").eval()
+    # Mistral 4 ships inside Mistral 3's vision-language model: AutoModelForCausalLM does not map its config
+    config = family_config(name)
+    config._attn_implementation = "eager"
+    model = (transformers.Mistral4ForCausalLM(config) if name == "mistral4"
+             else transformers.AutoModelForCausalLM.from_config(config)).eval()
     with torch.no_grad():  # biases not at their initial 0, so loading them is tested; sinks that weigh; q/k norms
         selection_biases = [(n, b) for n, b in model.named_buffers() if n.endswith(".e_score_correction_bias")]
         for param_name, p in [*model.named_parameters(), *selection_biases]:  # whose weights differ within a head

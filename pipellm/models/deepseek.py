@@ -11,6 +11,7 @@ and llama.cpp's MLA: head h's key is [W_UK_h c, k_pe] and its value W_UV_h c, so
     q_h . k_h = [W_UK_h^T q_nope_h, q_pe_h] . [c, k_pe],   out_h = W_UV_h (sum_j p_j c_j).
 The checkpoint's rotary pairs are (2i, 2i+1) (V2 always, V3 with rope_interleave): their rows are reordered at load
 into the (i, i + half) layout the rotary kernels turn, as glm.py's."""
+import dataclasses
 import math
 import re
 
@@ -67,6 +68,8 @@ class LatentAttention(nn.Module):
         q_c = torch.bmm(q[..., :self.nope].transpose(0, 1), w[:, :self.nope])     # [H, T, nope] @ [H, nope, rank]
         query = torch.cat([q_c.transpose(0, 1), q_pe], -1)                       # [T, H, rank + rope]
         key = torch.cat([c, k_pe[:, 0]], -1)[:, None]                            # [T, 1, rank + rope]
+        if ropes.query_scale is not None:  # Mistral 4's temperature: on the whole q, so on its absorbed form
+            query = query * ropes.query_scale
         out = paged_attention(query, key, key, cache, meta, self.scale)          # [T, H, rank + rope]
         # [H, T, rank] @ [H, rank, v] -> [H, T, v]: the values of each head from the latents it weighed
         values = torch.bmm(out[..., :self.rank].transpose(0, 1), w[:, self.nope:].transpose(1, 2))
@@ -100,7 +103,9 @@ class DeepseekStage(BiasedRouterStage):
 
     def __init__(self, cfg: ModelConfig, stage):
         super().__init__(cfg, stage)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
+        # the whole rotary key turns (Mistral 4's config gives it as a share of q.k's width)
+        rope = dataclasses.replace(cfg.rope, partial_rotary_factor=1.0)
+        self.rotary = RotaryEmbedding(rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
 
     def map_weight(self, name: str) -> list[tuple]:
         targets = super().map_weight(name)

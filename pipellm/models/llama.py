@@ -13,14 +13,16 @@ from pipellm.models.attention import AttentionMetadata, paged_attention
 from pipellm.models.kv_cache import KVCache
 from pipellm.models.layers import GatedMLP, ReluSquaredMLP, RMSNorm, XieluMLP, greedy_head
 from pipellm.models.moe import SparseMoE
-from pipellm.models.rotary import RotaryEmbedding, apply_rotary
+from pipellm.models.rotary import RotaryEmbedding, StepRopes, apply_rotary, query_scale
 from pipellm.pipeline.partition import StageLayers
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, rotated dims]
 UNGATED = {"relu2": ReluSquaredMLP, "xielu": XieluMLP}  # Arcee's, Apertus's MLPs: up, activation, down
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # an expert's MLP: Mixtral's block_sparse_moe.experts.E.w1/w3/w2, Qwen3-MoE's mlp.experts.E.gate/up/down_proj
 EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(\w+)$")
+# a layer's experts stacked, as transformers 5 holds them: gate_up_proj [E, 2 * width, hidden] (each expert's gate
+# rows, then its up rows), down_proj [E, hidden, width]
+STACKED_EXPERTS = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 class LlamaAttention(nn.Module):
@@ -41,7 +43,7 @@ class LlamaAttention(nn.Module):
         self.softcap = cfg.attn_logit_softcapping
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None  # GPT-OSS
 
-    def forward(self, x, ropes: tuple[Rope, Rope], meta: AttentionMetadata, cache: KVCache):
+    def forward(self, x, ropes: StepRopes, meta: AttentionMetadata, cache: KVCache):
         qkv = self.qkv_proj(x)                               # [T, (H + 2 KV) * D]; slices cost less than split
         q = qkv[..., :self.q_size].view(-1, self.num_heads, self.head_dim)                           # [T, H, D]
         k = qkv[..., self.q_size:self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
@@ -52,6 +54,8 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary(q, k, *ropes[self.is_sliding])
         if self.norm_after_rope:
             q, k = self.qk_norm(q, k)
+        if ropes.query_scale is not None:
+            q = q * ropes.query_scale
         out = paged_attention(q, k, v, cache, meta.local if self.is_sliding else meta, self.scale,
                               self.softcap, self.sinks)
         return self.o_proj(out.reshape(-1, self.q_size))     # [T, H * D] -> [T, hidden]
@@ -128,12 +132,13 @@ class LlamaStage(nn.Module):
                    kv_caches: list[KVCache]) -> torch.Tensor:
         seq_ends = meta.token_rope_lens if self.rotary.scaled_from is not None else None
         rope = self.rotary.tables(positions, x.dtype, seq_ends)  # once per step, for every layer
-        ropes = (rope, rope if self.rotary_local is None else self.rotary_local.tables(positions, x.dtype))
-        if fused.applies(x, meta):
+        ropes = StepRopes(rope, rope if self.rotary_local is None else self.rotary_local.tables(positions, x.dtype),
+                          query_scale(self.cfg.rope, positions, x.dtype))
+        if ropes.query_scale is None and fused.applies(x, meta):  # the kernels scale no query
             if self._fused is None or self._fused[0] is not kv_caches:
                 self._fused = (kv_caches, fused.build_stack(self.layers, kv_caches))
             if self._fused[1] is not None:
-                return self._fused[1].decode(x, *fused.step_args(meta, *ropes))
+                return self._fused[1].decode(x, *fused.step_args(meta, ropes.full, ropes.local))
         for layer, cache in zip(self.layers, kv_caches):
             x = layer(x, ropes, meta, cache)
         return x
@@ -169,6 +174,8 @@ class LlamaStage(nn.Module):
                  "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", cfg.shared_expert_intermediate_size)}
         if rest == "block_sparse_moe.gate.weight":
             return [(prefix + "mlp.gate.weight", 0)]
+        if m := STACKED_EXPERTS.match(rest):  # each expert's slice fills its own layer
+            return [(f"{prefix}mlp.experts.{e}.{m[1]}.weight", 0, e) for e in range(cfg.num_experts)]
         if m := EXPERT.match(rest):
             expert, proj, kind = m[1], m[2], m[3]
             target = "down_proj" if proj in ("w2", "down_proj") else "gate_up_proj"

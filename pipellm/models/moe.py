@@ -32,7 +32,8 @@ class SparseMoE(nn.Module):
         # Mixtral, MiniMax, DeepSeek and GLM-4.5 multiply by fp32 router weights, Qwen3-MoE by the model's dtype's
         self.weights_in_fp32 = cfg.architecture in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM") + GROUP_ROUTED
         self.sigmoid, self.scaling = cfg.router_sigmoid, cfg.routed_scaling_factor
-        self.groups, self.groups_kept = cfg.expert_groups, cfg.expert_groups_kept
+        self.groups, self.groups_kept, self.by_top_expert = cfg.expert_groups, cfg.expert_groups_kept, \
+            cfg.group_by_top_expert
         # GPT-OSS and Granite MoE softmax the top-k logits (GPT-OSS in the model's dtype, Granite in fp32, as HF);
         # GPT-OSS's router has a bias
         self.softmax_after_topk, self.softmax_in_fp32 = cfg.router_softmax_after_topk, not cfg.swiglu_limit
@@ -94,11 +95,11 @@ class SparseMoE(nn.Module):
 
     def best_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """choice [T, E] with every expert outside each token's groups_kept best groups at -inf. A group's score:
-        its best expert's (DeepSeek V2), or its best two's sum (V3)."""
+        its best expert's (DeepSeek V2), or its best two's sum (V3, Mistral 4)."""
         if self.groups == 1:
             return choice
         grouped = choice.view(len(choice), self.groups, -1)                              # [T, G, E / G]
-        score = grouped.topk(2, dim=-1)[0].sum(-1) if self.sigmoid else grouped.amax(-1)  # [T, G]
+        score = grouped.amax(-1) if self.by_top_expert else grouped.topk(2, dim=-1)[0].sum(-1)  # [T, G]
         dropped = torch.ones_like(score, dtype=torch.bool).scatter_(
             1, torch.topk(score, self.groups_kept, dim=-1)[1], False)                   # [T, G]
         return grouped.masked_fill(dropped[..., None], float("-inf")).view_as(choice)

@@ -2,6 +2,7 @@
 The inverse frequencies follow transformers' modeling_rope_utils; cos and sin are computed per step for the step's
 positions (no table as long as the context), once for all the layers of a stage."""
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -114,6 +115,25 @@ class RotaryEmbedding(nn.Module):
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+
+class StepRopes(NamedTuple):
+    """What a step's positions give every layer: the rotary tables of the full and of the sliding layers, and the
+    query scale [T, 1, 1] of Llama 4's attention temperature (None: 1 for every token)."""
+    full: tuple[torch.Tensor, torch.Tensor]   # cos, sin [T, 1, rotated dims]
+    local: tuple[torch.Tensor, torch.Tensor]
+    query_scale: torch.Tensor | None = None
+
+
+def query_scale(rope: RopeConfig, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """Llama 4's temperature on q (Ministral 3's and Mistral 4's too), [T, 1, 1]: 1 + beta * log(1 + floor(position
+    / original context)); None where it is 1 for every token (each inside the trained context)."""
+    if not rope.llama4_scaling_beta:
+        return None
+    spans = torch.div(positions, rope.original_max_position_embeddings, rounding_mode="floor")   # [T]
+    if not bool((spans > 0).any()):
+        return None
+    return (1 + rope.llama4_scaling_beta * torch.log(1 + spans.float())).to(dtype)[:, None, None]
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
