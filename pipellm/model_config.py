@@ -26,6 +26,11 @@ MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
+# vision-language checkpoints whose text model runs alone (text in, text out): its text_config's model_type -> the
+# text model's class
+VISION_LANGUAGE = ("Mistral3ForConditionalGeneration", "Gemma3ForConditionalGeneration")
+TEXT_MODELS = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM",
+               "mistral4": "Mistral4ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 @dataclass
@@ -97,6 +102,7 @@ class ModelConfig:
     group_by_top_expert: bool = False
     routed_scaling_factor: float = 1.0
     fp8_block: tuple[int, ...] = ()  # the checkpoint's FP8 weights' (rows, columns) a scale (quant/fp8.py); () none
+    text_of: str = ""  # the vision-language checkpoint (VISION_LANGUAGE) whose text model this is; "" none
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -164,6 +170,10 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
         archs = d.get("architectures") or []
         archs = [archs] if isinstance(archs, str) else archs
+        wrapper = next((a for a in archs if a in VISION_LANGUAGE), None)
+        if wrapper is not None:
+            d = _text_model(d, wrapper, source)
+            archs = d["architectures"]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"{source}: architecture {archs or d.get('model_type')} is not supported; "
@@ -300,8 +310,26 @@ class ModelConfig:
                    router_softmax_after_topk=arch in ("GptOssForCausalLM", "GraniteMoeForCausalLM",
                                                       "GraniteMoeSharedForCausalLM"),
                    qk_norm_per_head=arch not in ALL_HEADS_QK_NORM,
-                   fp8_block=fp8_block, **scales, **gpt_oss,
+                   fp8_block=fp8_block, text_of=wrapper or "", **scales, **gpt_oss,
                    router_sigmoid=v3_router or arch == "MiniMaxM2ForCausalLM", **deepseek)
+
+
+def _text_model(d: dict, wrapper: str, source: str) -> dict:
+    """The config of a vision-language checkpoint's text model, as HF reads it: its text_config, the keys it leaves
+    out at their defaults (Gemma 3's releases give a few only), and those the whole model's config sets for it (its
+    head tied or not, its quantization, its end tokens) over it."""
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
+    model_type = text.get("model_type", "mistral" if wrapper.startswith("Mistral3") else "gemma3_text")
+    if model_type not in TEXT_MODELS or wrapper.startswith("Gemma3") != (model_type == "gemma3_text"):
+        raise ValueError(f"{source}: {wrapper}'s text model {model_type!r} is not supported "
+                         f"(supported: {', '.join(TEXT_MODELS)})")
+    try:
+        from transformers import AutoConfig
+        text = AutoConfig.for_model(model_type, **{k: v for k, v in text.items() if k != "model_type"}).to_dict()
+    except (ImportError, ValueError, KeyError):  # a transformers without this model: the keys as they are
+        pass
+    outer = {k: d[k] for k in ("tie_word_embeddings", "quantization_config", "eos_token_id") if k in d}
+    return {**text, **outer, "architectures": [TEXT_MODELS[model_type]]}
 
 
 def _group_router(d: dict, source: str, arch: str) -> dict:

@@ -107,7 +107,8 @@ def family_config(name: str):
     if name == "arcee":  # Llama's block with an ungated relu(x)**2 MLP; yarn rotary
         return tf.ArceeConfig(**COMMON | dict(max_position_embeddings=SHORT * 8), rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=SHORT))
-    if name.startswith(("deepseek", "glm4_moe_lite", "mistral4")):  # latent attention (v narrower than q.k), grouped routing
+    if name.startswith(("deepseek", "glm4_moe_lite", "mistral4")):  # latent attention (v narrower than q.k),
+        #                                                              grouped routing
         mla = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                    n_group=4, topk_group=2, first_k_dense_replace=1)
@@ -142,9 +143,11 @@ def family_config(name: str):
             rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=64))
     if name == "ministral3":  # Mistral's block; yarn rotary, and Llama 4's temperature on q past SHORT tokens
-        return tf.Ministral3Config(**COMMON | dict(max_position_embeddings=SHORT * 8), head_dim=16, rope_parameters=dict(
-            rope_type="yarn", rope_theta=1e6, factor=8.0, original_max_position_embeddings=SHORT, beta_fast=32.0,
-            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1))
+        return tf.Ministral3Config(**COMMON | dict(max_position_embeddings=SHORT * 8), head_dim=16,
+                                   rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=8.0,
+                                                        original_max_position_embeddings=SHORT, beta_fast=32.0,
+                                                        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                                                        llama_4_scaling_beta=0.1))
     if name == "mistral4":  # DeepSeek V3's model, a softmax router from groups scored by their best two, no bias;
         #                     Llama 4's temperature on q past SHORT tokens
         return tf.Mistral4Config(**COMMON | mla | dict(max_position_embeddings=SHORT * 8), q_lora_rank=48,
@@ -152,6 +155,14 @@ def family_config(name: str):
                                      rope_type="yarn", rope_theta=10000.0, factor=8.0,
                                      original_max_position_embeddings=SHORT, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
                                      mscale_all_dim=1.0, llama_4_scaling_beta=0.1, partial_rotary_factor=8 / 24))
+    if name == "gemma3-vl":  # Gemma 3's text model in its vision-language checkpoint (head tied), run alone
+        return tf.Gemma3Config(text_config=family_config("gemma3").to_dict(), mm_tokens_per_image=4, vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+            patch_size=14))
+    if name == "mistral3-vl":  # Ministral 3's in Mistral 3's (head untied)
+        return tf.Mistral3Config(text_config=family_config("ministral3").to_dict(), tie_word_embeddings=False,
+                                 vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                    num_attention_heads=2, head_dim=16, image_size=28, patch_size=14))
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -168,8 +179,9 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
             "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe",
             "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1",
-            "minimax_m2", "apertus", "ministral3", "mistral4"]
-WINDOWED = ("gemma2", "gemma3", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1")  # sliding layers
+            "minimax_m2", "apertus", "ministral3", "mistral4", "gemma3-vl", "mistral3-vl"]
+# sliding layers
+WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1")
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
 
@@ -203,8 +215,8 @@ def make_family_checkpoint(name: str, folder: str):
     # Mistral 4 ships inside Mistral 3's vision-language model: AutoModelForCausalLM does not map its config
     config = family_config(name)
     config._attn_implementation = "eager"
-    model = (transformers.Mistral4ForCausalLM(config) if name == "mistral4"
-             else transformers.AutoModelForCausalLM.from_config(config)).eval()
+    auto = transformers.AutoModelForImageTextToText if name.endswith("-vl") else transformers.AutoModelForCausalLM
+    model = (transformers.Mistral4ForCausalLM(config) if name == "mistral4" else auto.from_config(config)).eval()
     with torch.no_grad():  # biases not at their initial 0, so loading them is tested; sinks that weigh; q/k norms
         selection_biases = [(n, b) for n, b in model.named_buffers() if n.endswith(".e_score_correction_bias")]
         for param_name, p in [*model.named_parameters(), *selection_biases]:  # whose weights differ within a head
@@ -279,6 +291,29 @@ def test_gemma3_older_config_keys():
     assert (ours.rope_local.rope_type, ours.rope_local.theta) == (local["rope_type"], local["rope_theta"])
 
 
+def test_gemma3_vision_language_release_config():
+    """Gemma 3's vision-language releases give a few keys of their text model only (the 4B's here): the others are
+    HF's defaults, the end tokens the whole model's, as HF's Gemma3ForConditionalGeneration reads them."""
+    import transformers
+
+    release = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "model_type": "gemma3",
+               "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                               "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                               "sliding_window": 1024},
+               "vision_config": {"model_type": "siglip_vision_model"}}
+    ours = ModelConfig.from_hf_dict(release)
+    theirs = transformers.Gemma3Config(**release).get_text_config()
+    assert (ours.architecture, ours.text_of) == ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+    assert (ours.vocab_size, ours.num_heads, ours.num_kv_heads, ours.head_dim, ours.sliding_window,
+            ours.query_pre_attn_scalar) == (theirs.vocab_size, theirs.num_attention_heads, theirs.num_key_value_heads,
+                                            theirs.head_dim, theirs.sliding_window, theirs.query_pre_attn_scalar)
+    assert [ours.is_sliding(i) for i in range(34)] == [t == "sliding_attention" for t in theirs.layer_types]
+    full, local = theirs.rope_parameters["full_attention"], theirs.rope_parameters["sliding_attention"]
+    assert (ours.rope.rope_type, ours.rope.theta, ours.rope.factor) == ("linear", full["rope_theta"], 8.0)
+    assert (ours.rope_local.rope_type, ours.rope_local.theta) == ("default", local["rope_theta"])
+    assert ours.eos_token_ids == (1, 106) and ours.tie_word_embeddings
+
+
 @pytest.mark.parametrize("change,needle", [
     ({"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}}, "rope type 'mrope' is not supported"),
     ({"architectures": ["FalconForCausalLM"]}, "supported: LlamaForCausalLM"),
@@ -295,6 +330,8 @@ def test_gemma3_older_config_keys():
      "topk_method='noaux' is not supported"),
     ({"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 8, "n_routed_experts": 8, "num_experts_per_tok": 4,
       "n_group": 4, "topk_group": 1}, "the kept groups hold at least num_experts_per_tok"),
+    ({"architectures": ["Mistral3ForConditionalGeneration"], "text_config": {"model_type": "qwen2"}},
+     "Mistral3ForConditionalGeneration's text model 'qwen2' is not supported"),
 ])
 def test_unsupported_config_names_it(change, needle):
     d = dict(architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=96,

@@ -40,6 +40,22 @@ def checkpoint_files(folder: str) -> dict[str, str]:
     raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
+# a vision-language checkpoint's text model: its tensors' prefixes there (transformers 4's, then 5's) -> its own
+TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                       ("model.language_model.", "model."), ("lm_head.", "lm_head."))
+
+
+def text_model_names(files: dict[str, str]) -> dict[str, str]:
+    """The text model's tensors in a vision-language checkpoint's files: its own name -> the file's name for it.
+    The vision tower's and the projector's are left out."""
+    names = {}
+    for name in files:
+        old, new = next(((old, new) for old, new in TEXT_MODEL_PREFIXES if name.startswith(old)), (None, None))
+        if old is not None:
+            names[new + name[len(old):]] = name
+    return names
+
+
 # safetensors dtypes a table can be read in place as (numpy has no bfloat16: its bits are read as int16)
 MAPPABLE = {"F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16), "BF16": (np.int16, torch.bfloat16)}
 
@@ -77,13 +93,15 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
     by_file: dict[str, list[tuple[str, list]]] = {}
     read = []
     files = checkpoint_files(folder)
+    stored = text_model_names(files) if model.cfg.text_of else {name: name for name in files}  # own -> file's name
+    files = {name: files[file_name] for name, file_name in stored.items()}
     for name, file in files.items():
         if name.endswith(IGNORED_SUFFIXES) or mxfp4.is_scales(name, files) or fp8.is_scales(name, files):
             continue  # scales: read with their blocks or weights
         targets = model.map_weight(mxfp4.packed_name(name, files) or name)
         if len(targets) == 1 and targets[0][1] == 0 and targets[0][0] in embeddings:
             module = embeddings[targets[0][0]]
-            mapped = _mapped_embedding(file, name, list(model.get_submodule(module).weight.shape), dtype)
+            mapped = _mapped_embedding(file, stored[name], list(model.get_submodule(module).weight.shape), dtype)
             if mapped is not None:
                 parent, _, attr = module.rpartition(".")
                 setattr(model.get_submodule(parent), attr, mapped)
@@ -107,10 +125,11 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
             with handle as f:
                 for name, targets in entries:
                     try:
-                        tensor, parts = f.get_tensor(name), None
+                        tensor, parts = f.get_tensor(stored[name]), None
                         if (scales_name := fp8.scales_name(name, files)) is not None:
                             with safe_open(files[scales_name], framework="pt") as g:
-                                tensor = fp8.dequantize(tensor, g.get_tensor(scales_name), model.cfg.fp8_block, dtype)
+                                scales = g.get_tensor(stored[scales_name])
+                            tensor = fp8.dequantize(tensor, scales, model.cfg.fp8_block, dtype)
                             read.append(scales_name)
                         elif tensor.dtype == torch.float8_e4m3fn:
                             raise ValueError(f"an FP8 tensor without its {name}{fp8.SCALES}")
@@ -121,7 +140,7 @@ def load_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype,
                         if dense_name is not None:  # MXFP4 blocks with their scales ([.., out, G, 16], [.., out, G]:
                             scales_name = dense_name + mxfp4.SCALES  # a linear's rows), kept compact or made dense
                             with safe_open(files[scales_name], framework="pt") as g:
-                                scales = to_layout(scales_name, g.get_tensor(scales_name))
+                                scales = to_layout(scales_name, g.get_tensor(stored[scales_name]))
                             read.append(scales_name)
                             parts = _compact_parts(tensor, scales, targets, params)
                             if parts is None:
