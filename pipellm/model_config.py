@@ -10,7 +10,7 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM",
                 "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "HunYuanDenseV1ForCausalLM",
-                "ArceeForCausalLM", "ApertusForCausalLM", "Ministral3ForCausalLM")
+                "ArceeForCausalLM", "ApertusForCausalLM", "Ministral3ForCausalLM", "Llama4ForCausalLM")
 # latent attention (GLM-4.7-Flash's Glm4MoeLite is DeepSeek V3's model; Mistral 4 is too, with a softmax router)
 DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM")
 SOFTMAX_GROUP_ROUTED = ("DeepseekV2ForCausalLM", "Mistral4ForCausalLM")
@@ -22,15 +22,19 @@ OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")  # q/
 ALL_HEADS_QK_NORM = OLMO_FAMILY + ("MiniMaxM2ForCausalLM",)
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
               "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "OlmoeForCausalLM",
-              "MiniMaxM2ForCausalLM") + GROUP_ROUTED
+              "MiniMaxM2ForCausalLM", "Llama4ForCausalLM") + GROUP_ROUTED
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
-# vision-language checkpoints whose text model runs alone (text in, text out): its text_config's model_type -> the
-# text model's class
-VISION_LANGUAGE = ("Mistral3ForConditionalGeneration", "Gemma3ForConditionalGeneration")
+# vision-language checkpoints whose text model runs alone (text in, text out) -> its text_config's model_types (the
+# first when it names none); a text model_type -> its class
+VISION_LANGUAGE = {"Mistral3ForConditionalGeneration": ("mistral", "ministral3", "mistral4"),
+                   "Gemma3ForConditionalGeneration": ("gemma3_text",),
+                   "Llama4ForConditionalGeneration": ("llama4_text",)}
 TEXT_MODELS = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM",
-               "mistral4": "Mistral4ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+               "mistral4": "Mistral4ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+               "llama4_text": "Llama4ForCausalLM"}
+LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
 
 
 @dataclass
@@ -52,7 +56,7 @@ class ModelConfig:
     mlp_bias: bool = False          # Llama with mlp_bias, ERNIE 4.5 with use_bias
     sliding_window: int | None = None  # sliding layers attend to the last sliding_window keys only
     eos_token_ids: tuple[int, ...] = ()
-    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; () = all full, or all
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | LOCAL_LAYER_TYPES; () = all full, or all
     #                                    sliding when sliding_window is set (Mistral)
     rope_local: RopeConfig | None = None  # Gemma 3: rotary of the sliding layers (another base)
     qk_norm: bool = False           # Qwen3, Gemma 3: RMSNorm over each head of q and k before rotary
@@ -102,6 +106,14 @@ class ModelConfig:
     group_by_top_expert: bool = False
     routed_scaling_factor: float = 1.0
     fp8_block: tuple[int, ...] = ()  # the checkpoint's FP8 weights' (rows, columns) a scale (quant/fp8.py); () none
+    # Llama 4: its chunked layers attend within chunks of attention_chunk positions only (0: none); q and k
+    # RMS-normed without weights after their rotary (qk_l2_norm, the layers with rotary only); the queries of the
+    # layers without rotary scaled by 1 + attn_scale * log(1 + floor((position + 1) / floor_scale))
+    # (nope_temperature: (floor_scale, attn_scale), () none); experts' inputs, not outputs, weighed by the router
+    attention_chunk: int = 0
+    qk_l2_norm: bool = False
+    nope_temperature: tuple[float, ...] = ()
+    router_weights_input: bool = False
     text_of: str = ""  # the vision-language checkpoint (VISION_LANGUAGE) whose text model this is; "" none
 
     def __post_init__(self):
@@ -147,9 +159,10 @@ class ModelConfig:
         return self.max_position_embeddings
 
     def is_sliding(self, layer: int) -> bool:
-        if self.sliding_window is None:
+        """Whether the layer attends over part of the context (a sliding window, or Llama 4's chunks)."""
+        if self.sliding_window is None and not self.attention_chunk:
             return False
-        return not self.layer_types or self.layer_types[layer] == "sliding_attention"
+        return not self.layer_types or self.layer_types[layer] in LOCAL_LAYER_TYPES
 
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -216,11 +229,18 @@ class ModelConfig:
                                 for i in range(layers))
         if arch == "Gemma2ForCausalLM" and not layer_types:
             layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
-        if not any(t == "sliding_attention" for t in layer_types):
+        llama4 = arch == "Llama4ForCausalLM"
+        uses_rope = d.get("no_rope_layers") or [int((i + 1) % (d.get("no_rope_layer_interval") or 4) != 0)
+                                                for i in range(layers)]  # SmolLM3's and Llama 4's: 0 = no rotary
+        chunk = (d.get("attention_chunk_size") or 0) if llama4 else 0
+        if llama4 and not layer_types:  # the layers with rotary attend in chunks
+            layer_types = tuple("chunked_attention" if r and chunk else "full_attention" for r in uses_rope)
+        if not any(t in LOCAL_LAYER_TYPES for t in layer_types):
             layer_types = ()
             if arch not in ("MistralForCausalLM", "Ministral3ForCausalLM") and d.get("layer_types"):
                 window = None  # every layer is full (Qwen's layer_types without use_sliding_window)
-        if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+        if any(t not in ("full_attention", "sliding_attention") + LOCAL_LAYER_TYPES[1:] * bool(chunk)
+               for t in layer_types):
             raise ValueError(f"{source}: layer_types {sorted(set(layer_types))} are not supported "
                              "(full_attention, sliding_attention)")
         params = d.get("rope_parameters") or d.get("rope_scaling") or {}
@@ -258,10 +278,19 @@ class ModelConfig:
             dense_layers = tuple(i for i in range(layers)
                                  if i in (d.get("mlp_only_layers") or ()) or (i + 1) % step != 0)
         nope_layers = ()
-        if arch == "SmolLM3ForCausalLM":  # no_rope_layers: 1 where a layer uses rotary positions
-            uses_rope = d.get("no_rope_layers") or [int((i + 1) % (d.get("no_rope_layer_interval") or 4) != 0)
-                                                    for i in range(layers)]
+        if arch in ("SmolLM3ForCausalLM", "Llama4ForCausalLM"):
             nope_layers = tuple(i for i, r in enumerate(uses_rope) if not r)
+        llama4_fields = {}
+        if llama4:  # dense layers intermediate_size_mlp wide, experts intermediate_size; a shared expert beside
+            moe_layers = d.get("moe_layers")
+            step = d.get("interleave_moe_layer_step") or 1
+            moe_layers = range(step - 1, layers, step) if moe_layers is None else moe_layers
+            dense_layers = tuple(i for i in range(layers) if i not in moe_layers)
+            shared = d["intermediate_size"]
+            llama4_fields = dict(
+                attention_chunk=chunk, qk_l2_norm=bool(d.get("use_qk_norm", True)), router_weights_input=True,
+                nope_temperature=(float(d.get("floor_scale", 8192)), float(d.get("attn_scale", 0.1)))
+                if d.get("attn_temperature_tuning", True) else ())
         if (arch == "Exaone4ForCausalLM" and d.get("sliding_window") is not None) or arch == "Cohere2ForCausalLM":
             nope_layers = tuple(i for i, t in enumerate(d.get("layer_types") or ()) if t == "full_attention")
         if arch in COHERE_FAMILY and d.get("use_qk_norm"):
@@ -283,7 +312,8 @@ class ModelConfig:
         gpt_oss = dict(attention_sinks=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),
                        swiglu_alpha=float(d.get("swiglu_alpha", 1.702))) if arch == "GptOssForCausalLM" else {}
         return cls(arch, d["vocab_size"], d["hidden_size"], layers, heads,
-                   d.get("num_key_value_heads") or heads, head_dim, d["intermediate_size"],
+                   d.get("num_key_value_heads") or heads, head_dim,
+                   d.get("intermediate_size_mlp") or d["intermediate_size"] if llama4 else d["intermediate_size"],
                    d.get("max_position_embeddings", 2048), d.get("rms_norm_eps", d.get("layer_norm_eps", 1e-6)), rope,
                    tie_word_embeddings=d.get("tie_word_embeddings", is_gemma or arch in COHERE_FAMILY),
                    qkv_bias=attention_bias or arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"), o_bias=o_bias,
@@ -299,7 +329,8 @@ class ModelConfig:
                    attn_logit_softcapping=d.get("attn_logit_softcapping") if is_gemma else None,
                    final_logit_softcapping=d.get("final_logit_softcapping") if is_gemma else None,
                    num_experts=num_experts if arch in MOE_FAMILY else 0,
-                   num_experts_per_tok=d.get("num_experts_per_tok") or d.get("moe_k", 0) if arch in MOE_FAMILY else 0,
+                   num_experts_per_tok=d.get("num_experts_per_tok") or d.get("moe_k") or int(llama4)
+                   if arch in MOE_FAMILY else 0,
                    moe_intermediate_size=d.get("moe_intermediate_size") or d["intermediate_size"],
                    norm_topk_prob=arch in ("MixtralForCausalLM", "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM")
                    or bool(d.get("norm_topk_prob", arch in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
@@ -311,7 +342,8 @@ class ModelConfig:
                                                       "GraniteMoeSharedForCausalLM"),
                    qk_norm_per_head=arch not in ALL_HEADS_QK_NORM,
                    fp8_block=fp8_block, text_of=wrapper or "", **scales, **gpt_oss,
-                   router_sigmoid=v3_router or arch == "MiniMaxM2ForCausalLM", **deepseek)
+                   router_sigmoid=v3_router or arch in ("MiniMaxM2ForCausalLM", "Llama4ForCausalLM"), **deepseek,
+                   **llama4_fields)
 
 
 def _text_model(d: dict, wrapper: str, source: str) -> dict:
@@ -319,10 +351,10 @@ def _text_model(d: dict, wrapper: str, source: str) -> dict:
     out at their defaults (Gemma 3's releases give a few only), and those the whole model's config sets for it (its
     head tied or not, its quantization, its end tokens) over it."""
     text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
-    model_type = text.get("model_type", "mistral" if wrapper.startswith("Mistral3") else "gemma3_text")
-    if model_type not in TEXT_MODELS or wrapper.startswith("Gemma3") != (model_type == "gemma3_text"):
+    model_type = text.get("model_type", VISION_LANGUAGE[wrapper][0])
+    if model_type not in VISION_LANGUAGE[wrapper]:
         raise ValueError(f"{source}: {wrapper}'s text model {model_type!r} is not supported "
-                         f"(supported: {', '.join(TEXT_MODELS)})")
+                         f"(supported: {', '.join(VISION_LANGUAGE[wrapper])})")
     try:
         from transformers import AutoConfig
         text = AutoConfig.for_model(model_type, **{k: v for k, v in text.items() if k != "model_type"}).to_dict()

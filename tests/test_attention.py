@@ -63,10 +63,10 @@ def interpreted_gpu_kernels(monkeypatch):
     return gpu
 
 
-def _dense(q, keys, values, q_pos, window, softcap=None, sinks=None):
+def _dense(q, keys, values, q_pos, window, softcap=None, sinks=None, chunk=0):
     """q [q, H, D] at positions q_pos; keys/values [S, KV, D] for positions 0..S-1. Softmax over allowed keys;
     softcap: scores capped to softcap * tanh(scores / softcap) first (Gemma 2); sinks [H]: exp(sink) added to each
-    head's denominator (GPT-OSS)."""
+    head's denominator (GPT-OSS); chunk: keys of the query's own chunk of positions only (Llama 4)."""
     heads, kv = q.shape[1], keys.shape[1]
     keys = keys.repeat_interleave(heads // kv, dim=1)           # [S, H, D]
     values = values.repeat_interleave(heads // kv, dim=1)
@@ -77,6 +77,8 @@ def _dense(q, keys, values, q_pos, window, softcap=None, sinks=None):
     allowed = key_pos[None, :] <= q_pos[:, None]
     if window is not None:
         allowed &= key_pos[None, :] > q_pos[:, None] - window
+    if chunk:
+        allowed &= key_pos[None, :] >= q_pos[:, None] // chunk * chunk
     scores = scores.masked_fill(~allowed[None], float("-inf"))
     weights = scores.exp() / (scores.exp().sum(-1, keepdim=True) + (0 if sinks is None else
                                                                     sinks.double().exp()[:, None, None]))
@@ -86,7 +88,7 @@ def _dense(q, keys, values, q_pos, window, softcap=None, sinks=None):
 def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | None, seed: int,
          kv_dtype: torch.dtype = torch.float32, dim: int = 8, act_dtype: torch.dtype = torch.float32,
          softcap: float | None = None, decode_chunks: int = 1, parts: bool = False, device: str = "cpu",
-         sinks: torch.Tensor | None = None):
+         sinks: torch.Tensor | None = None, chunk: int = 0):
     """steps: (cached tokens, new tokens) per sequence. Returns paged and dense outputs of the step. act_dtype: the
     activations' (q and the new K/V); the reference sees the same values, rounded to it. device: where the paged
     attention runs (benchmarks/gpu_check.py runs these on a GPU)."""
@@ -119,7 +121,7 @@ def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | 
     q = torch.cat(qs)
     meta = AttentionMetadata.build(torch.tensor(positions), torch.tensor([n for _, n in steps]),
                                    torch.tensor([c + n for c, n in steps]), tables, torch.tensor(slots), BLOCK, window,
-                                   decode_chunks)
+                                   decode_chunks, chunk)
     if parts:  # what a step's attention reads, for tests of the metadata
         return meta, cache, full_k, full_v
     if device != "cpu":
@@ -129,7 +131,7 @@ def _run(steps: list[tuple[int, int]], heads: int, kv_heads: int, window: int | 
         q, new_k, new_v = (x.to(device) for x in (q, new_k, new_v))
     out = paged_attention(*(x.to(act_dtype) for x in (q, new_k, new_v)), cache, meta, dim ** -0.5, softcap,
                           None if sinks is None else sinks.to(q.device)).cpu()
-    dense = torch.cat([_dense(qi, k, v, torch.arange(c, c + n), window, softcap, sinks)
+    dense = torch.cat([_dense(qi, k, v, torch.arange(c, c + n), window, softcap, sinks, chunk)
                        for qi, k, v, (c, n) in zip(qs, full_k, full_v, steps)])
     return out, dense
 
@@ -180,6 +182,25 @@ def test_paged_attention_equals_dense_reference(name, heads, kv_heads, window, k
     """The dense reference sees the exact K/V; bf16 and int8 caches hold them rounded (values ~N(0, 1))."""
     out, dense = _run(STEPS[name], heads, kv_heads, window, seed=len(name), kv_dtype=kv_dtype)
     assert out.shape == dense.shape
+    torch.testing.assert_close(out, dense, atol=atol, rtol=0)
+
+
+CHUNKED_STEPS = {  # BLOCK * 2 positions a chunk: contexts that end in their first, second and later chunks
+    "decodes at and past chunk edges": [(7, 1), (8, 1), (15, 1), (16, 1), (300, 1), (2, 1)],
+    "prompts over several chunks": [(0, 21), (0, 8), (0, 3)],
+    "chunks after cached prefixes": [(5, 6), (BLOCK * 2, 3), (13, 9), (16, 16)],
+    "mixed": [(9, 1), (0, 10), (4, 1), (6, 5), (21, 1), (130, 1)],
+}
+
+
+@pytest.mark.parametrize("name", list(CHUNKED_STEPS))
+@pytest.mark.parametrize("kv_dtype, atol", KV_DTYPES)
+def test_chunked_attention_sees_its_own_chunk_only(name, kv_dtype, atol):
+    """Llama 4's chunked layers: each query attends to the keys of its own chunk of positions up to itself, decodes
+    and prefill chunks that start, end or cross a chunk's edge alike; speculative drafts as decode rows too."""
+    out, dense = _run(CHUNKED_STEPS[name], 6, 2, None, seed=7, kv_dtype=kv_dtype, chunk=BLOCK * 2)
+    torch.testing.assert_close(out, dense, atol=atol, rtol=0)
+    out, dense = _run(CHUNKED_STEPS[name], 6, 2, None, seed=8, kv_dtype=kv_dtype, chunk=BLOCK * 2, decode_chunks=4)
     torch.testing.assert_close(out, dense, atol=atol, rtol=0)
 
 

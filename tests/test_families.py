@@ -155,6 +155,13 @@ def family_config(name: str):
                                      rope_type="yarn", rope_theta=10000.0, factor=8.0,
                                      original_max_position_embeddings=SHORT, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
                                      mscale_all_dim=1.0, llama_4_scaling_beta=0.1, partial_rotary_factor=8 / 24))
+    if name == "llama4":  # every 4th layer without rotary (queries scaled past 8 tokens), the others in 16-token
+        #                   chunks with weightless q/k norms; experts in every other layer, their inputs weighed
+        return tf.Llama4TextConfig(**COMMON | dict(intermediate_size=32), head_dim=16, intermediate_size_mlp=96,
+                                   num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                   attention_chunk_size=16, floor_scale=8, attn_scale=0.5, rope_parameters=dict(
+                                       rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                       high_freq_factor=4.0, original_max_position_embeddings=64))
     if name == "gemma3-vl":  # Gemma 3's text model in its vision-language checkpoint (head tied), run alone
         return tf.Gemma3Config(text_config=family_config("gemma3").to_dict(), mm_tokens_per_image=4, vision_config=dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -179,7 +186,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
             "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe",
             "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1",
-            "minimax_m2", "apertus", "ministral3", "mistral4", "gemma3-vl", "mistral3-vl"]
+            "minimax_m2", "apertus", "ministral3", "mistral4", "gemma3-vl", "mistral3-vl", "llama4"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1")
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
@@ -289,6 +296,12 @@ def test_gemma3_older_config_keys():
     assert (ours.rope.rope_type, ours.rope.theta, ours.rope.factor) == (full["rope_type"], full["rope_theta"],
                                                                        full["factor"])
     assert (ours.rope_local.rope_type, ours.rope_local.theta) == (local["rope_type"], local["rope_theta"])
+
+
+def test_chunked_layers_need_a_block_size_dividing_their_chunk(family):
+    folder, _ = family("llama4")
+    with pytest.raises(ValueError, match="block_size=12 does not divide the model's attention_chunk_size=16"):
+        LLM(folder, block_size=12, dtype="float32")
 
 
 def test_gemma3_vision_language_release_config():

@@ -87,6 +87,9 @@ class LLMEngine:
         if self.max_model_len > mc.max_context:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context of {mc.max_context} "
                              f"(max_position_embeddings={mc.max_position_embeddings}, rope {mc.rope.rope_type})")
+        if mc.attention_chunk % config.block_size:
+            raise ValueError(f"block_size={config.block_size} does not divide the model's attention_chunk_size="
+                             f"{mc.attention_chunk}: give a block_size that does (16 does for Llama 4's 8192)")
         self.partition_note = None
         partition = config.layer_partition
         if partition == "auto":

@@ -85,9 +85,9 @@ class VarlenPrefill:
         if not prefills or any(p.window for p in prefills):
             return None
         rows = torch.cat([torch.arange(p.start, p.end) for p in prefills])
-        keys = [(p.block_ids[:, None] * p.block_size + torch.arange(p.block_size)).reshape(-1)[:p.seq_len]
-                for p in prefills]                                                   # [seq_len] each
-        q_lens, k_lens = [p.end - p.start for p in prefills], [p.seq_len for p in prefills]
+        keys = [(p.block_ids[:, None] * p.block_size + torch.arange(p.block_size)).reshape(-1)[:p.seq_len - p.first_key]
+                for p in prefills]                                                   # [seq_len - first_key] each
+        q_lens, k_lens = [p.end - p.start for p in prefills], [p.seq_len - p.first_key for p in prefills]
 
         def starts(lens: list[int]) -> torch.Tensor:
             return torch.tensor([0] + lens).cumsum(0).int()
@@ -134,9 +134,12 @@ class AttentionMetadata:
     @classmethod
     def build(cls, positions: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor,
               block_tables: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
-              sliding_window: int | None = None, decode_chunks: int = 1) -> "AttentionMetadata":
+              sliding_window: int | None = None, decode_chunks: int = 1,
+              attention_chunk: int = 0) -> "AttentionMetadata":
         """decode_chunks: chunks of up to this many tokens that continue a cached prefix (speculative decoding's
-        drafts) attend as decodes, a row each over the keys up to its own position, in the decode batch."""
+        drafts) attend as decodes, a row each over the keys up to its own position, in the decode batch.
+        attention_chunk: each token attends only to the keys of its own chunk of this many positions (Llama 4's
+        chunked layers; a multiple of block_size, so a chunk starts at a block's edge)."""
         # Vector ops for the decodes; a short loop over the prefill chunks (a step holds few).
         starts = torch.cumsum(query_lens, 0) - query_lens
         is_decode = query_lens == 1
@@ -159,9 +162,14 @@ class AttentionMetadata:
             decode = DecodeGroup(None if all_decode else starts[rows],
                                  (block_tables if all_decode else block_tables[rows])[:, :num_blocks].long(),
                                  lens.long().contiguous(), sliding_window or 0, block_size)
+        if decode is not None and attention_chunk:
+            decode = _within_chunks(decode, attention_chunk)
         prefills = []
         for i in [] if all_decode else torch.nonzero(~is_decode).flatten().tolist():
             q_len, seq_len, start = int(query_lens[i]), int(seq_lens[i]), int(starts[i])
+            if attention_chunk:
+                prefills += _chunk_prefills(start, q_len, seq_len, block_tables[i], block_size, attention_chunk)
+                continue
             num_blocks = -(-seq_len // block_size)
             # with a window, the blocks before the first query's window are skipped, not masked
             first = max(0, seq_len - q_len - sliding_window + 1) // block_size if sliding_window else 0
@@ -172,14 +180,17 @@ class AttentionMetadata:
 
     @classmethod
     def for_layers(cls, is_sliding: list[bool], sliding_window: int | None, *args,
-                   window_tables: torch.Tensor | None = None, decode_chunks: int = 1) -> "AttentionMetadata":
-        """The metadata of full-attention layers, with that of the sliding ones in .local (itself when all slide).
-        args: as build's, up to block_size. window_tables [S, ring]: the sliding layers' own block rings."""
+                   window_tables: torch.Tensor | None = None, decode_chunks: int = 1,
+                   attention_chunk: int = 0) -> "AttentionMetadata":
+        """The metadata of full-attention layers, with that of the local ones (sliding, or chunked with
+        attention_chunk) in .local (itself when all are local). args: as build's, up to block_size. window_tables
+        [S, ring]: the sliding layers' own block rings."""
         full = cls.build(*args, decode_chunks=decode_chunks) if not all(is_sliding) or not is_sliding else None
         local = None
         if any(is_sliding):
             local_args = args if window_tables is None else _ring_view(window_tables, *args)
-            local = cls.build(*local_args, sliding_window, decode_chunks=decode_chunks)
+            local = cls.build(*local_args, sliding_window, decode_chunks=decode_chunks,
+                              attention_chunk=attention_chunk)
         meta = full or local
         meta.local = local
         return meta
@@ -194,6 +205,30 @@ def _moved(obj, device: torch.device):
         return dataclasses.replace(obj, **{f.name: _moved(getattr(obj, f.name), device)
                                            for f in dataclasses.fields(obj)})
     return obj
+
+
+def _within_chunks(d: DecodeGroup, chunk: int) -> DecodeGroup:
+    """The decodes seen by chunked layers: each row's blocks from its chunk's first one, its length counted from
+    there, so that every kernel runs them as full attention over the chunk's keys."""
+    first = (d.seq_lens - 1) // chunk * (chunk // d.block_size)                          # [Bd] the chunk's first block
+    lens = d.seq_lens - first * d.block_size
+    num_blocks = -(-int(lens.max()) // d.block_size)
+    idx = (first[:, None] + torch.arange(num_blocks, device=first.device)).clamp(max=d.block_tables.shape[1] - 1)
+    return dataclasses.replace(d, block_tables=d.block_tables.gather(1, idx), seq_lens=lens)       # [Bd, N']
+
+
+def _chunk_prefills(start: int, q_len: int, seq_len: int, table: torch.Tensor, block_size: int,
+                    chunk: int) -> list[PrefillChunk]:
+    """A sequence's new tokens split where an attention chunk ends: each part causal over the keys of its chunk
+    only (the earlier ones in its chunk as a cached prefix)."""
+    parts, pos = [], seq_len - q_len
+    while pos < seq_len:
+        first, end = pos // chunk * chunk, min(seq_len, pos // chunk * chunk + chunk)
+        row = start + pos - (seq_len - q_len)
+        parts.append(PrefillChunk(row, row + end - pos, table[first // block_size:-(-end // block_size)].long(),
+                                  first, end, 0, block_size, pos - first))
+        pos = end
+    return parts
 
 
 def _ring_view(rings: torch.Tensor, positions, query_lens, seq_lens, block_tables, slot_mapping, block_size):

@@ -5,6 +5,7 @@ change the norms and the order around them; GPT-OSS (gpt_oss.py) adds attention 
 import re
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pipellm.model_config import ModelConfig
@@ -39,6 +40,7 @@ class LlamaAttention(nn.Module):
         self.norm_after_rope = cfg.qk_norm_after_rope
         self.is_sliding = cfg.is_sliding(layer)
         self.rotary = layer not in cfg.nope_layers
+        self.l2_qk_norm, self.eps = cfg.qk_l2_norm and self.rotary, cfg.norm_eps
         self.scale = cfg.attention_multiplier or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_logit_softcapping
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None  # GPT-OSS
@@ -54,8 +56,10 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary(q, k, *ropes[self.is_sliding])
         if self.norm_after_rope:
             q, k = self.qk_norm(q, k)
-        if ropes.query_scale is not None:
-            q = q * ropes.query_scale
+        if self.l2_qk_norm:  # Llama 4's, weightless
+            q, k = F.rms_norm(q, q.shape[-1:], eps=self.eps), F.rms_norm(k, k.shape[-1:], eps=self.eps)
+        if (scale := ropes.query_scale if self.rotary else ropes.nope_query_scale) is not None:
+            q = q * scale
         out = paged_attention(q, k, v, cache, meta.local if self.is_sliding else meta, self.scale,
                               self.softcap, self.sinks)
         return self.o_proj(out.reshape(-1, self.q_size))     # [T, H * D] -> [T, hidden]
@@ -132,9 +136,14 @@ class LlamaStage(nn.Module):
                    kv_caches: list[KVCache]) -> torch.Tensor:
         seq_ends = meta.token_rope_lens if self.rotary.scaled_from is not None else None
         rope = self.rotary.tables(positions, x.dtype, seq_ends)  # once per step, for every layer
+        cfg = self.cfg
+        scale = query_scale(cfg.rope.llama4_scaling_beta, cfg.rope.original_max_position_embeddings, positions,
+                            x.dtype)
+        nope_scale = query_scale(cfg.nope_temperature[1], cfg.nope_temperature[0], positions + 1, x.dtype) \
+            if cfg.nope_temperature else scale
         ropes = StepRopes(rope, rope if self.rotary_local is None else self.rotary_local.tables(positions, x.dtype),
-                          query_scale(self.cfg.rope, positions, x.dtype))
-        if ropes.query_scale is None and fused.applies(x, meta):  # the kernels scale no query
+                          scale, nope_scale)
+        if scale is None and nope_scale is None and fused.applies(x, meta):  # the kernels scale no query
             if self._fused is None or self._fused[0] is not kv_caches:
                 self._fused = (kv_caches, fused.build_stack(self.layers, kv_caches))
             if self._fused[1] is not None:

@@ -1,7 +1,8 @@
-"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, ERNIE 4.5 MoE, Granite MoE, DeepSeek V2/V3, GLM-4.5): a
-router picks top-k experts per token; each expert is a SwiGLU MLP (GPT-OSS: with biases, clamped); Qwen2-MoE adds a
-shared expert every token takes (behind a sigmoid gate; ERNIE's, DeepSeek's and GLM's as it is), ERNIE, DeepSeek V3
-and GLM pick their experts by their score plus a bias, and DeepSeek and GLM from the best groups of experts only.
+"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, ERNIE 4.5 MoE, Granite MoE, DeepSeek V2/V3, GLM-4.5,
+Llama 4): a router picks top-k experts per token; each expert is a SwiGLU MLP (GPT-OSS: with biases, clamped);
+Qwen2-MoE adds a shared expert every token takes (behind a sigmoid gate; ERNIE's, DeepSeek's, GLM's and Llama 4's as
+it is), ERNIE, DeepSeek V3 and GLM pick their experts by their score plus a bias, and DeepSeek and GLM from the best
+groups of experts only; Llama 4 weighs an expert's input, not its output.
 The stage that holds a layer holds all its experts."""
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ class SparseMoE(nn.Module):
         # Mixtral, MiniMax, DeepSeek and GLM-4.5 multiply by fp32 router weights, Qwen3-MoE by the model's dtype's
         self.weights_in_fp32 = cfg.architecture in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM") + GROUP_ROUTED
         self.sigmoid, self.scaling = cfg.router_sigmoid, cfg.routed_scaling_factor
+        self.weigh_inputs = cfg.router_weights_input  # Llama 4: an expert runs on its token times its weight
         self.groups, self.groups_kept, self.by_top_expert = cfg.expert_groups, cfg.expert_groups_kept, \
             cfg.group_by_top_expert
         # GPT-OSS and Granite MoE softmax the top-k logits (GPT-OSS in the model's dtype, Granite in fp32, as HF);
@@ -85,7 +87,8 @@ class SparseMoE(nn.Module):
         for expert, count in zip(self.experts, counts):
             if count:
                 rows = tokens[start:start + count]
-                out.index_add_(0, rows, (expert(x[rows]) * weights[start:start + count, None]).to(x.dtype))
+                w = weights[start:start + count, None]
+                out.index_add_(0, rows, expert(x[rows] * w) if self.weigh_inputs else (expert(x[rows]) * w).to(x.dtype))
                 start += count
         if hasattr(self, "shared_expert_gate"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -14,6 +14,7 @@ from pipellm.models.gpt_oss import GptOssStage
 from pipellm.models.granite import GraniteMoeStage
 from pipellm.models.hunyuan import HunyuanStage
 from pipellm.models.llama import LlamaStage
+from pipellm.models.llama4 import Llama4Stage
 from pipellm.models.olmo import Olmo2Stage, OlmoStage
 from pipellm.pipeline.partition import StageLayers
 
@@ -31,6 +32,7 @@ STAGE_CLASSES = {
     "SeedOssForCausalLM": LlamaStage,
     "MinistralForCausalLM": LlamaStage,
     "Ministral3ForCausalLM": LlamaStage,
+    "Llama4ForCausalLM": Llama4Stage,
     "Glm4ForCausalLM": Glm4Stage,
     "Ernie4_5ForCausalLM": InterleavedRotaryStage,
     "Ernie4_5_MoeForCausalLM": Ernie45MoeStage,

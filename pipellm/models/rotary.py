@@ -118,22 +118,24 @@ class RotaryEmbedding(nn.Module):
 
 
 class StepRopes(NamedTuple):
-    """What a step's positions give every layer: the rotary tables of the full and of the sliding layers, and the
-    query scale [T, 1, 1] of Llama 4's attention temperature (None: 1 for every token)."""
+    """What a step's positions give every layer: the rotary tables of the full and of the local layers, and the
+    scales [T, 1, 1] of the queries of the layers with rotary and of those without (None: 1 for every token)."""
     full: tuple[torch.Tensor, torch.Tensor]   # cos, sin [T, 1, rotated dims]
     local: tuple[torch.Tensor, torch.Tensor]
     query_scale: torch.Tensor | None = None
+    nope_query_scale: torch.Tensor | None = None
 
 
-def query_scale(rope: RopeConfig, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """Llama 4's temperature on q (Ministral 3's and Mistral 4's too), [T, 1, 1]: 1 + beta * log(1 + floor(position
-    / original context)); None where it is 1 for every token (each inside the trained context)."""
-    if not rope.llama4_scaling_beta:
+def query_scale(beta: float, span: float, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """Llama 4's temperature on q, [T, 1, 1]: 1 + beta * log(1 + floor(position / span)) (Ministral 3's and Mistral
+    4's on every layer, span their trained context; Llama 4's on its layers without rotary, from position + 1);
+    None where it is 1 for every token."""
+    if not beta:
         return None
-    spans = torch.div(positions, rope.original_max_position_embeddings, rounding_mode="floor")   # [T]
+    spans = torch.floor(positions.float() / span)                                        # [T]
     if not bool((spans > 0).any()):
         return None
-    return (1 + rope.llama4_scaling_beta * torch.log(1 + spans.float())).to(dtype)[:, None, None]
+    return (1 + beta * torch.log(1 + spans)).to(dtype)[:, None, None]
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

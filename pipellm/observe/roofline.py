@@ -53,10 +53,12 @@ def _context_sum(cfg: ModelConfig, layer: int, seq_lens: list[tuple[int, int]]) 
     """Keys attended over all tokens run, summed: a request of P prompt and G generated tokens runs P + G - 1
     tokens, the one at position p attending p + 1 keys (fewer in a sliding window)."""
     window = cfg.sliding_window if cfg.is_sliding(layer) else None
+    chunk = cfg.attention_chunk if cfg.is_sliding(layer) else 0  # Llama 4's: the keys of the position's chunk
     total = 0
     for prompt, generated in seq_lens:
         n = prompt + generated - 1
-        total += n * (n + 1) // 2 if window is None else sum(min(p + 1, window) for p in range(n))
+        total += sum(p % chunk + 1 for p in range(n)) if chunk else \
+            n * (n + 1) // 2 if window is None else sum(min(p + 1, window) for p in range(n))
     return total
 
 

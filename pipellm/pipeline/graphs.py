@@ -51,6 +51,10 @@ def supported(model_config, engine_config, dev: torch.device, num_window_blocks:
         return "mixture-of-experts layers route tokens by data (their shapes change per step)"
     if cfg.rope.rope_type in ("dynamic", "longrope"):
         return f"{cfg.rope.rope_type} rotary changes with each sequence's length"
+    if cfg.rope.llama4_scaling_beta or cfg.nope_temperature:
+        return "queries scaled by their position (Llama 4's temperature) past a length read from the data"
+    if cfg.attention_chunk:
+        return "chunked attention layers' blocks start where each sequence's chunk does"
     if engine_config.kv_cache_dtype == "int8":
         return "int8 KV caches rescale blocks by data"
     if num_window_blocks:

@@ -138,7 +138,8 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
         is_sliding = [cfg.is_sliding(0)]
         meta = AttentionMetadata.for_layers(is_sliding, cfg.sliding_window, positions,
                                             torch.ones(num_tokens, dtype=torch.long),
-                                            torch.full((num_tokens,), CONTEXT), tables, slots, bs)
+                                            torch.full((num_tokens,), CONTEXT), tables, slots, bs,
+                                            attention_chunk=cfg.attention_chunk)
         ids = torch.randint(0, cfg.vocab_size, (num_tokens,))
         hidden = torch.randn(num_tokens, cfg.hidden_size, dtype=ecfg.torch_dtype)
         embed = lambda: model.embed(ids, positions)  # noqa: E731
@@ -151,7 +152,7 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
         pos = torch.arange(chunk)
         pmeta = AttentionMetadata.for_layers(is_sliding, cfg.sliding_window, pos, torch.tensor([chunk]),
                                              torch.tensor([chunk]), torch.arange(blocks, dtype=torch.int32)[None],
-                                             pos, bs)
+                                             pos, bs, attention_chunk=cfg.attention_chunk)
         x = torch.randn(chunk, cfg.hidden_size, dtype=ecfg.torch_dtype)
         prefill = lambda: model.run_layers(x, pos, pmeta, [cache])  # noqa: E731
 

@@ -120,7 +120,7 @@ class StageWorker:
                                                 t(batch.seq_lens), t(batch.block_tables), t(batch.slot_mapping),
                                                 ecfg.block_size, window_tables=None if batch.window_block_tables
                                                 is None else t(batch.window_block_tables),
-                                                decode_chunks=self.decode_chunks)
+                                                decode_chunks=self.decode_chunks, attention_chunk=cfg.attention_chunk)
             if batch.rope_lens is not None:
                 meta.rope_lens = t(batch.rope_lens)
             meta, positions = meta.to(dev), positions.to(dev)
@@ -242,7 +242,7 @@ class StageWorker:
                                          batch.block_tables, slots.numpy())
             else:
                 meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, query_lens,
-                                                    seq_lens, tables, slots, bs)
+                                                    seq_lens, tables, slots, bs, attention_chunk=cfg.attention_chunk)
                 hidden = self.model(x.to(dev), positions.to(dev), meta.to(dev), self.kv_caches)
             if not stage.is_last:
                 self._send_hidden(hidden)
