@@ -22,7 +22,7 @@ OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")  # q/
 ALL_HEADS_QK_NORM = OLMO_FAMILY + ("MiniMaxM2ForCausalLM",)
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
               "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "OlmoeForCausalLM",
-              "MiniMaxM2ForCausalLM", "Llama4ForCausalLM") + GROUP_ROUTED
+              "MiniMaxM2ForCausalLM", "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM") + GROUP_ROUTED
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
@@ -266,6 +266,10 @@ class ModelConfig:
         shared = (d.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
         if arch == "GraniteMoeSharedForCausalLM":
             shared = d.get("shared_intermediate_size") or 0
+        if arch == "HunYuanMoEV1ForCausalLM":  # its shared MLP as wide as an expert, as HF's
+            num_experts, top_k = (_same_each_layer(d, key, source) for key in ("num_experts", "moe_topk"))
+            d = d | {"num_experts_per_tok": top_k}
+            shared = d["intermediate_size"]
         if arch == "OlmoeForCausalLM" and d.get("clip_qkv") is not None:
             raise ValueError(f"{source}: OLMoE's clip_qkv={d['clip_qkv']} is not supported")
         if arch == "Ernie4_5_MoeForCausalLM":  # MoE layers: every interval-th from start to end
@@ -320,11 +324,12 @@ class ModelConfig:
                    mlp_bias=mlp_bias,
                    sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
                    qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                                    "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM", "Dots1ForCausalLM",
+                                    "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
+                                    "Dots1ForCausalLM",
                                     "ApertusForCausalLM")
                    + ALL_HEADS_QK_NORM
                    or (arch == "Glm4MoeForCausalLM" and bool(d.get("use_qk_norm"))),
-                   qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
+                   qk_norm_after_rope=arch in ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM"),
                    hidden_act=act, query_pre_attn_scalar=d.get("query_pre_attn_scalar") if is_gemma else None,
                    attn_logit_softcapping=d.get("attn_logit_softcapping") if is_gemma else None,
                    final_logit_softcapping=d.get("final_logit_softcapping") if is_gemma else None,
@@ -332,7 +337,8 @@ class ModelConfig:
                    num_experts_per_tok=d.get("num_experts_per_tok") or d.get("moe_k") or int(llama4)
                    if arch in MOE_FAMILY else 0,
                    moe_intermediate_size=d.get("moe_intermediate_size") or d["intermediate_size"],
-                   norm_topk_prob=arch in ("MixtralForCausalLM", "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM")
+                   norm_topk_prob=arch in ("MixtralForCausalLM", "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM",
+                                           "HunYuanMoEV1ForCausalLM")
                    or bool(d.get("norm_topk_prob", arch in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
                                                             "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM"))),
                    dense_layers=dense_layers, nope_layers=nope_layers,
@@ -362,6 +368,14 @@ def _text_model(d: dict, wrapper: str, source: str) -> dict:
         pass
     outer = {k: d[k] for k in ("tie_word_embeddings", "quantization_config", "eos_token_id") if k in d}
     return {**text, **outer, "architectures": [TEXT_MODELS[model_type]]}
+
+
+def _same_each_layer(d: dict, key: str, source: str) -> int:
+    """A Hunyuan MoE config's count that may be given a layer: one value for them all."""
+    value = d.get(key) or 1
+    if isinstance(value, list) and len(set(value)) > 1:
+        raise ValueError(f"{source}: {key} differs between layers ({sorted(set(value))}); one value is supported")
+    return value[0] if isinstance(value, list) else value
 
 
 def _group_router(d: dict, source: str, arch: str) -> dict:

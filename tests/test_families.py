@@ -94,6 +94,10 @@ def family_config(name: str):
     if name == "hunyuan":  # q/k norms after rotary; a rotary base stretched by NTK alpha
         return tf.HunYuanDenseV1Config(**COMMON, head_dim=16, rope_parameters=dict(
             rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0))
+    if name == "hunyuan_moe":  # Hunyuan dense's attention; experts as wide as the shared MLP beside them
+        return tf.HunYuanMoEV1Config(**COMMON | dict(intermediate_size=48), head_dim=16, num_experts=4, moe_topk=2,
+                                     rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, alpha=1000.0,
+                                                          factor=1.0))
     if name == "granitemoe":  # Granite's multipliers; experts stacked, the top-k logits softmaxed
         return tf.GraniteMoeConfig(**COMMON | dict(intermediate_size=48), num_local_experts=4, num_experts_per_tok=2,
                                    embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.3,
@@ -186,7 +190,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
             "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe",
             "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1",
-            "minimax_m2", "apertus", "ministral3", "mistral4", "gemma3-vl", "mistral3-vl", "llama4"]
+            "minimax_m2", "apertus", "ministral3", "mistral4", "gemma3-vl", "mistral3-vl", "llama4", "hunyuan_moe"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1")
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks

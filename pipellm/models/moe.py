@@ -30,8 +30,10 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        # Mixtral, MiniMax, DeepSeek and GLM-4.5 multiply by fp32 router weights, Qwen3-MoE by the model's dtype's
-        self.weights_in_fp32 = cfg.architecture in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM") + GROUP_ROUTED
+        # Mixtral, MiniMax, Hunyuan, DeepSeek and GLM-4.5 multiply by fp32 router weights, Qwen3-MoE by the model's
+        # dtype's
+        self.weights_in_fp32 = cfg.architecture in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM",
+                                                    "HunYuanMoEV1ForCausalLM") + GROUP_ROUTED
         self.sigmoid, self.scaling = cfg.router_sigmoid, cfg.routed_scaling_factor
         self.weigh_inputs = cfg.router_weights_input  # Llama 4: an expert runs on its token times its weight
         self.groups, self.groups_kept, self.by_top_expert = cfg.expert_groups, cfg.expert_groups_kept, \

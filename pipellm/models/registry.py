@@ -39,6 +39,7 @@ STAGE_CLASSES = {
     "CohereForCausalLM": CohereStage,
     "Cohere2ForCausalLM": CohereStage,
     "HunYuanDenseV1ForCausalLM": HunyuanStage,
+    "HunYuanMoEV1ForCausalLM": HunyuanStage,
     "GraniteMoeForCausalLM": GraniteMoeStage,
     "GraniteMoeSharedForCausalLM": GraniteMoeStage,
     "OlmoeForCausalLM": LlamaStage,
