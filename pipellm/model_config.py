@@ -30,10 +30,17 @@ SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHea
 # first when it names none); a text model_type -> its class
 VISION_LANGUAGE = {"Mistral3ForConditionalGeneration": ("mistral", "ministral3", "mistral4"),
                    "Gemma3ForConditionalGeneration": ("gemma3_text",),
-                   "Llama4ForConditionalGeneration": ("llama4_text",)}
+                   "Llama4ForConditionalGeneration": ("llama4_text",),
+                   "Qwen2VLForConditionalGeneration": ("qwen2_vl_text",),
+                   "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl_text",),
+                   "Qwen3VLForConditionalGeneration": ("qwen3_vl_text",),
+                   "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl_moe_text",)}
+# (Qwen's multimodal rotary turns a text token's dims all by its one position: the text model's plain rotary)
 TEXT_MODELS = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM",
                "mistral4": "Mistral4ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-               "llama4_text": "Llama4ForCausalLM"}
+               "llama4_text": "Llama4ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",
+               "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen3_vl_text": "Qwen3ForCausalLM",
+               "qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
 
 
@@ -111,6 +118,7 @@ class ModelConfig:
     # layers without rotary scaled by 1 + attn_scale * log(1 + floor((position + 1) / floor_scale))
     # (nope_temperature: (floor_scale, attn_scale), () none); experts' inputs, not outputs, weighed by the router
     attention_chunk: int = 0
+    experts_in_out: bool = False    # stacked experts held [E, in, out] (Llama 4's), not [E, out, in], square ones too
     qk_l2_norm: bool = False
     nope_temperature: tuple[float, ...] = ()
     router_weights_input: bool = False
@@ -348,6 +356,7 @@ class ModelConfig:
                                                       "GraniteMoeSharedForCausalLM"),
                    qk_norm_per_head=arch not in ALL_HEADS_QK_NORM,
                    fp8_block=fp8_block, text_of=wrapper or "", **scales, **gpt_oss,
+                   experts_in_out=llama4,
                    router_sigmoid=v3_router or arch in ("MiniMaxM2ForCausalLM", "Llama4ForCausalLM"), **deepseek,
                    **llama4_fields)
 
@@ -366,6 +375,8 @@ def _text_model(d: dict, wrapper: str, source: str) -> dict:
         text = AutoConfig.for_model(model_type, **{k: v for k, v in text.items() if k != "model_type"}).to_dict()
     except (ImportError, ValueError, KeyError):  # a transformers without this model: the keys as they are
         pass
+    if model_type == "qwen3_vl_moe_text":  # its router always renormalizes its top k
+        text.setdefault("norm_topk_prob", True)
     outer = {k: d[k] for k in ("tie_word_embeddings", "quantization_config", "eos_token_id") if k in d}
     return {**text, **outer, "architectures": [TEXT_MODELS[model_type]]}
 

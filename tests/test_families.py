@@ -15,6 +15,9 @@ LONG_PROMPT = [(13 * i + 5) % VOCAB for i in range(150)]  # many windows long: t
 SLIDING_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 
 
+QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)  # a tiny tower
+
+
 def prompts_of(name: str) -> list[list[int]]:
     return PROMPTS if name in ("llama-dynamic", "qwen2-yarn") else PROMPTS + [LONG_PROMPT]  # theirs: 64, 128 tokens
 
@@ -159,6 +162,16 @@ def family_config(name: str):
                                      rope_type="yarn", rope_theta=10000.0, factor=8.0,
                                      original_max_position_embeddings=SHORT, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
                                      mscale_all_dim=1.0, llama_4_scaling_beta=0.1, partial_rotary_factor=8 / 24))
+    if name == "qwen2_5-vl":  # Qwen2's text model in Qwen2.5-VL's checkpoint (its names a text model's)
+        return tf.Qwen2_5_VLConfig(text_config=COMMON | dict(rope_parameters=dict(
+            rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
+            vision_config=QWEN_VISION | dict(fullatt_block_indexes=[0]))
+    if name == "qwen3-vl-moe":  # Qwen3-MoE's in Qwen3-VL-MoE's: experts stacked [E, in, out], always renormalized
+        return tf.Qwen3VLMoeConfig(text_config=COMMON | dict(head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                                             moe_intermediate_size=48, rope_parameters=dict(
+                                                                 rope_type="default", rope_theta=10000.0,
+                                                                 mrope_section=[6, 5, 5], mrope_interleaved=True)),
+                                   vision_config=QWEN_VISION | dict(deepstack_visual_indexes=[0]))
     if name == "llama4":  # every 4th layer without rotary (queries scaled past 8 tokens), the others in 16-token
         #                   chunks with weightless q/k norms; experts in every other layer, their inputs weighed
         return tf.Llama4TextConfig(**COMMON | dict(intermediate_size=32), head_dim=16, intermediate_size_mlp=96,
@@ -190,7 +203,8 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
             "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe",
             "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1",
-            "minimax_m2", "apertus", "ministral3", "mistral4", "gemma3-vl", "mistral3-vl", "llama4", "hunyuan_moe"]
+            "minimax_m2", "apertus", "ministral3", "mistral4", "gemma3-vl", "mistral3-vl", "llama4", "hunyuan_moe",
+            "qwen2_5-vl", "qwen3-vl-moe"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1")
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
@@ -226,7 +240,7 @@ def make_family_checkpoint(name: str, folder: str):
     # Mistral 4 ships inside Mistral 3's vision-language model: AutoModelForCausalLM does not map its config
     config = family_config(name)
     config._attn_implementation = "eager"
-    auto = transformers.AutoModelForImageTextToText if name.endswith("-vl") else transformers.AutoModelForCausalLM
+    auto = transformers.AutoModelForImageTextToText if "-vl" in name else transformers.AutoModelForCausalLM
     model = (transformers.Mistral4ForCausalLM(config) if name == "mistral4" else auto.from_config(config)).eval()
     with torch.no_grad():  # biases not at their initial 0, so loading them is tested; sinks that weigh; q/k norms
         selection_biases = [(n, b) for n, b in model.named_buffers() if n.endswith(".e_score_correction_bias")]
@@ -300,6 +314,24 @@ def test_gemma3_older_config_keys():
     assert (ours.rope.rope_type, ours.rope.theta, ours.rope.factor) == (full["rope_type"], full["rope_theta"],
                                                                        full["factor"])
     assert (ours.rope_local.rope_type, ours.rope_local.theta) == (local["rope_type"], local["rope_theta"])
+
+
+def test_qwen3_vl_moe_release_expert_layout(family, tmp_path):
+    """Qwen3-VL-MoE's releases stack a layer's experts [E, in, out] (transformers transposes them at load, and saves
+    them as it holds them): read so, they are the same model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, reference = family("qwen3-vl-moe")
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    tensors = {name: t.transpose(1, 2).contiguous() if name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+               else t for name, t in load_file(f"{folder}/model.safetensors").items()}
+    save_file(tensors, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
+    with LLM(str(tmp_path), dtype="float32") as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts_of("qwen3-vl-moe")], params, use_tqdm=False)
+    assert_matches_hf(outputs, reference)
 
 
 def test_chunked_layers_need_a_block_size_dividing_their_chunk(family):

@@ -40,9 +40,10 @@ def checkpoint_files(folder: str) -> dict[str, str]:
     raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-# a vision-language checkpoint's text model: its tensors' prefixes there (transformers 4's, then 5's) -> its own
+# a vision-language checkpoint's text model: its tensors' prefixes there (transformers 4's, then 5's; Qwen2-VL's as
+# a text model's) -> its own. The vision tower's names map to no parameter.
 TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                       ("model.language_model.", "model."), ("lm_head.", "lm_head."))
+                       ("model.language_model.", "model."), ("lm_head.", "lm_head."), ("model.", "model."))
 
 
 def text_model_names(files: dict[str, str]) -> dict[str, str]:

@@ -24,6 +24,7 @@ EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_
 # a layer's experts stacked, as transformers 5 holds them: gate_up_proj [E, 2 * width, hidden] (each expert's gate
 # rows, then its up rows), down_proj [E, hidden, width]
 STACKED_EXPERTS = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
+IN_OUT_EXPERTS = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(?:gate_up_proj|down_proj)$")  # Llama 4's names too
 
 
 class LlamaAttention(nn.Module):
@@ -160,6 +161,18 @@ class LlamaStage(nn.Module):
         """Each row's greedy token (its first largest logit) where the LM head finds it without every logit; None
         where it cannot, and compute_logits is the way (scaled logits can tie where the raw ones do not)."""
         return greedy_head(self.lm_head, self.norm(hidden)) if self.cfg.logits_scaling == 1 else None
+
+    def to_param_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Stacked experts as nn.Linear's [E, out, in]: those given [E, in, out] transposed (Llama 4's checkpoints,
+        Qwen3-VL-MoE's releases; told apart by their shape, as HF does, a square one by experts_in_out)."""
+        if not IN_OUT_EXPERTS.search(name):
+            return tensor
+        cfg = self.cfg
+        out_in = (2 * cfg.moe_intermediate_size, cfg.hidden_size) if name.endswith("gate_up_proj") else \
+            (cfg.hidden_size, cfg.moe_intermediate_size)
+        square = out_in[0] == out_in[1]
+        return tensor.transpose(1, 2) if tuple(tensor.shape[1:]) != out_in or square and cfg.experts_in_out \
+            else tensor
 
     def map_weight(self, name: str) -> list[tuple[str, int]]:
         """Checkpoint tensor name -> [(parameter, first row it fills)] on this stage; [] if another stage owns it."""

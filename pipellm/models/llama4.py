@@ -4,22 +4,11 @@ where every 4th layer has no rotary and attends to the whole context, its querie
 RMS-normed without weights after their rotary; a mixture of experts (moe.py) whose router's sigmoid weighs the one
 chosen expert's input, beside a shared expert, in every layer or every other one (Maverick), the rest dense. The
 rotary pairs are (2i, 2i+1): q's and k's rows are reordered at load (glm.py). The checkpoint stacks a layer's
-experts as [experts, in, out]: each expert's slice becomes its nn.Linear's rows."""
-import re
-
-import torch
-
+experts as [experts, in, out] (llama.py's experts_in_out): each expert's slice becomes its nn.Linear's rows."""
 from pipellm.models.glm import InterleavedRotaryStage
-
-STACKED = re.compile(r"\.feed_forward\.experts\.(gate_up_proj|down_proj)$")
 
 
 class Llama4Stage(InterleavedRotaryStage):
     def map_weight(self, name: str) -> list[tuple]:
         return super().map_weight(name.replace(".feed_forward.router.", ".mlp.gate.")
                                   .replace(".feed_forward.", ".mlp."))
-
-    @staticmethod
-    def to_param_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        # [E, in, out] -> nn.Linear's [E, out, in]: gate_up_proj's gates, then its ups, as transformers 5's layout
-        return tensor.transpose(1, 2) if STACKED.search(name) else tensor
