@@ -24,9 +24,10 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "seed_oss": "seed_oss", "glm4": "glm4", "ernie4_5": "ernie4_5", "cohere": "command-r", "cohere2": "cohere2",
         "ernie4_5_moe": "ernie4_5-moe", "granitemoe": "granitemoe", "olmoe": "olmoe", "hunyuan": "hunyuan-dense",
         "arcee": "arcee", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe",
-        "dots1": "dots1", "minimax_m2": "minimax-m2"}
+        "dots1": "dots1", "minimax_m2": "minimax-m2", "llama4": "llama4", "ministral3": "mistral3",
+        "mistral4": "mistral4"}
 # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
-PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee")
+PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee", "mistral3")
 FAMILIES = list(ARCH)
 
 # HF module -> llama.cpp tensor kind (gguf-py's tensor_mapping.py), per family where it differs
@@ -53,6 +54,10 @@ DEEPSEEK_TO_GGUF = HF_TO_GGUF | {"self_attn.q_a_proj": "attn_q_a", "self_attn.q_
                                 "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
                                 "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b"}
 GLM4_MOE_TO_GGUF = HF_TO_GGUF | {"post_attention_layernorm": "post_attention_norm"}  # the norm before the MLP
+LLAMA4_TO_GGUF = HF_TO_GGUF | {f"feed_forward.{k}": v for k, v in (
+    ("router", "ffn_gate_inp"), ("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down"),
+    ("shared_expert.gate_proj", "ffn_gate_shexp"), ("shared_expert.up_proj", "ffn_up_shexp"),
+    ("shared_expert.down_proj", "ffn_down_shexp"))}
 MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
            moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4,
            topk_group=2, first_k_dense_replace=1)
@@ -164,6 +169,26 @@ def gguf_family_config(name: str):
     if name == "minimax_m2":  # q/k norms over all heads, rotary on half of each head; a sigmoid router's bias
         return tf.MiniMaxM2Config(**BASE | dict(intermediate_size=32), head_dim=16, num_local_experts=8,
                                   num_experts_per_tok=2, rotary_dim=8)
+    if name == "llama4":  # llama.cpp's fixed chunks (8192) and temperature (0.1 past 8192); experts every other
+        # layer; llama3's rope as rope_freqs
+        return tf.Llama4TextConfig(**BASE | dict(intermediate_size=32), head_dim=16, intermediate_size_mlp=96,
+                                   num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                   attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1, rope_parameters=dict(
+                                       rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                       high_freq_factor=4.0, original_max_position_embeddings=64))
+    if name == "ministral3":  # yarn (its ramp's ends, dims 1 and 3, from the file's betas), and Llama 4's
+        # temperature on q past SHORT tokens
+        return tf.Ministral3Config(**BASE | dict(max_position_embeddings=SHORT * 8), head_dim=16,
+                                   rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0,
+                                                        original_max_position_embeddings=SHORT, beta_fast=1.0,
+                                                        beta_slow=0.5, mscale=1.0, mscale_all_dim=1.0,
+                                                        llama_4_scaling_beta=0.1))
+    if name == "mistral4":  # DeepSeek V3's file with a softmax router, experts' gate and up fused; the temperature
+        return tf.Mistral4Config(**BASE | MLA | dict(max_position_embeddings=SHORT * 8), q_lora_rank=48,
+                                 routed_scaling_factor=1.5, rope_parameters=dict(
+                                     rope_type="yarn", rope_theta=10000.0, factor=8.0,
+                                     original_max_position_embeddings=SHORT, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                                     mscale_all_dim=1.0, llama_4_scaling_beta=0.1, partial_rotary_factor=8 / 24))
     raise ValueError(name)
 
 
@@ -196,7 +221,7 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     w.add_block_count(cfg.num_hidden_layers + (name == "glm4_moe"))  # and its MTP layer
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_feed_forward_length(cfg.intermediate_size_mlp if name == "llama4" else cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     if name.startswith("cohere"):
@@ -206,7 +231,7 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(VOCAB)
     head_dim = getattr(cfg, "head_dim", None)
-    if name.startswith("deepseek"):
+    if name.startswith("deepseek") or name == "mistral4":
         write_deepseek_metadata(w, name, cfg)
     elif head_dim is not None and name != "phi3":  # written when the config names it
         w.add_key_length(head_dim)
@@ -216,8 +241,22 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (head_dim / (head_dim - 2)))
     elif name != "gemma2":  # llama.cpp assumes Gemma 2's base, 10000
         w.add_rope_freq_base(_rope_parameters(cfg)["rope_theta"])
-    if name in ("llama3", "mixtral"):
+    if name in ("llama3", "mixtral", "llama4", "ministral3"):
         w.add_rope_dimension_count(head_dim or cfg.hidden_size // cfg.num_attention_heads)
+    if name == "llama4":
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_interleave_moe_layer_step(cfg.interleave_moe_layer_step)
+    if name == "ministral3":  # its converter: yarn's keys, mscale_all_dim as it is, the temperature's beta
+        rope = _rope_parameters(cfg)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     if name == "glm4":
         w.add_rope_dimension_count(int(head_dim * _rope_parameters(cfg)["partial_rotary_factor"]))
     if name == "olmoe":
@@ -304,7 +343,7 @@ def write_deepseek_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     """deepseek2: V3's file as newer converters write it (one KV head of the latent and rotary key, the MLA widths
     apart), V2's as older ones did (key and value widths per head); yarn's mscale_all_dim as 0.1 times it."""
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    if name == "deepseek_v3":
+    if name in ("deepseek_v3", "mistral4"):
         w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         w.add_value_length(cfg.kv_lora_rank)
         w.add_key_length_mla(qk)
@@ -322,6 +361,9 @@ def write_deepseek_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    if rope.get("llama_4_scaling_beta"):  # as llama.cpp's deepseek2 loader reads it (Mistral Large's converter)
+        w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
+        w.add_attn_temperature_length(rope["original_max_position_embeddings"])
 
 
 def _row_order(rows: int, n_head: int) -> np.ndarray:
@@ -337,7 +379,8 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
     names = {"gemma2": GEMMA_TO_GGUF, "gemma3": GEMMA_TO_GGUF, "phi3": PHI3_TO_GGUF, "olmo2": OLMO_TO_GGUF,
              "olmo3": OLMO_TO_GGUF, "gpt_oss": GPT_OSS_TO_GGUF, "exaone4": OLMO_TO_GGUF,
              "seed_oss": SEED_OSS_TO_GGUF, "glm4": GLM4_TO_GGUF, "deepseek_v2": DEEPSEEK_TO_GGUF,
-             "deepseek_v3": DEEPSEEK_TO_GGUF, "glm4_moe": GLM4_MOE_TO_GGUF}.get(name, HF_TO_GGUF)
+             "deepseek_v3": DEEPSEEK_TO_GGUF, "glm4_moe": GLM4_MOE_TO_GGUF, "mistral4": DEEPSEEK_TO_GGUF,
+             "llama4": LLAMA4_TO_GGUF}.get(name, HF_TO_GGUF)
     w = gguf.GGUFWriter(str(path), arch)
     write_metadata(w, name, cfg)
     write_tokenizer(w)
@@ -352,7 +395,7 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
         w.add_tensor(gname, data, raw_dtype=None if qtype == Q.F32 else qtype)
         return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32).reshape(arr.shape)
 
-    if name in ("llama3", "exaone4"):
+    if name in ("llama3", "exaone4", "llama4"):
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
     if name == "phi3":
         rope = _rope_parameters(cfg)
@@ -372,7 +415,8 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
             if suffix == "e_score_correction_bias":  # ERNIE's [1, E], DeepSeek's and GLM's [E]
                 held[hf] = add(f"blk.{layer}.exp_probs_b.bias", arr, router=True)
                 continue
-            if module == "self_attn.kv_b_proj" and name == "deepseek_v3":  # each head's k_b transposed, and v_b
+            if module == "self_attn.kv_b_proj" and name in ("deepseek_v3", "mistral4"):  # each head's k_b
+                # transposed, and v_b
                 heads, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
                 per_head = arr.reshape(heads, -1, arr.shape[1])                           # [H, nope + v, rank]
                 k_b = add(f"blk.{layer}.attn_k_b.weight", per_head[:, :nope].transpose(0, 2, 1))
@@ -382,10 +426,14 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
             if name == "gpt_oss" and module in ("mlp.experts", "self_attn") and suffix != "o_proj":
                 held[hf] = _add_gpt_oss(add, f"blk.{layer}.", suffix, arr)
                 continue
-            if module in ("mlp.experts", "block_sparse_moe.experts"):  # stacked [E, ...] (HF fuses gate and up;
-                # llama.cpp keeps three)
+            if module in ("mlp.experts", "block_sparse_moe.experts", "feed_forward.experts"):  # stacked [E, ...]
+                # (HF fuses gate and up; llama.cpp keeps three, but Mistral 4's; Llama 4's [E, in, out] transposed)
                 prefix = f"blk.{layer}."
-                if suffix == "gate_up_proj":
+                if name == "llama4":
+                    held[hf] = _add_llama4_experts(add, prefix, suffix, arr)
+                elif name == "mistral4" and suffix == "gate_up_proj":
+                    held[hf] = add(prefix + "ffn_gate_up_exps.weight", arr)
+                elif suffix == "gate_up_proj":
                     ff = arr.shape[1] // 2
                     held[hf] = np.concatenate([add(prefix + "ffn_gate_exps.weight", arr[:, :ff]),
                                                add(prefix + "ffn_up_exps.weight", arr[:, ff:])], axis=1)
@@ -420,6 +468,16 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
     return {k: torch.from_numpy(v) for k, v in held.items()}
 
 
+def _add_llama4_experts(add, prefix: str, suffix: str, arr: np.ndarray) -> np.ndarray:
+    """Llama 4's stacked experts as its converter writes them: [E, in, out] transposed, gate_up's halves split."""
+    out_in = arr.transpose(0, 2, 1)
+    if suffix == "down_proj":
+        return add(prefix + "ffn_down_exps.weight", out_in).transpose(0, 2, 1)
+    ff = out_in.shape[1] // 2
+    return np.concatenate([add(prefix + "ffn_gate_exps.weight", out_in[:, :ff]),
+                           add(prefix + "ffn_up_exps.weight", out_in[:, ff:])], axis=1).transpose(0, 2, 1)
+
+
 def _add_gpt_oss(add, prefix: str, suffix: str, arr: np.ndarray) -> np.ndarray:
     """GPT-OSS's sinks and stacked experts as llama.cpp's converter writes them: gate and up (interleaved in HF's
     [E, in, 2 * out]) split, each [E, out, in] in MXFP4, their biases split alike; returns HF's tensor of what the
@@ -443,10 +501,13 @@ def _add_gpt_oss(add, prefix: str, suffix: str, arr: np.ndarray) -> np.ndarray:
 
 
 def random_model(name: str):
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(gguf_family_config(name), attn_implementation="eager").eval()
+    config = gguf_family_config(name)
+    config._attn_implementation = "eager"
+    model = (transformers.Mistral4ForCausalLM(config) if name == "mistral4"  # not among the auto classes
+             else transformers.AutoModelForCausalLM.from_config(config)).eval()
     with torch.no_grad():  # norms not at their initial 1 (or Gemma's 0), so a wrong offset shows; biases not 0
         selection_biases = [(n, b) for n, b in model.named_buffers() if n.endswith(".e_score_correction_bias")]
         for param_name, p in [*model.named_parameters(), *selection_biases]:

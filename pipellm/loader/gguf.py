@@ -5,6 +5,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -72,16 +73,22 @@ def _entries(reader, path: str, arch: str, cfg: dict):
             continue
         name = hf_name(t.name, arch)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first ([in, out])
-        experts = [None] if name is None or "{e}" not in name else range(shape[0])
-        for e in experts:
-            full = name if e is None else name.format(e=e)
+        # (HF name, its slice of the tensor's rows in equal parts): experts one by one; a fused gate_up (Mistral 4's)
+        # each expert's gate rows, then its up rows
+        fused = name is not None and name.endswith(".gate_up_proj.weight")
+        parts = [(name, None)] if name is None or "{e}" not in name else \
+            [(name.format(e=e), e) for e in range(shape[0])] if not fused else \
+            [(name.format(e=e).replace("gate_up_proj", proj), 2 * e + i) for e in range(shape[0])
+             for i, proj in enumerate(("gate_proj", "up_proj"))]
+        for full, part in parts:
             if full not in expected:
                 raise ValueError(f"{path}: unexpected tensor {t.name} for this architecture")
-            want = expected[full] if e is None else (len(experts), *expected[full])
+            want = expected[full] if part is None else (shape[0], (1 + fused) * expected[full][0],
+                                                        *expected[full][1:])
             if shape != want and [d for d in shape if d != 1] != [d for d in want if d != 1]:  # [h] for HF's [1, h]
                 raise ValueError(f"{path}: tensor {t.name} has shape {list(shape)}, expected {list(want)}")
             seen.add(full)
-            yield t, full, expected[full], e
+            yield t, full, expected[full], part
     missing = sorted(set(expected) - seen)
     if missing:
         raise ValueError(f"{path}: {len(missing)} tensors missing, e.g. {missing[0]}")
@@ -254,7 +261,9 @@ def _tensor_table(reader, path: str, arch: str, cfg: dict, permuted: bool) -> li
     heads = _unpermute_heads(cfg, permuted)
     table = []
     for t, name, shape, expert in _entries(reader, path, arch, cfg):
-        size = int(t.n_bytes) if expert is None else int(t.n_bytes) // int(t.shape[-1])
+        # a part's bytes: its rows' share of the tensor's (whole rows of blocks)
+        size = int(t.n_bytes) if expert is None else \
+            int(t.n_bytes) * math.prod(shape[:-1]) // math.prod(int(d) for d in t.shape[1:])
         table.append({"name": t.name, "hf_name": name, "type": int(t.tensor_type), "shape": list(shape),
                       "offset": int(t.data_offset) + (expert or 0) * size, "nbytes": size,
                       "unpermute_heads": heads.get(t.name.split(".")[-2]),

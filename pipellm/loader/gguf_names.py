@@ -39,6 +39,9 @@ ARCHITECTURES = {
     "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe", False),
     "dots1": ("Dots1ForCausalLM", "dots1", False),
     "minimax-m2": ("MiniMaxM2ForCausalLM", "minimax_m2", False),  # q/k norms over all heads
+    "llama4": ("Llama4ForCausalLM", "llama4_text", False),  # its rotary pairs interleaved, as HF's
+    "mistral3": ("Ministral3ForCausalLM", "ministral3", True),
+    "mistral4": ("Mistral4ForCausalLM", "mistral4", False),  # deepseek2's file, a softmax router
 }
 DEEPSEEK_V2 = ("DeepseekV2ForCausalLM", "deepseek_v2", False)  # "deepseek2" with a softmax router
 COHERE = ("command-r", "cohere2")  # a LayerNorm (its own epsilon key), attention and MLP side by side
@@ -75,8 +78,12 @@ _FAMILY_NAMES = {
                   "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
                   "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
                   "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj", **SHARED_EXPERTS},
+    "llama4": SHARED_EXPERTS,
 }
-EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_FAMILY_NAMES["mistral4"] = _FAMILY_NAMES["deepseek2"]
+EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj",
+                "ffn_gate_up_exps": "gate_up_proj"}  # Mistral 4's fused: each expert's gate rows, then its up rows
+MLA_ARCHS = ("deepseek2", "mistral4")
 BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # read into config
@@ -204,17 +211,19 @@ def _mla_shapes(mc: ModelConfig, p: str, split_kv_b: bool) -> dict:
 
 
 def _group_routed(m, arch: str, tensors: dict, path: str) -> tuple[tuple, dict]:
-    """(ARCHITECTURES entry, HF config fields) of a deepseek2, glm4moe or dots1 file's experts: a softmax router
-    (DeepSeek V2) or a sigmoid one with a selection bias (V3, GLM-4.5, dots.llm1), in groups, with shared experts;
-    the first layers dense. glm4moe files hold a multi-token prediction layer after the last (block_count counts
-    it), left unread."""
-    sigmoid = m("expert_gating_func", 1 if arch == "deepseek2" else 2) == 2
+    """(ARCHITECTURES entry, HF config fields) of a deepseek2, glm4moe, dots1 or mistral4 file's experts: a softmax
+    router (DeepSeek V2, Mistral 4) or a sigmoid one with a selection bias (V3, GLM-4.5, dots.llm1), in groups, with
+    shared experts; the first layers dense. glm4moe files hold a multi-token prediction layer after the last
+    (block_count counts it), left unread."""
+    softmax_ok = arch in ("deepseek2", "mistral4")
+    sigmoid = m("expert_gating_func", 1 if softmax_ok else 2) == 2
     groups = m("expert_group_count", 1) or 1
     biased = f"blk.{m('leading_dense_block_count', 0)}.exp_probs_b.bias" in tensors
-    if sigmoid != biased or (arch != "deepseek2" and not sigmoid):  # HF's: softmax alone (V2), sigmoid with a bias
+    if sigmoid != biased or sigmoid == (arch == "mistral4") or not (sigmoid or softmax_ok):
+        # HF's: softmax alone (V2, Mistral 4), sigmoid with a bias
         raise ValueError(f"{path}: a {'sigmoid' if sigmoid else 'softmax'} router {'with' if biased else 'without'} "
                          f"exp_probs_b is not supported for {arch}")
-    entry = ARCHITECTURES[arch] if sigmoid else DEEPSEEK_V2
+    entry = ARCHITECTURES[arch] if sigmoid or arch == "mistral4" else DEEPSEEK_V2
     return entry, dict(
         architectures=[entry[0]], n_routed_experts=m("expert_count"),
         moe_intermediate_size=m("expert_feed_forward_length"),
@@ -224,6 +233,22 @@ def _group_routed(m, arch: str, tensors: dict, path: str) -> tuple[tuple, dict]:
         topk_group=m("expert_group_used_count", 1) or 1,
         topk_method="noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy",
         num_hidden_layers=m("block_count") - m("nextn_predict_layers", 0))
+
+
+def _llama4(m, experts: int, layers: int) -> dict:
+    """HF config fields of a llama4 file's layers, as llama.cpp reads them: chunks of 8192 positions in three of four
+    layers, the fourth without rotary and with its temperature (0.1, 8192); no chunks (and rotary all but in the
+    last layer) where attention.sliding_window is 0; q/k norms but for the 128-expert model (Maverick)."""
+    chunked = m("attention.sliding_window", None) != 0
+    period = m("attention.sliding_window_pattern", 4)
+    dense = ([(i + 1) % period == 0 for i in range(layers)] if isinstance(period, int) else [not p for p in period]) \
+        if chunked else [True] * layers
+    nope_step = 4 if chunked else layers
+    return dict(intermediate_size=m("expert_feed_forward_length"), intermediate_size_mlp=m("feed_forward_length"),
+                interleave_moe_layer_step=m("interleave_moe_layer_step"), use_qk_norm=experts != 128,
+                attention_chunk_size=8192 if chunked else None, attn_temperature_tuning=chunked, floor_scale=8192,
+                attn_scale=0.1, no_rope_layers=[int((i + 1) % nope_step != 0) for i in range(layers)],
+                layer_types=["full_attention" if d else "chunked_attention" for d in dense])
 
 
 def _mla_config(m, rotated: int) -> dict:
@@ -278,7 +303,7 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
     }
     rope = _rope(m, arch, tensors, head_dim, path)
     rotated = m("rope.dimension_count", head_dim)
-    if rotated != head_dim and arch != "deepseek2":  # whose rotary dims are qk_rope_head_dim's (below)
+    if rotated != head_dim and arch not in MLA_ARCHS:  # whose rotary dims are qk_rope_head_dim's (below)
         if arch not in ("phi3", "glm4", "glm4moe", "minimax-m2"):
             raise ValueError(f"{path}: partial rotary (rope.dimension_count={rotated}, head_dim={head_dim}) is "
                              "supported for phi3, glm4, glm4moe and minimax-m2 only")
@@ -301,9 +326,12 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
             cfg.update(moe_num_experts=experts, moe_k=m("expert_used_count"), moe_intermediate_size=ff,
                        moe_num_shared_experts=shexp // ff, moe_layer_start_index=m("leading_dense_block_count", 0),
                        moe_layer_interval=m("interleave_moe_layer_step", 1))
-        elif arch in ("deepseek2", "glm4moe", "dots1"):
+        elif arch in ("deepseek2", "glm4moe", "dots1", "mistral4"):
             entry, extra = _group_routed(m, arch, tensors, path)
             cfg.update(extra)
+        elif arch == "llama4":
+            entry = ARCHITECTURES[arch]
+            cfg.update(_llama4(m, experts, layers))
         elif arch == "minimax-m2":  # a sigmoid router whose bias picks the experts, their weights renormalised
             if m("expert_gating_func", 2) != 2 or "blk.0.exp_probs_b.bias" not in tensors:
                 raise ValueError(f"{path}: a minimax-m2 router without sigmoid scores and exp_probs_b is not "
@@ -343,11 +371,20 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "glm4moe":
         cfg["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
-    if arch == "deepseek2":
+    if arch in MLA_ARCHS:
         cfg.update(_mla_config(m, rotated))
         if rope["rope_type"] == "yarn":  # llama.cpp's: q.k scaled by mscale_all_dim's mscale squared, cos/sin not
             rope.update(mscale_all_dim=_f32(m("rope.scaling.yarn_log_multiplier", 0.0) / 0.1))
             rope["mscale"] = rope["mscale_all_dim"]
+    if arch == "mistral3" and m("rope.scaling.yarn_log_multiplier", 0.0):  # yarn's mscale_all_dim, as it is
+        rope.update(mscale=1.0, mscale_all_dim=_f32(m("rope.scaling.yarn_log_multiplier")))
+    if arch in ("mistral3",) + MLA_ARCHS and m("attention.temperature_scale", 0.0):
+        # Llama 4's temperature on q, past the context the file names (Ministral 3: yarn's original one)
+        span = m("attention.temperature_length", None) if arch in MLA_ARCHS else None
+        if span is not None and span != rope.get("original_max_position_embeddings"):
+            raise ValueError(f"{path}: attention.temperature_length={span} differs from the rotary's original "
+                             f"context ({rope.get('original_max_position_embeddings')}); one length is supported")
+        rope["llama_4_scaling_beta"] = _f32(m("attention.temperature_scale"))
     if arch == "arcee":  # an ungated relu(x)**2 MLP
         cfg["hidden_act"] = "relu2"
     if arch in ("ernie4_5", "ernie4_5-moe"):  # on every linear layer
@@ -381,7 +418,9 @@ def _rope(m, arch: str, tensors: dict, head_dim: int, path: str) -> dict:
         rope.update(rope_type="linear", factor=_f32(factor))
     elif scaling == "yarn":
         rope.update(rope_type="yarn", factor=_f32(factor),
-                    original_max_position_embeddings=m("rope.scaling.original_context_length"))
+                    original_max_position_embeddings=m("rope.scaling.original_context_length"),
+                    beta_fast=_f32(m("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=_f32(m("rope.scaling.yarn_beta_slow", 1.0)))
     elif scaling not in ("none", "longrope"):
         raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (none, linear, yarn, longrope, and "
                          "llama3 by rope_freqs)")

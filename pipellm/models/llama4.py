@@ -11,4 +11,5 @@ from pipellm.models.glm import InterleavedRotaryStage
 class Llama4Stage(InterleavedRotaryStage):
     def map_weight(self, name: str) -> list[tuple]:
         return super().map_weight(name.replace(".feed_forward.router.", ".mlp.gate.")
-                                  .replace(".feed_forward.", ".mlp."))
+                                  .replace(".feed_forward.", ".mlp.")
+                                  .replace(".mlp.shared_experts.", ".mlp.shared_expert."))  # GGUF's, as DeepSeek's
