@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass, field
 
 from pipellm.rope_config import RopeConfig
+from pipellm.vision_language import VISION_LANGUAGE, text_config
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
                 "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
@@ -26,21 +27,6 @@ MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
-# vision-language checkpoints whose text model runs alone (text in, text out) -> its text_config's model_types (the
-# first when it names none); a text model_type -> its class
-VISION_LANGUAGE = {"Mistral3ForConditionalGeneration": ("mistral", "ministral3", "mistral4"),
-                   "Gemma3ForConditionalGeneration": ("gemma3_text",),
-                   "Llama4ForConditionalGeneration": ("llama4_text",),
-                   "Qwen2VLForConditionalGeneration": ("qwen2_vl_text",),
-                   "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl_text",),
-                   "Qwen3VLForConditionalGeneration": ("qwen3_vl_text",),
-                   "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl_moe_text",)}
-# (Qwen's multimodal rotary turns a text token's dims all by its one position: the text model's plain rotary)
-TEXT_MODELS = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM",
-               "mistral4": "Mistral4ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-               "llama4_text": "Llama4ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",
-               "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen3_vl_text": "Qwen3ForCausalLM",
-               "qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
 
 
@@ -122,7 +108,7 @@ class ModelConfig:
     qk_l2_norm: bool = False
     nope_temperature: tuple[float, ...] = ()
     router_weights_input: bool = False
-    text_of: str = ""  # the vision-language checkpoint (VISION_LANGUAGE) whose text model this is; "" none
+    text_of: str = ""  # the vision-language checkpoint whose text model this is (vision_language.py); "" none
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -193,7 +179,7 @@ class ModelConfig:
         archs = [archs] if isinstance(archs, str) else archs
         wrapper = next((a for a in archs if a in VISION_LANGUAGE), None)
         if wrapper is not None:
-            d = _text_model(d, wrapper, source)
+            d = text_config(d, wrapper, source)
             archs = d["architectures"]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -333,9 +319,7 @@ class ModelConfig:
                    sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
                    qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                                     "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
-                                    "Dots1ForCausalLM",
-                                    "ApertusForCausalLM")
-                   + ALL_HEADS_QK_NORM
+                                    "Dots1ForCausalLM", "ApertusForCausalLM") + ALL_HEADS_QK_NORM
                    or (arch == "Glm4MoeForCausalLM" and bool(d.get("use_qk_norm"))),
                    qk_norm_after_rope=arch in ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM"),
                    hidden_act=act, query_pre_attn_scalar=d.get("query_pre_attn_scalar") if is_gemma else None,
@@ -359,26 +343,6 @@ class ModelConfig:
                    experts_in_out=llama4,
                    router_sigmoid=v3_router or arch in ("MiniMaxM2ForCausalLM", "Llama4ForCausalLM"), **deepseek,
                    **llama4_fields)
-
-
-def _text_model(d: dict, wrapper: str, source: str) -> dict:
-    """The config of a vision-language checkpoint's text model, as HF reads it: its text_config, the keys it leaves
-    out at their defaults (Gemma 3's releases give a few only), and those the whole model's config sets for it (its
-    head tied or not, its quantization, its end tokens) over it."""
-    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
-    model_type = text.get("model_type", VISION_LANGUAGE[wrapper][0])
-    if model_type not in VISION_LANGUAGE[wrapper]:
-        raise ValueError(f"{source}: {wrapper}'s text model {model_type!r} is not supported "
-                         f"(supported: {', '.join(VISION_LANGUAGE[wrapper])})")
-    try:
-        from transformers import AutoConfig
-        text = AutoConfig.for_model(model_type, **{k: v for k, v in text.items() if k != "model_type"}).to_dict()
-    except (ImportError, ValueError, KeyError):  # a transformers without this model: the keys as they are
-        pass
-    if model_type == "qwen3_vl_moe_text":  # its router always renormalizes its top k
-        text.setdefault("norm_topk_prob", True)
-    outer = {k: d[k] for k in ("tie_word_embeddings", "quantization_config", "eos_token_id") if k in d}
-    return {**text, **outer, "architectures": [TEXT_MODELS[model_type]]}
 
 
 def _same_each_layer(d: dict, key: str, source: str) -> int:

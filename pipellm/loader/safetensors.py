@@ -10,6 +10,7 @@ from torch import nn
 
 from pipellm.quant import fp8, mxfp4
 from pipellm.quant.linear import CompactLinear, MappedEmbedding, QuantWeight
+from pipellm.vision_language import text_model_names
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Buffers that some checkpoints carry and that we recompute.
@@ -38,23 +39,6 @@ def checkpoint_files(folder: str) -> dict[str, str]:
         raise ValueError(f"{folder}: only pickle checkpoints found ({', '.join(pickles)}); pickle files can run "
                          "arbitrary code and are refused. Convert them to safetensors first.")
     raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-
-
-# a vision-language checkpoint's text model: its tensors' prefixes there (transformers 4's, then 5's; Qwen2-VL's as
-# a text model's) -> its own. The vision tower's names map to no parameter.
-TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                       ("model.language_model.", "model."), ("lm_head.", "lm_head."), ("model.", "model."))
-
-
-def text_model_names(files: dict[str, str]) -> dict[str, str]:
-    """The text model's tensors in a vision-language checkpoint's files: its own name -> the file's name for it.
-    The vision tower's and the projector's are left out."""
-    names = {}
-    for name in files:
-        old, new = next(((old, new) for old, new in TEXT_MODEL_PREFIXES if name.startswith(old)), (None, None))
-        if old is not None:
-            names[new + name[len(old):]] = name
-    return names
 
 
 # safetensors dtypes a table can be read in place as (numpy has no bfloat16: its bits are read as int16)

@@ -57,8 +57,8 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary(q, k, *ropes[self.is_sliding])
         if self.norm_after_rope:
             q, k = self.qk_norm(q, k)
-        if self.l2_qk_norm:  # Llama 4's, weightless
-            q, k = F.rms_norm(q, q.shape[-1:], eps=self.eps), F.rms_norm(k, k.shape[-1:], eps=self.eps)
+        if self.l2_qk_norm:  # Llama 4's, weightless, in fp32 (as HF)
+            q, k = (F.rms_norm(t.float(), t.shape[-1:], eps=self.eps).to(t.dtype) for t in (q, k))
         if (scale := ropes.query_scale if self.rotary else ropes.nope_query_scale) is not None:
             q = q * scale
         out = paged_attention(q, k, v, cache, meta.local if self.is_sliding else meta, self.scale,

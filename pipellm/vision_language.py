@@ -1,0 +1,55 @@
+"""Vision-language checkpoints whose text model pipellm runs alone, text in and text out: which they are, their text
+model's config as HF reads it, and its tensors' names there. The vision tower is never read."""
+
+# the checkpoint's class -> the model_types its text_config may name (the first where it names none)
+VISION_LANGUAGE = {"Mistral3ForConditionalGeneration": ("mistral", "ministral3", "mistral4"),
+                   "Gemma3ForConditionalGeneration": ("gemma3_text",),
+                   "Llama4ForConditionalGeneration": ("llama4_text",),
+                   "Qwen2VLForConditionalGeneration": ("qwen2_vl_text",),
+                   "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl_text",),
+                   "Qwen3VLForConditionalGeneration": ("qwen3_vl_text",),
+                   "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl_moe_text",)}
+# a text model_type -> the class it runs as (Qwen's multimodal rotary turns all of a text token's dims by its one
+# position: the text model's own rotary)
+TEXT_MODELS = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM",
+               "mistral4": "Mistral4ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+               "llama4_text": "Llama4ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",
+               "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen3_vl_text": "Qwen3ForCausalLM",
+               "qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}
+
+
+def text_config(d: dict, wrapper: str, source: str) -> dict:
+    """The config of a vision-language checkpoint's text model, as HF reads it: its text_config, the keys it leaves
+    out at their defaults (Gemma 3's releases give a few only), and those the whole model's config sets for it (its
+    head tied or not, its quantization, its end tokens) over it."""
+    text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
+    model_type = text.get("model_type", VISION_LANGUAGE[wrapper][0])
+    if model_type not in VISION_LANGUAGE[wrapper]:
+        raise ValueError(f"{source}: {wrapper}'s text model {model_type!r} is not supported "
+                         f"(supported: {', '.join(VISION_LANGUAGE[wrapper])})")
+    try:
+        from transformers import AutoConfig
+        text = AutoConfig.for_model(model_type, **{k: v for k, v in text.items() if k != "model_type"}).to_dict()
+    except (ImportError, ValueError, KeyError):  # a transformers without this model: the keys as they are
+        pass
+    if model_type == "qwen3_vl_moe_text":  # its router always renormalizes its top k
+        text.setdefault("norm_topk_prob", True)
+    outer = {k: d[k] for k in ("tie_word_embeddings", "quantization_config", "eos_token_id") if k in d}
+    return {**text, **outer, "architectures": [TEXT_MODELS[model_type]]}
+
+
+# the text model's tensors' prefixes in the checkpoint (transformers 4's, then 5's; Qwen2-VL's a text model's) -> its
+# own
+TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                       ("model.language_model.", "model."), ("lm_head.", "lm_head."), ("model.", "model."))
+
+
+def text_model_names(files: dict[str, str]) -> dict[str, str]:
+    """The tensors in a vision-language checkpoint's files under the text model's names: its own name -> the file's.
+    The vision tower's and the projector's map to no stage's parameter, where they are not left out here."""
+    names = {}
+    for name in files:
+        old, new = next(((old, new) for old, new in TEXT_MODEL_PREFIXES if name.startswith(old)), (None, None))
+        if old is not None:
+            names[new + name[len(old):]] = name
+    return names
