@@ -1,9 +1,9 @@
 """The GPU checks of pipellm, one line each, for benchmarks/gpu_check.sh (which installs what they need first).
 
 1. Greedy ids equal HF transformers' on the same GPU, on tiny random checkpoints (llama, qwen2 with biases and a tied
-   head, gpt2, gpt_oss with sinks and experts, deepseek_v3 with latent attention), fp32: PP=1, and PP=2 (a GPU a
-   stage where there are two, else both stages on one GPU); decode steps replay CUDA graphs, and the llama's also
-   with multi-step decoding and with enforce_eager.
+   head, gpt2, gpt_oss with sinks and experts, deepseek_v3 with latent attention, llama4 with chunked layers),
+   fp32: PP=1, and PP=2 (a GPU a stage where there are two, else both stages on one GPU); decode steps replay CUDA
+   graphs, and the llama's also with multi-step decoding and with enforce_eager.
 2. The default model (its GGUF, dequantized to the activations' dtype at load) agrees with HF on it.
 3. Throughput of the batch workload (32 requests, 64-192 prompt tokens, 64 new) at PP=1 and PP=2 against HF
    transformers `generate` on the same GPU, bf16: targets >= 2x HF at PP=1 and PP=2 >= 0.9x PP=1.
@@ -93,9 +93,9 @@ def main():
         check("decode attention at long contexts, Triton (matrix and broadcast products) vs gather",
               long_decode_attention)
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in () if args.skip_tiny else ("llama", "qwen2", "gpt2", "gpt_oss", "deepseek_v3"):
+        for arch in () if args.skip_tiny else ("llama", "qwen2", "gpt2", "gpt_oss", "deepseek_v3", "llama4"):
             folder = os.path.join(tmp, arch)
-            make = make_family_checkpoint if arch in ("gpt_oss", "deepseek_v3") else make_checkpoint
+            make = make_family_checkpoint if arch in ("gpt_oss", "deepseek_v3", "llama4") else make_checkpoint
             hf_model = make(arch, folder).to(hf_dev)
             check(f"parity {arch} PP=1", lambda: parity(folder, hf_model, 1, args.device, hf_dev, "float32"))
             check(f"parity {arch} PP=2", lambda: parity(folder, hf_model, 2, pp2_device, hf_dev, "float32"))
@@ -125,7 +125,7 @@ def attention(device: str):
     missing)."""
     from pipellm import kernels
     from pipellm.models import attention as paged
-    from tests.test_attention import STEPS, _run
+    from tests.test_attention import BLOCK, CHUNKED_STEPS, STEPS, _run
 
     gpu = kernels.gpu() if device != "cpu" else None
     results["host"]["decode_attention"] = "triton" if gpu is not None else "C++ kernels or gather"
@@ -150,6 +150,13 @@ def attention(device: str):
                 worst[case] = err = (out.float() - dense).abs().max().item()
                 if not err <= tol:
                     return False, f"{case}: max error {err:.2e} (tolerance {tol})"
+        for name, steps in CHUNKED_STEPS.items():  # Llama 4's chunked layers: decodes from their chunk's first block
+            with mock.patch.object(**patch) if patch else contextlib.nullcontext():
+                out, dense = _run(steps, 6, 2, None, seed=len(name), dim=64, device=device, chunk=BLOCK * 2)
+            case = f"{path}: chunked, {name}"
+            worst[case] = err = (out.float() - dense).abs().max().item()
+            if not err <= 1e-4:
+                return False, f"{case}: max error {err:.2e} (tolerance 1e-4)"
     if kernels.GPU_FAILURE:  # the decodes went to the gather instead
         return False, f"the Triton kernel failed: {kernels.GPU_FAILURE[0]}"
     return True, f"{len(worst)} cases ({', '.join(paths)}), max error {max(worst.values()):.1e}"
