@@ -183,7 +183,8 @@ class ModelConfig:
             archs = d["architectures"]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(f"{source}: architecture {archs or d.get('model_type')} is not supported; "
+            inside = f" (the text model of {wrapper})" if wrapper else ""
+            raise ValueError(f"{source}: architecture {archs or d.get('model_type')}{inside} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         quant = d.get("quantization_config")
         method = quant.get("quant_method") if isinstance(quant, dict) else quant

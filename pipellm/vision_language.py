@@ -1,8 +1,11 @@
 """Vision-language checkpoints whose text model pipellm runs alone, text in and text out: which they are, their text
 model's config as HF reads it, and its tensors' names there. The vision tower is never read."""
 
-# the checkpoint's class -> the model_types its text_config may name (the first where it names none)
-VISION_LANGUAGE = {"Mistral3ForConditionalGeneration": ("mistral", "ministral3", "mistral4"),
+# the checkpoint's class -> the model_types its text_config may name (the first where it names none); () any text
+# model pipellm runs (LLaVA's, Pixtral's, InternVL's, Aya Vision's: a language model beside a vision tower)
+VISION_LANGUAGE = {"LlavaForConditionalGeneration": (), "LlavaNextForConditionalGeneration": (),
+                   "LlavaOnevisionForConditionalGeneration": (), "InternVLForConditionalGeneration": (),
+                   "AyaVisionForConditionalGeneration": (),"Mistral3ForConditionalGeneration": ("mistral", "ministral3", "mistral4"),
                    "Gemma3ForConditionalGeneration": ("gemma3_text",),
                    "Llama4ForConditionalGeneration": ("llama4_text",),
                    "Qwen2VLForConditionalGeneration": ("qwen2_vl_text",),
@@ -23,10 +26,12 @@ def text_config(d: dict, wrapper: str, source: str) -> dict:
     out at their defaults (Gemma 3's releases give a few only), and those the whole model's config sets for it (its
     head tied or not, its quantization, its end tokens) over it."""
     text = d.get("text_config") if isinstance(d.get("text_config"), dict) else {}
-    model_type = text.get("model_type", VISION_LANGUAGE[wrapper][0])
-    if model_type not in VISION_LANGUAGE[wrapper]:
+    allowed = VISION_LANGUAGE[wrapper]
+    model_type = text.get("model_type", allowed[0] if allowed else "llama")
+    arch = TEXT_MODELS.get(model_type) or _causal_lm_class(model_type)
+    if arch is None or allowed and model_type not in allowed:
         raise ValueError(f"{source}: {wrapper}'s text model {model_type!r} is not supported "
-                         f"(supported: {', '.join(VISION_LANGUAGE[wrapper])})")
+                         f"(supported: {', '.join(allowed or TEXT_MODELS)})")
     try:
         from transformers import AutoConfig
         text = AutoConfig.for_model(model_type, **{k: v for k, v in text.items() if k != "model_type"}).to_dict()
@@ -35,7 +40,16 @@ def text_config(d: dict, wrapper: str, source: str) -> dict:
     if model_type == "qwen3_vl_moe_text":  # its router always renormalizes its top k
         text.setdefault("norm_topk_prob", True)
     outer = {k: d[k] for k in ("tie_word_embeddings", "quantization_config", "eos_token_id") if k in d}
-    return {**text, **outer, "architectures": [TEXT_MODELS[model_type]]}
+    return {**text, **outer, "architectures": [arch]}
+
+
+def _causal_lm_class(model_type: str) -> str | None:
+    """The class transformers runs a text model_type as (a LLaVA's "mistral": MistralForCausalLM), or None."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return None
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
 
 
 # the text model's tensors' prefixes in the checkpoint (transformers 4's, then 5's; Qwen2-VL's a text model's) -> its

@@ -162,6 +162,21 @@ def family_config(name: str):
                                      rope_type="yarn", rope_theta=10000.0, factor=8.0,
                                      original_max_position_embeddings=SHORT, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
                                      mscale_all_dim=1.0, llama_4_scaling_beta=0.1, partial_rotary_factor=8 / 24))
+    if name == "llava-vl":  # LLaVA's (Pixtral's) checkpoint: a Mistral text model beside a vision tower
+        return tf.LlavaConfig(text_config=COMMON | dict(model_type="mistral", head_dim=16), image_token_index=250,
+                              vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                                                 image_size=28, patch_size=14))
+    if name == "internvl-vl":  # InternVL's, a Qwen3 text model
+        return tf.InternVLConfig(text_config=COMMON | dict(model_type="qwen3", head_dim=32), image_token_id=250,
+                                 vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                    num_attention_heads=2, image_size=[28, 28], patch_size=[14, 14]))
+    if name == "aya_vision-vl":  # Aya Vision's, a Cohere 2 text model (sliding layers)
+        return tf.AyaVisionConfig(text_config=COMMON | dict(model_type="cohere2", logit_scale=0.25, sliding_window=24,
+                                                            layer_types=SLIDING_TYPES), downsample_factor=2,
+                                  vision_config=dict(model_type="siglip_vision_model", hidden_size=32,
+                                                     intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                                     image_size=28, patch_size=14))
     if name == "qwen2_5-vl":  # Qwen2's text model in Qwen2.5-VL's checkpoint (its names a text model's)
         return tf.Qwen2_5_VLConfig(text_config=COMMON | dict(rope_parameters=dict(
             rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
@@ -204,9 +219,10 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe",
             "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1",
             "minimax_m2", "apertus", "ministral3", "mistral4", "gemma3-vl", "mistral3-vl", "llama4", "hunyuan_moe",
-            "qwen2_5-vl", "qwen3-vl-moe"]
+            "qwen2_5-vl", "qwen3-vl-moe", "llava-vl", "internvl-vl", "aya_vision-vl"]
 # sliding layers
-WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1")
+WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
+            "aya_vision-vl")
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
 
@@ -381,6 +397,8 @@ def test_gemma3_vision_language_release_config():
       "n_group": 4, "topk_group": 1}, "the kept groups hold at least num_experts_per_tok"),
     ({"architectures": ["Mistral3ForConditionalGeneration"], "text_config": {"model_type": "qwen2"}},
      "Mistral3ForConditionalGeneration's text model 'qwen2' is not supported"),
+    ({"architectures": ["LlavaForConditionalGeneration"], "text_config": {"model_type": "falcon"}},
+     r"architecture \['FalconForCausalLM'\] \(the text model of LlavaForConditionalGeneration\) is not supported"),
 ])
 def test_unsupported_config_names_it(change, needle):
     d = dict(architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
