@@ -5,7 +5,8 @@ model's config as HF reads it, and its tensors' names there. The vision tower is
 # model pipellm runs (LLaVA's, Pixtral's, InternVL's, Aya Vision's: a language model beside a vision tower)
 VISION_LANGUAGE = {"LlavaForConditionalGeneration": (), "LlavaNextForConditionalGeneration": (),
                    "LlavaOnevisionForConditionalGeneration": (), "InternVLForConditionalGeneration": (),
-                   "AyaVisionForConditionalGeneration": (),"Mistral3ForConditionalGeneration": ("mistral", "ministral3", "mistral4"),
+                   "AyaVisionForConditionalGeneration": (),
+                   "Mistral3ForConditionalGeneration": ("mistral", "ministral3", "mistral4"),
                    "Gemma3ForConditionalGeneration": ("gemma3_text",),
                    "Llama4ForConditionalGeneration": ("llama4_text",),
                    "Qwen2VLForConditionalGeneration": ("qwen2_vl_text",),
