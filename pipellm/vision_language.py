@@ -12,14 +12,21 @@ VISION_LANGUAGE = {"LlavaForConditionalGeneration": (), "LlavaNextForConditional
                    "Qwen2VLForConditionalGeneration": ("qwen2_vl_text",),
                    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl_text",),
                    "Qwen3VLForConditionalGeneration": ("qwen3_vl_text",),
-                   "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl_moe_text",)}
+                   "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl_moe_text",),
+                   "Glm4vForConditionalGeneration": ("glm4v_text",),
+                   "Glm4vMoeForConditionalGeneration": ("glm4v_moe_text",)}
 # a text model_type -> the class it runs as (Qwen's multimodal rotary turns all of a text token's dims by its one
 # position: the text model's own rotary)
 TEXT_MODELS = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM",
                "mistral4": "Mistral4ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                "llama4_text": "Llama4ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",
                "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen3_vl_text": "Qwen3ForCausalLM",
-               "qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}
+               "qwen3_vl_moe_text": "Qwen3MoeForCausalLM", "glm4v_text": "Glm4ForCausalLM",
+               "glm4v_moe_text": "Glm4MoeForCausalLM"}
+# what HF's text model does whatever its config says: Qwen3-VL-MoE's router renormalizes its top k, GLM-4.1V's q, k
+# and v have biases, GLM-4.5V's q and k no norms
+AS_HF_RUNS = {"qwen3_vl_moe_text": {"norm_topk_prob": True}, "glm4v_text": {"attention_bias": True},
+              "glm4v_moe_text": {"use_qk_norm": False}}
 
 
 def text_config(d: dict, wrapper: str, source: str) -> dict:
@@ -38,8 +45,7 @@ def text_config(d: dict, wrapper: str, source: str) -> dict:
         text = AutoConfig.for_model(model_type, **{k: v for k, v in text.items() if k != "model_type"}).to_dict()
     except (ImportError, ValueError, KeyError):  # a transformers without this model: the keys as they are
         pass
-    if model_type == "qwen3_vl_moe_text":  # its router always renormalizes its top k
-        text.setdefault("norm_topk_prob", True)
+    text |= AS_HF_RUNS.get(model_type, {})
     outer = {k: d[k] for k in ("tie_word_embeddings", "quantization_config", "eos_token_id") if k in d}
     return {**text, **outer, "architectures": [arch]}
 

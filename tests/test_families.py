@@ -15,6 +15,9 @@ LONG_PROMPT = [(13 * i + 5) % VOCAB for i in range(150)]  # many windows long: t
 SLIDING_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 
 
+GLM_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, image_size=28,
+                  patch_size=14)
+GLM_VISION_ROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1], partial_rotary_factor=0.5)
 QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)  # a tiny tower
 
 
@@ -162,6 +165,16 @@ def family_config(name: str):
                                      rope_type="yarn", rope_theta=10000.0, factor=8.0,
                                      original_max_position_embeddings=SHORT, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
                                      mscale_all_dim=1.0, llama_4_scaling_beta=0.1, partial_rotary_factor=8 / 24))
+    if name == "glm4v-vl":  # GLM-4.1V's: GLM-4's text model (q/k/v biases always), its rotary multimodal
+        return tf.Glm4vConfig(text_config=COMMON | dict(head_dim=16, rope_parameters=GLM_VISION_ROPE),
+                              vision_config=GLM_VISION)
+    if name == "glm4v_moe-vl":  # GLM-4.5V's: GLM-4.5's, without q/k norms whatever the config says
+        return tf.Glm4vMoeConfig(text_config=COMMON | dict(head_dim=16, intermediate_size=48, moe_intermediate_size=32,
+                                                           use_qk_norm=True,
+                                                           n_routed_experts=8, num_experts_per_tok=2,
+                                                           n_shared_experts=1, n_group=2, topk_group=1,
+                                                           routed_scaling_factor=1.5, rope_parameters=GLM_VISION_ROPE),
+                                 vision_config=GLM_VISION)
     if name == "llava-vl":  # LLaVA's (Pixtral's) checkpoint: a Mistral text model beside a vision tower
         return tf.LlavaConfig(text_config=COMMON | dict(model_type="mistral", head_dim=16), image_token_index=250,
                               vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
@@ -219,7 +232,8 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe",
             "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1",
             "minimax_m2", "apertus", "ministral3", "mistral4", "gemma3-vl", "mistral3-vl", "llama4", "hunyuan_moe",
-            "qwen2_5-vl", "qwen3-vl-moe", "llava-vl", "internvl-vl", "aya_vision-vl"]
+            "qwen2_5-vl", "qwen3-vl-moe", "llava-vl", "internvl-vl", "aya_vision-vl",
+            "glm4v-vl", "glm4v_moe-vl"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl")
