@@ -54,7 +54,8 @@ def _with_text_content(message, i: int) -> dict:
         if any(not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str)
                for part in content):
             raise ChatTemplateError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": "
-                                    "...}}) are supported", "messages")
+                                    "...}}) are supported (of a vision-language checkpoint, pipellm runs the text "
+                                    "model alone)", "messages")
         return message | {"content": "\n".join(part["text"] for part in content)}
     if content is not None and not isinstance(content, str):
         raise ChatTemplateError(f"messages[{i}].content must be a string or a list of text parts, not "
