@@ -236,7 +236,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "glm4v-vl", "glm4v_moe-vl"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
-            "aya_vision-vl")
+            "aya_vision-vl", "llama4")  # and Llama 4's chunked layers
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
 
@@ -317,8 +317,9 @@ def test_family_matches_hf(family, name, pp, partition, budget):
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts_of(name)], params, use_tqdm=False)
         window_ring = llm.engine.window_ring
         assert llm.engine.max_model_len == ModelConfig.from_pretrained(folder).max_context
-    # ... a sliding layer's sequence cycling through a ring of 4 blocks (PP=2 steps 16 tokens), not 10 (150 tokens)
-    assert window_ring == (4 if name in WINDOWED and pp == 2 else 0)
+    # ... a sliding layer's sequence cycling through a ring of 4 blocks (PP=2 steps 16 tokens), not 10 (150 tokens);
+    # a chunked one through 3 (a 16-token chunk and a step)
+    assert window_ring == ((3 if name == "llama4" else 4) if name in WINDOWED and pp == 2 else 0)
     # ... and prompts' chunks sent while the one before is out (at PP=2, 16 tokens a step), rings included; never
     # where rotary scales with each sequence's known length
     if name in ("llama-dynamic", "phi3-longrope"):

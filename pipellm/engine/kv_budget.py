@@ -21,11 +21,13 @@ class KVBudget:
 
 
 def window_ring(mc: ModelConfig, cfg: EngineConfig, max_model_len: int) -> int:
-    """Blocks a sequence's sliding-window layers cycle through: a window of keys plus the longest chunk a step
-    writes, and one more for a window that starts mid-block. 0 when no layer slides or it would save nothing."""
-    if mc.sliding_window is None or not any(mc.is_sliding(i) for i in range(mc.num_layers)):
-        return 0  # none slides (Llama 4's chunked layers hold every block, as full ones)
-    ring = -(-(mc.sliding_window + cfg.max_num_batched_tokens - 1) // cfg.block_size) + 1
+    """Blocks a sequence's sliding-window (or chunked) layers cycle through: a window (a chunk) of keys plus the
+    longest chunk a step writes, and one more for a window that starts mid-block. 0 when no layer slides or it would
+    save nothing."""
+    span = mc.sliding_window or mc.attention_chunk  # Llama 4's chunked layers: at most a chunk before a step
+    if not span or not any(mc.is_sliding(i) for i in range(mc.num_layers)):
+        return 0
+    ring = -(-(span + cfg.max_num_batched_tokens - 1) // cfg.block_size) + 1
     return ring if ring < -(-max_model_len // cfg.block_size) else 0
 
 
@@ -71,7 +73,7 @@ def kv_budget(mc: ModelConfig, cfg: EngineConfig, stages: list[StageLayers], dev
 
 def stage_blocks(mc: ModelConfig, stage: StageLayers, full: int, ring: int) -> int:
     """Blocks of all of a stage's layers' caches: full blocks a full-attention layer, ring a sliding one."""
-    sliding = sum(mc.is_sliding(i) for i in range(stage.start, stage.end)) if mc.sliding_window else 0
+    sliding = sum(mc.is_sliding(i) for i in range(stage.start, stage.end))
     return (stage.num_layers - sliding) * full + sliding * ring
 
 
