@@ -219,7 +219,7 @@ def _group_routed(m, arch: str, tensors: dict, path: str) -> tuple[tuple, dict]:
     sigmoid = m("expert_gating_func", 1 if softmax_ok else 2) == 2
     groups = m("expert_group_count", 1) or 1
     biased = f"blk.{m('leading_dense_block_count', 0)}.exp_probs_b.bias" in tensors
-    if sigmoid != biased or sigmoid == (arch == "mistral4") or not (sigmoid or softmax_ok):
+    if sigmoid != biased or (sigmoid and arch == "mistral4") or not (sigmoid or softmax_ok):
         # HF's: softmax alone (V2, Mistral 4), sigmoid with a bias
         raise ValueError(f"{path}: a {'sigmoid' if sigmoid else 'softmax'} router {'with' if biased else 'without'} "
                          f"exp_probs_b is not supported for {arch}")
