@@ -160,7 +160,7 @@ def one_run(seed: int, models: dict, tmp: str, family: str | None = None) -> tup
         priority = [order_rng.randrange(-2, 3) for _ in prompts]
     with LLM(folder, **kw) as llm:
         # within the context a small cache leaves (the engine lowers max_model_len to it)
-        longest = min(hf.config.max_position_embeddings, llm.engine.max_model_len) - max(lengths)
+        longest = min(hf.config.get_text_config().max_position_embeddings, llm.engine.max_model_len) - max(lengths)
         inputs = [{"prompt_token_ids": p[:longest]} for p in prompts]
         greedy = llm.generate(inputs, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=k,
                                                       prompt_logprobs=k, repetition_penalty=penalty)
