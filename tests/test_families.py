@@ -200,6 +200,10 @@ def family_config(name: str):
                                                                  rope_type="default", rope_theta=10000.0,
                                                                  mrope_section=[6, 5, 5], mrope_interleaved=True)),
                                    vision_config=QWEN_VISION | dict(deepstack_visual_indexes=[0]))
+    if name == "mistral4-vl":  # Mistral 4's in Mistral 3's vision-language checkpoint (its experts stacked)
+        return tf.Mistral3Config(text_config=family_config("mistral4").to_dict(), tie_word_embeddings=False,
+                                 vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                    num_attention_heads=2, head_dim=16, image_size=28, patch_size=14))
     if name == "llama4":  # every 4th layer without rotary (queries scaled past 8 tokens), the others in 16-token
         #                   chunks with weightless q/k norms; experts in every other layer, their inputs weighed
         return tf.Llama4TextConfig(**COMMON | dict(intermediate_size=32), head_dim=16, intermediate_size_mlp=96,
@@ -233,7 +237,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1",
             "minimax_m2", "apertus", "ministral3", "mistral4", "gemma3-vl", "mistral3-vl", "llama4", "hunyuan_moe",
             "qwen2_5-vl", "qwen3-vl-moe", "llava-vl", "internvl-vl", "aya_vision-vl",
-            "glm4v-vl", "glm4v_moe-vl"]
+            "glm4v-vl", "glm4v_moe-vl", "mistral4-vl"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4")  # and Llama 4's chunked layers
