@@ -15,11 +15,9 @@ VISION_LANGUAGE = {"LlavaForConditionalGeneration": (), "LlavaNextForConditional
                    "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl_moe_text",),
                    "Glm4vForConditionalGeneration": ("glm4v_text",),
                    "Glm4vMoeForConditionalGeneration": ("glm4v_moe_text",)}
-# a text model_type -> the class it runs as (Qwen's multimodal rotary turns all of a text token's dims by its one
-# position: the text model's own rotary)
-TEXT_MODELS = {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM",
-               "mistral4": "Mistral4ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-               "llama4_text": "Llama4ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",
+# a text model_type -> the class it runs as, where transformers' causal-LM classes do not name one (Qwen's multimodal
+# rotary turns all of a text token's dims by its one position: the text model's own rotary)
+TEXT_MODELS = {"mistral4": "Mistral4ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",
                "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen3_vl_text": "Qwen3ForCausalLM",
                "qwen3_vl_moe_text": "Qwen3MoeForCausalLM", "glm4v_text": "Glm4ForCausalLM",
                "glm4v_moe_text": "Glm4MoeForCausalLM"}
@@ -38,8 +36,8 @@ def text_config(d: dict, wrapper: str, source: str) -> dict:
     model_type = text.get("model_type", allowed[0] if allowed else "llama")
     arch = TEXT_MODELS.get(model_type) or _causal_lm_class(model_type)
     if arch is None or allowed and model_type not in allowed:
-        raise ValueError(f"{source}: {wrapper}'s text model {model_type!r} is not supported "
-                         f"(supported: {', '.join(allowed or TEXT_MODELS)})")
+        raise ValueError(f"{source}: {wrapper}'s text model {model_type!r} is not supported (supported: "
+                         f"{', '.join(allowed) if allowed else 'those of the architectures pipellm runs'})")
     try:
         from transformers import AutoConfig
         text = AutoConfig.for_model(model_type, **{k: v for k, v in text.items() if k != "model_type"}).to_dict()
