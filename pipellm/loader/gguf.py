@@ -73,13 +73,15 @@ def _entries(reader, path: str, arch: str, cfg: dict):
             continue
         name = hf_name(t.name, arch)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first ([in, out])
-        # (HF name, its slice of the tensor's rows in equal parts): experts one by one; a fused gate_up (Mistral 4's)
-        # each expert's gate rows, then its up rows
+        # (HF name, its slice of the tensor's rows in equal parts): stacked experts one by one
         fused = name is not None and name.endswith(".gate_up_proj.weight")
-        parts = [(name, None)] if name is None or "{e}" not in name else \
-            [(name.format(e=e), e) for e in range(shape[0])] if not fused else \
-            [(name.format(e=e).replace("gate_up_proj", proj), 2 * e + i) for e in range(shape[0])
-             for i, proj in enumerate(("gate_proj", "up_proj"))]
+        if name is None or "{e}" not in name:
+            parts = [(name, None)]
+        elif fused:  # Mistral 4's: each expert's gate rows, then its up rows
+            parts = [(name.format(e=e).replace("gate_up_proj", proj), 2 * e + i) for e in range(shape[0])
+                     for i, proj in enumerate(("gate_proj", "up_proj"))]
+        else:
+            parts = [(name.format(e=e), e) for e in range(shape[0])]
         for full, part in parts:
             if full not in expected:
                 raise ValueError(f"{path}: unexpected tensor {t.name} for this architecture")

@@ -215,12 +215,12 @@ def _group_routed(m, arch: str, tensors: dict, path: str) -> tuple[tuple, dict]:
     router (DeepSeek V2, Mistral 4) or a sigmoid one with a selection bias (V3, GLM-4.5, dots.llm1), in groups, with
     shared experts; the first layers dense. glm4moe files hold a multi-token prediction layer after the last
     (block_count counts it), left unread."""
-    softmax_ok = arch in ("deepseek2", "mistral4")
-    sigmoid = m("expert_gating_func", 1 if softmax_ok else 2) == 2
+    # HF's routers: softmax alone (V2, Mistral 4), sigmoid with a bias (the others); a deepseek2 file holds either
+    routers = {"deepseek2": ("softmax", "sigmoid"), "mistral4": ("softmax",)}.get(arch, ("sigmoid",))
+    sigmoid = m("expert_gating_func", 2 if routers[0] == "sigmoid" else 1) == 2
     groups = m("expert_group_count", 1) or 1
     biased = f"blk.{m('leading_dense_block_count', 0)}.exp_probs_b.bias" in tensors
-    if sigmoid != biased or (sigmoid and arch == "mistral4") or not (sigmoid or softmax_ok):
-        # HF's: softmax alone (V2, Mistral 4), sigmoid with a bias
+    if sigmoid != biased or ("sigmoid" if sigmoid else "softmax") not in routers:
         raise ValueError(f"{path}: a {'sigmoid' if sigmoid else 'softmax'} router {'with' if biased else 'without'} "
                          f"exp_probs_b is not supported for {arch}")
     entry = ARCHITECTURES[arch] if sigmoid or arch == "mistral4" else DEEPSEEK_V2
