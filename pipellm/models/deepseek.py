@@ -131,7 +131,7 @@ class DeepseekStage(BiasedRouterStage):
         within = torch.cat([torch.arange(nope), nope + pairs])                      # [nope + rope] a head
         return (torch.arange(cfg.num_heads)[:, None] * cfg.head_dim + within).flatten()
 
-    @staticmethod
-    def to_param_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        # a GGUF file's k_b [heads, rank, nope]: each head's W_UK transposed
-        return tensor.transpose(1, 2) if name.endswith(".k_b_proj.weight") else tensor
+    def to_param_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith(".k_b_proj.weight"):  # a GGUF file's k_b [heads, rank, nope]: each head's W_UK transposed
+            return tensor.transpose(1, 2)
+        return super().to_param_layout(name, tensor)

@@ -44,6 +44,7 @@ class Ernie45MoeStage(InterleavedRotaryStage):
         return super().map_weight(name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
                                   .replace(".mlp.moe_statics.e_score_correction_bias", ".mlp.selection_bias"))
 
-    @staticmethod
-    def to_param_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.reshape(-1) if name.endswith(".e_score_correction_bias") else tensor  # [1, E] -> [E]
+    def to_param_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith(".e_score_correction_bias"):
+            return tensor.reshape(-1)                                                   # [1, E] -> [E]
+        return super().to_param_layout(name, tensor)
