@@ -57,8 +57,12 @@ def _context_sum(cfg: ModelConfig, layer: int, seq_lens: list[tuple[int, int]]) 
     total = 0
     for prompt, generated in seq_lens:
         n = prompt + generated - 1
-        total += sum(p % chunk + 1 for p in range(n)) if chunk else \
-            n * (n + 1) // 2 if window is None else sum(min(p + 1, window) for p in range(n))
+        if chunk:
+            total += sum(p % chunk + 1 for p in range(n))
+        elif window is not None:
+            total += sum(min(p + 1, window) for p in range(n))
+        else:
+            total += n * (n + 1) // 2
     return total
 
 
