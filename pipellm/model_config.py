@@ -11,7 +11,10 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM",
                 "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "HunYuanDenseV1ForCausalLM",
-                "ArceeForCausalLM", "ApertusForCausalLM", "Ministral3ForCausalLM", "Llama4ForCausalLM")
+                "ArceeForCausalLM", "ApertusForCausalLM", "Ministral3ForCausalLM", "Llama4ForCausalLM",
+                "Qwen3_5ForCausalLM")
+# linear-attention layers (gated delta nets) among gated full-attention ones
+HYBRID_FAMILY = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 # latent attention (GLM-4.7-Flash's Glm4MoeLite is DeepSeek V3's model; Mistral 4 is too, with a softmax router)
 DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM")
 SOFTMAX_GROUP_ROUTED = ("DeepseekV2ForCausalLM", "Mistral4ForCausalLM")
@@ -23,7 +26,8 @@ OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")  # q/
 ALL_HEADS_QK_NORM = OLMO_FAMILY + ("MiniMaxM2ForCausalLM",)
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
               "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "OlmoeForCausalLM",
-              "MiniMaxM2ForCausalLM", "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM") + GROUP_ROUTED
+              "MiniMaxM2ForCausalLM", "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM", "Qwen3NextForCausalLM",
+              "Qwen3_5MoeForCausalLM") + GROUP_ROUTED
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
@@ -108,12 +112,20 @@ class ModelConfig:
     qk_l2_norm: bool = False
     nope_temperature: tuple[float, ...] = ()
     router_weights_input: bool = False
+    # Qwen3-Next, Qwen3.5: the "linear_attention" layers of layer_types are gated delta nets
+    # (models/linear_attention.py) of (key heads, value heads, key head width, value head width, conv kernel); the
+    # full-attention layers' outputs gated by a sigmoid of a second q_proj (attention_output_gate)
+    linear_attention: tuple[int, ...] = ()
+    attention_output_gate: bool = False
     text_of: str = ""  # the vision-language checkpoint whose text model this is (vision_language.py); "" none
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"the model's num_attention_heads={self.num_heads} is not a multiple of its "
                              f"num_key_value_heads={self.num_kv_heads}")
+        if self.linear_attention and self.linear_attention[1] % self.linear_attention[0]:
+            raise ValueError(f"the model's linear_num_value_heads={self.linear_attention[1]} is not a multiple of its "
+                             f"linear_num_key_heads={self.linear_attention[0]}")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(f"the model's layer_types has {len(self.layer_types)} entries for its "
                              f"{self.num_layers} layers")
@@ -157,6 +169,14 @@ class ModelConfig:
         if self.sliding_window is None and not self.attention_chunk:
             return False
         return not self.layer_types or self.layer_types[layer] in LOCAL_LAYER_TYPES
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether the layer is a linear-attention one: a state per sequence, no KV cache."""
+        return bool(self.linear_attention) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(self.is_linear(i) for i in range(self.num_layers))
 
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -230,12 +250,18 @@ class ModelConfig:
         chunk = (d.get("attention_chunk_size") or 0) if llama4 else 0
         if llama4 and not layer_types:  # the layers with rotary attend in chunks
             layer_types = tuple("chunked_attention" if r and chunk else "full_attention" for r in uses_rope)
-        if not any(t in LOCAL_LAYER_TYPES for t in layer_types):
+        hybrid = arch in HYBRID_FAMILY
+        if hybrid:  # older configs: every full_attention_interval-th layer full
+            interval = d.get("full_attention_interval") or 4
+            layer_types = layer_types or tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                               for i in range(layers))
+            d, window = {"partial_rotary_factor": 0.25} | d, None  # HF's default for both
+        elif not any(t in LOCAL_LAYER_TYPES for t in layer_types):
             layer_types = ()
             if arch not in ("MistralForCausalLM", "Ministral3ForCausalLM") and d.get("layer_types"):
                 window = None  # every layer is full (Qwen's layer_types without use_sliding_window)
         if any(t not in ("full_attention", "sliding_attention") + LOCAL_LAYER_TYPES[1:] * bool(chunk)
-               for t in layer_types):
+               + ("linear_attention",) * hybrid for t in layer_types):
             raise ValueError(f"{source}: layer_types {sorted(set(layer_types))} are not supported "
                              "(full_attention, sliding_attention)")
         params = d.get("rope_parameters") or d.get("rope_scaling") or {}
@@ -272,7 +298,9 @@ class ModelConfig:
             interval = d.get("moe_layer_interval", 1)
             dense_layers = tuple(i for i in range(layers) if not ((i + 1) % interval == 0 and start <= i <= end))
             shared = d.get("moe_num_shared_experts", 0) * d["moe_intermediate_size"]
-        if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        if arch in ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"):  # a gated shared expert beside the experts
+            shared = d.get("shared_expert_intermediate_size") or 0
+        if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3NextForCausalLM"):
             step = d.get("decoder_sparse_step", 1) or 1
             dense_layers = tuple(i for i in range(layers)
                                  if i in (d.get("mlp_only_layers") or ()) or (i + 1) % step != 0)
@@ -308,6 +336,9 @@ class ModelConfig:
                                                  or i % d.get("moe_layer_freq", 1) else "sparse" for i in range(layers)]
             dense_layers = tuple(i for i, kind in enumerate(kinds) if kind == "dense")
             shared = (d.get("n_shared_experts") or 0) * d["moe_intermediate_size"]
+        hybrid_fields = dict(attention_output_gate=True, linear_attention=tuple(d[k] for k in (
+            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim"))) if hybrid else {}
         gpt_oss = dict(attention_sinks=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),
                        swiglu_alpha=float(d.get("swiglu_alpha", 1.702))) if arch == "GptOssForCausalLM" else {}
         return cls(arch, d["vocab_size"], d["hidden_size"], layers, heads,
@@ -320,7 +351,7 @@ class ModelConfig:
                    sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
                    qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                                     "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
-                                    "Dots1ForCausalLM", "ApertusForCausalLM") + ALL_HEADS_QK_NORM
+                                    "Dots1ForCausalLM", "ApertusForCausalLM") + ALL_HEADS_QK_NORM + HYBRID_FAMILY
                    or (arch == "Glm4MoeForCausalLM" and bool(d.get("use_qk_norm"))),
                    qk_norm_after_rope=arch in ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM"),
                    hidden_act=act, query_pre_attn_scalar=d.get("query_pre_attn_scalar") if is_gemma else None,
@@ -331,11 +362,12 @@ class ModelConfig:
                    if arch in MOE_FAMILY else 0,
                    moe_intermediate_size=d.get("moe_intermediate_size") or d["intermediate_size"],
                    norm_topk_prob=arch in ("MixtralForCausalLM", "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM",
-                                           "HunYuanMoEV1ForCausalLM")
+                                           "HunYuanMoEV1ForCausalLM", "Qwen3_5MoeForCausalLM")
                    or bool(d.get("norm_topk_prob", arch in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
                                                             "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM"))),
                    dense_layers=dense_layers, nope_layers=nope_layers,
-                   shared_expert_intermediate_size=shared, shared_expert_gated=arch == "Qwen2MoeForCausalLM",
+                   shared_expert_intermediate_size=shared,
+                   shared_expert_gated=arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"),
                    router_selection_bias=arch in ("Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM") or v3_router,
                    router_softmax_after_topk=arch in ("GptOssForCausalLM", "GraniteMoeForCausalLM",
                                                       "GraniteMoeSharedForCausalLM"),
@@ -343,7 +375,7 @@ class ModelConfig:
                    fp8_block=fp8_block, text_of=wrapper or "", **scales, **gpt_oss,
                    experts_in_out=llama4,
                    router_sigmoid=v3_router or arch in ("MiniMaxM2ForCausalLM", "Llama4ForCausalLM"), **deepseek,
-                   **llama4_fields)
+                   **llama4_fields, **hybrid_fields)
 
 
 def _same_each_layer(d: dict, key: str, source: str) -> int:

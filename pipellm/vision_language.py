@@ -13,6 +13,8 @@ VISION_LANGUAGE = {"LlavaForConditionalGeneration": (), "LlavaNextForConditional
                    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl_text",),
                    "Qwen3VLForConditionalGeneration": ("qwen3_vl_text",),
                    "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl_moe_text",),
+                   "Qwen3_5ForConditionalGeneration": ("qwen3_5_text",),
+                   "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe_text",),
                    "Glm4vForConditionalGeneration": ("glm4v_text",),
                    "Glm4vMoeForConditionalGeneration": ("glm4v_moe_text",)}
 # a text model_type -> the class it runs as, where transformers' causal-LM classes do not name one (Qwen's multimodal

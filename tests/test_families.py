@@ -219,6 +219,18 @@ def family_config(name: str):
         return tf.Mistral3Config(text_config=family_config("ministral3").to_dict(), tie_word_embeddings=False,
                                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                     num_attention_heads=2, head_dim=16, image_size=28, patch_size=14))
+    if name in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):  # linear-attention layers 0-2 and 4 (two value heads a key
+        #                   head), full layer 3 gated; rotary on a quarter of each head; MoE: experts beside a shared one
+        linear = dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                      linear_value_head_dim=12, linear_conv_kernel_dim=4)
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=40)
+        if name == "qwen3_next":  # layer 1 dense
+            return tf.Qwen3NextConfig(**COMMON, **linear, **moe, mlp_only_layers=[1])
+        if name == "qwen3_5":
+            return tf.Qwen3_5TextConfig(**COMMON, **linear)
+        return tf.Qwen3_5MoeTextConfig(**COMMON, **linear, **moe)
+    if name == "qwen3_5-vl":  # Qwen3.5's text model in its vision-language checkpoint
+        return tf.Qwen3_5Config(text_config=family_config("qwen3_5").to_dict(), vision_config=QWEN_VISION)
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -237,10 +249,13 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1",
             "minimax_m2", "apertus", "ministral3", "mistral4", "gemma3-vl", "mistral3-vl", "llama4", "hunyuan_moe",
             "qwen2_5-vl", "qwen3-vl-moe", "llava-vl", "internvl-vl", "aya_vision-vl",
-            "glm4v-vl", "glm4v_moe-vl", "mistral4-vl"]
+            "glm4v-vl", "glm4v_moe-vl", "mistral4-vl", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4")  # and Llama 4's chunked layers
+# the log-probabilities' tolerance where fp32 rounding alone moves them further: on these checkpoints HF's own fp32
+# ones are up to 1.7e-4 from its fp64 ones, ours up to 3.6e-4 (the delta nets' norms magnify a small head's rounding)
+TOLERANCE = {"qwen3_next": 1e-3, "qwen3_5": 1e-3, "qwen3_5_moe": 1e-3, "qwen3_5-vl": 1e-3}
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
 
@@ -256,14 +271,14 @@ def hf_greedy(model, prompts: list[list[int]]) -> list[tuple[list[int], torch.Te
     return ref
 
 
-def assert_matches_hf(outputs, reference) -> None:
-    """Greedy ids equal, and the top-5 log-probabilities at every step within 1e-4 (fp32)."""
+def assert_matches_hf(outputs, reference, tol: float = 1e-4) -> None:
+    """Greedy ids equal, and the top-5 log-probabilities at every step within tol (fp32)."""
     for out, (ref_ids, ref_logprobs) in zip(outputs, reference, strict=True):
         completion = out.outputs[0]
         assert completion.token_ids == ref_ids
         for step, entry in enumerate(completion.logprobs):
             for token_id, lp in entry.items():
-                assert abs(lp.logprob - ref_logprobs[step, token_id].item()) < 1e-4, (step, token_id)
+                assert abs(lp.logprob - ref_logprobs[step, token_id].item()) < tol, (step, token_id)
 
 
 def make_family_checkpoint(name: str, folder: str):
@@ -334,7 +349,7 @@ def test_family_matches_hf(family, name, pp, partition, budget):
         assert not any(ahead)
     elif pp == 2:
         assert any(ahead)
-    assert_matches_hf(outputs, reference)
+    assert_matches_hf(outputs, reference, TOLERANCE.get(name, 1e-4))
 
 
 def test_gemma3_older_config_keys():

@@ -7,6 +7,7 @@ from pipellm import device
 from pipellm.config import DEFAULT_KV_CACHE_GIB, EngineConfig
 from pipellm.model_config import ModelConfig
 from pipellm.models.kv_cache import block_bytes, cache_dtype
+from pipellm.models.linear_attention import state_bytes
 from pipellm.pipeline.partition import StageLayers
 
 log = logging.getLogger("pipellm")
@@ -46,7 +47,8 @@ def kv_budget(mc: ModelConfig, cfg: EngineConfig, stages: list[StageLayers], dev
                else device.gpu_kv_cache_gib(dev, mc, stages, cfg.torch_dtype.itemsize, cfg.gpu_memory_utilization,
                                             cfg.nnodes))
         budget = int(gib * 2 ** 30) // size  # blocks of one layer
-        num_blocks, source = min(budget // s.num_layers for s in stages), f"kv_cache_gib={gib:g}"
+        num_blocks = min(budget // max(1, s.num_layers - linear_layers(mc, s)) for s in stages)
+        source = f"kv_cache_gib={gib:g}"
         if ring and num_blocks < needed:  # full-length sequences that fit with rings, on every stage
             per_seq = [stage_blocks(mc, s, needed, ring) for s in stages]
             num_seqs = min(min(budget // n for n in per_seq), cfg.max_num_seqs)
@@ -67,14 +69,21 @@ def kv_budget(mc: ModelConfig, cfg: EngineConfig, stages: list[StageLayers], dev
     if dev == "cpu" and cfg.nnodes == 1:
         # without rings a sliding layer's cache holds num_blocks too
         need = size * sum(stage_blocks(mc, s, num_blocks, ring_blocks or num_blocks) for s in stages)
+        # linear-attention layers' states, grown as sequences run: at most max_num_seqs of them
+        need += mc.num_linear_layers * cfg.max_num_seqs * state_bytes(mc, cfg.torch_dtype)
         check_host_memory(source, need, num_blocks, len(stages))
     return KVBudget(ring, num_blocks, ring_blocks, max_model_len)
+
+
+def linear_layers(mc: ModelConfig, stage: StageLayers) -> int:
+    """The stage's linear-attention layers: a state per sequence, no blocks."""
+    return sum(mc.is_linear(i) for i in range(stage.start, stage.end))
 
 
 def stage_blocks(mc: ModelConfig, stage: StageLayers, full: int, ring: int) -> int:
     """Blocks of all of a stage's layers' caches: full blocks a full-attention layer, ring a sliding one."""
     sliding = sum(mc.is_sliding(i) for i in range(stage.start, stage.end))
-    return (stage.num_layers - sliding) * full + sliding * ring
+    return (stage.num_layers - sliding - linear_layers(mc, stage)) * full + sliding * ring
 
 
 def check_host_memory(source: str, need: int, num_blocks: int, num_stages: int) -> None:

@@ -108,6 +108,8 @@ class AttentionMetadata:
     rope_lens: torch.Tensor | None = None  # [S] each sequence's known length (prompt + output); None: seq_lens
     probe: list | None = None       # when inspecting: each layer appends its decode rows' attention weights
     varlen: VarlenPrefill | None = None  # on a GPU: the prefill chunks in one call
+    state_rows: torch.Tensor | None = None  # [S] int64 each sequence's row of the linear-attention layers' states
+    #                                         (its row of the block tables); None: 0..S-1
 
     @property
     def token_rope_lens(self) -> torch.Tensor:

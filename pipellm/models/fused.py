@@ -54,7 +54,7 @@ def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
         if type(layer) not in (LlamaLayer, GemmaLayer):
             return None
         attn, eps = layer.self_attn, layer.input_layernorm.eps
-        if attn.sinks is not None or attn.norm_after_rope or attn.l2_qk_norm or \
+        if attn.sinks is not None or attn.norm_after_rope or attn.l2_qk_norm or attn.gate_size or \
                 hasattr(attn, "q_norm") and attn.q_norm.weight.numel() != attn.head_dim:
             return None  # the kernels' attention takes no sinks, and norms each head of q and k before their rotary
         if type(layer.mlp) is SparseMoE:

@@ -32,8 +32,10 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.gate_size = self.q_size if cfg.attention_output_gate else 0  # Qwen3-Next's: rows after q's
         # q, k and v in one matmul: one weight read and one kernel call instead of three.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + self.gate_size + 2 * self.kv_size,
+                                  bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:  # over each head's values, or (OLMo) over all of a token's q and all of its k
             q_n, k_n = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm_per_head else (self.q_size, self.kv_size)
@@ -49,8 +51,9 @@ class LlamaAttention(nn.Module):
     def forward(self, x, ropes: StepRopes, meta: AttentionMetadata, cache: KVCache):
         qkv = self.qkv_proj(x)                               # [T, (H + 2 KV) * D]; slices cost less than split
         q = qkv[..., :self.q_size].view(-1, self.num_heads, self.head_dim)                           # [T, H, D]
-        k = qkv[..., self.q_size:self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)  # [T, KV, D]
-        v = qkv[..., self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        k_at = self.q_size + self.gate_size
+        k = qkv[..., k_at:k_at + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)          # [T, KV, D]
+        v = qkv[..., k_at + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm") and not self.norm_after_rope:
             q, k = self.qk_norm(q, k)
         if self.rotary:
@@ -62,8 +65,10 @@ class LlamaAttention(nn.Module):
         if (scale := ropes.query_scale if self.rotary else ropes.nope_query_scale) is not None:
             q = q * scale
         out = paged_attention(q, k, v, cache, meta.local if self.is_sliding else meta, self.scale,
-                              self.softcap, self.sinks)
-        return self.o_proj(out.reshape(-1, self.q_size))     # [T, H * D] -> [T, hidden]
+                              self.softcap, self.sinks).reshape(-1, self.q_size)                  # [T, H * D]
+        if self.gate_size:
+            out = out * torch.sigmoid(qkv[..., self.q_size:k_at])
+        return self.o_proj(out)                              # [T, H * D] -> [T, hidden]
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Over [T * heads, D], or [T, heads * D] (OLMo)."""

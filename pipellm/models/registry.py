@@ -16,6 +16,7 @@ from pipellm.models.hunyuan import HunyuanStage
 from pipellm.models.llama import LlamaStage
 from pipellm.models.llama4 import Llama4Stage
 from pipellm.models.olmo import Olmo2Stage, OlmoStage
+from pipellm.models.qwen3_next import Qwen3NextStage
 from pipellm.pipeline.partition import StageLayers
 
 STAGE_CLASSES = {
@@ -60,6 +61,9 @@ STAGE_CLASSES = {
     "Gemma2ForCausalLM": GemmaStage,
     "Gemma3ForCausalLM": GemmaStage,
     "GPT2LMHeadModel": GPT2Stage,
+    "Qwen3NextForCausalLM": Qwen3NextStage,
+    "Qwen3_5ForCausalLM": Qwen3NextStage,
+    "Qwen3_5MoeForCausalLM": Qwen3NextStage,
 }
 
 

@@ -53,6 +53,8 @@ def supported(model_config, engine_config, dev: torch.device, num_window_blocks:
         return f"{cfg.rope.rope_type} rotary changes with each sequence's length"
     if cfg.rope.llama4_scaling_beta or cfg.nope_temperature:
         return "queries scaled by their position (Llama 4's temperature) past a length read from the data"
+    if cfg.linear_attention:
+        return "linear-attention layers keep a state per sequence, in rows read from the data"
     if cfg.attention_chunk:
         return "chunked attention layers' blocks start where each sequence's chunk does"
     if engine_config.kv_cache_dtype == "int8":

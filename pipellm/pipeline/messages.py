@@ -240,8 +240,8 @@ class StageReport:
     param_names: list[str]           # parameters of this stage's model slice
     checkpoint_tensors: list[str]    # checkpoint tensors this stage read
     model_dir: str                   # ... from this copy of the checkpoint
-    num_kv_caches: int               # K/V cache pairs, one per layer held
-    kv_cache_shape: tuple[int, ...]  # [num_blocks, block_size, num_kv_heads, head_dim]
+    num_kv_caches: int               # K/V cache pairs (or linear-attention states), one per layer held
+    kv_cache_shape: tuple[int, ...]  # [num_blocks, block_size, num_kv_heads, head_dim]; () with states only
     num_threads: int
     cpu_affinity: list[int]
     steps: int                       # batches processed

@@ -13,6 +13,7 @@ from pipellm.config import EngineConfig
 from pipellm.model_config import ModelConfig
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache, cache_dtype
+from pipellm.models.linear_attention import LinearState
 from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.quant.linear import set_int8_activations
@@ -131,7 +132,12 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
         bs = ecfg.block_size
         blocks_per_seq = -(-CONTEXT // bs)
         kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)
-        caches = [KVCache.allocate(num_tokens * blocks_per_seq, bs, *cfg.cache_shape, kv_dtype, shared=cfg.is_mla)]
+
+        def cache(blocks: int):  # layer 0's (a linear-attention one's: its state)
+            if cfg.is_linear(0):
+                return LinearState.allocate(cfg, ecfg.torch_dtype)
+            return KVCache.allocate(blocks, bs, *cfg.cache_shape, kv_dtype, shared=cfg.is_mla)
+        caches = [cache(num_tokens * blocks_per_seq)]
         tables = torch.arange(num_tokens * blocks_per_seq, dtype=torch.int32).view(num_tokens, blocks_per_seq)
         positions = torch.full((num_tokens,), CONTEXT - 1)
         slots = tables[:, -1].long() * bs + (CONTEXT - 1) % bs
@@ -148,13 +154,13 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
         # A prefill chunk of one sequence, as big as a step's token budget.
         chunk = min(ecfg.max_num_batched_tokens, CONTEXT * 4, cfg.max_position_embeddings)
         blocks = -(-chunk // bs)
-        cache = KVCache.allocate(blocks, bs, *cfg.cache_shape, kv_dtype, shared=cfg.is_mla)
         pos = torch.arange(chunk)
         pmeta = AttentionMetadata.for_layers(is_sliding, cfg.sliding_window, pos, torch.tensor([chunk]),
                                              torch.tensor([chunk]), torch.arange(blocks, dtype=torch.int32)[None],
                                              pos, bs, attention_chunk=cfg.attention_chunk)
         x = torch.randn(chunk, cfg.hidden_size, dtype=ecfg.torch_dtype)
-        prefill = lambda: model.run_layers(x, pos, pmeta, [cache])  # noqa: E731
+        prefill_caches = [cache(blocks)]
+        prefill = lambda: model.run_layers(x, pos, pmeta, prefill_caches)  # noqa: E731
 
         def head():  # greedy picks, as the last stage makes them
             ids = model.greedy_ids(hidden)

@@ -14,6 +14,7 @@ from pipellm.models.attention import AttentionMetadata
 from pipellm.models.huge_pages import weights_on_huge_pages
 from pipellm.models.kv_cache import KVCache, cache_dtype
 from pipellm.models.layers import share_tied_embedding, transpose_linears
+from pipellm.models.linear_attention import LinearState
 from pipellm.models.registry import build_stage_model
 from pipellm.quant.linear import GREEDY_MIN_ROWS, densify, set_int8_activations, weight_bytes
 from pipellm.quant.rtn import LoadQuantizer, quantize_linears
@@ -55,11 +56,13 @@ class StageWorker:
         kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)
         eager_why = graphs.supported(cfg, ecfg, device, args.num_window_blocks)
         # sliding-window layers have caches of their own when the driver gives them rings of blocks; the decode
-        # graphs' padding rows write to a block past the driver's
-        self.kv_caches = [KVCache.allocate(args.num_window_blocks if sliding and args.num_window_blocks
+        # graphs' padding rows write to a block past the driver's; linear-attention layers hold states instead
+        self.kv_caches = [LinearState.allocate(cfg, ecfg.torch_dtype, device) if cfg.is_linear(i) else
+                          KVCache.allocate(args.num_window_blocks if sliding and args.num_window_blocks
                                            else args.num_blocks + (eager_why is None), ecfg.block_size,
                                            *cfg.cache_shape, kv_dtype, device, shared=cfg.is_mla)
-                          for sliding in self.is_sliding]
+                          for i, sliding in zip(range(self.stage.start, self.stage.end), self.is_sliding)]
+        self.attention_caches = [c for c in self.kv_caches if isinstance(c, KVCache)]
         self.graphs = None if eager_why else graphs.DecodeGraphs(
             self.model, self.kv_caches, self.is_sliding, cfg.sliding_window, ecfg.block_size, ecfg.max_num_seqs,
             capture=device.type == "cuda")
@@ -108,7 +111,7 @@ class StageWorker:
                     self.args.num_window_blocks)
         if batch.block_copies is not None:
             src, dst = (torch.from_numpy(c).to(self.device) for c in batch.block_copies.T)
-            for cache in self.kv_caches:
+            for cache in self.attention_caches:
                 cache.copy_blocks(src, dst)
         if batch.num_steps > 1:
             return self._decode_steps(batch)
@@ -123,6 +126,7 @@ class StageWorker:
                                                 decode_chunks=self.decode_chunks, attention_chunk=cfg.attention_chunk)
             if batch.rope_lens is not None:
                 meta.rope_lens = t(batch.rope_lens)
+            meta.state_rows = t(batch.table_changes.rows) if batch.table_changes is not None else None
             meta, positions = meta.to(dev), positions.to(dev)
         if self.stage.is_first:
             x = self._input_ids(batch) if graph else t(self._input_ids(batch)).to(dev)
@@ -222,6 +226,7 @@ class StageWorker:
                                                 t(batch.positions), t(batch.query_lens), t(batch.seq_lens))
         tables = t(batch.block_tables)
         rows = torch.arange(len(query_lens))
+        state_rows = None if batch.table_changes is None else t(batch.table_changes.rows)
         tokens = []
         for step in range(batch.num_steps):
             waiting_since = time.perf_counter()
@@ -243,6 +248,7 @@ class StageWorker:
             else:
                 meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, query_lens,
                                                     seq_lens, tables, slots, bs, attention_chunk=cfg.attention_chunk)
+                meta.state_rows = state_rows
                 hidden = self.model(x.to(dev), positions.to(dev), meta.to(dev), self.kv_caches)
             if not stage.is_last:
                 self._send_hidden(hidden)
@@ -284,8 +290,10 @@ class StageWorker:
         return StageReport(
             rank=self.stage.rank, description=self.stage.describe(), pid=os.getpid(),
             param_names=[n for n, _ in self.model.named_parameters()],
-            checkpoint_tensors=self.checkpoint_tensors, model_dir=self.args.model_dir, num_kv_caches=len(self.kv_caches),
-            kv_cache_shape=tuple(self.kv_caches[0].k.shape), num_threads=torch.get_num_threads(),
+            checkpoint_tensors=self.checkpoint_tensors, model_dir=self.args.model_dir,
+            num_kv_caches=len(self.kv_caches),
+            kv_cache_shape=tuple(self.attention_caches[0].k.shape) if self.attention_caches else (),
+            num_threads=torch.get_num_threads(),
             cpu_affinity=sorted(os.sched_getaffinity(0)), steps=self.steps,
             activation_bytes_sent=self.bytes_sent, activation_tokens_sent=self.tokens_sent, busy_s=self.busy_s,
             weight_bytes=weight_bytes(self.model), kv_cache_bytes=sum(c.nbytes for c in self.kv_caches),
