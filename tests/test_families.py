@@ -219,8 +219,8 @@ def family_config(name: str):
         return tf.Mistral3Config(text_config=family_config("ministral3").to_dict(), tie_word_embeddings=False,
                                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                     num_attention_heads=2, head_dim=16, image_size=28, patch_size=14))
-    if name in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):  # linear-attention layers 0-2 and 4 (two value heads a key
-        #                   head), full layer 3 gated; rotary on a quarter of each head; MoE: experts beside a shared one
+    if name in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):  # linear-attention layers 0-2 and 4 (two value heads a
+        # key head), full layer 3 gated; rotary on a quarter of each head; MoE: experts beside a shared one
         linear = dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                       linear_value_head_dim=12, linear_conv_kernel_dim=4)
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=40)

@@ -1,0 +1,104 @@
+"""Qwen3-Next's and Qwen3.5's linear-attention layers: the delta rule against HF's token-by-token recurrence, and
+each sequence's state kept apart from the others' through what the engine does to sequences (rows reused by later
+requests, preemption and recompute, several decode steps a batch)."""
+import pytest
+import torch
+
+from pipellm import LLM, SamplingParams
+from pipellm.models.linear_attention import delta_rule_chunked, delta_rule_step, l2_normed
+from tests.test_families import hf_greedy, make_family_checkpoint
+
+
+def hf_recurrence(q, k, v, g, beta, state):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+    out, state = torch_recurrent_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
+                                                  initial_state=state[None], output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True)
+    return out[0], state[0]
+
+
+@pytest.mark.parametrize("length", [1, 63, 64, 150])
+def test_chunked_delta_rule_matches_the_recurrence(length):
+    """A prompt's tokens at once (chunks of 64, the last padded), from a state left by earlier tokens, equal HF's
+    recurrence token by token: outputs and the state after; so do decode steps, several sequences at once."""
+    torch.manual_seed(length)
+    hk, hv, dk, dv = 2, 4, 8, 6
+    q, k = torch.randn(length, hk, dk), torch.randn(length, hk, dk)
+    v, g, beta = torch.randn(length, hv, dv), -torch.rand(length, hv), torch.rand(length, hv)
+    state = torch.randn(hv, dk, dv)
+    ref_out, ref_state = hf_recurrence(q, k, v, g, beta, state)
+    qs, ks = (l2_normed(t).repeat_interleave(hv // hk, 1) for t in (q, k))                 # [L, Hv, Dk]
+    out, after = delta_rule_chunked(qs * dk ** -0.5, ks, v, g, beta, state.clone())
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(after, ref_state, atol=1e-5, rtol=1e-5)
+    # the same tokens as decode steps of `length` sequences, each from the state given
+    states = state.expand(length, -1, -1, -1)
+    out, after = delta_rule_step(qs * dk ** -0.5, ks, v, g, beta, states)
+    for i in range(length):
+        ref_out, ref_state = hf_recurrence(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], state)
+        torch.testing.assert_close(out[i], ref_out[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(after[i], ref_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("qwen3_5"))
+    model = make_family_checkpoint("qwen3_5", folder)
+    prompts = [[(7 * i + 5 * j + 3) % 384 for i in range(12 + 5 * j)] for j in range(6)]  # 12 to 37 tokens
+    return folder, prompts, [ids for ids, _ in hf_greedy(model, prompts)]
+
+
+# requests that end at different steps: those still running keep rows out of their order in the batch
+LENGTHS = [16, 6, 16, 9, 16, 10]
+
+
+@pytest.mark.parametrize("options", [
+    # more requests than run at once: later ones take the rows (and states) of finished ones; the KV blocks of the
+    # full-attention layers hold one request at a time: the others are preempted and recompute from zeros
+    dict(max_num_seqs=2, block_size=4, num_kv_blocks=12, max_model_len=48),
+    dict(num_scheduler_steps=4),  # several decode steps a batch
+    dict(pipeline_parallel_size=2, max_num_batched_tokens=8),  # prompts in 8-token chunks, the state between them
+], ids=["rows-reused-preempted", "multi-step", "pp2-chunked"])
+def test_states_follow_their_sequences(qwen3_5, options):
+    folder, prompts, reference = qwen3_5
+    with LLM(folder, dtype="float32", **options) as llm:
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in LENGTHS]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if "num_kv_blocks" in options:
+            assert llm.engine.scheduler.num_preemptions > 0
+            assert llm.engine.block_manager.num_rows < len(prompts)  # rows were reused
+    assert [o.outputs[0].token_ids for o in outputs] == [ids[:n] for ids, n in zip(reference, LENGTHS)]
+
+
+def test_what_a_state_cannot_do_is_refused_or_off(qwen3_5):
+    """Drafts would need the state to step back; inspect draws attention over KV caches; a cached prefix has no
+    state: speculative decoding and inspect say so, prefix caching is off."""
+    folder, prompts, _ = qwen3_5
+    with pytest.raises(ValueError, match="speculative_config: Qwen3_5ForCausalLM's linear-attention layers"):
+        LLM(folder, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with LLM(folder, dtype="float32") as llm:
+        assert not llm.engine.prefix_caching
+        with pytest.raises(ValueError, match="linear-attention layers hold a state instead"):
+            llm.inspect({"prompt_token_ids": prompts[0]})
+
+
+def test_qwen3_next_release_config():
+    """Qwen3-Next-80B-A3B's config.json, without the keys it leaves at HF's defaults (layer_types, the partial
+    rotary): read as HF reads it. Value heads that do not split evenly among key heads are refused."""
+    from transformers import AutoConfig
+
+    from pipellm.model_config import ModelConfig
+    release = dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", decoder_sparse_step=1,
+                   full_attention_interval=4, head_dim=256, hidden_size=2048, intermediate_size=5120,
+                   linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num_key_heads=16,
+                   linear_num_value_heads=32, linear_value_head_dim=128, max_position_embeddings=262144,
+                   mlp_only_layers=[], moe_intermediate_size=512, norm_topk_prob=True, num_attention_heads=16,
+                   num_experts=512, num_experts_per_tok=10, num_hidden_layers=48, num_key_value_heads=2,
+                   rms_norm_eps=1e-6, rope_theta=10000000, shared_expert_intermediate_size=512, vocab_size=151936)
+    cfg = ModelConfig.from_hf_dict(release)
+    hf = AutoConfig.for_model(**release)
+    assert list(cfg.layer_types) == hf.layer_types and cfg.num_linear_layers == 36
+    assert cfg.rope.partial_rotary_factor == hf.rope_parameters["partial_rotary_factor"] == 0.25
+    assert cfg.linear_attention == (16, 32, 128, 128, 4) and cfg.shared_expert_intermediate_size == 512
+    with pytest.raises(ValueError, match="linear_num_value_heads=24 is not a multiple of its linear_num_key_heads=16"):
+        ModelConfig.from_hf_dict(release | dict(linear_num_value_heads=24))
