@@ -32,8 +32,8 @@ def test_chunked_delta_rule_matches_the_recurrence(length):
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(after, ref_state, atol=1e-5, rtol=1e-5)
     # the same tokens as decode steps of `length` sequences, each from the state given
-    states = state.expand(length, -1, -1, -1)
-    out, after = delta_rule_step(qs * dk ** -0.5, ks, v, g, beta, states)
+    after = state.repeat(length, 1, 1, 1)
+    out = delta_rule_step(qs * dk ** -0.5, ks, v, g, beta, after)
     for i in range(length):
         ref_out, ref_state = hf_recurrence(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], state)
         torch.testing.assert_close(out[i], ref_out[0], atol=1e-5, rtol=1e-5)

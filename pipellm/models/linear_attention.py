@@ -87,12 +87,24 @@ def delta_rule_chunked(q, k, v, g, beta, state):
 
 
 def delta_rule_step(q, k, v, g, beta, state):
-    """One token of each of S sequences: q, k [S, H, Dk], v [S, H, Dv], g and beta [S, H], state [S, H, Dk, Dv]
-    (fp32). Returns the outputs [S, H, Dv] and the new states."""
-    state = state * g.exp()[..., None, None]
-    known = (k[..., None, :] @ state).squeeze(-2)                                  # [S, H, Dv] what it holds for k
-    state = state + k[..., :, None] * ((v - known) * beta[..., None])[..., None, :]
-    return (q[..., None, :] @ state).squeeze(-2), state
+    """One token of each of S sequences: q, k [S, H, Dk], v [S, H, Dv], g and beta [S, H]; state [S, H, Dk, Dv]
+    (fp32, contiguous) updated in place. Returns the outputs [S, H, Dv]."""
+    S, H, Dk, Dv = state.shape
+    state.mul_(g.exp()[..., None, None])
+    flat = state.view(S * H, Dk, Dv)
+    known = torch.bmm(k.reshape(S * H, 1, Dk), flat)                               # [S * H, 1, Dv] what it holds
+    delta = (v.reshape(S * H, 1, Dv) - known) * beta.reshape(S * H, 1, 1)
+    flat.baddbmm_(k.reshape(S * H, Dk, 1), delta)                                  # + k delta^T, no temporary
+    return torch.bmm(q.reshape(S * H, 1, Dk), flat).view(S, H, Dv)
+
+
+def at_rows(t: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """t's rows: a view where they are consecutive (as a decode step's usually are), to update in place; else a
+    copy, to write back. Returns it and whether it is a view."""
+    first = int(rows[0])
+    if bool((rows == torch.arange(first, first + len(rows), device=rows.device)).all()):
+        return t[first:first + len(rows)], True
+    return t[rows], False
 
 
 class GatedRMSNorm(nn.Module):
@@ -140,14 +152,19 @@ class GatedDeltaNet(nn.Module):
         out = x.new_empty(len(x), self.hv, self.dv)
         beta = b.sigmoid().float()                                                             # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())         # [T, Hv]
-        if single:  # the decodes together, one token each
-            idx = torch.tensor([starts[i] for i in single], device=x.device)
-            r = rows[single] if len(single) < len(lens) else rows
-            window = torch.cat([state.conv[r], qkv[idx, :, None].to(state.conv.dtype)], -1)   # [S, C, kernel]
-            state.conv[r] = window[..., 1:]
-            mixed = F.silu(F.conv1d(window, self.conv1d.weight, groups=self.conv_dim)[..., 0])  # [S, C]
-            o, state.ssm[r] = delta_rule_step(*self._heads(mixed, g[idx], beta[idx]), state.ssm[r])
-            out[idx] = o.to(x.dtype)
+        if single:  # the decodes together, one token each (every row of a decode step: no gathers)
+            every = len(single) == len(lens)
+            idx = slice(None) if every else torch.tensor([starts[i] for i in single], device=x.device)
+            r = rows if every else rows[single]
+            conv, in_place = at_rows(state.conv, r)                                          # [S, C, kernel - 1]
+            window = torch.cat([conv, qkv[idx, :, None].to(conv.dtype)], -1)                 # [S, C, kernel]
+            mixed = F.silu((window * self.conv1d.weight[:, 0]).sum(-1))                        # [S, C]
+            ssm, _ = at_rows(state.ssm, r)                                                  # [S, Hv, Dk, Dv]
+            out[idx] = delta_rule_step(*self._heads(mixed, g[idx], beta[idx]), ssm).to(x.dtype)
+            if in_place:
+                conv.copy_(window[..., 1:])
+            else:
+                state.conv[r], state.ssm[r] = window[..., 1:], ssm
         for i, n in enumerate(lens):  # each prompt chunk on its own, from its sequence's state
             if n == 1:
                 continue
