@@ -98,6 +98,16 @@ def delta_rule_step(q, k, v, g, beta, state):
     return torch.bmm(q.reshape(S * H, 1, Dk), flat).view(S, H, Dv)
 
 
+def causal_conv(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """inputs [..., C, kernel - 1 + n], weight [C, kernel] -> [..., C, n]: each channel's outputs over its last kernel
+    inputs. (A sum of shifted slices: half the time of a depthwise conv1d here.)"""
+    n = inputs.shape[-1] - weight.shape[-1] + 1
+    out = inputs[..., :n] * weight[:, :1]
+    for j in range(1, weight.shape[-1]):
+        out += inputs[..., j:j + n] * weight[:, j:j + 1]
+    return out
+
+
 def at_rows(t: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """t's rows: a view where they are consecutive (as a decode step's usually are), to update in place; else a
     copy, to write back. Returns it and whether it is a view."""
@@ -158,7 +168,7 @@ class GatedDeltaNet(nn.Module):
             r = rows if every else rows[single]
             conv, in_place = at_rows(state.conv, r)                                          # [S, C, kernel - 1]
             window = torch.cat([conv, qkv[idx, :, None].to(conv.dtype)], -1)                 # [S, C, kernel]
-            mixed = F.silu((window * self.conv1d.weight[:, 0]).sum(-1))                        # [S, C]
+            mixed = F.silu(causal_conv(window, self.conv1d.weight[:, 0])[..., 0])              # [S, C]
             ssm, _ = at_rows(state.ssm, r)                                                  # [S, Hv, Dk, Dv]
             out[idx] = delta_rule_step(*self._heads(mixed, g[idx], beta[idx]), ssm).to(x.dtype)
             if in_place:
@@ -171,7 +181,7 @@ class GatedDeltaNet(nn.Module):
             r, s = int(rows[i]), slice(starts[i], starts[i] + n)
             inputs = torch.cat([state.conv[r], qkv[s].t().to(state.conv.dtype)], -1)        # [C, kernel - 1 + n]
             state.conv[r] = inputs[:, -state.conv.shape[-1]:]
-            mixed = F.silu(F.conv1d(inputs[None], self.conv1d.weight, groups=self.conv_dim)[0].t())  # [n, C]
+            mixed = F.silu(causal_conv(inputs, self.conv1d.weight[:, 0]).t())                  # [n, C]
             o, state.ssm[r] = delta_rule_chunked(*self._heads(mixed, g[s], beta[s]), state.ssm[r])
             out[s] = o.to(x.dtype)
         out = self.norm(out, z.reshape(-1, self.hv, self.dv))                               # [T, Hv, Dv]
