@@ -1,7 +1,8 @@
 """The GPU checks of pipellm, one line each, for benchmarks/gpu_check.sh (which installs what they need first).
 
 1. Greedy ids equal HF transformers' on the same GPU, on tiny random checkpoints (llama, qwen2 with biases and a tied
-   head, gpt2, gpt_oss with sinks and experts, deepseek_v3 with latent attention, llama4 with chunked layers),
+   head, gpt2, gpt_oss with sinks and experts, deepseek_v3 with latent attention, llama4 with chunked layers,
+   qwen3_5 with linear-attention layers),
    fp32: PP=1, and PP=2 (a GPU a stage where there are two, else both stages on one GPU); decode steps replay CUDA
    graphs, and the llama's also with multi-step decoding and with enforce_eager.
 2. The default model (its GGUF, dequantized to the activations' dtype at load) agrees with HF on it.
@@ -93,9 +94,10 @@ def main():
         check("decode attention at long contexts, Triton (matrix and broadcast products) vs gather",
               long_decode_attention)
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in () if args.skip_tiny else ("llama", "qwen2", "gpt2", "gpt_oss", "deepseek_v3", "llama4"):
+        families = ("gpt_oss", "deepseek_v3", "llama4", "qwen3_5")
+        for arch in () if args.skip_tiny else ("llama", "qwen2", "gpt2") + families:
             folder = os.path.join(tmp, arch)
-            make = make_family_checkpoint if arch in ("gpt_oss", "deepseek_v3", "llama4") else make_checkpoint
+            make = make_family_checkpoint if arch in families else make_checkpoint
             hf_model = make(arch, folder).to(hf_dev)
             check(f"parity {arch} PP=1", lambda: parity(folder, hf_model, 1, args.device, hf_dev, "float32"))
             check(f"parity {arch} PP=2", lambda: parity(folder, hf_model, 2, pp2_device, hf_dev, "float32"))

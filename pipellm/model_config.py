@@ -116,6 +116,7 @@ class ModelConfig:
     # (models/linear_attention.py) of (key heads, value heads, key head width, value head width, conv kernel); the
     # full-attention layers' outputs gated by a sigmoid of a second q_proj (attention_output_gate)
     linear_attention: tuple[int, ...] = ()
+    linear_heads_tiled: bool = False  # llama.cpp's qwen35 files: value head h takes key head h % key heads
     attention_output_gate: bool = False
     text_of: str = ""  # the vision-language checkpoint whose text model this is (vision_language.py); "" none
 
@@ -336,7 +337,8 @@ class ModelConfig:
                                                  or i % d.get("moe_layer_freq", 1) else "sparse" for i in range(layers)]
             dense_layers = tuple(i for i, kind in enumerate(kinds) if kind == "dense")
             shared = (d.get("n_shared_experts") or 0) * d["moe_intermediate_size"]
-        hybrid_fields = dict(attention_output_gate=True, linear_attention=tuple(d[k] for k in (
+        hybrid_fields = dict(attention_output_gate=True, linear_heads_tiled=bool(d.get("linear_heads_tiled")),
+                             linear_attention=tuple(d[k] for k in (
             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
             "linear_conv_kernel_dim"))) if hybrid else {}
         gpt_oss = dict(attention_sinks=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from pipellm import LLM, SamplingParams
-from tests.test_families import COMMON, SHORT, assert_matches_hf, hf_greedy
+from tests.test_families import COMMON, SHORT, TOLERANCE, assert_matches_hf, hf_greedy
 from tests.test_gguf import TOKENS, llama_cpp_permute, write_tokenizer
 from tests.test_parity import NEW_TOKENS, PROMPTS
 
@@ -25,7 +25,8 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "ernie4_5_moe": "ernie4_5-moe", "granitemoe": "granitemoe", "olmoe": "olmoe", "hunyuan": "hunyuan-dense",
         "arcee": "arcee", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe",
         "dots1": "dots1", "minimax_m2": "minimax-m2", "llama4": "llama4", "ministral3": "mistral3",
-        "mistral4": "mistral4"}
+        "mistral4": "mistral4", "qwen3_next": "qwen3next", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
+HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # linear-attention layers
 # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
 PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee", "mistral3")
 FAMILIES = list(ARCH)
@@ -189,6 +190,16 @@ def gguf_family_config(name: str):
                                      rope_type="yarn", rope_theta=10000.0, factor=8.0,
                                      original_max_position_embeddings=SHORT, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
                                      mscale_all_dim=1.0, llama_4_scaling_beta=0.1, partial_rotary_factor=8 / 24))
+    if name in HYBRID:  # two value heads a key head (which qwen35 files tile); llama.cpp's: key and value heads as
+        # wide, every 4th layer full, a quarter of each head rotated, experts in every layer
+        linear = dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                      linear_value_head_dim=16, linear_conv_kernel_dim=4)
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+        if name == "qwen3_next":
+            return tf.Qwen3NextConfig(**BASE, **linear, **moe)
+        if name == "qwen3_5":
+            return tf.Qwen3_5TextConfig(**BASE, **linear)
+        return tf.Qwen3_5MoeTextConfig(**BASE, **linear, **moe)
     raise ValueError(name)
 
 
@@ -291,7 +302,19 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.intermediate_size)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    if name in ("qwen3moe", "qwen2moe"):
+    if name in HYBRID:  # the converter's: the interval and the rotated quarter as fixed values
+        w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+        w.add_ssm_state_size(cfg.linear_key_head_dim)
+        w.add_ssm_group_count(cfg.linear_num_key_heads)
+        w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+        w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+        w.add_full_attention_interval(4)
+        w.add_rope_dimension_count(int(head_dim * 0.25))
+    if name in ("qwen3_5", "qwen3_5_moe"):  # its multimodal rotary's sections, written whatever they are
+        w.add_rope_dimension_sections(list(_rope_parameters(cfg).get("mrope_section", [11, 11, 10])) + [0])
+    if name in ("qwen3_next", "qwen3_5_moe"):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if name in ("qwen3moe", "qwen2moe", "qwen3_next", "qwen3_5_moe"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -380,7 +403,7 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
              "olmo3": OLMO_TO_GGUF, "gpt_oss": GPT_OSS_TO_GGUF, "exaone4": OLMO_TO_GGUF,
              "seed_oss": SEED_OSS_TO_GGUF, "glm4": GLM4_TO_GGUF, "deepseek_v2": DEEPSEEK_TO_GGUF,
              "deepseek_v3": DEEPSEEK_TO_GGUF, "glm4_moe": GLM4_MOE_TO_GGUF, "mistral4": DEEPSEEK_TO_GGUF,
-             "llama4": LLAMA4_TO_GGUF}.get(name, HF_TO_GGUF)
+             "llama4": LLAMA4_TO_GGUF, **dict.fromkeys(HYBRID, SEED_OSS_TO_GGUF)}.get(name, HF_TO_GGUF)
     w = gguf.GGUFWriter(str(path), arch)
     write_metadata(w, name, cfg)
     write_tokenizer(w)
@@ -423,6 +446,9 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
                 v_b = add(f"blk.{layer}.attn_v_b.weight", per_head[:, nope:])
                 held[hf] = np.concatenate([k_b.transpose(0, 2, 1), v_b], 1).reshape(arr.shape)
                 continue
+            if module.startswith("linear_attn"):
+                held[hf] = _add_linear_attention(add, f"blk.{layer}.", module, suffix, arr, cfg, name != "qwen3_next")
+                continue
             if name == "gpt_oss" and module in ("mlp.experts", "self_attn") and suffix != "o_proj":
                 held[hf] = _add_gpt_oss(add, f"blk.{layer}.", suffix, arr)
                 continue
@@ -451,7 +477,7 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
             held[hf][order] = stored
         elif kind == "ffn_gate_inp_shexp":  # llama.cpp's is a vector, HF's one row
             held[hf] = add(gname, arr[0])[None]
-        elif arch.startswith("gemma") and gname.endswith("norm.weight"):  # Gemma's norms: 1 + w
+        elif (arch.startswith("gemma") or name in HYBRID) and gname.endswith("norm.weight"):  # their norms: 1 + w
             held[hf] = add(gname, arr + np.float32(1)) - np.float32(1)
         else:
             held[hf] = add(gname, arr, router=kind == "ffn_gate_inp")
@@ -466,6 +492,54 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
     if cfg.tie_word_embeddings:
         held["lm_head.weight"] = held["model.embed_tokens.weight"]
     return {k: torch.from_numpy(v) for k, v in held.items()}
+
+
+def _reorder_v_heads(tensor: np.ndarray, dim: int, num_k_heads: int, num_v_per_k: int, head_dim: int) -> np.ndarray:
+    """The converter's (qwen35): value heads grouped by key head -> tiled; with the two counts swapped, back."""
+    shape = list(tensor.shape)
+    t = tensor.reshape(shape[:dim] + [num_k_heads, num_v_per_k, head_dim] + shape[dim + 1:])
+    return np.swapaxes(t, dim, dim + 1).reshape(shape)
+
+
+def _add_linear_attention(add, prefix: str, module: str, suffix: str, arr: np.ndarray, cfg, tiled: bool):
+    """A linear-attention layer's tensor as the converter writes it: Qwen3-Next's in_proj_qkvz split into [q, k, v]
+    and z; A_log as -exp(A_log), dt_bias renamed, the conv squeezed (F32); qwen35's value heads tiled (their rows,
+    the conv's value channels, out_proj's columns). Returns HF's tensor of what the file holds."""
+    nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    r, key = nv // nk, 2 * nk * dk
+
+    def tile(x, dim, width, back=False):
+        return _reorder_v_heads(x, dim, *((r, nk) if back else (nk, r)), width) if tiled else x
+
+    def rows_after_key(x, back=False):  # q and k rows as they are, value rows tiled
+        return np.concatenate([x[:key], tile(x[key:], 0, dv, back)])
+    if suffix == "A_log":
+        return tile(np.log(-add(prefix + "ssm_a", -np.exp(tile(arr, 0, 1)))), 0, 1, back=True)
+    if suffix == "dt_bias":
+        return tile(add(prefix + "ssm_dt.bias", tile(arr, 0, 1)), 0, 1, back=True)
+    kind = module.rsplit(".", 1)[1]
+    if kind == "in_proj_qkvz":  # per key head [q, k, its value heads' v, z] -> [all q, all k, all v], all z
+        groups = arr.reshape(nk, 2 * dk + 2 * r * dv, -1)
+        q, k, v, z = np.split(groups, np.cumsum([dk, dk, r * dv])[:3], axis=1)
+        qkv = add(prefix + "attn_qkv.weight", np.concatenate([p.reshape(-1, arr.shape[1]) for p in (q, k, v)]))
+        z = add(prefix + "attn_gate.weight", z.reshape(-1, arr.shape[1]))
+        parts = np.split(qkv, [nk * dk, key])
+        return np.concatenate([p.reshape(nk, -1, arr.shape[1]) for p in (*parts, z)], axis=1).reshape(arr.shape)
+    if kind == "in_proj_qkv":
+        return rows_after_key(add(prefix + "attn_qkv.weight", rows_after_key(arr)), back=True)
+    if kind == "conv1d":
+        return rows_after_key(add(prefix + "ssm_conv1d.weight", rows_after_key(arr[:, 0]), router=True),
+                              back=True)[:, None]
+    if kind == "out_proj":
+        return tile(add(prefix + "ssm_out.weight", tile(arr, 1, dv)), 1, dv, back=True)
+    if kind == "norm":
+        return add(prefix + "ssm_norm.weight", arr)
+    gname, width = {"in_proj_ba": ("ssm_ba", 0), "in_proj_z": ("attn_gate", dv), "in_proj_b": ("ssm_beta", 1),
+                    "in_proj_a": ("ssm_alpha", 1)}[kind]
+    if not width:  # Qwen3-Next's b and a, as HF holds them
+        return add(prefix + gname + ".weight", arr)
+    return tile(add(prefix + gname + ".weight", tile(arr, 0, width)), 0, width, back=True)
 
 
 def _add_llama4_experts(add, prefix: str, suffix: str, arr: np.ndarray) -> np.ndarray:
@@ -547,7 +621,22 @@ def test_gguf_family_matches_hf(family_gguf, name):
         outputs = llm.generate([{"prompt_token_ids": p} for p in GGUF_PROMPTS], params, use_tqdm=False)
         held = {fmt for r in llm.engine.inspect() for fmt, _ in r.weight_bytes}
     assert "Q8_0" in held and (name != "gpt_oss" or "MXFP4" in held)  # the compact kernels ran
-    assert_matches_hf(outputs, reference)
+    assert_matches_hf(outputs, reference, TOLERANCE.get(name, 1e-4))
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_hybrid_gguf_as_an_hf_folder(tmp_path, name):
+    """convert_gguf's HF folder of a qwen3next or qwen35 file (what `pipellm bench` gives transformers) holds HF's
+    tensors: norms less 1, A_log from -exp(A_log), the conv unsqueezed, qwen35's value heads grouped again."""
+    from transformers import AutoModelForCausalLM
+
+    from pipellm.loader.gguf import convert_gguf
+    held = write_family_gguf(tmp_path / "tiny.gguf", name, random_model(name))
+    convert_gguf(str(tmp_path / "tiny.gguf"), str(tmp_path / "hf"))
+    state = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).state_dict()
+    assert set(state) == set(held)
+    for key, value in held.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-6, atol=0, msg=key)
 
 
 def test_unsupported_architecture_names_it(tmp_path):

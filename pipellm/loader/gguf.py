@@ -14,11 +14,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipellm.loader.gguf_names import BLOCK_INDEX, GEMMA, ROPE_TENSORS, expected_shapes, hf_config, hf_name
+from pipellm.loader.gguf_names import (BLOCK_INDEX, HYBRID, ROPE_TENSORS, expected_shapes, grouped_v_heads, hf_config,
+                                       hf_name, stored_as, undo)
 
 logger = logging.getLogger(__name__)
 
-_CACHE_FORMAT = 3  # part of the cache key: bump it when the converted output changes
+_CACHE_FORMAT = 4  # part of the cache key: bump it when the converted output changes
 SOURCE_FILE = "gguf.json"  # in a cached folder: which GGUF file holds the weights
 TABLE_FILE = "gguf_tensors.json"  # and where each tensor lies in it
 _MISSING = object()
@@ -64,11 +65,12 @@ def _hf_config(reader, path: str) -> tuple[str, tuple, dict]:
 def _entries(reader, path: str, arch: str, cfg: dict):
     """(tensor, HF name, shape, expert or None) for every weight, experts one by one; checks that every tensor the
     architecture needs is there with its shape (from the header; no data is read)."""
-    expected = expected_shapes(cfg, split_kv_b=any(t.name.endswith(".attn_k_b.weight") for t in reader.tensors))
+    expected = expected_shapes(cfg, split_kv_b=any(t.name.endswith(".attn_k_b.weight") for t in reader.tensors),
+                               fused_qkvz=any(t.name.endswith(".ssm_in.weight") for t in reader.tensors))
     seen = set()
     for t in reader.tensors:
         block = BLOCK_INDEX.match(t.name)
-        mtp = arch in ("glm4moe", "deepseek2") and block and int(block[1]) >= cfg["num_hidden_layers"]
+        mtp = arch in ("glm4moe", "deepseek2") + HYBRID and block and int(block[1]) >= cfg["num_hidden_layers"]
         if t.name in ROPE_TENSORS or mtp:  # the multi-token prediction layer after the last: left unread
             continue
         name = hf_name(t.name, arch)
@@ -115,13 +117,22 @@ def _tensors(reader, path: str, arch: str, cfg: dict, permuted: bool) -> dict:
         w = values[t.name].reshape(-1, *shape)[expert or 0]
         if heads.get(t.name.split(".")[-2]):
             w = unpermute_qk(w, heads[t.name.split(".")[-2]])
-        if arch in GEMMA and t.name.endswith("norm.weight"):
-            w = w - np.float32(1)  # stored as 1 + w
+        w = undo(stored_as(arch, t.name), w)
+        if cfg.get("linear_heads_tiled"):  # HF's grouped value heads, for transformers
+            w = grouped_v_heads(name, w, cfg)
         out[name] = np.ascontiguousarray(w)
     for k_name in [n for n in out if n.endswith(".self_attn.k_b_proj.weight")]:  # llama.cpp's split, as HF's
         k = out.pop(k_name).transpose(0, 2, 1)                                       # [heads, nope, rank]
         v = out.pop(k_name.replace(".k_b_proj.", ".v_b_proj."))                      # [heads, v, rank]
         out[k_name.replace(".k_b_proj.", ".kv_b_proj.")] = np.concatenate([k, v], 1).reshape(-1, k.shape[2])
+    if arch == "qwen3next":  # HF's in_proj_qkvz: per key head its q, its k, its value heads' v, their z
+        heads = cfg["linear_num_key_heads"]
+        for qkv_name in [n for n in out if n.endswith(".in_proj_qkv.weight")]:
+            qkv, z = out.pop(qkv_name), out.pop(qkv_name.replace("_qkv.", "_z."))
+            key = heads * cfg["linear_key_head_dim"]
+            parts = (*np.split(qkv, [key, 2 * key]), z)
+            out[qkv_name.replace("_qkv.", "_qkvz.")] = np.concatenate(
+                [p.reshape(heads, -1, qkv.shape[1]) for p in parts], 1).reshape(-1, qkv.shape[1])
     return out
 
 
@@ -159,6 +170,8 @@ def convert_gguf(gguf_path: str, out_dir: str, weights: bool = True) -> None:
             with open(os.path.join(tmp, TABLE_FILE), "w") as f:
                 json.dump(table, f)
             _write_source(tmp, path)
+        if weights:  # their value heads as HF groups them
+            cfg = {k: v for k, v in cfg.items() if k != "linear_heads_tiled"}
         AutoConfig.for_model(model_type, **cfg).save_pretrained(tmp)
         GenerationConfig(bos_token_id=cfg["bos_token_id"], eos_token_id=cfg["eos_token_id"]).save_pretrained(tmp)
         try:
@@ -181,12 +194,13 @@ def _tokenizer_reads(arch: str):
     tokenizer (tokenizer.ggml.*) does not depend on them: for that call, it counts this one among them. For gpt-oss
     its reader also hides the rope scaling keys, which transformers' config parsing reads wrongly (it takes a key's
     length field for the value: float() of an array); the tokenizer needs none of them. A command-r, ernie4_5-moe,
-    hunyuan-dense, deepseek2, glm4moe or minimax-m2 file is shown as the model type transformers knows."""
+    hunyuan-dense, deepseek2, glm4moe, minimax-m2 or qwen3next file is shown as the model type transformers knows."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as known
 
     shown = {"command-r": "cohere", "ernie4_5-moe": "ernie4_5_moe", "hunyuan-dense": "hunyuan_v1_dense",
-             "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "minimax-m2": "minimax_m2"}.get(arch, arch)
+             "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "minimax-m2": "minimax_m2",
+             "qwen3next": "qwen3_next"}.get(arch, arch)
     added = shown not in known.GGUF_SUPPORTED_ARCHITECTURES
     if added:
         known.GGUF_SUPPORTED_ARCHITECTURES.append(shown)
@@ -269,7 +283,7 @@ def _tensor_table(reader, path: str, arch: str, cfg: dict, permuted: bool) -> li
         table.append({"name": t.name, "hf_name": name, "type": int(t.tensor_type), "shape": list(shape),
                       "offset": int(t.data_offset) + (expert or 0) * size, "nbytes": size,
                       "unpermute_heads": heads.get(t.name.split(".")[-2]),
-                      "minus_one": arch in GEMMA and t.name.endswith("norm.weight")})
+                      "stored_as": stored_as(arch, t.name)})
     return table
 
 
@@ -304,10 +318,8 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
                                      name=f"{path}: {t['name']}")
         elif len(shape) != 2:  # a vector (norm, bias), or DeepSeek's heads' k_b and v_b [heads, rows, columns]
             from gguf.quants import dequantize
-            value = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape)
-            if t.get("minus_one"):  # Gemma's norms are stored as 1 + w
-                value = value - np.float32(1)
-            value = to_layout(t["hf_name"], torch.tensor(value, dtype=model.get_parameter(targets[0][0]).dtype))
+            value = undo(t["stored_as"], np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape))
+            value = to_layout(t["hf_name"], torch.tensor(value)).to(model.get_parameter(targets[0][0]).dtype)
         else:
             value = repack(raw, qtype, *shape, name=f"{path}: {t['name']}")
             if t["unpermute_heads"]:  # llama.cpp's rotary row order, undone by moving whole rows

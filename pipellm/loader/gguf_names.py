@@ -42,7 +42,11 @@ ARCHITECTURES = {
     "llama4": ("Llama4ForCausalLM", "llama4_text", False),  # its rotary pairs interleaved, as HF's
     "mistral3": ("Ministral3ForCausalLM", "ministral3", True),
     "mistral4": ("Mistral4ForCausalLM", "mistral4", False),  # deepseek2's file, a softmax router
+    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next", False),
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text", False),  # their value heads tiled (below)
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", False),
 }
+HYBRID = ("qwen3next", "qwen35", "qwen35moe")  # linear-attention layers (gated delta nets) among full ones
 DEEPSEEK_V2 = ("DeepseekV2ForCausalLM", "deepseek_v2", False)  # "deepseek2" with a softmax router
 COHERE = ("command-r", "cohere2")  # a LayerNorm (its own epsilon key), attention and MLP side by side
 OLMO3 = ("Olmo3ForCausalLM", "olmo3", False)  # "olmo2" with sliding layers
@@ -81,10 +85,18 @@ _FAMILY_NAMES = {
     "llama4": SHARED_EXPERTS,
 }
 _FAMILY_NAMES["mistral4"] = _FAMILY_NAMES["deepseek2"]
+# a linear-attention layer's: attn_qkv and attn_gate are its q, k, v and z (Qwen3-Next's in_proj_qkvz, split; older
+# converters wrote it whole as ssm_in)
+_FAMILY_NAMES.update(dict.fromkeys(HYBRID, {
+    "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z", "ssm_in": "linear_attn.in_proj_qkvz",
+    "ssm_ba": "linear_attn.in_proj_ba", "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+    "post_attention_norm": "post_attention_layernorm"}))
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj",
                 "ffn_gate_up_exps": "gate_up_proj"}  # Mistral 4's fused: each expert's gate rows, then its up rows
 MLA_ARCHS = ("deepseek2", "mistral4")
 BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+SSM_A = re.compile(r"blk\.(\d+)\.ssm_a")  # no .weight
 BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # read into config
 
@@ -93,12 +105,16 @@ def hf_name(name: str, arch: str) -> str | None:
     """HF name of a GGUF tensor; for stacked experts, with {e} where the expert's number goes."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    if match := SSM_A.fullmatch(name):
+        return f"model.layers.{match[1]}.linear_attn.A_log"
     match = BLOCK_RE.fullmatch(name)
     if not match:
         return None
     kind = match[2]
     if kind == "attn_sinks":  # a parameter of its own, without .weight
         return f"model.layers.{match[1]}.self_attn.sinks"
+    if kind == "ssm_dt":
+        return f"model.layers.{match[1]}.linear_attn.dt_bias"
     if kind == "exp_probs_b":  # the router's bias that picks the experts, as HF names it
         module = "mlp.moe_statics" if arch == "ernie4_5-moe" else "mlp.gate"
         return f"model.layers.{match[1]}.{module}.e_score_correction_bias"
@@ -109,9 +125,42 @@ def hf_name(name: str, arch: str) -> str | None:
     return None if module is None else f"model.layers.{match[1]}.{module}.{match[3]}"
 
 
-def expected_shapes(cfg: dict, split_kv_b: bool = False) -> dict:
+def stored_as(arch: str, name: str) -> str | None:
+    """How the converter changed a tensor's values, to undo at load: "1 + w" (Gemma's norms, and Qwen3-Next's but
+    its gated one), "-exp(w)" (Qwen3-Next's A_log: the decay rate llama.cpp's graph takes), or None."""
+    if name.endswith("norm.weight") and (arch in GEMMA or arch in HYBRID and not name.endswith(".ssm_norm.weight")):
+        return "1 + w"
+    return "-exp(w)" if arch in HYBRID and SSM_A.fullmatch(name) else None
+
+
+def undo(stored: str | None, values: np.ndarray) -> np.ndarray:
+    if stored == "1 + w":
+        return values - np.float32(1)
+    return np.log(-values) if stored == "-exp(w)" else values
+
+
+def grouped_v_heads(name: str, w: np.ndarray, cfg: dict) -> np.ndarray:
+    """HF's order of a qwen35 file's value-head tensor: the converter tiles the value heads (file head r * Hk + g
+    is HF's g * R + r, R value heads a key head), so that llama.cpp broadcasts the key heads."""
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    if hk == hv or ".linear_attn." not in name:
+        return w
+    dv, key = cfg["linear_value_head_dim"], 2 * hk * cfg["linear_key_head_dim"]
+
+    def grouped(x, axis, width):  # [R, Hk, width] -> [Hk, R, width] along axis
+        return np.swapaxes(x.reshape(*x.shape[:axis], hv // hk, hk, width, *x.shape[axis + 1:]), axis,
+                           axis + 1).reshape(x.shape)
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # the value rows, after q's and k's
+        return np.concatenate([w[:key], grouped(w[key:], 0, dv)])
+    if name.endswith(("in_proj_z.weight", "out_proj.weight")):
+        return grouped(w, int(name.endswith("out_proj.weight")), dv)
+    return grouped(w, 0, 1) if name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")) else w
+
+
+def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = False) -> dict:
     """HF name -> shape of every tensor the model needs (experts one by one). split_kv_b: an MLA file's heads'
-    up-projections as k_b and v_b (newer converters), not kv_b."""
+    up-projections as k_b and v_b (newer converters), not kv_b. fused_qkvz: a qwen3next file's in_proj_qkvz whole
+    (older converters)."""
     mc = ModelConfig.from_hf_dict(cfg)
     h, v, d = mc.hidden_size, mc.vocab_size, mc.head_dim
     q, kv = mc.num_heads * d, mc.num_kv_heads * d
@@ -135,9 +184,9 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False) -> dict:
             shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
         elif mc.is_mla:
             shapes.update(_mla_shapes(mc, p, split_kv_b))
-        else:
-            shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                           p + "self_attn.v_proj.weight": (kv, h)})
+        else:  # Qwen3-Next's q_proj holds the output gate too
+            shapes.update({p + "self_attn.q_proj.weight": (q * (1 + mc.attention_output_gate), h),
+                           p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h)})
         if mc.qkv_bias and not mc.is_mla:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
@@ -150,6 +199,10 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False) -> dict:
                            p + "self_attn.k_norm.weight": (d if mc.qk_norm_per_head else kv,)})
         if is_gemma:
             shapes.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
+        if mc.is_linear(i):  # a gated delta net in place of attention
+            for name in [n for n in shapes if n.startswith(p + "self_attn.")]:
+                del shapes[name]
+            shapes.update(_linear_shapes(mc, p + "linear_attn.", fused_qkvz))
         if mc.is_moe(i):
             ff, shared = mc.moe_intermediate_size, mc.shared_expert_intermediate_size
             shapes[p + "mlp.gate.weight"] = (mc.num_experts, h)
@@ -183,6 +236,23 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False) -> dict:
         if mc.mlp_bias:
             shapes.update({p + "mlp.gate_proj.bias": (ff,), p + "mlp.up_proj.bias": (ff,),
                            p + "mlp.down_proj.bias": (h,)})
+    return shapes
+
+
+def _linear_shapes(mc: ModelConfig, p: str, fused_qkvz: bool) -> dict:
+    """A linear-attention layer's tensors (prefix p) and their shapes: Qwen3-Next's b and a in one tensor."""
+    h, (hk, hv, dk, dv, kernel) = mc.hidden_size, mc.linear_attention
+    conv, value = 2 * hk * dk + hv * dv, hv * dv
+    shapes = {p + "conv1d.weight": (conv, 1, kernel), p + "dt_bias": (hv,), p + "A_log": (hv,),
+              p + "norm.weight": (dv,), p + "out_proj.weight": (h, value)}
+    if fused_qkvz:
+        shapes[p + "in_proj_qkvz.weight"] = (conv + value, h)
+    else:
+        shapes.update({p + "in_proj_qkv.weight": (conv, h), p + "in_proj_z.weight": (value, h)})
+    if mc.architecture == "Qwen3NextForCausalLM":
+        shapes[p + "in_proj_ba.weight"] = (2 * hv, h)
+    else:
+        shapes.update({p + "in_proj_b.weight": (hv, h), p + "in_proj_a.weight": (hv, h)})
     return shapes
 
 
@@ -251,6 +321,17 @@ def _llama4(m, experts: int, layers: int) -> dict:
                 layer_types=["full_attention" if d else "chunked_attention" for d in dense])
 
 
+def _linear_attention(m, arch: str, layers: int) -> dict:
+    """HF config fields of a qwen3next, qwen35 or qwen35moe file's layers (an MTP layer after the last, left
+    unread): every full_attention_interval-th full, the others gated delta nets; qwen35's value heads tiled."""
+    interval, heads = m("full_attention_interval", 4), m("ssm.time_step_rank")
+    return dict(num_hidden_layers=layers, linear_conv_kernel_dim=m("ssm.conv_kernel"),
+                linear_key_head_dim=m("ssm.state_size"), linear_num_key_heads=m("ssm.group_count"),
+                linear_num_value_heads=heads, linear_value_head_dim=m("ssm.inner_size") // heads,
+                layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                             for i in range(layers)], linear_heads_tiled=arch != "qwen3next")
+
+
 def _mla_config(m, rotated: int) -> dict:
     """HF config fields of a deepseek2 file's latent attention. Newer converters write the MLA widths apart (and
     one KV head); older ones as key_length and value_length."""
@@ -304,7 +385,7 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
     rope = _rope(m, arch, tensors, head_dim, path)
     rotated = m("rope.dimension_count", head_dim)
     if rotated != head_dim and arch not in MLA_ARCHS:  # whose rotary dims are qk_rope_head_dim's (below)
-        if arch not in ("phi3", "glm4", "glm4moe", "minimax-m2"):
+        if arch not in ("phi3", "glm4", "glm4moe", "minimax-m2") + HYBRID:
             raise ValueError(f"{path}: partial rotary (rope.dimension_count={rotated}, head_dim={head_dim}) is "
                              "supported for phi3, glm4, glm4moe and minimax-m2 only")
         rope["partial_rotary_factor"] = rotated / head_dim
@@ -332,6 +413,10 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         elif arch == "llama4":
             entry = ARCHITECTURES[arch]
             cfg.update(_llama4(m, experts, layers))
+        elif arch in HYBRID:  # llama.cpp's rules: experts in every layer, their weights renormalised
+            cfg.update(num_experts=experts, moe_intermediate_size=m("expert_feed_forward_length"),
+                       shared_expert_intermediate_size=m("expert_shared_feed_forward_length", 0), norm_topk_prob=True,
+                       decoder_sparse_step=1, mlp_only_layers=[])
         elif arch == "minimax-m2":  # a sigmoid router whose bias picks the experts, their weights renormalised
             if m("expert_gating_func", 2) != 2 or "blk.0.exp_probs_b.bias" not in tensors:
                 raise ValueError(f"{path}: a minimax-m2 router without sigmoid scores and exp_probs_b is not "
@@ -385,6 +470,8 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
             raise ValueError(f"{path}: attention.temperature_length={span} differs from the rotary's original "
                              f"context ({rope.get('original_max_position_embeddings')}); one length is supported")
         rope["llama_4_scaling_beta"] = _f32(m("attention.temperature_scale"))
+    if arch in HYBRID:
+        cfg.update(_linear_attention(m, arch, layers - m("nextn_predict_layers", 0)))
     if arch == "arcee":  # an ungated relu(x)**2 MLP
         cfg["hidden_act"] = "relu2"
     if arch in ("ernie4_5", "ernie4_5-moe"):  # on every linear layer

@@ -139,7 +139,9 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         # q, k, v, then the output gate z and the per-head b (beta) and a (decay) in one matmul
         self.in_proj = nn.Linear(cfg.hidden_size, self.conv_dim + self.value_dim + 2 * self.hv, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, kernel))  # HF's conv1d.weight [C, 1, kernel]
+        # llama.cpp's qwen35 files hold the value heads tiled (head h of key head h % Hk), not grouped (h // r)
+        self.tiled = cfg.linear_heads_tiled
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.norm_eps)
@@ -168,7 +170,7 @@ class GatedDeltaNet(nn.Module):
             r = rows if every else rows[single]
             conv, in_place = at_rows(state.conv, r)                                          # [S, C, kernel - 1]
             window = torch.cat([conv, qkv[idx, :, None].to(conv.dtype)], -1)                 # [S, C, kernel]
-            mixed = F.silu(causal_conv(window, self.conv1d.weight[:, 0])[..., 0])              # [S, C]
+            mixed = F.silu(causal_conv(window, self.conv_weight)[..., 0])                      # [S, C]
             ssm, _ = at_rows(state.ssm, r)                                                  # [S, Hv, Dk, Dv]
             out[idx] = delta_rule_step(*self._heads(mixed, g[idx], beta[idx]), ssm).to(x.dtype)
             if in_place:
@@ -181,7 +183,7 @@ class GatedDeltaNet(nn.Module):
             r, s = int(rows[i]), slice(starts[i], starts[i] + n)
             inputs = torch.cat([state.conv[r], qkv[s].t().to(state.conv.dtype)], -1)        # [C, kernel - 1 + n]
             state.conv[r] = inputs[:, -state.conv.shape[-1]:]
-            mixed = F.silu(causal_conv(inputs, self.conv1d.weight[:, 0]).t())                  # [n, C]
+            mixed = F.silu(causal_conv(inputs, self.conv_weight).t())                          # [n, C]
             o, state.ssm[r] = delta_rule_chunked(*self._heads(mixed, g[s], beta[s]), state.ssm[r])
             out[s] = o.to(x.dtype)
         out = self.norm(out, z.reshape(-1, self.hv, self.dv))                               # [T, Hv, Dv]
@@ -191,6 +193,7 @@ class GatedDeltaNet(nn.Module):
         """The convolution's output [T, C] as the delta rule's fp32 q, k (each key head serving Hv / Hk value heads)
         and v, with g and beta."""
         q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], -1)
-        q, k = (l2_normed(t.reshape(len(t), self.hk, self.dk)).repeat_interleave(self.hv // self.hk, 1)
-                for t in (q, k))                                                             # [T, Hv, Dk]
+        r = self.hv // self.hk
+        q, k = (l2_normed(t.reshape(len(t), self.hk, self.dk)) for t in (q, k))
+        q, k = (t.repeat(1, r, 1) if self.tiled else t.repeat_interleave(r, 1) for t in (q, k))  # [T, Hv, Dk]
         return q * self.dk ** -0.5, k, v.reshape(len(v), self.hv, self.dv), g, beta
