@@ -25,8 +25,9 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "ernie4_5_moe": "ernie4_5-moe", "granitemoe": "granitemoe", "olmoe": "olmoe", "hunyuan": "hunyuan-dense",
         "arcee": "arcee", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe",
         "dots1": "dots1", "minimax_m2": "minimax-m2", "llama4": "llama4", "ministral3": "mistral3",
-        "mistral4": "mistral4", "qwen3_next": "qwen3next", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
-HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # linear-attention layers
+        "mistral4": "mistral4", "qwen3_next": "qwen3next", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe",
+        "qwen3_next-ssm_in": "qwen3next"}  # as older converters wrote it: in_proj_qkvz whole
+HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_next-ssm_in")  # linear-attention layers
 # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
 PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee", "mistral3")
 FAMILIES = list(ARCH)
@@ -195,7 +196,7 @@ def gguf_family_config(name: str):
         linear = dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                       linear_value_head_dim=16, linear_conv_kernel_dim=4)
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
-        if name == "qwen3_next":
+        if name.startswith("qwen3_next"):
             return tf.Qwen3NextConfig(**BASE, **linear, **moe)
         if name == "qwen3_5":
             return tf.Qwen3_5TextConfig(**BASE, **linear)
@@ -312,9 +313,9 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_rope_dimension_count(int(head_dim * 0.25))
     if name in ("qwen3_5", "qwen3_5_moe"):  # its multimodal rotary's sections, written whatever they are
         w.add_rope_dimension_sections(list(_rope_parameters(cfg).get("mrope_section", [11, 11, 10])) + [0])
-    if name in ("qwen3_next", "qwen3_5_moe"):
+    if name in ("qwen3_next", "qwen3_5_moe", "qwen3_next-ssm_in"):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    if name in ("qwen3moe", "qwen2moe", "qwen3_next", "qwen3_5_moe"):
+    if name in ("qwen3moe", "qwen2moe", "qwen3_next", "qwen3_5_moe", "qwen3_next-ssm_in"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -447,7 +448,9 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
                 held[hf] = np.concatenate([k_b.transpose(0, 2, 1), v_b], 1).reshape(arr.shape)
                 continue
             if module.startswith("linear_attn"):
-                held[hf] = _add_linear_attention(add, f"blk.{layer}.", module, suffix, arr, cfg, name != "qwen3_next")
+                held[hf] = _add_linear_attention(add, f"blk.{layer}.", module, suffix, arr, cfg,
+                                                 tiled=not name.startswith("qwen3_next"),
+                                                 whole_qkvz=name == "qwen3_next-ssm_in")
                 continue
             if name == "gpt_oss" and module in ("mlp.experts", "self_attn") and suffix != "o_proj":
                 held[hf] = _add_gpt_oss(add, f"blk.{layer}.", suffix, arr)
@@ -501,9 +504,10 @@ def _reorder_v_heads(tensor: np.ndarray, dim: int, num_k_heads: int, num_v_per_k
     return np.swapaxes(t, dim, dim + 1).reshape(shape)
 
 
-def _add_linear_attention(add, prefix: str, module: str, suffix: str, arr: np.ndarray, cfg, tiled: bool):
+def _add_linear_attention(add, prefix: str, module: str, suffix: str, arr: np.ndarray, cfg, tiled: bool,
+                          whole_qkvz: bool):
     """A linear-attention layer's tensor as the converter writes it: Qwen3-Next's in_proj_qkvz split into [q, k, v]
-    and z; A_log as -exp(A_log), dt_bias renamed, the conv squeezed (F32); qwen35's value heads tiled (their rows,
+    and z (or, whole_qkvz, as older converters did: as it is, ssm_in); A_log as -exp(A_log), dt_bias renamed, the conv squeezed (F32); qwen35's value heads tiled (their rows,
     the conv's value channels, out_proj's columns). Returns HF's tensor of what the file holds."""
     nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
@@ -519,6 +523,8 @@ def _add_linear_attention(add, prefix: str, module: str, suffix: str, arr: np.nd
     if suffix == "dt_bias":
         return tile(add(prefix + "ssm_dt.bias", tile(arr, 0, 1)), 0, 1, back=True)
     kind = module.rsplit(".", 1)[1]
+    if kind == "in_proj_qkvz" and whole_qkvz:
+        return add(prefix + "ssm_in.weight", arr)
     if kind == "in_proj_qkvz":  # per key head [q, k, its value heads' v, z] -> [all q, all k, all v], all z
         groups = arr.reshape(nk, 2 * dk + 2 * r * dv, -1)
         q, k, v, z = np.split(groups, np.cumsum([dk, dk, r * dv])[:3], axis=1)
@@ -621,7 +627,7 @@ def test_gguf_family_matches_hf(family_gguf, name):
         outputs = llm.generate([{"prompt_token_ids": p} for p in GGUF_PROMPTS], params, use_tqdm=False)
         held = {fmt for r in llm.engine.inspect() for fmt, _ in r.weight_bytes}
     assert "Q8_0" in held and (name != "gpt_oss" or "MXFP4" in held)  # the compact kernels ran
-    assert_matches_hf(outputs, reference, TOLERANCE.get(name, 1e-4))
+    assert_matches_hf(outputs, reference, TOLERANCE.get(name.removesuffix("-ssm_in"), 1e-4))
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
