@@ -11,7 +11,8 @@ checkpoints, each run checked two ways:
   uniform by a boundary between the two tokens, or a token at the top-k or top-p cut), which the last bits of the
   logits decide.
 In one run of four, a beam search over one or two of the prompts (EOS ignored) equals HF's `generate(num_beams=...)`,
-and each beam's cumulative log-probability HF's (1e-4).
+and each beam's cumulative log-probability HF's (1e-4; for the families whose fp32 rounding moves them further, the
+tests' tolerance for them). The families with linear-attention layers run without speculation, which they refuse.
 In three runs of ten the greedy requests run once more through the server's engine loop (AsyncEngine), arriving
 at staggered times, some closed by their client after a few tokens: the tokens streamed equal the offline ones (or
 begin them), the texts too, and no KV block is held once every stream has ended and the engine thread has drained
@@ -38,7 +39,7 @@ from pipellm.engine.async_engine import AsyncEngine  # noqa: E402
 from pipellm.engine.engine import _SEED_STRIDE  # noqa: E402  (completion i of a request draws from seed + i * it)
 from pipellm.sampling_params import BeamSearchParams  # noqa: E402
 from tests.conftest import ARCHS, NUM_LAYERS, make_checkpoint  # noqa: E402
-from tests.test_families import FAMILIES, make_family_checkpoint  # noqa: E402
+from tests.test_families import FAMILIES, TOLERANCE, make_family_checkpoint  # noqa: E402
 
 
 def checkpoint(name: str, folder: str):
@@ -144,6 +145,10 @@ def one_run(seed: int, models: dict, tmp: str, family: str | None = None) -> tup
         models[name] = checkpoint(name, folder)
     hf = models[name]
     kw = engine_options(rng)
+    tol = TOLERANCE.get(name, 1e-4)
+    if getattr(hf.config.get_text_config(), "layer_types", None) and \
+            "linear_attention" in hf.config.get_text_config().layer_types:
+        kw.pop("speculative_config", None)  # a state a sequence cannot step back from a rejected draft
     shared = [rng.randrange(3, 300) for _ in range(rng.randrange(1, 40))]  # a prefix some prompts share
     prompts = [shared[:rng.randrange(len(shared) + 1)] + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 30))]
                for _ in range(rng.randrange(1, 9))]
@@ -213,7 +218,7 @@ def one_run(seed: int, models: dict, tmp: str, family: str | None = None) -> tup
                 return False, f"{about}: beams {[s.tokens[len(prompt):] for s in out.sequences]} are not HF's " \
                               f"{[w[len(prompt):] for w in want]}"
             worst = max(abs(s.cum_logprob - c) for s, c in zip(out.sequences, hf_cum))
-            if worst > 1e-4:
+            if worst > tol:
                 return False, f"{about}: beams' cum_logprob off HF's by up to {worst:.2e}"
     tied = {}  # request -> the step where its pick and HF's, within 1e-5 of a tie on HF's logits, went apart
     for r, (o, want, lp, i) in enumerate(zip(greedy, expected, hf_logprobs, inputs)):
@@ -247,7 +252,7 @@ def one_run(seed: int, models: dict, tmp: str, family: str | None = None) -> tup
                 entries = entries[:len(o.prompt_logprobs) + tied[r]]
             got = [(row, tid, lp.logprob) for row, e in enumerate(entries) for tid, lp in e.items()]
             worst = max(abs(lp - want[row, tid].item()) for row, tid, lp in got)
-            if worst > 1e-4:
+            if worst > tol:
                 return False, f"{about}: logprobs={k} off HF's log-softmax by up to {worst:.2e}"
     for i, params, d, r in zip(inputs, sampled, drawn, reference):
         if len(d.outputs) != params.n or len(r.outputs) != params.n:
