@@ -58,7 +58,8 @@ LENGTHS = [16, 6, 16, 9, 16, 10]
     dict(max_num_seqs=2, block_size=4, num_kv_blocks=12, max_model_len=48),
     dict(num_scheduler_steps=4),  # several decode steps a batch
     dict(pipeline_parallel_size=2, max_num_batched_tokens=8),  # prompts in 8-token chunks, the state between them
-], ids=["rows-reused-preempted", "multi-step", "pp2-chunked"])
+    dict(pipeline_parallel_size=3, layer_partition="auto"),  # split by each kind of layer's time
+], ids=["rows-reused-preempted", "multi-step", "pp2-chunked", "pp3-auto"])
 def test_states_follow_their_sequences(qwen3_5, options):
     folder, prompts, reference = qwen3_5
     with LLM(folder, dtype="float32", **options) as llm:

@@ -124,52 +124,64 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
     threads = torch.get_num_threads()
     torch.set_num_threads(ecfg.num_threads)  # as a stage will run
     try:
-        model = build_stage_model(cfg, StageLayers(0, 0, 1, True, True)).to(ecfg.torch_dtype)
-        if compact:  # a stage multiplies by compact weights with our kernels: time those, not fp32
-            quantize_linears(model, "int8")
-            set_int8_activations(model, ecfg.int8_activations)
-        transpose_linears(model)
-        bs = ecfg.block_size
-        blocks_per_seq = -(-CONTEXT // bs)
-        kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)
-
-        def cache(blocks: int):  # layer 0's (a linear-attention one's: its state)
-            if cfg.is_linear(0):
-                return LinearState.allocate(cfg, ecfg.torch_dtype)
-            return KVCache.allocate(blocks, bs, *cfg.cache_shape, kv_dtype, shared=cfg.is_mla)
-        caches = [cache(num_tokens * blocks_per_seq)]
-        tables = torch.arange(num_tokens * blocks_per_seq, dtype=torch.int32).view(num_tokens, blocks_per_seq)
-        positions = torch.full((num_tokens,), CONTEXT - 1)
-        slots = tables[:, -1].long() * bs + (CONTEXT - 1) % bs
-        is_sliding = [cfg.is_sliding(0)]
-        meta = AttentionMetadata.for_layers(is_sliding, cfg.sliding_window, positions,
-                                            torch.ones(num_tokens, dtype=torch.long),
-                                            torch.full((num_tokens,), CONTEXT), tables, slots, bs,
-                                            attention_chunk=cfg.attention_chunk)
-        ids = torch.randint(0, cfg.vocab_size, (num_tokens,))
-        hidden = torch.randn(num_tokens, cfg.hidden_size, dtype=ecfg.torch_dtype)
-        embed = lambda: model.embed(ids, positions)  # noqa: E731
-        run_layer = lambda: model.run_layers(hidden, positions, meta, caches)  # noqa: E731
-        decode_s = best_of(run_layer, repeats)
-        # A prefill chunk of one sequence, as big as a step's token budget.
-        chunk = min(ecfg.max_num_batched_tokens, CONTEXT * 4, cfg.max_position_embeddings)
-        blocks = -(-chunk // bs)
-        pos = torch.arange(chunk)
-        pmeta = AttentionMetadata.for_layers(is_sliding, cfg.sliding_window, pos, torch.tensor([chunk]),
-                                             torch.tensor([chunk]), torch.arange(blocks, dtype=torch.int32)[None],
-                                             pos, bs, attention_chunk=cfg.attention_chunk)
-        x = torch.randn(chunk, cfg.hidden_size, dtype=ecfg.torch_dtype)
-        prefill_caches = [cache(blocks)]
-        prefill = lambda: model.run_layers(x, pos, pmeta, prefill_caches)  # noqa: E731
-
-        def head():  # greedy picks, as the last stage makes them
-            ids = model.greedy_ids(hidden)
-            return greedy_ids(model.compute_logits(hidden)) if ids is None else ids
-        return dict(layer_decode_s=decode_s, layer_prefill_s=best_of(prefill, max(1, repeats // 2)), chunk=chunk,
-                    embed_s=best_of(embed, repeats), num_tokens=num_tokens,
-                    head_s=best_of(head, repeats))
+        # each kind of layer timed once, weighed by how many the model has (Qwen3-Next's linear-attention and
+        # full-attention layers); every other model's layers are of one kind
+        kinds = [0] if not cfg.linear_attention else [0, cfg.layer_types.index("full_attention")]
+        timed = [_time_layer(cfg, ecfg, layer, num_tokens, repeats, compact) for layer in kinds]
+        linear = cfg.num_linear_layers / cfg.num_layers
+        shares = [1.0] if len(kinds) == 1 else [linear, 1.0 - linear]
+        return {**timed[0], **{key: sum(share * t[key] for share, t in zip(shares, timed))
+                               for key in ("layer_decode_s", "layer_prefill_s")}}
     finally:
         torch.set_num_threads(threads)
+
+
+def _time_layer(cfg: ModelConfig, ecfg: EngineConfig, layer: int, num_tokens: int, repeats: int,
+                compact: bool) -> dict:
+    """A decode micro-batch and a prefill chunk through the model's layer `layer` alone; the embedding and head."""
+    model = build_stage_model(cfg, StageLayers(0, layer, layer + 1, True, True)).to(ecfg.torch_dtype)
+    if compact:  # a stage multiplies by compact weights with our kernels: time those, not fp32
+        quantize_linears(model, "int8")
+        set_int8_activations(model, ecfg.int8_activations)
+    transpose_linears(model)
+    bs = ecfg.block_size
+    blocks_per_seq = -(-CONTEXT // bs)
+    kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)
+
+    def cache(blocks: int):  # the layer's (a linear-attention one's: its state)
+        if cfg.is_linear(layer):
+            return LinearState.allocate(cfg, ecfg.torch_dtype)
+        return KVCache.allocate(blocks, bs, *cfg.cache_shape, kv_dtype, shared=cfg.is_mla)
+    caches = [cache(num_tokens * blocks_per_seq)]
+    tables = torch.arange(num_tokens * blocks_per_seq, dtype=torch.int32).view(num_tokens, blocks_per_seq)
+    positions = torch.full((num_tokens,), CONTEXT - 1)
+    slots = tables[:, -1].long() * bs + (CONTEXT - 1) % bs
+    is_sliding = [cfg.is_sliding(layer)]
+    meta = AttentionMetadata.for_layers(is_sliding, cfg.sliding_window, positions,
+                                        torch.ones(num_tokens, dtype=torch.long),
+                                        torch.full((num_tokens,), CONTEXT), tables, slots, bs,
+                                        attention_chunk=cfg.attention_chunk)
+    ids = torch.randint(0, cfg.vocab_size, (num_tokens,))
+    hidden = torch.randn(num_tokens, cfg.hidden_size, dtype=ecfg.torch_dtype)
+    embed = lambda: model.embed(ids, positions)  # noqa: E731
+    run_layer = lambda: model.run_layers(hidden, positions, meta, caches)  # noqa: E731
+    decode_s = best_of(run_layer, repeats)
+    # A prefill chunk of one sequence, as big as a step's token budget.
+    chunk = min(ecfg.max_num_batched_tokens, CONTEXT * 4, cfg.max_position_embeddings)
+    blocks = -(-chunk // bs)
+    pos = torch.arange(chunk)
+    pmeta = AttentionMetadata.for_layers(is_sliding, cfg.sliding_window, pos, torch.tensor([chunk]),
+                                         torch.tensor([chunk]), torch.arange(blocks, dtype=torch.int32)[None],
+                                         pos, bs, attention_chunk=cfg.attention_chunk)
+    x = torch.randn(chunk, cfg.hidden_size, dtype=ecfg.torch_dtype)
+    prefill_caches = [cache(blocks)]
+    prefill = lambda: model.run_layers(x, pos, pmeta, prefill_caches)  # noqa: E731
+
+    def head():  # greedy picks, as the last stage makes them
+        ids = model.greedy_ids(hidden)
+        return greedy_ids(model.compute_logits(hidden)) if ids is None else ids
+    return dict(layer_decode_s=decode_s, layer_prefill_s=best_of(prefill, max(1, repeats // 2)), chunk=chunk,
+                embed_s=best_of(embed, repeats), num_tokens=num_tokens, head_s=best_of(head, repeats))
 
 
 def best_of(fn, repeats: int) -> float:
