@@ -59,7 +59,7 @@ class Qwen3NextStage(LlamaStage):
         cfg = self.cfg
         if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
             return torch.arange(2 * cfg.num_heads * cfg.head_dim).view(cfg.num_heads, 2, -1).transpose(0, 1).flatten()
-        hk, hv, dk, dv, _ = cfg.linear_attention or (1, 1, 0, 0, 0)
+        hk, hv, dk, dv, _ = cfg.linear_attention
         r = hv // hk
         if ".linear_attn.in_proj_qkvz." in name:
             return _grouped(hk, (dk, dk, r * dv, r * dv))
