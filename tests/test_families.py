@@ -231,6 +231,8 @@ def family_config(name: str):
         return tf.Qwen3_5MoeTextConfig(**COMMON, **linear, **moe)
     if name == "qwen3_5-vl":  # Qwen3.5's text model in its vision-language checkpoint
         return tf.Qwen3_5Config(text_config=family_config("qwen3_5").to_dict(), vision_config=QWEN_VISION)
+    if name == "qwen3_5_moe-vl":  # and Qwen3.5-MoE's
+        return tf.Qwen3_5MoeConfig(text_config=family_config("qwen3_5_moe").to_dict(), vision_config=QWEN_VISION)
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -249,13 +251,14 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1",
             "minimax_m2", "apertus", "ministral3", "mistral4", "gemma3-vl", "mistral3-vl", "llama4", "hunyuan_moe",
             "qwen2_5-vl", "qwen3-vl-moe", "llava-vl", "internvl-vl", "aya_vision-vl",
-            "glm4v-vl", "glm4v_moe-vl", "mistral4-vl", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl"]
+            "glm4v-vl", "glm4v_moe-vl", "mistral4-vl", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl",
+            "qwen3_5_moe-vl"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4")  # and Llama 4's chunked layers
 # the log-probabilities' tolerance where fp32 rounding alone moves them further: on these checkpoints HF's own fp32
 # ones are up to 1.7e-4 from its fp64 ones, ours up to 3.6e-4 (the delta nets' norms magnify a small head's rounding)
-TOLERANCE = {"qwen3_next": 1e-3, "qwen3_5": 1e-3, "qwen3_5_moe": 1e-3, "qwen3_5-vl": 1e-3}
+TOLERANCE = dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl", "qwen3_5_moe-vl"), 1e-3)
 # (pipeline size, partition, step token budget): PP=2 prefills in 16-token chunks
 LAYOUTS = [(1, None, 512), (2, [2, 3], 16), (3, [1, 3, 1], 512)]
 
