@@ -507,8 +507,9 @@ def _reorder_v_heads(tensor: np.ndarray, dim: int, num_k_heads: int, num_v_per_k
 def _add_linear_attention(add, prefix: str, module: str, suffix: str, arr: np.ndarray, cfg, tiled: bool,
                           whole_qkvz: bool):
     """A linear-attention layer's tensor as the converter writes it: Qwen3-Next's in_proj_qkvz split into [q, k, v]
-    and z (or, whole_qkvz, as older converters did: as it is, ssm_in); A_log as -exp(A_log), dt_bias renamed, the conv squeezed (F32); qwen35's value heads tiled (their rows,
-    the conv's value channels, out_proj's columns). Returns HF's tensor of what the file holds."""
+    and z (or, whole_qkvz, as older converters did: as it is, ssm_in); A_log as -exp(A_log), dt_bias renamed, the
+    conv squeezed (F32); qwen35's value heads tiled (their rows, the conv's value channels, out_proj's columns).
+    Returns HF's tensor of what the file holds."""
     nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
     r, key = nv // nk, 2 * nk * dk
