@@ -15,6 +15,8 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "Qwen3_5ForCausalLM")
 # linear-attention layers (gated delta nets) among gated full-attention ones
 HYBRID_FAMILY = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"  # Granite 4.0-H: Mamba-2 layers among full-attention ones
+MAMBA_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}  # its configs' names, as HF's
 # latent attention (GLM-4.7-Flash's Glm4MoeLite is DeepSeek V3's model; Mistral 4 is too, with a softmax router)
 DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM")
 SOFTMAX_GROUP_ROUTED = ("DeepseekV2ForCausalLM", "Mistral4ForCausalLM")
@@ -27,8 +29,9 @@ ALL_HEADS_QK_NORM = OLMO_FAMILY + ("MiniMaxM2ForCausalLM",)
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
               "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "OlmoeForCausalLM",
               "MiniMaxM2ForCausalLM", "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM", "Qwen3NextForCausalLM",
-              "Qwen3_5MoeForCausalLM") + GROUP_ROUTED
-GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # scaled
+              "Qwen3_5MoeForCausalLM", GRANITE_HYBRID) + GROUP_ROUTED
+GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+                  GRANITE_HYBRID)  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
@@ -117,6 +120,11 @@ class ModelConfig:
     # full-attention layers' outputs gated by a sigmoid of a second q_proj (attention_output_gate)
     linear_attention: tuple[int, ...] = ()
     linear_heads_tiled: bool = False  # llama.cpp's qwen35 files: value head h takes key head h % key heads
+    # Granite 4.0-H: its "linear_attention" layers are Mamba-2 mixers of (heads, head width, groups, state width,
+    # conv kernel); their convolution's bias and their projections' biases
+    mamba: tuple[int, ...] = ()
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
     attention_output_gate: bool = False
     text_of: str = ""  # the vision-language checkpoint whose text model this is (vision_language.py); "" none
 
@@ -171,9 +179,14 @@ class ModelConfig:
             return False
         return not self.layer_types or self.layer_types[layer] in LOCAL_LAYER_TYPES
 
+    @property
+    def keeps_states(self) -> bool:
+        """Whether some layers keep a state per sequence (linear attention, Mamba-2) instead of a KV cache."""
+        return bool(self.linear_attention or self.mamba)
+
     def is_linear(self, layer: int) -> bool:
-        """Whether the layer is a linear-attention one: a state per sequence, no KV cache."""
-        return bool(self.linear_attention) and self.layer_types[layer] == "linear_attention"
+        """Whether the layer is a linear-attention (or Mamba-2) one: a state per sequence, no KV cache."""
+        return self.keeps_states and self.layer_types[layer] == "linear_attention"
 
     @property
     def num_linear_layers(self) -> int:
@@ -252,7 +265,10 @@ class ModelConfig:
         if llama4 and not layer_types:  # the layers with rotary attend in chunks
             layer_types = tuple("chunked_attention" if r and chunk else "full_attention" for r in uses_rope)
         hybrid = arch in HYBRID_FAMILY
-        if hybrid:  # older configs: every full_attention_interval-th layer full
+        if arch == GRANITE_HYBRID:
+            layer_types = tuple(MAMBA_LAYER_TYPES.get(t, t) for t in layer_types) or ("linear_attention",) * layers
+            window = None
+        elif hybrid:  # older configs: every full_attention_interval-th layer full
             interval = d.get("full_attention_interval") or 4
             layer_types = layer_types or tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                                for i in range(layers))
@@ -262,7 +278,7 @@ class ModelConfig:
             if arch not in ("MistralForCausalLM", "Ministral3ForCausalLM") and d.get("layer_types"):
                 window = None  # every layer is full (Qwen's layer_types without use_sliding_window)
         if any(t not in ("full_attention", "sliding_attention") + LOCAL_LAYER_TYPES[1:] * bool(chunk)
-               + ("linear_attention",) * hybrid for t in layer_types):
+               + ("linear_attention",) * (hybrid or arch == GRANITE_HYBRID) for t in layer_types):
             raise ValueError(f"{source}: layer_types {sorted(set(layer_types))} are not supported "
                              "(full_attention, sliding_attention)")
         params = d.get("rope_parameters") or d.get("rope_scaling") or {}
@@ -286,8 +302,11 @@ class ModelConfig:
             or d.get("n_routed_experts") or 0
         dense_layers = ()
         shared = (d.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
-        if arch == "GraniteMoeSharedForCausalLM":
+        if arch in ("GraniteMoeSharedForCausalLM", GRANITE_HYBRID):
             shared = d.get("shared_intermediate_size") or 0
+        granite_hybrid = _granite_hybrid(d, source) if arch == GRANITE_HYBRID else {}
+        if granite_hybrid and not num_experts:  # its shared MLP alone: a dense model
+            d, shared = d | {"intermediate_size": shared}, 0
         if arch == "HunYuanMoEV1ForCausalLM":  # its shared MLP as wide as an expert, as HF's
             num_experts, top_k = (_same_each_layer(d, key, source) for key in ("num_experts", "moe_topk"))
             d = d | {"num_experts_per_tok": top_k}
@@ -319,6 +338,8 @@ class ModelConfig:
                 attention_chunk=chunk, qk_l2_norm=bool(d.get("use_qk_norm", True)), router_weights_input=True,
                 nope_temperature=(float(d.get("floor_scale", 8192)), float(d.get("attn_scale", 0.1)))
                 if d.get("attn_temperature_tuning", True) else ())
+        if arch == GRANITE_HYBRID and d.get("position_embedding_type") != "rope":  # Granite 4.0-H's: no rotary
+            nope_layers = tuple(range(layers))
         if (arch == "Exaone4ForCausalLM" and d.get("sliding_window") is not None) or arch == "Cohere2ForCausalLM":
             nope_layers = tuple(i for i, t in enumerate(d.get("layer_types") or ()) if t == "full_attention")
         if arch in COHERE_FAMILY and d.get("use_qk_norm"):
@@ -372,12 +393,30 @@ class ModelConfig:
                    shared_expert_gated=arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"),
                    router_selection_bias=arch in ("Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM") or v3_router,
                    router_softmax_after_topk=arch in ("GptOssForCausalLM", "GraniteMoeForCausalLM",
-                                                      "GraniteMoeSharedForCausalLM"),
+                                                      "GraniteMoeSharedForCausalLM", GRANITE_HYBRID),
                    qk_norm_per_head=arch not in ALL_HEADS_QK_NORM,
                    fp8_block=fp8_block, text_of=wrapper or "", **scales, **gpt_oss,
                    experts_in_out=llama4,
                    router_sigmoid=v3_router or arch in ("MiniMaxM2ForCausalLM", "Llama4ForCausalLM"), **deepseek,
-                   **llama4_fields, **hybrid_fields)
+                   **llama4_fields, **hybrid_fields, **granite_hybrid)
+
+
+def _granite_hybrid(d: dict, source: str) -> dict:
+    """ModelConfig's Mamba-2 fields of a Granite 4.0-H config.json, as HF reads it."""
+    heads, hidden = d.get("mamba_n_heads") or 128, d["hidden_size"]
+    width = (d.get("mamba_expand") or 2) * hidden
+    head_dim = d.get("mamba_d_head")
+    head_dim = width // heads if head_dim in (None, "auto") else head_dim
+    # transformers 5 writes infinity as {"__float__": "Infinity"}
+    limit = tuple(float(v["__float__"]) if isinstance(v, dict) else float(v)
+                  for v in d.get("time_step_limit") or (0.0, float("inf")))
+    if head_dim * heads != width or limit != (0.0, float("inf")):
+        raise ValueError(f"{source}: Mamba-2 heads of {heads} x {head_dim} for a width of {width}, or "
+                         f"time_step_limit={list(limit)}, are not supported (heads x head width = mamba_expand x "
+                         "hidden_size, and no time step limit)")
+    return dict(mamba=(heads, head_dim, d.get("mamba_n_groups") or 1, d.get("mamba_d_state") or 256,
+                       d.get("mamba_d_conv") or 4),
+                mamba_conv_bias=bool(d.get("mamba_conv_bias", True)), mamba_proj_bias=bool(d.get("mamba_proj_bias")))
 
 
 def _same_each_layer(d: dict, key: str, source: str) -> int:

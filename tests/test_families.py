@@ -233,6 +233,15 @@ def family_config(name: str):
         return tf.Qwen3_5Config(text_config=family_config("qwen3_5").to_dict(), vision_config=QWEN_VISION)
     if name == "qwen3_5_moe-vl":  # and Qwen3.5-MoE's
         return tf.Qwen3_5MoeConfig(text_config=family_config("qwen3_5_moe").to_dict(), vision_config=QWEN_VISION)
+    if name.startswith("granitemoehybrid"):  # Granite 4.0-H: Mamba-2 layers (8 heads in 2 groups) but layer 2, full
+        # and without rotary (as released; the dense one's with it); Granite's multipliers; experts beside a shared MLP
+        dense = name.endswith("-dense")
+        return tf.GraniteMoeHybridConfig(**COMMON | dict(intermediate_size=48), num_local_experts=0 if dense else 4,
+                                         num_experts_per_tok=2, shared_intermediate_size=40,
+                                         layer_types=["mamba", "mamba", "attention", "mamba", "mamba"],
+                                         mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+                                         position_embedding_type="rope" if dense else None, embedding_multiplier=4.0,
+                                         residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -252,7 +261,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "minimax_m2", "apertus", "ministral3", "mistral4", "gemma3-vl", "mistral3-vl", "llama4", "hunyuan_moe",
             "qwen2_5-vl", "qwen3-vl-moe", "llava-vl", "internvl-vl", "aya_vision-vl",
             "glm4v-vl", "glm4v_moe-vl", "mistral4-vl", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl",
-            "qwen3_5_moe-vl"]
+            "qwen3_5_moe-vl", "granitemoehybrid", "granitemoehybrid-dense"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4")  # and Llama 4's chunked layers

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipellm import LLM, SamplingParams
-from pipellm.models.linear_attention import delta_rule_chunked, delta_rule_step, l2_normed
+from pipellm.models.linear_attention import delta_rule_chunked, delta_rule_step, l2_normed, ssd_chunked, ssd_step
 from tests.test_families import hf_greedy, make_family_checkpoint
 
 
@@ -38,6 +38,35 @@ def test_chunked_delta_rule_matches_the_recurrence(length):
         ref_out, ref_state = hf_recurrence(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], state)
         torch.testing.assert_close(out[i], ref_out[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(after[i], ref_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length", [1, 63, 150])
+def test_mamba2_scan_matches_hf(length):
+    """Mamba-2's scan over a prompt (64-token chunks) from a given state equals HF's chunked scan (its 256-token
+    chunks), outputs and final state; a decode step of each sequence equals HF's state update."""
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (mamba2_chunk_scan,
+                                                                               mamba2_selective_state_update)
+    torch.manual_seed(length)
+    heads, head_dim, groups, width = 4, 6, 2, 5
+    x, dt_raw = torch.randn(length, heads, head_dim), torch.randn(length, heads)
+    B, C, A = torch.randn(length, groups, width), torch.randn(length, groups, width), -torch.rand(heads) * 2
+    dt_bias, D, state = torch.randn(heads), torch.randn(heads), torch.randn(heads, head_dim, width)
+    ref_out, ref_state = mamba2_chunk_scan(x[None], dt_raw[None], A, B[None], C[None], chunk_size=256, D=D,
+                                           dt_bias=dt_bias, dt_softplus=True, initial_states=state[None],
+                                           return_final_states=True)
+    dt = torch.nn.functional.softplus(dt_raw + dt_bias)
+    per_head = [t.repeat_interleave(heads // groups, 1) for t in (B, C)]                 # [L, H, N]
+    out, after = ssd_chunked(x, dt, A, *per_head, state.clone())
+    torch.testing.assert_close(out + x * D[:, None], ref_out[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(after, ref_state[0], atol=1e-4, rtol=1e-4)
+    states = state.repeat(length, 1, 1, 1)
+    out = ssd_step(x, dt, A, *per_head, states)
+    ref_states = state.repeat(length, 1, 1, 1)  # HF's arguments per head's row, as its layer passes them
+    ref_out = mamba2_selective_state_update(
+        ref_states, x, dt_raw[..., None].expand(-1, -1, head_dim), A[:, None, None].expand(-1, head_dim, width), B,
+        C, D[:, None].expand(-1, head_dim), dt_bias=dt_bias[:, None].expand(-1, head_dim), dt_softplus=True)
+    torch.testing.assert_close(out + x * D[:, None], ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states, ref_states, atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -87,7 +87,7 @@ class LLMEngine:
         if self.max_model_len > mc.max_context:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context of {mc.max_context} "
                              f"(max_position_embeddings={mc.max_position_embeddings}, rope {mc.rope.rope_type})")
-        if config.speculative_config is not None and mc.linear_attention:
+        if config.speculative_config is not None and mc.keeps_states:
             raise ValueError(f"speculative_config: {mc.architecture}'s linear-attention layers keep one state a "
                              "sequence, which cannot step back from rejected drafts; leave speculative_config unset")
         if mc.attention_chunk % config.block_size:
@@ -153,7 +153,7 @@ class LLMEngine:
         # nor is a prefix that sliding-window layers overwrote in their rings, nor one that linear-attention layers
         # hold no state of (their states went on past it)
         return self.config.enable_prefix_caching and not self.window_ring and \
-            self.model_config.rope.rope_type not in ("dynamic", "longrope") and not self.model_config.linear_attention
+            self.model_config.rope.rope_type not in ("dynamic", "longrope") and not self.model_config.keeps_states
 
     def _block_manager(self) -> BlockManager:
         # int8 caches: a later token written into a block may re-round what it holds, so a partial block's first

@@ -14,7 +14,7 @@ _ids = itertools.count()
 
 def run_probe(engine: LLMEngine, prompt_token_ids: list[int]) -> dict:
     """The prompt's prefill and one decode step, every batch a probe; returns inspect.json's data."""
-    if engine.model_config.linear_attention:
+    if engine.model_config.keeps_states:
         raise ValueError(f"inspect shows each layer's attention over its KV cache; {engine.model_config.architecture}"
                          "'s linear-attention layers hold a state instead, and it does not run them")
     if engine.has_unfinished_requests() or engine.in_flight:

@@ -2,8 +2,12 @@
 Granite's scaled embedding, residual branches, attention and logits (llama.py) with a mixture of experts whose router
 softmaxes its top-k logits (moe.py). The checkpoint stacks a layer's experts: input_linear [experts, 2 * width,
 hidden] (each expert's gate rows, then its up rows) and output_linear [experts, hidden, width]; at load each expert's
-slice fills its own layers, as transformers 5's stacked experts (llama.py)."""
-from pipellm.models.llama import LlamaStage
+slice fills its own layers, as transformers 5's stacked experts (llama.py). Granite 4.0-H
+(GraniteMoeHybridForCausalLM) is Granite MoE Shared with Mamba-2 mixers (linear_attention.py) in most layers' place of
+attention, and no rotary in the others; its dense models have the shared MLP alone."""
+from pipellm.models.layers import RMSNorm
+from pipellm.models.linear_attention import Mamba2Mixer
+from pipellm.models.llama import LlamaLayer, LlamaStage
 
 
 class GraniteMoeStage(LlamaStage):
@@ -11,5 +15,29 @@ class GraniteMoeStage(LlamaStage):
         return super().map_weight(name.replace(".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj")
                                   .replace(".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj")
                                   .replace(".block_sparse_moe.router.layer.", ".mlp.gate.")
+                                  .replace(".block_sparse_moe.router.", ".mlp.gate.")
                                   .replace(".shared_mlp.input_linear.", ".mlp.shared_expert.gate_up_proj.")
                                   .replace(".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."))
+
+
+class GraniteHybridLayer(LlamaLayer):
+    def __init__(self, cfg, layer: int, norm=RMSNorm):
+        super().__init__(cfg, layer, norm)
+        if cfg.is_linear(layer):  # its mixer: Mamba-2's, which takes the layer's LinearState
+            del self.self_attn
+            self.mamba = Mamba2Mixer(cfg)
+
+    def forward(self, x, ropes, meta, cache):
+        h, r = self.input_layernorm(x), self.residual_multiplier
+        x = x + (self.mamba(h, meta, cache) if hasattr(self, "mamba") else self.self_attn(h, ropes, meta, cache)) * r
+        return x + self.mlp(self.post_attention_layernorm(x)) * r
+
+
+class GraniteHybridStage(GraniteMoeStage):
+    layer_class = GraniteHybridLayer
+
+    def map_weight(self, name: str) -> list[tuple]:
+        if not self.cfg.num_experts:  # a dense model's MLP: the shared one
+            name = name.replace(".shared_mlp.input_linear.", ".mlp.gate_up_proj.").replace(
+                ".shared_mlp.output_linear.", ".mlp.down_proj.")
+        return super().map_weight(name)

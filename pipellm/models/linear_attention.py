@@ -1,9 +1,11 @@
-"""Qwen3-Next's and Qwen3.5's linear-attention layers: a gated delta net (Yang et al., "Gated Delta Networks").
-Where an attention layer keeps every past key and value, this one keeps a fixed-size state per sequence: the last
-few inputs of a short causal convolution, and a [key width, value width] matrix per value head that each token
-decays, corrects towards its value (the delta rule) and reads with its query. The state lives on the stage with the
-layer (LinearState), a row per sequence (the row of the block tables the driver gives it); a sequence whose step
-starts at position 0 starts from zeros, every other step goes on from the state its last step left."""
+"""Layers that keep a fixed-size state per sequence instead of every past key and value: Qwen3-Next's and Qwen3.5's
+gated delta nets (Yang et al., "Gated Delta Networks") and Granite 4.0-H's Mamba-2 mixers (Dao and Gu, "Transformers
+are SSMs"). Both keep the last few inputs of a short causal convolution, and a matrix per head: the delta net's
+[key width, value width], which each token decays, corrects towards its value (the delta rule) and reads with its
+query; Mamba-2's [head width, state width], which each token decays and adds its input to, read through C. The state
+lives on the stage with the layer (LinearState), a row per sequence (the row of the block tables the driver gives
+it); a sequence whose step starts at position 0 starts from zeros, every other step goes on from the state its last
+step left."""
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +27,9 @@ class LinearState:
     @classmethod
     def allocate(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
                  rows: int = 0) -> "LinearState":
-        hk, hv, dk, dv, kernel = cfg.linear_attention
-        return cls(torch.zeros(rows, 2 * hk * dk + hv * dv, kernel - 1, dtype=dtype, device=device),
-                   torch.zeros(rows, hv, dk, dv, device=device))
+        channels, kernel, matrices = state_shapes(cfg)
+        return cls(torch.zeros(rows, channels, kernel - 1, dtype=dtype, device=device),
+                   torch.zeros(rows, *matrices, device=device))
 
     @property
     def nbytes(self) -> int:
@@ -44,10 +46,19 @@ class LinearState:
         self.ssm = torch.cat([self.ssm, self.ssm.new_zeros(new - have, *self.ssm.shape[1:])])
 
 
+def state_shapes(cfg: ModelConfig) -> tuple[int, int, tuple[int, int, int]]:
+    """(convolution channels, its kernel, the matrices' [heads, rows, columns]) of a layer's state."""
+    if cfg.mamba:
+        heads, head_dim, groups, width, kernel = cfg.mamba
+        return heads * head_dim + 2 * groups * width, kernel, (heads, head_dim, width)
+    hk, hv, dk, dv, kernel = cfg.linear_attention
+    return 2 * hk * dk + hv * dv, kernel, (hv, dk, dv)
+
+
 def state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of one sequence's state in one linear-attention layer."""
-    hk, hv, dk, dv, kernel = cfg.linear_attention
-    return (2 * hk * dk + hv * dv) * (kernel - 1) * dtype.itemsize + hv * dk * dv * 4
+    channels, kernel, (heads, rows, columns) = state_shapes(cfg)
+    return channels * (kernel - 1) * dtype.itemsize + heads * rows * columns * 4
 
 
 def l2_normed(x: torch.Tensor) -> torch.Tensor:
@@ -99,6 +110,38 @@ def delta_rule_step(q, k, v, g, beta, state):
     return torch.bmm(q.reshape(S * H, 1, Dk), flat).view(S, H, Dv)
 
 
+def ssd_chunked(x, dt, A, B, C, state):
+    """Mamba-2's scan over one sequence's tokens at once. x [L, H, P], dt [L, H] (after softplus), A [H] (negative),
+    B and C [L, H, N] (each head's group's), state [H, P, N]: all fp32. Returns y [L, H, P] (without D's skip) and
+    the state after the last token. Within a chunk the outputs are one masked product (its "attention" form), then
+    the state steps a chunk at a time."""
+    L, H = dt.shape
+    pad = -L % CHUNK
+    # [L, H, D] -> [H, chunks, CHUNK, D]
+    xdt, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)).transpose(0, 1).reshape(H, -1, CHUNK, t.shape[2])
+                 for t in (x * dt[..., None], B, C))
+    decay = F.pad(dt * A, (0, 0, 0, pad)).t().reshape(H, -1, CHUNK).cumsum(-1)   # [H, N, C] log decay from its start
+    later = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=x.device).triu(1)
+    between = (decay[..., :, None] - decay[..., None, :]).masked_fill(later, float("-inf")).exp()  # [H, N, C, C]
+    inner = ((C @ B.transpose(-1, -2)) * between) @ xdt                                     # [H, N, C, P]
+    c_decayed = C * decay.exp()[..., None]
+    b_to_end = B * (decay[..., -1:] - decay).exp()[..., None]
+    chunk_decay = decay[..., -1].exp()[..., None, None]                                     # [H, N, 1, 1]
+    out = torch.empty_like(inner)
+    for n in range(inner.shape[1]):
+        out[:, n] = inner[:, n] + c_decayed[:, n] @ state.transpose(-1, -2)
+        state = state * chunk_decay[:, n] + xdt[:, n].transpose(-1, -2) @ b_to_end[:, n]
+    return out.reshape(H, -1, out.shape[-1])[:, :L].transpose(0, 1), state                 # [L, H, P]
+
+
+def ssd_step(x, dt, A, B, C, state):
+    """One token of each of S sequences: x [S, H, P], dt [S, H], A [H], B and C [S, H, N]; state [S, H, P, N]
+    (fp32, contiguous) updated in place. Returns y [S, H, P] (without D's skip)."""
+    state.mul_((dt * A).exp()[..., None, None])
+    state.add_((x * dt[..., None])[..., None] * B[:, :, None, :])
+    return (state @ C[..., None])[..., 0]
+
+
 def causal_conv(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """inputs [..., C, kernel - 1 + n], weight [C, kernel] -> [..., C, n]: each channel's outputs over its last kernel
     inputs. (A sum of shifted slices: half the time of a depthwise conv1d here.)"""
@@ -132,7 +175,56 @@ class GatedRMSNorm(nn.Module):
         return (y * F.silu(z.float())).to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class StateMixer(nn.Module):
+    """What both mixers share: each sequence's row of the states (reset where its step starts at position 0), and
+    the causal convolution over the state's last inputs, decodes together and each prompt chunk on its own."""
+
+    def rows(self, meta: AttentionMetadata, state: LinearState, device: torch.device) -> torch.Tensor:
+        rows = meta.state_rows if meta.state_rows is not None else torch.arange(len(meta.query_lens), device=device)
+        state.grow(int(rows.max()) + 1)
+        fresh = rows[meta.seq_lens == meta.query_lens]  # sequences starting at position 0: from zeros
+        if len(fresh):
+            state.conv[fresh], state.ssm[fresh] = 0, 0
+        return rows
+
+    def convolve_and_scan(self, conv_in: torch.Tensor, meta: AttentionMetadata, state: LinearState, step, chunked,
+                          out: torch.Tensor) -> torch.Tensor:
+        """conv_in [T, C]: each sequence's new inputs. step(mixed [S, C], idx, matrices [S, ...]) updates the
+        matrices in place and returns the decodes' outputs; chunked(mixed [n, C], rows slice, matrices) returns a
+        prompt chunk's outputs and the matrices after it. Fills out [T, ...] with them."""
+        rows = self.rows(meta, state, conv_in.device)
+        lens = meta.query_lens.tolist()
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        single = [i for i, n in enumerate(lens) if n == 1]
+        if single:  # the decodes together, one token each (every row of a decode step: no gathers)
+            every = len(single) == len(lens)
+            idx = slice(None) if every else torch.tensor([starts[i] for i in single], device=conv_in.device)
+            r = rows if every else rows[single]
+            conv, in_place = at_rows(state.conv, r)                                          # [S, C, kernel - 1]
+            window = torch.cat([conv, conv_in[idx, :, None].to(conv.dtype)], -1)             # [S, C, kernel]
+            matrices, _ = at_rows(state.ssm, r)
+            out[idx] = step(self.activate(causal_conv(window, self.conv_weight)[..., 0]), idx, matrices)
+            if in_place:
+                conv.copy_(window[..., 1:])
+            else:
+                state.conv[r], state.ssm[r] = window[..., 1:], matrices
+        for i, n in enumerate(lens):  # each prompt chunk on its own, from its sequence's state
+            if n == 1:
+                continue
+            r, s = int(rows[i]), slice(starts[i], starts[i] + n)
+            inputs = torch.cat([state.conv[r], conv_in[s].t().to(state.conv.dtype)], -1)    # [C, kernel - 1 + n]
+            state.conv[r] = inputs[:, -state.conv.shape[-1]:]
+            out[s], state.ssm[r] = chunked(self.activate(causal_conv(inputs, self.conv_weight).t()), s, state.ssm[r])
+        return out
+
+    def activate(self, conv_out: torch.Tensor) -> torch.Tensor:
+        bias = getattr(self, "conv_bias", None)
+        return F.silu(conv_out if bias is None else conv_out + bias)
+
+
+class GatedDeltaNet(StateMixer):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.hk, self.hv, self.dk, self.dv, kernel = cfg.linear_attention
@@ -149,44 +241,17 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: LinearState) -> torch.Tensor:
-        proj = self.in_proj(x)
-        qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.hv, self.hv], -1)
-        rows = meta.state_rows if meta.state_rows is not None else torch.arange(len(meta.query_lens),
-                                                                                device=x.device)
-        state.grow(int(rows.max()) + 1)
-        fresh = rows[meta.seq_lens == meta.query_lens]  # sequences starting at position 0: from zeros
-        if len(fresh):
-            state.conv[fresh], state.ssm[fresh] = 0, 0
-        lens = meta.query_lens.tolist()
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
-        single = [i for i, n in enumerate(lens) if n == 1]
-        out = x.new_empty(len(x), self.hv, self.dv)
+        qkv, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.hv, self.hv], -1)
         beta = b.sigmoid().float()                                                             # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())         # [T, Hv]
-        if single:  # the decodes together, one token each (every row of a decode step: no gathers)
-            every = len(single) == len(lens)
-            idx = slice(None) if every else torch.tensor([starts[i] for i in single], device=x.device)
-            r = rows if every else rows[single]
-            conv, in_place = at_rows(state.conv, r)                                          # [S, C, kernel - 1]
-            window = torch.cat([conv, qkv[idx, :, None].to(conv.dtype)], -1)                 # [S, C, kernel]
-            mixed = F.silu(causal_conv(window, self.conv_weight)[..., 0])                      # [S, C]
-            ssm, _ = at_rows(state.ssm, r)                                                  # [S, Hv, Dk, Dv]
-            out[idx] = delta_rule_step(*self._heads(mixed, g[idx], beta[idx]), ssm).to(x.dtype)
-            if in_place:
-                conv.copy_(window[..., 1:])
-            else:
-                state.conv[r], state.ssm[r] = window[..., 1:], ssm
-        for i, n in enumerate(lens):  # each prompt chunk on its own, from its sequence's state
-            if n == 1:
-                continue
-            r, s = int(rows[i]), slice(starts[i], starts[i] + n)
-            inputs = torch.cat([state.conv[r], qkv[s].t().to(state.conv.dtype)], -1)        # [C, kernel - 1 + n]
-            state.conv[r] = inputs[:, -state.conv.shape[-1]:]
-            mixed = F.silu(causal_conv(inputs, self.conv_weight).t())                          # [n, C]
-            o, state.ssm[r] = delta_rule_chunked(*self._heads(mixed, g[s], beta[s]), state.ssm[r])
-            out[s] = o.to(x.dtype)
+
+        def step(mixed, idx, matrices):
+            return delta_rule_step(*self._heads(mixed, g[idx], beta[idx]), matrices).to(x.dtype)
+
+        def chunked(mixed, s, matrices):
+            o, matrices = delta_rule_chunked(*self._heads(mixed, g[s], beta[s]), matrices)
+            return o.to(x.dtype), matrices
+        out = self.convolve_and_scan(qkv, meta, state, step, chunked, x.new_empty(len(x), self.hv, self.dv))
         out = self.norm(out, z.reshape(-1, self.hv, self.dv))                               # [T, Hv, Dv]
         return self.out_proj(out.reshape(len(x), self.value_dim))
 
@@ -198,3 +263,59 @@ class GatedDeltaNet(nn.Module):
         q, k = (l2_normed(t.reshape(len(t), self.hk, self.dk)) for t in (q, k))
         q, k = (t.repeat(1, r, 1) if self.tiled else t.repeat_interleave(r, 1) for t in (q, k))  # [T, Hv, Dk]
         return q * self.dk ** -0.5, k, v.reshape(len(v), self.hv, self.dv), g, beta
+
+
+class GroupGatedRMSNorm(nn.Module):
+    """Mamba-2's: gated by silu(z) first, then RMS-normed over each group's channels, scaled by w (fp32, one
+    rounding before the scale)."""
+
+    def __init__(self, size: int, groups: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        y = (x.float() * F.silu(z.float())).view(len(x), self.groups, -1)                   # [T, G, C / G]
+        y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).view(len(x), -1)
+        return self.weight * y.to(x.dtype)
+
+
+class Mamba2Mixer(StateMixer):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.head_dim, self.groups, self.width, kernel = cfg.mamba
+        self.inner = self.heads * self.head_dim
+        self.conv_dim = self.inner + 2 * self.groups * self.width
+        # the output gate z, then x, B and C (convolved), then dt per head, in one matmul
+        self.in_proj = nn.Linear(cfg.hidden_size, self.inner + self.conv_dim + self.heads, bias=cfg.mamba_proj_bias)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, kernel))  # HF's conv1d.weight [C, 1, kernel]
+        if cfg.mamba_conv_bias:
+            self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim))
+        self.dt_bias = nn.Parameter(torch.ones(self.heads))
+        self.A_log = nn.Parameter(torch.zeros(self.heads))
+        self.D = nn.Parameter(torch.ones(self.heads))
+        self.norm = GroupGatedRMSNorm(self.inner, self.groups, cfg.norm_eps)
+        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: LinearState) -> torch.Tensor:
+        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], -1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())                                   # [T, H]
+        A = -self.A_log.float().exp()
+
+        def step(mixed, idx, matrices):
+            xs, B, C = self._heads(mixed)
+            return (ssd_step(xs, dt[idx], A, B, C, matrices) + xs * self.D.float()[:, None]).to(x.dtype)
+
+        def chunked(mixed, s, matrices):
+            xs, B, C = self._heads(mixed)
+            y, matrices = ssd_chunked(xs, dt[s], A, B, C, matrices)
+            return (y + xs * self.D.float()[:, None]).to(x.dtype), matrices
+        out = self.convolve_and_scan(xbc, meta, state, step, chunked, x.new_empty(len(x), self.heads, self.head_dim))
+        return self.out_proj(self.norm(out.reshape(len(x), self.inner), z))
+
+    def _heads(self, mixed: torch.Tensor) -> tuple:
+        """The convolution's output [T, C] as fp32 x [T, H, P] and each head's group's B and C [T, H, N]."""
+        xs, B, C = mixed.float().split([self.inner, self.groups * self.width, self.groups * self.width], -1)
+        B, C = (t.reshape(len(t), self.groups, self.width).repeat_interleave(self.heads // self.groups, 1)
+                for t in (B, C))
+        return xs.reshape(len(xs), self.heads, self.head_dim), B, C

@@ -170,6 +170,8 @@ class LlamaStage(nn.Module):
     def to_param_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Stacked experts as nn.Linear's [E, out, in]: those given [E, in, out] transposed (Llama 4's checkpoints,
         Qwen3-VL-MoE's releases; told apart by their shape, as HF does, a square one by experts_in_out)."""
+        if name.endswith(".conv1d.weight"):  # a linear-attention or Mamba-2 layer's: HF's [C, 1, kernel]
+            return tensor.reshape(tensor.shape[0], -1)
         if not IN_OUT_EXPERTS.search(name):
             return tensor
         cfg = self.cfg
@@ -209,6 +211,8 @@ class LlamaStage(nn.Module):
             row = cfg.moe_intermediate_size if proj in ("w3", "up_proj") else 0
             return [(f"{prefix}mlp.experts.{expert}.{target}.{kind}", row)]
         module, _, kind = rest.rpartition(".")
+        if module.endswith(".conv1d"):  # a linear-attention or Mamba-2 layer's convolution
+            return [(f"{prefix}{module.removesuffix('conv1d')}conv_{kind}", 0)]
         if module in fused and not (cfg.hidden_act in UNGATED and module == "mlp.up_proj"):  # no gate to fuse with
             target, row = fused[module]
             return [(f"{prefix}{target}.{kind}", row)]

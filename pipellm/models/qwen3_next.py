@@ -43,14 +43,7 @@ class Qwen3NextStage(LlamaStage):
         if module in rows:
             target = "self_attn.qkv_proj" if module.startswith("self_attn") else "linear_attn.in_proj"
             return [(f"{prefix}{target}.{kind}", rows[module])]
-        if module == "linear_attn.conv1d":
-            return [(f"{prefix}linear_attn.conv_weight", 0)]
         return super().map_weight(name)
-
-    def to_param_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name.endswith("linear_attn.conv1d.weight"):
-            return tensor.reshape(tensor.shape[0], -1)                          # HF's [C, 1, kernel] -> [C, kernel]
-        return super().to_param_layout(name, tensor)
 
     def row_order(self, name: str) -> torch.Tensor | None:
         """q_proj's rows as [q of every head, then the gate of every head] (the checkpoint's: per head, q then its

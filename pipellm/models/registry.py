@@ -11,7 +11,7 @@ from pipellm.models.gemma import Gemma1Stage, GemmaStage
 from pipellm.models.glm import Ernie45MoeStage, Glm4Stage, InterleavedRotaryStage
 from pipellm.models.gpt2 import GPT2Stage
 from pipellm.models.gpt_oss import GptOssStage
-from pipellm.models.granite import GraniteMoeStage
+from pipellm.models.granite import GraniteHybridStage, GraniteMoeStage
 from pipellm.models.hunyuan import HunyuanStage
 from pipellm.models.llama import LlamaStage
 from pipellm.models.llama4 import Llama4Stage
@@ -43,6 +43,7 @@ STAGE_CLASSES = {
     "HunYuanMoEV1ForCausalLM": HunyuanStage,
     "GraniteMoeForCausalLM": GraniteMoeStage,
     "GraniteMoeSharedForCausalLM": GraniteMoeStage,
+    "GraniteMoeHybridForCausalLM": GraniteHybridStage,
     "OlmoeForCausalLM": LlamaStage,
     "ArceeForCausalLM": LlamaStage,
     "ApertusForCausalLM": ApertusStage,

@@ -53,7 +53,7 @@ def supported(model_config, engine_config, dev: torch.device, num_window_blocks:
         return f"{cfg.rope.rope_type} rotary changes with each sequence's length"
     if cfg.rope.llama4_scaling_beta or cfg.nope_temperature:
         return "queries scaled by their position (Llama 4's temperature) past a length read from the data"
-    if cfg.linear_attention:
+    if cfg.keeps_states:
         return "linear-attention layers keep a state per sequence, in rows read from the data"
     if cfg.attention_chunk:
         return "chunked attention layers' blocks start where each sequence's chunk does"

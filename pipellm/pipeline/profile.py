@@ -126,10 +126,10 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
     try:
         # each kind of layer timed once, weighed by how many the model has (Qwen3-Next's linear-attention and
         # full-attention layers); every other model's layers are of one kind
-        kinds = [0] if not cfg.linear_attention else [0, cfg.layer_types.index("full_attention")]
-        timed = [_time_layer(cfg, ecfg, layer, num_tokens, repeats, compact) for layer in kinds]
+        kinds = [0] + [next((i for i in range(cfg.num_layers) if not cfg.is_linear(i)), 0)] * cfg.keeps_states
+        timed = [_time_layer(cfg, ecfg, layer, num_tokens, repeats, compact) for layer in dict.fromkeys(kinds)]
         linear = cfg.num_linear_layers / cfg.num_layers
-        shares = [1.0] if len(kinds) == 1 else [linear, 1.0 - linear]
+        shares = [1.0] if len(timed) == 1 else [linear, 1.0 - linear]
         return {**timed[0], **{key: sum(share * t[key] for share, t in zip(shares, timed))
                                for key in ("layer_decode_s", "layer_prefill_s")}}
     finally:
