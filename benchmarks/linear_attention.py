@@ -1,18 +1,22 @@
-"""One Qwen3-Next linear-attention layer (Qwen3-Next-80B's shape by default: hidden 2048, 16 key heads and 32 value
-heads of 128, a 4-wide convolution), two ways on the same weights and states: pipellm's GatedDeltaNet and
-transformers' Qwen3NextGatedDeltaNet with its cache (its torch fallbacks: no flash-linear-attention kernels on a CPU).
+"""One Qwen3-Next linear-attention layer (Qwen3-Next-80B's shape: hidden 2048, 16 key heads and 32 value heads of
+128, a 4-wide convolution), or with --mixer mamba2 one Granite 4.0-H Mamba-2 layer (Granite-4.0-H-Small's shape:
+hidden 4096, 128 heads of 64, one group, a 128-wide state), two ways on the same weights and states: pipellm's
+GatedDeltaNet (Mamba2Mixer) and transformers' Qwen3NextGatedDeltaNet (GraniteMoeHybridMambaLayer) with its cache
+(its torch fallbacks: no flash-linear-attention or mamba-ssm kernels on a CPU).
 Times a prompt of each length (one sequence, from an empty state) and a decode step of a batch (each sequence's state
 after its prompt), and gives the largest difference between the two outputs. A decode step's cost does not grow with
 the context: the state is the same size at any length.
 
-    python benchmarks/linear_attention.py [--threads 2] [--batch 4] [--prompts 64,512,2048] [--json linear.json]
+    python benchmarks/linear_attention.py [--mixer delta|mamba2] [--threads 2] [--batch 4] [--prompts 64,512,2048]
+        [--json linear.json]
 """
 import argparse
 import json
 import tempfile
 
 import torch
-from transformers import DynamicCache, Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers import (DynamicCache, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, Qwen3NextConfig,
+                          Qwen3NextForCausalLM)
 
 from pipellm.loader.safetensors import load_stage_weights
 from pipellm.model_config import ModelConfig
@@ -34,6 +38,7 @@ def meta_of(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--mixer", choices=["delta", "mamba2"], default="delta")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompts", default="64,512,2048")
@@ -41,17 +46,26 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    hf_cfg = Qwen3NextConfig(vocab_size=256, hidden_size=2048, intermediate_size=256, num_hidden_layers=1,
-                             num_experts=2, num_experts_per_tok=1, moe_intermediate_size=64,
-                             shared_expert_intermediate_size=64, linear_num_key_heads=16, linear_num_value_heads=32,
-                             linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
-    hf = Qwen3NextForCausalLM(hf_cfg).eval()
+    if args.mixer == "delta":
+        hf_cfg = Qwen3NextConfig(vocab_size=256, hidden_size=2048, intermediate_size=256, num_hidden_layers=1,
+                                 num_experts=2, num_experts_per_tok=1, moe_intermediate_size=64,
+                                 shared_expert_intermediate_size=64, linear_num_key_heads=16,
+                                 linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                                 linear_conv_kernel_dim=4)
+        hf = Qwen3NextForCausalLM(hf_cfg).eval()
+    else:
+        hf_cfg = GraniteMoeHybridConfig(vocab_size=256, hidden_size=4096, intermediate_size=64, num_hidden_layers=1,
+                                        num_local_experts=0, shared_intermediate_size=64, layer_types=["mamba"],
+                                        mamba_n_heads=128, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128,
+                                        mamba_d_conv=4, mamba_expand=2)
+        hf = GraniteMoeHybridForCausalLM(hf_cfg).eval()
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder)
         cfg = ModelConfig.from_pretrained(folder)
         stage = build_stage_model(cfg, StageLayers(0, 0, 1, True, True), meta=True)
         load_stage_weights(stage, folder, torch.float32)
-    ours, theirs = stage.layers[0].linear_attn, hf.model.layers[0].linear_attn
+    mixer = "linear_attn" if args.mixer == "delta" else "mamba"
+    ours, theirs = getattr(stage.layers[0], mixer), getattr(hf.model.layers[0], mixer)
     rows = []
     with torch.inference_mode():
         for length in map(int, args.prompts.split(",")):
