@@ -26,10 +26,12 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "arcee": "arcee", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe",
         "dots1": "dots1", "minimax_m2": "minimax-m2", "llama4": "llama4", "ministral3": "mistral3",
         "mistral4": "mistral4", "qwen3_next": "qwen3next", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe",
-        "qwen3_next-ssm_in": "qwen3next"}  # as older converters wrote it: in_proj_qkvz whole
+        "qwen3_next-ssm_in": "qwen3next",  # as older converters wrote it: in_proj_qkvz whole
+        "granitemoehybrid": "granitehybrid", "granitemoehybrid-dense": "granitehybrid"}
+GRANITE_HYBRID = ("granitemoehybrid", "granitemoehybrid-dense")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_next-ssm_in")  # linear-attention layers
 # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
-PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee", "mistral3")
+PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee", "mistral3", "granitehybrid")
 FAMILIES = list(ARCH)
 
 # HF module -> llama.cpp tensor kind (gguf-py's tensor_mapping.py), per family where it differs
@@ -191,6 +193,14 @@ def gguf_family_config(name: str):
                                      rope_type="yarn", rope_theta=10000.0, factor=8.0,
                                      original_max_position_embeddings=SHORT, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
                                      mscale_all_dim=1.0, llama_4_scaling_beta=0.1, partial_rotary_factor=8 / 24))
+    if name in GRANITE_HYBRID:  # Mamba-2 layers in 2 groups but layer 2; without rotary, as the converter takes every
+        # hybrid Granite to be
+        return tf.GraniteMoeHybridConfig(**BASE | dict(intermediate_size=32), shared_intermediate_size=64,
+                                         num_local_experts=0 if name.endswith("-dense") else 4, num_experts_per_tok=2,
+                                         layer_types=["mamba", "mamba", "attention", "mamba", "mamba"],
+                                         mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+                                         position_embedding_type=None, embedding_multiplier=4.0,
+                                         residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
     if name in HYBRID:  # two value heads a key head (which qwen35 files tile); llama.cpp's: key and value heads as
         # wide, every 4th layer full, a quarter of each head rotated, experts in every layer
         linear = dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -235,7 +245,8 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size_mlp if name == "llama4" else cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads * (t == "full_attention") for t in cfg.layer_types]
+                        if name in GRANITE_HYBRID else cfg.num_key_value_heads)  # 0: a Mamba-2 layer
     if name.startswith("cohere"):
         w.add_layer_norm_eps(cfg.layer_norm_eps)
         w.add_logit_scale(cfg.logit_scale)
@@ -330,7 +341,19 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_sliding_window(cfg.sliding_window)
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)  # global layers only
         w.add_rope_scaling_factor(_rope_parameters(cfg)["factor"])
-    if name in ("granite", "granitemoe"):  # the converter renames the multipliers to scales
+    if name in GRANITE_HYBRID:  # Mamba-2's keys; no rotary (its switch), and a context of 2**20 for it
+        w.add_context_length(2 ** 20)
+        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+        w.add_rope_scaling_finetuned(False)
+        w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+        w.add_ssm_state_size(cfg.mamba_d_state)
+        w.add_ssm_group_count(cfg.mamba_n_groups)
+        w.add_ssm_time_step_rank(cfg.mamba_n_heads)
+        w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+    if name in ("granite", "granitemoe") + GRANITE_HYBRID:  # the converter renames the multipliers to scales
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
@@ -447,6 +470,9 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
                 v_b = add(f"blk.{layer}.attn_v_b.weight", per_head[:, nope:])
                 held[hf] = np.concatenate([k_b.transpose(0, 2, 1), v_b], 1).reshape(arr.shape)
                 continue
+            if module.startswith(("mamba", "shared_mlp")) and name in GRANITE_HYBRID:
+                held[hf] = _add_granite_hybrid(add, f"blk.{layer}.", module, suffix, arr, cfg)
+                continue
             if module.startswith("linear_attn"):
                 held[hf] = _add_linear_attention(add, f"blk.{layer}.", module, suffix, arr, cfg,
                                                  tiled=not name.startswith("qwen3_next"),
@@ -495,6 +521,29 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
     if cfg.tie_word_embeddings:
         held["lm_head.weight"] = held["model.embed_tokens.weight"]
     return {k: torch.from_numpy(v) for k, v in held.items()}
+
+
+def _add_granite_hybrid(add, prefix: str, module: str, suffix: str, arr: np.ndarray, cfg) -> np.ndarray:
+    """A Granite 4.0-H Mamba-2 layer's or shared MLP's tensor as the converter writes it: the conv squeezed, A_log as
+    -exp(A_log) and D each [heads, 1], the norm [groups, width / groups], all F32; the shared MLP's gate and up
+    apart (a dense model's as its MLP). Returns HF's tensor of what the file holds."""
+    if module == "shared_mlp.input_linear":
+        half, kind = arr.shape[0] // 2, "_shexp" if cfg.num_local_experts else ""
+        return np.concatenate([add(f"{prefix}ffn_gate{kind}.weight", arr[:half]),
+                               add(f"{prefix}ffn_up{kind}.weight", arr[half:])])
+    if module == "shared_mlp.output_linear":
+        return add(f"{prefix}ffn_down{'_shexp' if cfg.num_local_experts else ''}.weight", arr)
+    if suffix == "A_log":
+        return np.log(-add(prefix + "ssm_a", -np.exp(arr)[:, None]))[:, 0]
+    if suffix == "D":
+        return add(prefix + "ssm_d", arr[:, None])[:, 0]
+    if suffix == "dt_bias":
+        return add(prefix + "ssm_dt.bias", arr)
+    if module == "mamba.conv1d":
+        return add(f"{prefix}ssm_conv1d.{suffix}", arr.reshape(arr.shape[0], -1), router=True).reshape(arr.shape)
+    if module == "mamba.norm":
+        return add(prefix + "ssm_norm.weight", arr.reshape(cfg.mamba_n_groups, -1), router=True).reshape(arr.shape)
+    return add(prefix + {"mamba.in_proj": "ssm_in", "mamba.out_proj": "ssm_out"}[module] + ".weight", arr)
 
 
 def _reorder_v_heads(tensor: np.ndarray, dim: int, num_k_heads: int, num_v_per_k: int, head_dim: int) -> np.ndarray:

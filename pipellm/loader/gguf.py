@@ -89,7 +89,9 @@ def _entries(reader, path: str, arch: str, cfg: dict):
                 raise ValueError(f"{path}: unexpected tensor {t.name} for this architecture")
             want = expected[full] if part is None else (shape[0], (1 + fused) * expected[full][0],
                                                         *expected[full][1:])
-            if shape != want and [d for d in shape if d != 1] != [d for d in want if d != 1]:  # [h] for HF's [1, h]
+            # [h] for HF's [1, h]; a vector held as a matrix (Mamba-2's group norm, [groups, width / groups])
+            if shape != want and [d for d in shape if d != 1] != [d for d in want if d != 1] and not (
+                    len(want) == 1 and math.prod(shape) == want[0]):
                 raise ValueError(f"{path}: tensor {t.name} has shape {list(shape)}, expected {list(want)}")
             seen.add(full)
             yield t, full, expected[full], part
@@ -194,13 +196,14 @@ def _tokenizer_reads(arch: str):
     tokenizer (tokenizer.ggml.*) does not depend on them: for that call, it counts this one among them. For gpt-oss
     its reader also hides the rope scaling keys, which transformers' config parsing reads wrongly (it takes a key's
     length field for the value: float() of an array); the tokenizer needs none of them. A command-r, ernie4_5-moe,
-    hunyuan-dense, deepseek2, glm4moe, minimax-m2 or qwen3next file is shown as the model type transformers knows."""
+    hunyuan-dense, deepseek2, glm4moe, minimax-m2, qwen3next or granitehybrid file is shown as the model type
+    transformers knows."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as known
 
     shown = {"command-r": "cohere", "ernie4_5-moe": "ernie4_5_moe", "hunyuan-dense": "hunyuan_v1_dense",
              "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "minimax-m2": "minimax_m2",
-             "qwen3next": "qwen3_next"}.get(arch, arch)
+             "qwen3next": "qwen3_next", "granitehybrid": "granitemoehybrid"}.get(arch, arch)
     added = shown not in known.GGUF_SUPPORTED_ARCHITECTURES
     if added:
         known.GGUF_SUPPORTED_ARCHITECTURES.append(shown)

@@ -45,6 +45,7 @@ ARCHITECTURES = {
     "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next", False),
     "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text", False),  # their value heads tiled (below)
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", False),
+    "granitehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid", True),  # Granite 4.0-H: Mamba-2 layers
 }
 HYBRID = ("qwen3next", "qwen35", "qwen35moe")  # linear-attention layers (gated delta nets) among full ones
 DEEPSEEK_V2 = ("DeepseekV2ForCausalLM", "deepseek_v2", False)  # "deepseek2" with a softmax router
@@ -92,11 +93,13 @@ _FAMILY_NAMES.update(dict.fromkeys(HYBRID, {
     "ssm_ba": "linear_attn.in_proj_ba", "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
     "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
     "post_attention_norm": "post_attention_layernorm"}))
+_FAMILY_NAMES["granitehybrid"] = {"ssm_in": "mamba.in_proj", "ssm_conv1d": "mamba.conv1d", "ssm_norm": "mamba.norm",
+                                  "ssm_out": "mamba.out_proj"}  # its MLPs' gate and up apart, as llama.cpp's
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj",
                 "ffn_gate_up_exps": "gate_up_proj"}  # Mistral 4's fused: each expert's gate rows, then its up rows
 MLA_ARCHS = ("deepseek2", "mistral4")
 BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-SSM_A = re.compile(r"blk\.(\d+)\.ssm_a")  # no .weight
+SSM_PARAMS = re.compile(r"blk\.(\d+)\.ssm_([ad])")  # A (stored as -exp(A_log)) and Mamba-2's D: no .weight
 BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # read into config
 
@@ -105,8 +108,9 @@ def hf_name(name: str, arch: str) -> str | None:
     """HF name of a GGUF tensor; for stacked experts, with {e} where the expert's number goes."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    if match := SSM_A.fullmatch(name):
-        return f"model.layers.{match[1]}.linear_attn.A_log"
+    mixer = "mamba" if arch == "granitehybrid" else "linear_attn"
+    if match := SSM_PARAMS.fullmatch(name):
+        return f"model.layers.{match[1]}.{mixer}.{'A_log' if match[2] == 'a' else 'D'}"
     match = BLOCK_RE.fullmatch(name)
     if not match:
         return None
@@ -114,7 +118,7 @@ def hf_name(name: str, arch: str) -> str | None:
     if kind == "attn_sinks":  # a parameter of its own, without .weight
         return f"model.layers.{match[1]}.self_attn.sinks"
     if kind == "ssm_dt":
-        return f"model.layers.{match[1]}.linear_attn.dt_bias"
+        return f"model.layers.{match[1]}.{mixer}.dt_bias"
     if kind == "exp_probs_b":  # the router's bias that picks the experts, as HF names it
         module = "mlp.moe_statics" if arch == "ernie4_5-moe" else "mlp.gate"
         return f"model.layers.{match[1]}.{module}.e_score_correction_bias"
@@ -127,10 +131,10 @@ def hf_name(name: str, arch: str) -> str | None:
 
 def stored_as(arch: str, name: str) -> str | None:
     """How the converter changed a tensor's values, to undo at load: "1 + w" (Gemma's norms, and Qwen3-Next's but
-    its gated one), "-exp(w)" (Qwen3-Next's A_log: the decay rate llama.cpp's graph takes), or None."""
+    its gated one), "-exp(w)" (Qwen3-Next's and Mamba-2's A_log: the decay rate llama.cpp's graph takes), or None."""
     if name.endswith("norm.weight") and (arch in GEMMA or arch in HYBRID and not name.endswith(".ssm_norm.weight")):
         return "1 + w"
-    return "-exp(w)" if arch in HYBRID and SSM_A.fullmatch(name) else None
+    return "-exp(w)" if name.endswith(".ssm_a") else None
 
 
 def undo(stored: str | None, values: np.ndarray) -> np.ndarray:
@@ -199,15 +203,17 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
                            p + "self_attn.k_norm.weight": (d if mc.qk_norm_per_head else kv,)})
         if is_gemma:
             shapes.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
-        if mc.is_linear(i):  # a gated delta net in place of attention
+        if mc.is_linear(i):  # a gated delta net (or a Mamba-2 mixer) in place of attention
             for name in [n for n in shapes if n.startswith(p + "self_attn.")]:
                 del shapes[name]
-            shapes.update(_linear_shapes(mc, p + "linear_attn.", fused_qkvz))
+            shapes.update(_mamba_shapes(mc, p + "mamba.") if mc.mamba else
+                          _linear_shapes(mc, p + "linear_attn.", fused_qkvz))
         if mc.is_moe(i):
             ff, shared = mc.moe_intermediate_size, mc.shared_expert_intermediate_size
             shapes[p + "mlp.gate.weight"] = (mc.num_experts, h)
             if shared:
-                module = p + ("mlp.shared_expert" if mc.shared_expert_gated else "mlp.shared_experts")  # Qwen2-MoE's
+                one = mc.shared_expert_gated or mc.architecture == "GraniteMoeHybridForCausalLM"  # Qwen2-MoE's
+                module = p + ("mlp.shared_expert" if one else "mlp.shared_experts")
                 shapes.update({module + ".gate_proj.weight": (shared, h), module + ".up_proj.weight": (shared, h),
                                module + ".down_proj.weight": (h, shared)})
             if shared and mc.shared_expert_gated:
@@ -253,6 +259,19 @@ def _linear_shapes(mc: ModelConfig, p: str, fused_qkvz: bool) -> dict:
         shapes[p + "in_proj_ba.weight"] = (2 * hv, h)
     else:
         shapes.update({p + "in_proj_b.weight": (hv, h), p + "in_proj_a.weight": (hv, h)})
+    return shapes
+
+
+def _mamba_shapes(mc: ModelConfig, p: str) -> dict:
+    """A Mamba-2 layer's tensors (prefix p) and their shapes."""
+    h, (heads, head_dim, groups, width, kernel) = mc.hidden_size, mc.mamba
+    inner = heads * head_dim
+    conv = inner + 2 * groups * width
+    shapes = {p + "in_proj.weight": (inner + conv + heads, h), p + "conv1d.weight": (conv, 1, kernel),
+              p + "dt_bias": (heads,), p + "A_log": (heads,), p + "D": (heads,), p + "norm.weight": (inner,),
+              p + "out_proj.weight": (h, inner)}
+    if mc.mamba_conv_bias:
+        shapes[p + "conv1d.bias"] = (conv,)
     return shapes
 
 
@@ -330,6 +349,22 @@ def _linear_attention(m, arch: str, layers: int) -> dict:
                 linear_num_value_heads=heads, linear_value_head_dim=m("ssm.inner_size") // heads,
                 layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                              for i in range(layers)], linear_heads_tiled=arch != "qwen3next")
+
+
+def _granite_hybrid(m, hidden: int, experts: int) -> dict:
+    """HF config fields of a granitehybrid file (Granite 4.0-H): its attention layers those with KV heads in the
+    per-layer attention.head_count_kv, the others Mamba-2 mixers; rotary only where rope.scaling.finetuned says so
+    (llama.cpp's switch; its converter writes false for every hybrid model, as they take none)."""
+    kv = m("attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * m("block_count")
+    heads, inner = m("ssm.time_step_rank"), m("ssm.inner_size")
+    return dict(num_key_value_heads=max(kv), layer_types=["attention" if n else "mamba" for n in kv],
+                position_embedding_type="rope" if m("rope.scaling.finetuned", True) else None,
+                mamba_n_heads=heads, mamba_d_head=inner // heads, mamba_expand=inner // hidden,
+                mamba_n_groups=m("ssm.group_count"), mamba_d_state=m("ssm.state_size"),
+                mamba_d_conv=m("ssm.conv_kernel"), num_local_experts=experts,
+                num_experts_per_tok=m("expert_used_count", 0) or 1,
+                shared_intermediate_size=m("expert_shared_feed_forward_length"))
 
 
 def _mla_config(m, rotated: int) -> dict:
@@ -413,6 +448,8 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         elif arch == "llama4":
             entry = ARCHITECTURES[arch]
             cfg.update(_llama4(m, experts, layers))
+        elif arch == "granitehybrid":  # below
+            pass
         elif arch in HYBRID:  # llama.cpp's rules: experts in every layer, their weights renormalised
             cfg.update(num_experts=experts, moe_intermediate_size=m("expert_feed_forward_length"),
                        shared_expert_intermediate_size=m("expert_shared_feed_forward_length", 0), norm_topk_prob=True,
@@ -440,7 +477,10 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
             rope = {"full_attention": rope, "sliding_attention": local}
     if arch == "smollm3":  # llama.cpp's rule, not in the file: every 4th layer without rotary
         cfg["no_rope_layer_interval"] = 4
-    if arch in ("granite", "granitemoe"):  # llama.cpp: an attention scale of 0 (or none) is 1 / sqrt(head_dim)
+    if arch == "granitehybrid":
+        cfg.update(_granite_hybrid(m, hidden, experts))
+    if arch in ("granite", "granitemoe", "granitehybrid"):  # llama.cpp: an attention scale of 0 (or none) is 1 /
+        # sqrt(head_dim)
         cfg.update(attention_multiplier=_f32(m("attention.scale", 0.0)) or head_dim ** -0.5,
                    embedding_multiplier=_f32(m("embedding_scale", 1.0)),
                    residual_multiplier=_f32(m("residual_scale", 1.0)), logits_scaling=_f32(m("logit_scale", 1.0)))
