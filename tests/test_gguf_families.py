@@ -680,10 +680,11 @@ def test_gguf_family_matches_hf(family_gguf, name):
     assert_matches_hf(outputs, reference, TOLERANCE.get(name.removesuffix("-ssm_in"), 1e-4))
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
-def test_hybrid_gguf_as_an_hf_folder(tmp_path, name):
-    """convert_gguf's HF folder of a qwen3next or qwen35 file (what `pipellm bench` gives transformers) holds HF's
-    tensors: norms less 1, A_log from -exp(A_log), the conv unsqueezed, qwen35's value heads grouped again."""
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "granitemoehybrid", "granitemoehybrid-dense", "granitemoe"])
+def test_gguf_as_an_hf_folder(tmp_path, name):
+    """convert_gguf's HF folder of a file (what `pipellm bench` gives transformers) holds HF's tensors: for qwen3next
+    and qwen35, norms less 1, A_log from -exp(A_log), the conv unsqueezed, qwen35's value heads grouped again; for
+    Granite's, the experts stacked and the shared MLP's gate and up fused again, under its checkpoints' names."""
     from transformers import AutoModelForCausalLM
 
     from pipellm.loader.gguf import convert_gguf

@@ -135,7 +135,30 @@ def _tensors(reader, path: str, arch: str, cfg: dict, permuted: bool) -> dict:
             parts = (*np.split(qkv, [key, 2 * key]), z)
             out[qkv_name.replace("_qkv.", "_qkvz.")] = np.concatenate(
                 [p.reshape(heads, -1, qkv.shape[1]) for p in parts], 1).reshape(-1, qkv.shape[1])
+    if arch in ("granitemoe", "granitehybrid"):
+        _granite_names(out, cfg)
     return out
+
+
+def _granite_names(out: dict, cfg: dict) -> None:
+    """Granite MoE's and Granite 4.0-H's tensors under the names of their HF checkpoints: each layer's experts
+    stacked (input_linear [E, 2 * width, hidden]: an expert's gate rows, then its up rows), the router's, the shared
+    MLP's gate and up in one (a dense Granite 4.0-H's MLP is its shared MLP)."""
+    experts = cfg.get("num_local_experts") or 0
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        if experts:
+            out[p + "block_sparse_moe.router.layer.weight"] = out.pop(p + "mlp.gate.weight")
+            out[p + "block_sparse_moe.input_linear.weight"] = np.stack([np.concatenate(
+                [out.pop(f"{p}mlp.experts.{e}.{proj}.weight") for proj in ("gate_proj", "up_proj")])
+                for e in range(experts)])
+            out[p + "block_sparse_moe.output_linear.weight"] = np.stack(
+                [out.pop(f"{p}mlp.experts.{e}.down_proj.weight") for e in range(experts)])
+        mlp = p + ("mlp.shared_expert." if experts else "mlp.")
+        if mlp + "gate_proj.weight" in out and cfg["architectures"][0] != "GraniteMoeForCausalLM":
+            out[p + "shared_mlp.input_linear.weight"] = np.concatenate(
+                [out.pop(mlp + "gate_proj.weight"), out.pop(mlp + "up_proj.weight")])
+            out[p + "shared_mlp.output_linear.weight"] = out.pop(mlp + "down_proj.weight")
 
 
 def _unpermute_heads(cfg: dict, permuted: bool) -> dict:
