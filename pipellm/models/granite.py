@@ -5,9 +5,8 @@ hidden] (each expert's gate rows, then its up rows) and output_linear [experts, 
 slice fills its own layers, as transformers 5's stacked experts (llama.py). Granite 4.0-H
 (GraniteMoeHybridForCausalLM) is Granite MoE Shared with Mamba-2 mixers (linear_attention.py) in most layers' place of
 attention, and no rotary in the others; its dense models have the shared MLP alone."""
-from pipellm.models.layers import RMSNorm
 from pipellm.models.linear_attention import Mamba2Mixer
-from pipellm.models.llama import LlamaLayer, LlamaStage
+from pipellm.models.llama import LlamaStage, StateLayer
 
 
 class GraniteMoeStage(LlamaStage):
@@ -20,17 +19,8 @@ class GraniteMoeStage(LlamaStage):
                                   .replace(".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."))
 
 
-class GraniteHybridLayer(LlamaLayer):
-    def __init__(self, cfg, layer: int, norm=RMSNorm):
-        super().__init__(cfg, layer, norm)
-        if cfg.is_linear(layer):  # its mixer: Mamba-2's, which takes the layer's LinearState
-            del self.self_attn
-            self.mamba = Mamba2Mixer(cfg)
-
-    def forward(self, x, ropes, meta, cache):
-        h, r = self.input_layernorm(x), self.residual_multiplier
-        x = x + (self.mamba(h, meta, cache) if hasattr(self, "mamba") else self.self_attn(h, ropes, meta, cache)) * r
-        return x + self.mlp(self.post_attention_layernorm(x)) * r
+class GraniteHybridLayer(StateLayer):
+    mixer_name, mixer_class = "mamba", Mamba2Mixer
 
 
 class GraniteHybridStage(GraniteMoeStage):

@@ -152,13 +152,13 @@ def causal_conv(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def at_rows(t: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """t's rows: a view where they are consecutive (as a decode step's usually are), to update in place; else a
-    copy, to write back. Returns it and whether it is a view."""
+def row_index(rows: torch.Tensor) -> slice | torch.Tensor:
+    """rows as a slice where they are consecutive (a decode step's usually are): indexing with it gives views, updated
+    in place; else as they are, which gives copies, to write back."""
     first = int(rows[0])
     if bool((rows == torch.arange(first, first + len(rows), device=rows.device)).all()):
-        return t[first:first + len(rows)], True
-    return t[rows], False
+        return slice(first, first + len(rows))
+    return rows
 
 
 class GatedRMSNorm(nn.Module):
@@ -202,14 +202,14 @@ class StateMixer(nn.Module):
             every = len(single) == len(lens)
             idx = slice(None) if every else torch.tensor([starts[i] for i in single], device=conv_in.device)
             r = rows if every else rows[single]
-            conv, in_place = at_rows(state.conv, r)                                          # [S, C, kernel - 1]
+            at = row_index(r)
+            conv, matrices = state.conv[at], state.ssm[at]                              # [S, C, kernel - 1], [S, ...]
             window = torch.cat([conv, conv_in[idx, :, None].to(conv.dtype)], -1)             # [S, C, kernel]
-            matrices, _ = at_rows(state.ssm, r)
             out[idx] = step(self.activate(causal_conv(window, self.conv_weight)[..., 0]), idx, matrices)
-            if in_place:
+            if isinstance(at, slice):  # the matrices were updated in place
                 conv.copy_(window[..., 1:])
             else:
-                state.conv[r], state.ssm[r] = window[..., 1:], matrices
+                state.conv[at], state.ssm[at] = window[..., 1:], matrices
         for i, n in enumerate(lens):  # each prompt chunk on its own, from its sequence's state
             if n == 1:
                 continue

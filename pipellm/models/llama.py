@@ -98,10 +98,33 @@ class LlamaLayer(nn.Module):
 
     def forward(self, x, ropes, meta, cache):
         r = self.residual_multiplier
-        a = self.self_attn(self.input_layernorm(x), ropes, meta, cache)
+        a = self.mix(self.input_layernorm(x), ropes, meta, cache)
         x = x + (a if r == 1 else a * r)
         m = self.mlp(self.post_attention_layernorm(x))
         return x + (m if r == 1 else m * r)
+
+    def mix(self, h, ropes, meta, cache):
+        """The layer's token mixer on its normed input: attention."""
+        return self.self_attn(h, ropes, meta, cache)
+
+
+class StateLayer(LlamaLayer):
+    """A layer of a model whose "linear_attention" layers mix tokens with mixer_class (linear_attention.py: a state
+    per sequence, no KV cache), held under mixer_name as the checkpoint names it, in place of attention."""
+    mixer_name: str
+    mixer_class: type
+
+    def __init__(self, cfg: ModelConfig, layer: int, norm=RMSNorm):
+        super().__init__(cfg, layer, norm)
+        self.keeps_state = cfg.is_linear(layer)
+        if self.keeps_state:
+            del self.self_attn
+            setattr(self, self.mixer_name, self.mixer_class(cfg))
+
+    def mix(self, h, ropes, meta, cache):
+        if self.keeps_state:
+            return getattr(self, self.mixer_name)(h, meta, cache)
+        return self.self_attn(h, ropes, meta, cache)
 
 
 class LlamaStage(nn.Module):

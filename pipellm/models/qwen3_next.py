@@ -3,24 +3,13 @@ one, whose output is gated by a sigmoid of a second q_proj; Gemma's 1 + w RMSNor
 in the MoE models a sigmoid-gated shared expert beside the routed ones (Qwen2-MoE's)."""
 import torch
 
-from pipellm.model_config import ModelConfig
 from pipellm.models.layers import GemmaRMSNorm
 from pipellm.models.linear_attention import GatedDeltaNet
-from pipellm.models.llama import LAYER_NAME, LlamaLayer, LlamaStage
+from pipellm.models.llama import LAYER_NAME, LlamaStage, StateLayer
 
 
-class Qwen3NextLayer(LlamaLayer):
-    def __init__(self, cfg: ModelConfig, layer: int, norm=GemmaRMSNorm):
-        super().__init__(cfg, layer, norm)
-        if cfg.is_linear(layer):  # its token mixer: a delta net, which takes the layer's LinearState
-            del self.self_attn
-            self.linear_attn = GatedDeltaNet(cfg)
-
-    def forward(self, x, ropes, meta, cache):
-        h = self.input_layernorm(x)
-        x = x + (self.linear_attn(h, meta, cache) if hasattr(self, "linear_attn") else
-                 self.self_attn(h, ropes, meta, cache))
-        return x + self.mlp(self.post_attention_layernorm(x))
+class Qwen3NextLayer(StateLayer):
+    mixer_name, mixer_class = "linear_attn", GatedDeltaNet
 
 
 class Qwen3NextStage(LlamaStage):
