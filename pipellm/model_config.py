@@ -4,6 +4,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from pipellm.hybrid_config import GRANITE_HYBRID, MAMBA_LAYER_TYPES, NEMOTRON_H, granite_hybrid, nemotron_h
 from pipellm.rope_config import RopeConfig
 from pipellm.vision_language import VISION_LANGUAGE, text_config
 
@@ -15,8 +16,6 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "Qwen3_5ForCausalLM")
 # linear-attention layers (gated delta nets) among gated full-attention ones
 HYBRID_FAMILY = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
-GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"  # Granite 4.0-H: Mamba-2 layers among full-attention ones
-MAMBA_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}  # its configs' names, as HF's
 # latent attention (GLM-4.7-Flash's Glm4MoeLite is DeepSeek V3's model; Mistral 4 is too, with a softmax router)
 DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM")
 SOFTMAX_GROUP_ROUTED = ("DeepseekV2ForCausalLM", "Mistral4ForCausalLM")
@@ -33,7 +32,7 @@ MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
                   GRANITE_HYBRID)  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel",)
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel", NEMOTRON_H)
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
 
 
@@ -188,6 +187,10 @@ class ModelConfig:
         """Whether the layer is a linear-attention (or Mamba-2) one: a state per sequence, no KV cache."""
         return self.keeps_states and self.layer_types[layer] == "linear_attention"
 
+    def has_kv_cache(self, layer: int) -> bool:
+        """Whether the layer caches keys and values: not one with a state, nor Nemotron-H's MLP and experts ones."""
+        return not self.layer_types or self.layer_types[layer] not in ("linear_attention", "mlp", "moe")
+
     @property
     def num_linear_layers(self) -> int:
         return sum(self.is_linear(i) for i in range(self.num_layers))
@@ -239,11 +242,16 @@ class ModelConfig:
                        d.get("n_inner") or 4 * n_embd, d["n_positions"], d.get("layer_norm_epsilon", 1e-5),
                        tie_word_embeddings=d.get("tie_word_embeddings", True), eos_token_ids=eos_ids,
                        fp8_block=fp8_block)
+        family = {}  # fields a family's config gives its own way
+        if arch == NEMOTRON_H:
+            d, family = nemotron_h(d, source)
+            family |= _group_router(d, source, arch) if family["num_experts"] else {}
         is_gemma = arch in GEMMA_FAMILY
         act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
-        if act not in ("silu", "gelu_pytorch_tanh") and (act, arch) not in (("relu2", "ArceeForCausalLM"),
-                                                                           ("xielu", "ApertusForCausalLM")):
-            raise ValueError(f"{source}: activation {act!r} is not supported (silu, gelu_pytorch_tanh; Arcee's relu2, "
+        if act not in ("silu", "gelu_pytorch_tanh") and (act, arch) not in (
+                ("relu2", "ArceeForCausalLM"), ("relu2", NEMOTRON_H), ("xielu", "ApertusForCausalLM")):
+            raise ValueError(f"{source}: activation {act!r} is not supported (silu, gelu_pytorch_tanh; Arcee's and "
+                             "Nemotron-H's relu2, "
                              "Apertus's xielu)")
         layers = d["num_hidden_layers"]
         window = d.get("sliding_window")
@@ -304,8 +312,9 @@ class ModelConfig:
         shared = (d.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
         if arch in ("GraniteMoeSharedForCausalLM", GRANITE_HYBRID):
             shared = d.get("shared_intermediate_size") or 0
-        granite_hybrid = _granite_hybrid(d, source) if arch == GRANITE_HYBRID else {}
-        if granite_hybrid and not num_experts:  # its shared MLP alone: a dense model
+        if arch == GRANITE_HYBRID:
+            family = granite_hybrid(d, source)
+        if arch == GRANITE_HYBRID and not num_experts:  # its shared MLP alone: a dense model
             d, shared = d | {"intermediate_size": shared}, 0
         if arch == "HunYuanMoEV1ForCausalLM":  # its shared MLP as wide as an expert, as HF's
             num_experts, top_k = (_same_each_layer(d, key, source) for key in ("num_experts", "moe_topk"))
@@ -368,7 +377,7 @@ class ModelConfig:
                    d.get("num_key_value_heads") or heads, head_dim,
                    d.get("intermediate_size_mlp") or d["intermediate_size"] if llama4 else d["intermediate_size"],
                    d.get("max_position_embeddings", 2048), d.get("rms_norm_eps", d.get("layer_norm_eps", 1e-6)), rope,
-                   tie_word_embeddings=d.get("tie_word_embeddings", is_gemma or arch in COHERE_FAMILY),
+                   **dict(tie_word_embeddings=d.get("tie_word_embeddings", is_gemma or arch in COHERE_FAMILY),
                    qkv_bias=attention_bias or arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"), o_bias=o_bias,
                    mlp_bias=mlp_bias,
                    sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
@@ -398,25 +407,7 @@ class ModelConfig:
                    fp8_block=fp8_block, text_of=wrapper or "", **scales, **gpt_oss,
                    experts_in_out=llama4,
                    router_sigmoid=v3_router or arch in ("MiniMaxM2ForCausalLM", "Llama4ForCausalLM"), **deepseek,
-                   **llama4_fields, **hybrid_fields, **granite_hybrid)
-
-
-def _granite_hybrid(d: dict, source: str) -> dict:
-    """ModelConfig's Mamba-2 fields of a Granite 4.0-H config.json, as HF reads it."""
-    heads, hidden = d.get("mamba_n_heads") or 128, d["hidden_size"]
-    width = (d.get("mamba_expand") or 2) * hidden
-    head_dim = d.get("mamba_d_head")
-    head_dim = width // heads if head_dim in (None, "auto") else head_dim
-    # transformers 5 writes infinity as {"__float__": "Infinity"}
-    limit = tuple(float(v["__float__"]) if isinstance(v, dict) else float(v)
-                  for v in d.get("time_step_limit") or (0.0, float("inf")))
-    if head_dim * heads != width or limit != (0.0, float("inf")):
-        raise ValueError(f"{source}: Mamba-2 heads of {heads} x {head_dim} for a width of {width}, or "
-                         f"time_step_limit={list(limit)}, are not supported (heads x head width = mamba_expand x "
-                         "hidden_size, and no time step limit)")
-    return dict(mamba=(heads, head_dim, d.get("mamba_n_groups") or 1, d.get("mamba_d_state") or 256,
-                       d.get("mamba_d_conv") or 4),
-                mamba_conv_bias=bool(d.get("mamba_conv_bias", True)), mamba_proj_bias=bool(d.get("mamba_proj_bias")))
+                   **llama4_fields, **hybrid_fields) | family)
 
 
 def _same_each_layer(d: dict, key: str, source: str) -> int:

@@ -70,27 +70,45 @@ def test_mamba2_scan_matches_hf(length):
 
 
 @pytest.fixture(scope="module")
-def qwen3_5(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("qwen3_5"))
-    model = make_family_checkpoint("qwen3_5", folder)
-    prompts = [[(7 * i + 5 * j + 3) % 384 for i in range(12 + 5 * j)] for j in range(6)]  # 12 to 37 tokens
-    return folder, prompts, [ids for ids, _ in hf_greedy(model, prompts)]
+def state_models(tmp_path_factory):
+    """name -> (folder, prompts, HF's greedy ids), each built on first use."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            folder = str(tmp_path_factory.mktemp(name))
+            model = make_family_checkpoint(name, folder)
+            prompts = [[(7 * i + 5 * j + 3) % 384 for i in range(12 + 5 * j)] for j in range(6)]  # 12 to 37 tokens
+            built[name] = folder, prompts, [ids for ids, _ in hf_greedy(model, prompts)]
+        return built[name]
+    return get
+
+
+@pytest.fixture
+def qwen3_5(state_models):
+    return state_models("qwen3_5")
 
 
 # requests that end at different steps: those still running keep rows out of their order in the batch
 LENGTHS = [16, 6, 16, 9, 16, 10]
 
 
-@pytest.mark.parametrize("options", [
-    # more requests than run at once: later ones take the rows (and states) of finished ones; the KV blocks of the
-    # full-attention layers hold one request at a time: the others are preempted and recompute from zeros
-    dict(max_num_seqs=2, block_size=4, num_kv_blocks=12, max_model_len=48),
-    dict(num_scheduler_steps=4),  # several decode steps a batch
-    dict(pipeline_parallel_size=2, max_num_batched_tokens=8),  # prompts in 8-token chunks, the state between them
-    dict(pipeline_parallel_size=3, layer_partition="auto"),  # split by each kind of layer's time
-], ids=["rows-reused-preempted", "multi-step", "pp2-chunked", "pp3-auto"])
-def test_states_follow_their_sequences(qwen3_5, options):
-    folder, prompts, reference = qwen3_5
+# more requests than run at once: later ones take the rows (and states) of finished ones; the KV blocks of the
+# full-attention layers hold one request at a time: the others are preempted and recompute from zeros
+REUSED = dict(max_num_seqs=2, block_size=4, num_kv_blocks=12, max_model_len=48)
+AUTO = dict(pipeline_parallel_size=3, layer_partition="auto")  # split by each kind of layer's time
+
+
+@pytest.mark.parametrize("name,options", [
+    ("qwen3_5", REUSED),
+    ("qwen3_5", dict(num_scheduler_steps=4)),  # several decode steps a batch
+    ("qwen3_5", dict(pipeline_parallel_size=2, max_num_batched_tokens=8)),  # 8-token chunks, the state between them
+    ("qwen3_5", AUTO),
+    ("nemotron_h", REUSED),  # Nemotron-H's MLP and experts layers: no cache, no blocks
+    ("nemotron_h", AUTO),
+], ids=["rows-reused-preempted", "multi-step", "pp2-chunked", "pp3-auto", "nemotron_h-reused", "nemotron_h-pp3-auto"])
+def test_states_follow_their_sequences(state_models, name, options):
+    folder, prompts, reference = state_models(name)
     with LLM(folder, dtype="float32", **options) as llm:
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in LENGTHS]
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -132,3 +150,44 @@ def test_qwen3_next_release_config():
     assert cfg.linear_attention == (16, 32, 128, 128, 4) and cfg.shared_expert_intermediate_size == 512
     with pytest.raises(ValueError, match="linear_num_value_heads=24 is not a multiple of its linear_num_key_heads=16"):
         ModelConfig.from_hf_dict(release | dict(linear_num_value_heads=24))
+
+
+def test_nemotron_h_release_configs():
+    """Nemotron Nano 9B v2's config.json (older keys: hybrid_override_pattern, Mamba-2 heads wider than hidden_size
+    x expand) and Nemotron 3 Nano 30B-A3B's (experts layers), their pattern's letters as given: read as HF reads them.
+    What pipellm cannot run is refused: experts on a latent projection, a time step limit, unknown layers."""
+    from transformers import AutoConfig
+
+    from pipellm.model_config import ModelConfig
+    nano2 = dict(architectures=["NemotronHForCausalLM"], model_type="nemotron_h", hidden_size=4480, head_dim=128,
+                 hybrid_override_pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
+                 intermediate_size=15680, mamba_head_dim=80, mamba_num_heads=128, n_groups=8, num_attention_heads=40,
+                 num_hidden_layers=56, num_key_value_heads=8, ssm_state_size=128, conv_kernel=4, expand=2,
+                 max_position_embeddings=131072, mlp_hidden_act="relu2", layer_norm_epsilon=1e-5,
+                 time_step_limit=[0.0, float("inf")], vocab_size=131072, eos_token_id=12)
+    nano3 = nano2 | dict(hidden_size=2688, num_attention_heads=32, num_key_value_heads=2, mamba_num_heads=64,
+                         mamba_head_dim=64,
+                         n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+                         moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5, n_group=1, topk_group=1,
+                         norm_topk_prob=True, num_hidden_layers=52,
+                         hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME")
+    for release in (nano2, nano3):
+        cfg, hf = ModelConfig.from_hf_dict(release), AutoConfig.for_model(**release)
+        assert list(cfg.layer_types) == hf.layers_block_type and cfg.num_layers == len(hf.layers_block_type)
+        assert cfg.mamba == (hf.mamba_num_heads, hf.mamba_head_dim, hf.n_groups, hf.ssm_state_size, hf.conv_kernel)
+        assert (cfg.head_dim, cfg.hidden_act, cfg.norm_eps) == \
+            (hf.head_dim, hf.mlp_hidden_act, hf.layer_norm_epsilon)
+        assert cfg.nope_layers == tuple(range(cfg.num_layers))
+        moe = "moe" in hf.layers_block_type
+        assert (cfg.num_experts, cfg.num_experts_per_tok) == ((hf.n_routed_experts, hf.num_experts_per_tok) if moe
+                                                              else (0, 0))
+        assert cfg.dense_layers == tuple(i for i, t in enumerate(hf.layers_block_type) if t != "moe")
+        assert cfg.routed_scaling_factor == (hf.routed_scaling_factor if moe else 1.0)
+        assert [cfg.has_kv_cache(i) for i in range(cfg.num_layers)] == \
+            [t == "full_attention" for t in hf.layers_block_type]
+    for change, needle in [(dict(moe_latent_size=1024), "moe_latent_size=1024"),
+                           (dict(time_step_limit=[0.0, 0.1]), r"time_step_limit=\[0.0, 0.1\]"),
+                           (dict(hybrid_override_pattern="M-X*"), r"layer types \['X'\] are not supported"),
+                           (dict(n_groups=7), "64 Mamba-2 heads do not split into 7 groups")]:
+        with pytest.raises(ValueError, match=needle):
+            ModelConfig.from_hf_dict(nano3 | change)

@@ -47,7 +47,7 @@ def kv_budget(mc: ModelConfig, cfg: EngineConfig, stages: list[StageLayers], dev
                else device.gpu_kv_cache_gib(dev, mc, stages, cfg.torch_dtype.itemsize, cfg.gpu_memory_utilization,
                                             cfg.nnodes))
         budget = int(gib * 2 ** 30) // size  # blocks of one layer
-        num_blocks = min(budget // max(1, s.num_layers - linear_layers(mc, s)) for s in stages)
+        num_blocks = min(budget // max(1, kv_layers(mc, s)) for s in stages)
         source = f"kv_cache_gib={gib:g}"
         if ring and num_blocks < needed:  # full-length sequences that fit with rings, on every stage
             per_seq = [stage_blocks(mc, s, needed, ring) for s in stages]
@@ -76,15 +76,15 @@ def kv_budget(mc: ModelConfig, cfg: EngineConfig, stages: list[StageLayers], dev
     return KVBudget(ring, num_blocks, ring_blocks, max_model_len)
 
 
-def linear_layers(mc: ModelConfig, stage: StageLayers) -> int:
-    """The stage's linear-attention layers: a state per sequence, no blocks."""
-    return sum(mc.is_linear(i) for i in range(stage.start, stage.end))
+def kv_layers(mc: ModelConfig, stage: StageLayers) -> int:
+    """The stage's layers with blocks: not its linear-attention ones (a state per sequence), nor its MLP ones."""
+    return sum(mc.has_kv_cache(i) for i in range(stage.start, stage.end))
 
 
 def stage_blocks(mc: ModelConfig, stage: StageLayers, full: int, ring: int) -> int:
     """Blocks of all of a stage's layers' caches: full blocks a full-attention layer, ring a sliding one."""
     sliding = sum(mc.is_sliding(i) for i in range(stage.start, stage.end))
-    return (stage.num_layers - sliding - linear_layers(mc, stage)) * full + sliding * ring
+    return (kv_layers(mc, stage) - sliding) * full + sliding * ring
 
 
 def check_host_memory(source: str, need: int, num_blocks: int, num_stages: int) -> None:

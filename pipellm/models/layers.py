@@ -115,6 +115,16 @@ class XieluMLP(ReluSquaredMLP):
         return self.down_proj(h)
 
 
+UNGATED = {"relu2": ReluSquaredMLP, "xielu": XieluMLP}  # Arcee's and Nemotron-H's, Apertus's: up, activation, down
+
+
+def dense_mlp(hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> nn.Module:
+    """An MLP through this activation: ungated (UNGATED), or gated by it (SwiGLU, GeGLU)."""
+    if act in UNGATED:
+        return UNGATED[act](hidden_size, intermediate_size, bias=bias)
+    return GatedMLP(hidden_size, intermediate_size, act, bias=bias)
+
+
 class TransposedLinear(nn.Module):
     """y = x @ W^T + b with W stored transposed, [in, out] contiguous. On the few-row inputs of decoding,
     MKL runs this layout up to 2x faster than nn.Linear's [out, in] (measured: 16 x 576 x 3072, 1 thread)."""

@@ -12,12 +12,11 @@ from pipellm.model_config import ModelConfig
 from pipellm.models import fused
 from pipellm.models.attention import AttentionMetadata, paged_attention
 from pipellm.models.kv_cache import KVCache
-from pipellm.models.layers import GatedMLP, ReluSquaredMLP, RMSNorm, XieluMLP, greedy_head
+from pipellm.models.layers import UNGATED, RMSNorm, dense_mlp, greedy_head
 from pipellm.models.moe import SparseMoE
 from pipellm.models.rotary import RotaryEmbedding, StepRopes, apply_rotary, query_scale
 from pipellm.pipeline.partition import StageLayers
 
-UNGATED = {"relu2": ReluSquaredMLP, "xielu": XieluMLP}  # Arcee's, Apertus's MLPs: up, activation, down
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # an expert's MLP: Mixtral's block_sparse_moe.experts.E.w1/w3/w2, Qwen3-MoE's mlp.experts.E.gate/up/down_proj
 EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(\w+)$")
@@ -80,9 +79,7 @@ class LlamaAttention(nn.Module):
 def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     if cfg.is_moe(layer):
         return SparseMoE(cfg)
-    if cfg.hidden_act in UNGATED:
-        return UNGATED[cfg.hidden_act](cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
+    return dense_mlp(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
 
 
 class LlamaLayer(nn.Module):
@@ -230,13 +227,14 @@ class LlamaStage(nn.Module):
             return [(f"{prefix}mlp.experts.{e}.{m[1]}.weight", 0, e) for e in range(cfg.num_experts)]
         if m := EXPERT.match(rest):
             expert, proj, kind = m[1], m[2], m[3]
-            target = "down_proj" if proj in ("w2", "down_proj") else "gate_up_proj"
-            row = cfg.moe_intermediate_size if proj in ("w3", "up_proj") else 0
+            target = "down_proj" if proj in ("w2", "down_proj") else "up_proj" if cfg.hidden_act in UNGATED \
+                else "gate_up_proj"  # Nemotron-H's experts have no gate
+            row = cfg.moe_intermediate_size if proj in ("w3", "up_proj") and target == "gate_up_proj" else 0
             return [(f"{prefix}mlp.experts.{expert}.{target}.{kind}", row)]
         module, _, kind = rest.rpartition(".")
         if module.endswith(".conv1d"):  # a linear-attention or Mamba-2 layer's convolution
             return [(f"{prefix}{module.removesuffix('conv1d')}conv_{kind}", 0)]
-        if module in fused and not (cfg.hidden_act in UNGATED and module == "mlp.up_proj"):  # no gate to fuse with
+        if module in fused and not (cfg.hidden_act in UNGATED and module.endswith("up_proj")):  # no gate to fuse with
             target, row = fused[module]
             return [(f"{prefix}{target}.{kind}", row)]
         return [(prefix + rest, 0)]

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from pipellm.model_config import GROUP_ROUTED, ModelConfig
-from pipellm.models.layers import GatedMLP
+from pipellm.hybrid_config import NEMOTRON_H
+from pipellm.models.layers import GatedMLP, dense_mlp
 
 
 class ClampedSwiGLU(GatedMLP):
@@ -33,7 +34,7 @@ class SparseMoE(nn.Module):
         # Mixtral, MiniMax, Hunyuan, DeepSeek and GLM-4.5 multiply by fp32 router weights, Qwen3-MoE by the model's
         # dtype's
         self.weights_in_fp32 = cfg.architecture in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM",
-                                                    "HunYuanMoEV1ForCausalLM") + GROUP_ROUTED
+                                                    "HunYuanMoEV1ForCausalLM", NEMOTRON_H) + GROUP_ROUTED
         self.sigmoid, self.scaling = cfg.router_sigmoid, cfg.routed_scaling_factor
         self.weigh_inputs = cfg.router_weights_input  # Llama 4: an expert runs on its token times its weight
         self.groups, self.groups_kept, self.by_top_expert = cfg.expert_groups, cfg.expert_groups_kept, \
@@ -44,11 +45,11 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.swiglu_limit > 0)
         self.experts = nn.ModuleList(
             ClampedSwiGLU(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit, cfg.swiglu_alpha)
-            if cfg.swiglu_limit else GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
+            if cfg.swiglu_limit else dense_mlp(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
             for _ in range(cfg.num_experts))
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act,
-                                          bias=cfg.mlp_bias)
+            self.shared_expert = dense_mlp(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act,
+                                           bias=cfg.mlp_bias)
             if cfg.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         # [E]: added to the probabilities to pick the experts only (ERNIE's moe_statics)

@@ -15,6 +15,7 @@ from pipellm.models.granite import GraniteHybridStage, GraniteMoeStage
 from pipellm.models.hunyuan import HunyuanStage
 from pipellm.models.llama import LlamaStage
 from pipellm.models.llama4 import Llama4Stage
+from pipellm.models.nemotron_h import NemotronHStage
 from pipellm.models.olmo import Olmo2Stage, OlmoStage
 from pipellm.models.qwen3_next import Qwen3NextStage
 from pipellm.pipeline.partition import StageLayers
@@ -65,6 +66,7 @@ STAGE_CLASSES = {
     "Qwen3NextForCausalLM": Qwen3NextStage,
     "Qwen3_5ForCausalLM": Qwen3NextStage,
     "Qwen3_5MoeForCausalLM": Qwen3NextStage,
+    "NemotronHForCausalLM": NemotronHStage,
 }
 
 

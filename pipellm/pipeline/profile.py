@@ -125,13 +125,12 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
     torch.set_num_threads(ecfg.num_threads)  # as a stage will run
     try:
         # each kind of layer timed once, weighed by how many the model has (Qwen3-Next's linear-attention and
-        # full-attention layers); every other model's layers are of one kind
-        kinds = [0] + [next((i for i in range(cfg.num_layers) if not cfg.is_linear(i)), 0)] * cfg.keeps_states
-        timed = [_time_layer(cfg, ecfg, layer, num_tokens, repeats, compact) for layer in dict.fromkeys(kinds)]
-        linear = cfg.num_linear_layers / cfg.num_layers
-        shares = [1.0] if len(timed) == 1 else [linear, 1.0 - linear]
-        return {**timed[0], **{key: sum(share * t[key] for share, t in zip(shares, timed))
-                               for key in ("layer_decode_s", "layer_prefill_s")}}
+        # full-attention layers, Nemotron-H's MLP ones too); every other model's layers are of one kind
+        kinds = [cfg.layer_types[i] if cfg.keeps_states else "" for i in range(cfg.num_layers)]
+        timed = {kind: _time_layer(cfg, ecfg, kinds.index(kind), num_tokens, repeats, compact)
+                 for kind in dict.fromkeys(kinds)}
+        return {**timed[kinds[0]], **{key: sum(kinds.count(kind) / len(kinds) * t[key] for kind, t in timed.items())
+                                      for key in ("layer_decode_s", "layer_prefill_s")}}
     finally:
         torch.set_num_threads(threads)
 
@@ -148,9 +147,11 @@ def _time_layer(cfg: ModelConfig, ecfg: EngineConfig, layer: int, num_tokens: in
     blocks_per_seq = -(-CONTEXT // bs)
     kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)
 
-    def cache(blocks: int):  # the layer's (a linear-attention one's: its state)
+    def cache(blocks: int):  # the layer's (a linear-attention one's: its state; an MLP one's: none)
         if cfg.is_linear(layer):
             return LinearState.allocate(cfg, ecfg.torch_dtype)
+        if not cfg.has_kv_cache(layer):
+            return None
         return KVCache.allocate(blocks, bs, *cfg.cache_shape, kv_dtype, shared=cfg.is_mla)
     caches = [cache(num_tokens * blocks_per_seq)]
     tables = torch.arange(num_tokens * blocks_per_seq, dtype=torch.int32).view(num_tokens, blocks_per_seq)

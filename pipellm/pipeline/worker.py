@@ -56,9 +56,10 @@ class StageWorker:
         kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)
         eager_why = graphs.supported(cfg, ecfg, device, args.num_window_blocks)
         # sliding-window layers have caches of their own when the driver gives them rings of blocks; the decode
-        # graphs' padding rows write to a block past the driver's; linear-attention layers hold states instead
+        # graphs' padding rows write to a block past the driver's; linear-attention layers hold states instead,
+        # Nemotron-H's MLP layers nothing
         self.kv_caches = [LinearState.allocate(cfg, ecfg.torch_dtype, device) if cfg.is_linear(i) else
-                          KVCache.allocate(args.num_window_blocks if sliding and args.num_window_blocks
+                          None if not cfg.has_kv_cache(i) else KVCache.allocate(args.num_window_blocks if sliding and args.num_window_blocks
                                            else args.num_blocks + (eager_why is None), ecfg.block_size,
                                            *cfg.cache_shape, kv_dtype, device, shared=cfg.is_mla)
                           for i, sliding in zip(range(self.stage.start, self.stage.end), self.is_sliding)]
@@ -291,12 +292,12 @@ class StageWorker:
             rank=self.stage.rank, description=self.stage.describe(), pid=os.getpid(),
             param_names=[n for n, _ in self.model.named_parameters()],
             checkpoint_tensors=self.checkpoint_tensors, model_dir=self.args.model_dir,
-            num_kv_caches=len(self.kv_caches),
+            num_kv_caches=sum(c is not None for c in self.kv_caches),
             kv_cache_shape=tuple(self.attention_caches[0].k.shape) if self.attention_caches else (),
             num_threads=torch.get_num_threads(),
             cpu_affinity=sorted(os.sched_getaffinity(0)), steps=self.steps,
             activation_bytes_sent=self.bytes_sent, activation_tokens_sent=self.tokens_sent, busy_s=self.busy_s,
-            weight_bytes=weight_bytes(self.model), kv_cache_bytes=sum(c.nbytes for c in self.kv_caches),
+            weight_bytes=weight_bytes(self.model), kv_cache_bytes=sum(c.nbytes for c in self.kv_caches if c is not None),
             rss_bytes=_resident_bytes(), events=events, clock_offset_s=time.time() - time.perf_counter(),
             device=str(self.device))
 

@@ -1,0 +1,67 @@
+"""The fields of ModelConfig that hybrid models' config.json files give their own way: Granite 4.0-H's and
+Nemotron-H's Mamba-2 layers among attention ones (models/linear_attention.py)."""
+
+GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"  # Granite 4.0-H: Mamba-2 layers among full-attention ones
+# Nemotron-H: each layer one mixer: Mamba-2, attention without rotary, a relu^2 MLP, or relu^2 experts
+NEMOTRON_H = "NemotronHForCausalLM"
+# older configs' layer names, and Nemotron-H's hybrid_override_pattern letters: HF's layer types
+MAMBA_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention",
+                     "M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+NEMOTRON_LAYER_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
+
+
+def granite_hybrid(d: dict, source: str) -> dict:
+    """ModelConfig's Mamba-2 fields of a Granite 4.0-H config.json, as HF reads it."""
+    heads, hidden = d.get("mamba_n_heads") or 128, d["hidden_size"]
+    width = (d.get("mamba_expand") or 2) * hidden
+    head_dim = d.get("mamba_d_head")
+    head_dim = width // heads if head_dim in (None, "auto") else head_dim
+    if head_dim * heads != width:
+        raise ValueError(f"{source}: Mamba-2 heads of {heads} x {head_dim} for a width of {width} are not supported "
+                         "(heads x head width = mamba_expand x hidden_size)")
+    return _mamba2(d, source, heads, head_dim, d.get("mamba_n_groups") or 1, d.get("mamba_d_state") or 256,
+                   d.get("mamba_d_conv") or 4, d.get("mamba_conv_bias", True), d.get("mamba_proj_bias"))
+
+
+def nemotron_h(d: dict, source: str) -> tuple[dict, dict]:
+    """A Nemotron-H config.json in the keys from_hf_dict reads, and ModelConfig's fields of its own, as HF reads it
+    (layers_block_type, or older configs' hybrid_override_pattern; older configs' key names)."""
+    types = tuple(MAMBA_LAYER_TYPES.get(t, t) for t in d.get("layers_block_type") or d.get("layer_types")
+                  or d.get("hybrid_override_pattern") or ())
+    if not types or set(types) - set(NEMOTRON_LAYER_TYPES):
+        raise ValueError(f"{source}: Nemotron-H layer types {sorted(set(types) - set(NEMOTRON_LAYER_TYPES))} are "
+                         f"not supported: give layers_block_type, each of {', '.join(NEMOTRON_LAYER_TYPES)}")
+    if d.get("moe_latent_size") is not None:
+        raise ValueError(f"{source}: Nemotron-H's moe_latent_size={d['moe_latent_size']} (experts on a projection "
+                         "of the hidden state) is not supported")
+    moe = "moe" in types
+    fields = _mamba2(d, source, d.get("mamba_num_heads") or 128, d.get("mamba_head_dim") or 64,
+                     d.get("n_groups") or d.get("mamba_n_groups") or 8, d.get("ssm_state_size") or 128,
+                     d.get("conv_kernel") or d.get("mamba_d_conv") or 4,
+                     d.get("use_conv_bias", d.get("mamba_conv_bias", True)), d.get("use_bias"))
+    fields |= dict(layer_types=types, nope_layers=tuple(range(len(types))),
+                   dense_layers=tuple(i for i, t in enumerate(types) if t != "moe"),
+                   shared_expert_intermediate_size=(d.get("moe_shared_expert_intermediate_size") or 0) * moe,
+                   router_sigmoid=moe, router_selection_bias=moe, shared_expert_gated=False,
+                   num_experts=d.get("n_routed_experts", 8) * moe,
+                   num_experts_per_tok=d.get("num_experts_per_tok", 2) * moe,
+                   norm_topk_prob=bool(d.get("norm_topk_prob", True)))
+    # attention_head_dim: older configs'; HF's default of 128 otherwise, not hidden_size / heads
+    keys = dict(num_hidden_layers=len(types), hidden_act=d.get("mlp_hidden_act") or "relu2",
+                rms_norm_eps=d.get("layer_norm_epsilon", 1e-5),
+                head_dim=d.get("head_dim") or d.get("attention_head_dim") or 128,
+                max_position_embeddings=d.get("max_position_embeddings") or 4096, layer_types=None)
+    return d | keys, fields
+
+
+def _mamba2(d: dict, source: str, heads: int, head_dim: int, groups: int, state: int, kernel: int, conv_bias,
+            proj_bias) -> dict:
+    # transformers 5 writes infinity as {"__float__": "Infinity"}
+    limit = tuple(float(v["__float__"]) if isinstance(v, dict) else float(v)
+                  for v in d.get("time_step_limit") or d.get("mamba_dt_limit") or (0.0, float("inf")))
+    if limit != (0.0, float("inf")):
+        raise ValueError(f"{source}: Mamba-2's time_step_limit={list(limit)} is not supported (no time step limit)")
+    if heads % groups:
+        raise ValueError(f"{source}: {heads} Mamba-2 heads do not split into {groups} groups")
+    return dict(mamba=(heads, head_dim, groups, state, kernel), mamba_conv_bias=bool(conv_bias),
+                mamba_proj_bias=bool(proj_bias))
