@@ -251,7 +251,7 @@ def family_config(name: str):
                                   head_dim=16, mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=8,
                                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                   moe_shared_expert_intermediate_size=40, routed_scaling_factor=1.5, n_group=2,
-                                  topk_group=1)
+                                  topk_group=1, layer_norm_epsilon=1e-2)  # an epsilon that shows when it is not read
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated

@@ -27,11 +27,14 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "dots1": "dots1", "minimax_m2": "minimax-m2", "llama4": "llama4", "ministral3": "mistral3",
         "mistral4": "mistral4", "qwen3_next": "qwen3next", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe",
         "qwen3_next-ssm_in": "qwen3next",  # as older converters wrote it: in_proj_qkvz whole
-        "granitemoehybrid": "granitehybrid", "granitemoehybrid-dense": "granitehybrid"}
+        "granitemoehybrid": "granitehybrid", "granitemoehybrid-dense": "granitehybrid",
+        "nemotron_h": "nemotron_h_moe", "nemotron_h-dense": "nemotron_h"}
 GRANITE_HYBRID = ("granitemoehybrid", "granitemoehybrid-dense")
+NEMOTRON_H = ("nemotron_h", "nemotron_h-dense")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_next-ssm_in")  # linear-attention layers
 # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
-PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee", "mistral3", "granitehybrid")
+PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee", "mistral3", "granitehybrid", "nemotron_h",
+            "nemotron_h_moe")
 FAMILIES = list(ARCH)
 
 # HF module -> llama.cpp tensor kind (gguf-py's tensor_mapping.py), per family where it differs
@@ -66,7 +69,12 @@ MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_
            moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4,
            topk_group=2, first_k_dense_replace=1)
 GLOBAL_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                  "lm_head.weight": "output.weight"}
+                  "lm_head.weight": "output.weight", "model.embeddings.weight": "token_embd.weight",
+                  "model.norm_f.weight": "output_norm.weight"}
+NEMOTRON_TO_GGUF = {"norm": "attn_norm", "mixer.q_proj": "attn_q", "mixer.k_proj": "attn_k", "mixer.v_proj": "attn_v",
+                    "mixer.o_proj": "attn_output", "mixer.up_proj": "ffn_up", "mixer.down_proj": "ffn_down",
+                    "mixer.gate": "ffn_gate_inp", "mixer.shared_experts.up_proj": "ffn_up_shexp",
+                    "mixer.shared_experts.down_proj": "ffn_down_shexp"}
 
 
 def gguf_family_config(name: str):
@@ -201,6 +209,15 @@ def gguf_family_config(name: str):
                                          mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
                                          position_embedding_type=None, embedding_multiplier=4.0,
                                          residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
+    if name in NEMOTRON_H:  # Mamba-2 (8 heads of 12 in 2 groups), attention without rotary, and relu^2 MLPs or
+        # experts (llama.cpp's files cannot tell an MLP layer in an experts model)
+        mlp = "mlp" if name.endswith("-dense") else "moe"
+        return tf.NemotronHConfig(**BASE, layers_block_type=["linear_attention", mlp, "full_attention", mlp,
+                                                             "linear_attention"],
+                                  head_dim=16, mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=8,
+                                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  moe_shared_expert_intermediate_size=64, routed_scaling_factor=1.5, n_group=2,
+                                  topk_group=1, layer_norm_epsilon=1e-2)  # an epsilon that shows when it is not read
     if name in HYBRID:  # two value heads a key head (which qwen35 files tile); llama.cpp's: key and value heads as
         # wide, every 4th layer full, a quarter of each head rotated, experts in every layer
         linear = dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -240,6 +257,8 @@ def llama3_rope_freqs(cfg) -> np.ndarray:
 
 
 def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
+    if name in NEMOTRON_H:
+        return write_nemotron_h_metadata(w, cfg)
     w.add_block_count(cfg.num_hidden_layers + (name == "glm4_moe"))  # and its MTP layer
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -372,6 +391,43 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
 
 
+def write_nemotron_h_metadata(w: gguf.GGUFWriter, cfg) -> None:
+    """nemotron_h(_moe) as its converter writes it: per layer its KV heads and MLP width (0 where it has none), a
+    context of 2**20, a meaningless rotary width, no RMS epsilon key (where the config has no rms_norm_eps); the
+    newest converter's MTP layer after the last (an attention and experts layer)."""
+    moe = "moe" in cfg.layers_block_type
+    types = cfg.layers_block_type + ["mtp"] * moe
+    w.add_block_count(len(types))
+    w.add_context_length(2 ** 20)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length([(cfg.moe_intermediate_size if moe else cfg.intermediate_size) *
+                               (t in ("mlp", "moe", "mtp")) for t in types])
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads * (t in ("full_attention", "mtp")) for t in types])
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    w.add_vocab_size(VOCAB)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_scaling_finetuned(False)
+    w.add_ssm_conv_kernel(cfg.conv_kernel)
+    w.add_ssm_state_size(cfg.ssm_state_size)
+    w.add_ssm_group_count(cfg.n_groups)
+    w.add_ssm_time_step_rank(cfg.mamba_num_heads)
+    w.add_ssm_inner_size(cfg.mamba_num_heads * cfg.mamba_head_dim)
+    if moe:
+        w.add_expert_count(cfg.n_routed_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.moe_shared_expert_intermediate_size)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+        w.add_nextn_predict_layers(1)
+
+
 def write_group_routed_metadata(w: gguf.GGUFWriter, cfg, sigmoid: bool) -> None:
     w.add_leading_dense_block_count(cfg.first_k_dense_replace)
     w.add_expert_count(cfg.n_routed_experts)
@@ -473,6 +529,13 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
             if module.startswith(("mamba", "shared_mlp")) and name in GRANITE_HYBRID:
                 held[hf] = _add_granite_hybrid(add, f"blk.{layer}.", module, suffix, arr, cfg)
                 continue
+            if name in NEMOTRON_H and module == "mixer.experts":  # stacked [E, ...], as HF holds them
+                held[hf] = add(f"blk.{layer}.ffn_{suffix.removesuffix('_proj')}_exps.weight", arr)
+                continue
+            if name in NEMOTRON_H and module not in NEMOTRON_TO_GGUF:  # a Mamba-2 layer's
+                held[hf] = _add_granite_hybrid(add, f"blk.{layer}.", module.replace("mixer", "mamba"), suffix, arr,
+                                               cfg)
+                continue
             if module.startswith("linear_attn"):
                 held[hf] = _add_linear_attention(add, f"blk.{layer}.", module, suffix, arr, cfg,
                                                  tiled=not name.startswith("qwen3_next"),
@@ -496,7 +559,7 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
                     assert suffix == "down_proj", hf
                     held[hf] = add(prefix + "ffn_down_exps.weight", arr)
                 continue
-            gname = f"blk.{layer}.{names[module]}.{suffix}"
+            gname = f"blk.{layer}.{(NEMOTRON_TO_GGUF if name in NEMOTRON_H else names)[module]}.{suffix}"
         kind = gname.split(".")[-2]
         if arch in PERMUTED and kind in ("attn_q", "attn_k"):  # rotary pairs interleaved per head
             order = _row_order(arr.shape[0], cfg.num_attention_heads if kind == "attn_q" else
@@ -510,7 +573,7 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
             held[hf] = add(gname, arr + np.float32(1)) - np.float32(1)
         else:
             held[hf] = add(gname, arr, router=kind == "ffn_gate_inp")
-    if name == "glm4_moe":  # the MTP layer after the last, which inference leaves unread
+    if name in ("glm4_moe", "nemotron_h"):  # the MTP layer after the last, which inference leaves unread
         mtp = f"blk.{cfg.num_hidden_layers}."
         add(mtp + "nextn.eh_proj.weight", np.ones((cfg.hidden_size, 2 * cfg.hidden_size)))
         add(mtp + "attn_norm.weight", np.ones(cfg.hidden_size))
@@ -542,7 +605,8 @@ def _add_granite_hybrid(add, prefix: str, module: str, suffix: str, arr: np.ndar
     if module == "mamba.conv1d":
         return add(f"{prefix}ssm_conv1d.{suffix}", arr.reshape(arr.shape[0], -1), router=True).reshape(arr.shape)
     if module == "mamba.norm":
-        return add(prefix + "ssm_norm.weight", arr.reshape(cfg.mamba_n_groups, -1), router=True).reshape(arr.shape)
+        groups = cfg.n_groups if cfg.model_type == "nemotron_h" else cfg.mamba_n_groups
+        return add(prefix + "ssm_norm.weight", arr.reshape(groups, -1), router=True).reshape(arr.shape)
     return add(prefix + {"mamba.in_proj": "ssm_in", "mamba.out_proj": "ssm_out"}[module] + ".weight", arr)
 
 
@@ -680,11 +744,13 @@ def test_gguf_family_matches_hf(family_gguf, name):
     assert_matches_hf(outputs, reference, TOLERANCE.get(name.removesuffix("-ssm_in"), 1e-4))
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "granitemoehybrid", "granitemoehybrid-dense", "granitemoe"])
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "granitemoehybrid", "granitemoehybrid-dense", "granitemoe",
+                                  "nemotron_h", "nemotron_h-dense"])
 def test_gguf_as_an_hf_folder(tmp_path, name):
     """convert_gguf's HF folder of a file (what `pipellm bench` gives transformers) holds HF's tensors: for qwen3next
     and qwen35, norms less 1, A_log from -exp(A_log), the conv unsqueezed, qwen35's value heads grouped again; for
-    Granite's, the experts stacked and the shared MLP's gate and up fused again, under its checkpoints' names."""
+    Granite's, the experts stacked and the shared MLP's gate and up fused again, under its checkpoints' names; for
+    Nemotron-H's, its checkpoints' names (a mixer a layer), the Q/K rows as HF's."""
     from transformers import AutoModelForCausalLM
 
     from pipellm.loader.gguf import convert_gguf

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipellm.loader.gguf_names import (BLOCK_INDEX, HYBRID, ROPE_TENSORS, expected_shapes, grouped_v_heads, hf_config,
-                                       hf_name, stored_as, undo)
+from pipellm.loader.gguf_names import (BLOCK_INDEX, HYBRID, NEMOTRON, ROPE_TENSORS, expected_shapes, grouped_v_heads,
+                                       hf_config, hf_name, stored_as, undo)
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ def _entries(reader, path: str, arch: str, cfg: dict):
     seen = set()
     for t in reader.tensors:
         block = BLOCK_INDEX.match(t.name)
-        mtp = arch in ("glm4moe", "deepseek2") + HYBRID and block and int(block[1]) >= cfg["num_hidden_layers"]
+        mtp = arch in ("glm4moe", "deepseek2") + HYBRID + NEMOTRON and block \
+            and int(block[1]) >= cfg["num_hidden_layers"]
         if t.name in ROPE_TENSORS or mtp:  # the multi-token prediction layer after the last: left unread
             continue
         name = hf_name(t.name, arch)
@@ -219,14 +220,15 @@ def _tokenizer_reads(arch: str):
     tokenizer (tokenizer.ggml.*) does not depend on them: for that call, it counts this one among them. For gpt-oss
     its reader also hides the rope scaling keys, which transformers' config parsing reads wrongly (it takes a key's
     length field for the value: float() of an array); the tokenizer needs none of them. A command-r, ernie4_5-moe,
-    hunyuan-dense, deepseek2, glm4moe, minimax-m2, qwen3next or granitehybrid file is shown as the model type
-    transformers knows."""
+    hunyuan-dense, deepseek2, glm4moe, minimax-m2, qwen3next, granitehybrid or nemotron_h_moe file is shown as the
+    model type transformers knows."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as known
 
     shown = {"command-r": "cohere", "ernie4_5-moe": "ernie4_5_moe", "hunyuan-dense": "hunyuan_v1_dense",
              "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "minimax-m2": "minimax_m2",
-             "qwen3next": "qwen3_next", "granitehybrid": "granitemoehybrid"}.get(arch, arch)
+             "qwen3next": "qwen3_next", "granitehybrid": "granitemoehybrid",
+             "nemotron_h_moe": "nemotron_h"}.get(arch, arch)
     added = shown not in known.GGUF_SUPPORTED_ARCHITECTURES
     if added:
         known.GGUF_SUPPORTED_ARCHITECTURES.append(shown)

@@ -46,7 +46,11 @@ ARCHITECTURES = {
     "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text", False),  # their value heads tiled (below)
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", False),
     "granitehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid", True),  # Granite 4.0-H: Mamba-2 layers
+    # Nemotron-H: its converter permutes the Q/K rows though no layer takes rotary (undone all the same)
+    "nemotron_h": ("NemotronHForCausalLM", "nemotron_h", True),
+    "nemotron_h_moe": ("NemotronHForCausalLM", "nemotron_h", True),
 }
+NEMOTRON = ("nemotron_h", "nemotron_h_moe")
 HYBRID = ("qwen3next", "qwen35", "qwen35moe")  # linear-attention layers (gated delta nets) among full ones
 DEEPSEEK_V2 = ("DeepseekV2ForCausalLM", "deepseek_v2", False)  # "deepseek2" with a softmax router
 COHERE = ("command-r", "cohere2")  # a LayerNorm (its own epsilon key), attention and MLP side by side
@@ -95,6 +99,14 @@ _FAMILY_NAMES.update(dict.fromkeys(HYBRID, {
     "post_attention_norm": "post_attention_layernorm"}))
 _FAMILY_NAMES["granitehybrid"] = {"ssm_in": "mamba.in_proj", "ssm_conv1d": "mamba.conv1d", "ssm_norm": "mamba.norm",
                                   "ssm_out": "mamba.out_proj"}  # its MLPs' gate and up apart, as llama.cpp's
+# Nemotron-H's: a norm and one mixer a layer, under its checkpoints' names
+_FAMILY_NAMES.update(dict.fromkeys(NEMOTRON, {
+    "attn_norm": "norm", "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj", "attn_v": "mixer.v_proj",
+    "attn_output": "mixer.o_proj", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj",
+    "ffn_gate_inp": "mixer.gate",
+    "ffn_up_shexp": "mixer.shared_experts.up_proj", "ffn_down_shexp": "mixer.shared_experts.down_proj",
+    "ssm_in": "mixer.in_proj", "ssm_conv1d": "mixer.conv1d", "ssm_norm": "mixer.norm", "ssm_out": "mixer.out_proj"}))
+NEMOTRON_GLOBAL_NAMES = {"token_embd.weight": "model.embeddings.weight", "output_norm.weight": "model.norm_f.weight"}
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj",
                 "ffn_gate_up_exps": "gate_up_proj"}  # Mistral 4's fused: each expert's gate rows, then its up rows
 MLA_ARCHS = ("deepseek2", "mistral4")
@@ -107,8 +119,8 @@ ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_s
 def hf_name(name: str, arch: str) -> str | None:
     """HF name of a GGUF tensor; for stacked experts, with {e} where the expert's number goes."""
     if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    mixer = "mamba" if arch == "granitehybrid" else "linear_attn"
+        return NEMOTRON_GLOBAL_NAMES.get(name, _GLOBAL_NAMES[name]) if arch in NEMOTRON else _GLOBAL_NAMES[name]
+    mixer = {"granitehybrid": "mamba", **dict.fromkeys(NEMOTRON, "mixer")}.get(arch, "linear_attn")
     if match := SSM_PARAMS.fullmatch(name):
         return f"model.layers.{match[1]}.{mixer}.{'A_log' if match[2] == 'a' else 'D'}"
     match = BLOCK_RE.fullmatch(name)
@@ -120,10 +132,11 @@ def hf_name(name: str, arch: str) -> str | None:
     if kind == "ssm_dt":
         return f"model.layers.{match[1]}.{mixer}.dt_bias"
     if kind == "exp_probs_b":  # the router's bias that picks the experts, as HF names it
-        module = "mlp.moe_statics" if arch == "ernie4_5-moe" else "mlp.gate"
+        module = {"ernie4_5-moe": "mlp.moe_statics", **dict.fromkeys(NEMOTRON, "mixer.gate")}.get(arch, "mlp.gate")
         return f"model.layers.{match[1]}.{module}.e_score_correction_bias"
     if kind in EXPERT_NAMES:
-        return f"model.layers.{match[1]}.mlp.experts.{{e}}.{EXPERT_NAMES[kind]}.{match[3]}"
+        return f"model.layers.{match[1]}.{'mixer' if arch in NEMOTRON else 'mlp'}.experts.{{e}}." \
+               f"{EXPERT_NAMES[kind]}.{match[3]}"
     names = _FAMILY_NAMES.get("gemma2" if arch in NORMS_AFTER else arch, {})
     module = names.get(kind) or _BLOCK_NAMES.get(kind)
     return None if module is None else f"model.layers.{match[1]}.{module}.{match[3]}"
@@ -166,6 +179,8 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
     up-projections as k_b and v_b (newer converters), not kv_b. fused_qkvz: a qwen3next file's in_proj_qkvz whole
     (older converters)."""
     mc = ModelConfig.from_hf_dict(cfg)
+    if mc.architecture == "NemotronHForCausalLM":
+        return _nemotron_h_shapes(mc)
     h, v, d = mc.hidden_size, mc.vocab_size, mc.head_dim
     q, kv = mc.num_heads * d, mc.num_kv_heads * d
     is_gemma = mc.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # its norms after attention and MLP
@@ -259,6 +274,40 @@ def _linear_shapes(mc: ModelConfig, p: str, fused_qkvz: bool) -> dict:
         shapes[p + "in_proj_ba.weight"] = (2 * hv, h)
     else:
         shapes.update({p + "in_proj_b.weight": (hv, h), p + "in_proj_a.weight": (hv, h)})
+    return shapes
+
+
+def _nemotron_h_shapes(mc: ModelConfig) -> dict:
+    """Nemotron-H's tensors under its checkpoints' names (model. for backbone.): a norm and one mixer a layer."""
+    h, v, d, ff = mc.hidden_size, mc.vocab_size, mc.head_dim, mc.intermediate_size
+    q, kv = mc.num_heads * d, mc.num_kv_heads * d
+    shapes = {"model.embeddings.weight": (v, h), "model.norm_f.weight": (h,)}
+    if not mc.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for i, kind in enumerate(mc.layer_types):
+        p = f"model.layers.{i}."
+        shapes[p + "norm.weight"] = (h,)
+        if kind == "linear_attention":
+            shapes.update(_mamba_shapes(mc, p + "mixer."))
+        elif kind == "full_attention":
+            shapes.update({p + "mixer.q_proj.weight": (q, h), p + "mixer.k_proj.weight": (kv, h),
+                           p + "mixer.v_proj.weight": (kv, h), p + "mixer.o_proj.weight": (h, q)})
+            if mc.qkv_bias:
+                shapes.update({p + "mixer.q_proj.bias": (q,), p + "mixer.k_proj.bias": (kv,),
+                               p + "mixer.v_proj.bias": (kv,), p + "mixer.o_proj.bias": (h,)})
+        elif kind == "mlp":
+            shapes.update({p + "mixer.up_proj.weight": (ff, h), p + "mixer.down_proj.weight": (h, ff)})
+            if mc.mlp_bias:
+                shapes.update({p + "mixer.up_proj.bias": (ff,), p + "mixer.down_proj.bias": (h,)})
+        else:
+            width, shared = mc.moe_intermediate_size, mc.shared_expert_intermediate_size
+            shapes.update({p + "mixer.gate.weight": (mc.num_experts, h),
+                           p + "mixer.gate.e_score_correction_bias": (mc.num_experts,),
+                           p + "mixer.shared_experts.up_proj.weight": (shared, h),
+                           p + "mixer.shared_experts.down_proj.weight": (h, shared)})
+            for e in range(mc.num_experts):
+                shapes.update({f"{p}mixer.experts.{e}.up_proj.weight": (width, h),
+                               f"{p}mixer.experts.{e}.down_proj.weight": (h, width)})
     return shapes
 
 
@@ -367,6 +416,32 @@ def _granite_hybrid(m, hidden: int, experts: int) -> dict:
                 shared_intermediate_size=m("expert_shared_feed_forward_length"))
 
 
+def _nemotron_h(m, tensors: dict, layers: int, path: str) -> dict:
+    """HF config fields of a nemotron_h or nemotron_h_moe file (an MTP layer after the last, left unread): each
+    layer's kind from the tensors it holds (llama.cpp tells them by the per-layer head_count_kv and
+    feed_forward_length, which the converter has been seen to write all 0 for a dense model's MLP layers)."""
+    kinds = {"ssm_in": "linear_attention", "attn_q": "full_attention", "attn_qkv": "full_attention",
+             "ffn_up_exps": "moe", "ffn_up": "mlp"}
+    types = [next((kind for t, kind in kinds.items() if f"blk.{i}.{t}.weight" in tensors), None)
+             for i in range(layers)]
+    if None in types:
+        raise ValueError(f"{path}: layer {types.index(None)} holds none of ssm_in, attn_q, ffn_up_exps or ffn_up")
+    kv = m("attention.head_count_kv")
+    heads, inner = m("ssm.time_step_rank"), m("ssm.inner_size")
+    ff = next((tensors[f"blk.{i}.ffn_up.weight"][0][0] for i, t in enumerate(types) if t == "mlp"), 0)
+    return dict(layers_block_type=types, num_hidden_layers=layers,
+                num_key_value_heads=max(kv) if isinstance(kv, list) else kv,
+                intermediate_size=ff, layer_norm_epsilon=_f32(m("attention.layer_norm_epsilon")),
+                mamba_num_heads=heads, mamba_head_dim=inner // heads, n_groups=m("ssm.group_count"),
+                ssm_state_size=m("ssm.state_size"), conv_kernel=m("ssm.conv_kernel"),
+                n_routed_experts=m("expert_count", 0), num_experts_per_tok=m("expert_used_count", 0),
+                moe_intermediate_size=m("expert_feed_forward_length", 0),
+                moe_shared_expert_intermediate_size=m("expert_shared_feed_forward_length", 0),
+                routed_scaling_factor=_f32(m("expert_weights_scale", 0.0) or 1.0),
+                norm_topk_prob=bool(m("expert_weights_norm", False)), n_group=m("expert_group_count", 1) or 1,
+                topk_group=m("expert_group_used_count", 1) or 1, moe_latent_size=m("moe_latent_size", None))
+
+
 def _mla_config(m, rotated: int) -> dict:
     """HF config fields of a deepseek2 file's latent attention. Newer converters write the MLA widths apart (and
     one KV head); older ones as key_length and value_length."""
@@ -409,8 +484,8 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         "num_attention_heads": heads,
         "num_key_value_heads": m("attention.head_count_kv", heads),
         "head_dim": head_dim,
-        **({"layer_norm_eps": _f32(m("attention.layer_norm_epsilon"))} if arch in COHERE else
-           {"rms_norm_eps": _f32(m("attention.layer_norm_rms_epsilon"))}),
+        **({"layer_norm_eps": _f32(m("attention.layer_norm_epsilon"))} if arch in COHERE else {} if arch in NEMOTRON
+           else {"rms_norm_eps": _f32(m("attention.layer_norm_rms_epsilon"))}),
         "max_position_embeddings": m("context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta("tokenizer.ggml.bos_token_id", None),
@@ -419,7 +494,7 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
     }
     rope = _rope(m, arch, tensors, head_dim, path)
     rotated = m("rope.dimension_count", head_dim)
-    if rotated != head_dim and arch not in MLA_ARCHS:  # whose rotary dims are qk_rope_head_dim's (below)
+    if rotated != head_dim and arch not in MLA_ARCHS + NEMOTRON:  # whose rotary dims are qk_rope_head_dim's (below)
         if arch not in ("phi3", "glm4", "glm4moe", "minimax-m2") + HYBRID:
             raise ValueError(f"{path}: partial rotary (rope.dimension_count={rotated}, head_dim={head_dim}) is "
                              "supported for phi3, glm4, glm4moe and minimax-m2 only")
@@ -448,7 +523,7 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         elif arch == "llama4":
             entry = ARCHITECTURES[arch]
             cfg.update(_llama4(m, experts, layers))
-        elif arch == "granitehybrid":  # below
+        elif arch in ("granitehybrid",) + NEMOTRON:  # below
             pass
         elif arch in HYBRID:  # llama.cpp's rules: experts in every layer, their weights renormalised
             cfg.update(num_experts=experts, moe_intermediate_size=m("expert_feed_forward_length"),
@@ -479,6 +554,8 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         cfg["no_rope_layer_interval"] = 4
     if arch == "granitehybrid":
         cfg.update(_granite_hybrid(m, hidden, experts))
+    if arch in NEMOTRON:  # no rotary: context_length (2**20) as the converter writes it
+        cfg.update(_nemotron_h(m, tensors, layers - m("nextn_predict_layers", 0), path))
     if arch in ("granite", "granitemoe", "granitehybrid"):  # llama.cpp: an attention scale of 0 (or none) is 1 /
         # sqrt(head_dim)
         cfg.update(attention_multiplier=_f32(m("attention.scale", 0.0)) or head_dim ** -0.5,
