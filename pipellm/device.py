@@ -139,15 +139,8 @@ def kv_cache_bytes(total_bytes: int, utilization: float, weight_bytes: int, stag
 def stage_params(cfg, stage) -> int:
     """Parameters a stage holds (every expert of a MoE layer; norms and biases aside), a ModelConfig's and a
     StageLayers': its GPU memory is planned before it loads."""
-    h = cfg.hidden_size
-    total = 0
-    for layer in range(stage.start, stage.end):
-        ffn = (2 if cfg.is_gpt2 else 3) * h * cfg.intermediate_size
-        if cfg.is_moe(layer):
-            ffn = h * cfg.num_experts + (cfg.num_experts * cfg.moe_intermediate_size
-                                         + cfg.shared_expert_intermediate_size) * 3 * h
-        total += cfg.attention_params + ffn
-    return total + cfg.vocab_size * h * (stage.is_first + stage.is_last)
+    return sum(cfg.layer_weights(layer) for layer in range(stage.start, stage.end)) \
+        + cfg.vocab_size * cfg.hidden_size * (stage.is_first + stage.is_last)
 
 
 def gpu_kv_cache_gib(device: str, cfg, stages: list, dtype_bytes: int, utilization: float, nnodes: int) -> float:

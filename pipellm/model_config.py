@@ -158,6 +158,30 @@ class ModelConfig:
         return q_params + h * (rank + self.qk_rope_head_dim) + rank * self.num_heads * (nope + self.v_head_dim) \
             + self.num_heads * self.v_head_dim * h
 
+    def layer_weights(self, layer: int, picked: bool = False) -> int:
+        """Weights of a layer's matmuls (norms, biases and convolutions aside): all its experts', or with picked
+        those one token multiplies (the router's and its top-k experts')."""
+        h, kind = self.hidden_size, self.layer_types[layer] if self.layer_types else "full_attention"
+        if self.is_linear(layer) and self.mamba:  # in_proj: z, x, B, C and dt; out_proj
+            heads, head_dim, groups, state, _ = self.mamba
+            mixer = h * (2 * heads * head_dim + 2 * groups * state + heads) + heads * head_dim * h
+        elif self.is_linear(layer):  # q, k, v, z, b and a; out_proj
+            hk, hv, dk, dv, _ = self.linear_attention
+            mixer = h * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * h
+        elif kind in ("mlp", "moe"):  # Nemotron-H's MLP and experts layers
+            mixer = 0
+        else:
+            mixer = self.attention_params + self.attention_output_gate * h * self.num_heads * self.head_dim
+        if self.architecture == NEMOTRON_H and kind not in ("mlp", "moe"):
+            return mixer  # each of its layers one mixer
+        matrices = 2 if self.is_gpt2 or self.hidden_act in ("relu2", "xielu") else 3  # an MLP's: no gate, or one
+        if not self.is_moe(layer):
+            return mixer + matrices * h * self.intermediate_size
+        experts, shared = self.num_experts_per_tok if picked else self.num_experts, \
+            self.shared_expert_intermediate_size
+        return mixer + h * self.num_experts + matrices * h * (experts * self.moe_intermediate_size + shared) \
+            + h * (shared > 0 and self.shared_expert_gated)
+
     @property
     def is_gpt2(self) -> bool:
         return self.architecture == "GPT2LMHeadModel"

@@ -3,7 +3,7 @@ import pytest
 from torch import nn
 
 from pipellm.model_config import ModelConfig
-from pipellm.observe.roofline import _context_sum, _linear_params
+from pipellm.observe.roofline import _context_sum
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -13,7 +13,23 @@ def test_weights_a_token_passes_equal_hfs_linear_layers(checkpoints, arch):
     blocks = hf_model.transformer.h if arch == "gpt2" else hf_model.model.layers
     for i, block in enumerate(blocks):
         linears = [m for m in block.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
-        assert _linear_params(cfg, i) == sum(m.weight.numel() for m in linears)
+        assert cfg.layer_weights(i, picked=True) == sum(m.weight.numel() for m in linears)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "granitemoehybrid", "nemotron_h", "nemotron_h-dense",
+                                  "gpt_oss", "apertus"])
+def test_layer_weights_equal_hfs_matrices(tmp_path, name):
+    """Each layer's matmul weights (every expert's; what a stage's GPU memory is planned with) equal the matrices
+    HF's layer holds, its convolutions and (stacked) biases aside: linear-attention, Mamba-2 and MLP-only layers,
+    ungated MLPs and experts, gated shared experts."""
+    from tests.test_families import make_family_checkpoint
+
+    hf_model = make_family_checkpoint(name, str(tmp_path))
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    for i, block in enumerate(hf_model.model.layers):
+        matrices = [p for n, p in block.named_parameters()
+                    if p.dim() >= 2 and "conv1d" not in n and "bias" not in n]
+        assert cfg.layer_weights(i) == sum(p.numel() for p in matrices), i
 
 
 def test_keys_attended_count_every_token_once(checkpoints):

@@ -38,17 +38,6 @@ def limits_worker(job_json: str, rounds: int = 7) -> None:
                       "read_bytes_s": big.nbytes / best_read}))
 
 
-def _linear_params(cfg: ModelConfig, layer: int) -> int:
-    """Weights one token's pass through a layer multiplies (a MoE layer: its router and the experts it picks)."""
-    h, attention = cfg.hidden_size, cfg.attention_params
-    if cfg.is_gpt2:
-        return attention + 2 * h * cfg.intermediate_size
-    if cfg.is_moe(layer):
-        return attention + h * cfg.num_experts + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size \
-            + 3 * h * cfg.shared_expert_intermediate_size
-    return attention + 3 * h * cfg.intermediate_size
-
-
 def _context_sum(cfg: ModelConfig, layer: int, seq_lens: list[tuple[int, int]]) -> int:
     """Keys attended over all tokens run, summed: a request of P prompt and G generated tokens runs P + G - 1
     tokens, the one at position p attending p + 1 keys (fewer in a sliding window)."""
@@ -79,10 +68,11 @@ def analyze(limits: dict, cfg: ModelConfig, stages: list[StageLayers], seq_lens:
     for stage, busy, n_steps, w_bytes in zip(stages, busy_s, steps, weight_bytes):
         flops, kv_bytes = 0, 0
         for layer in range(stage.start, stage.end):
-            keys = _context_sum(cfg, layer, seq_lens)
-            flops += 2 * _linear_params(cfg, layer) * tokens + 4 * cfg.num_heads * qk_width * keys
-            decode_keys = keys - _context_sum(cfg, layer, [(p, 1) for p, _ in seq_lens])
-            kv_bytes += decode_keys * kv_token_bytes
+            flops += 2 * cfg.layer_weights(layer, picked=True) * tokens
+            if cfg.has_kv_cache(layer):  # a layer with a state (or none) attends over no keys
+                keys = _context_sum(cfg, layer, seq_lens)
+                flops += 4 * cfg.num_heads * qk_width * keys
+                kv_bytes += (keys - _context_sum(cfg, layer, [(p, 1) for p, _ in seq_lens])) * kv_token_bytes
         if stage.is_last:
             flops += 2 * cfg.hidden_size * cfg.vocab_size * sampled
         moved = n_steps * w_bytes + kv_bytes
