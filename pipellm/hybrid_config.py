@@ -31,9 +31,6 @@ def nemotron_h(d: dict, source: str) -> tuple[dict, dict]:
     if not types or set(types) - set(NEMOTRON_LAYER_TYPES):
         raise ValueError(f"{source}: Nemotron-H layer types {sorted(set(types) - set(NEMOTRON_LAYER_TYPES))} are "
                          f"not supported: give layers_block_type, each of {', '.join(NEMOTRON_LAYER_TYPES)}")
-    if d.get("moe_latent_size") is not None:
-        raise ValueError(f"{source}: Nemotron-H's moe_latent_size={d['moe_latent_size']} (experts on a projection "
-                         "of the hidden state) is not supported")
     moe = "moe" in types
     fields = _mamba2(d, source, d.get("mamba_num_heads") or 128, d.get("mamba_head_dim") or 64,
                      d.get("n_groups") or d.get("mamba_n_groups") or 8, d.get("ssm_state_size") or 128,
@@ -44,6 +41,7 @@ def nemotron_h(d: dict, source: str) -> tuple[dict, dict]:
                    shared_expert_intermediate_size=(d.get("moe_shared_expert_intermediate_size") or 0) * moe,
                    router_sigmoid=moe, router_selection_bias=moe, shared_expert_gated=False,
                    num_experts=d.get("n_routed_experts", 8) * moe,
+                   moe_latent_size=(d.get("moe_latent_size") or 0) * moe,
                    num_experts_per_tok=d.get("num_experts_per_tok", 2) * moe,
                    norm_topk_prob=bool(d.get("norm_topk_prob", True)))
     # attention_head_dim: older configs'; HF's default of 128 otherwise, not hidden_size / heads

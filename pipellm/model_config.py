@@ -104,6 +104,7 @@ class ModelConfig:
     expert_groups_kept: int = 1
     group_by_top_expert: bool = False
     routed_scaling_factor: float = 1.0
+    moe_latent_size: int = 0  # Nemotron 3 Super: the routed experts work on a projection this wide (0: none)
     fp8_block: tuple[int, ...] = ()  # the checkpoint's FP8 weights' (rows, columns) a scale (quant/fp8.py); () none
     # Llama 4: its chunked layers attend within chunks of attention_chunk positions only (0: none); q and k
     # RMS-normed without weights after their rotary (qk_l2_norm, the layers with rotary only); the queries of the
@@ -179,8 +180,9 @@ class ModelConfig:
             return mixer + matrices * h * self.intermediate_size
         experts, shared = self.num_experts_per_tok if picked else self.num_experts, \
             self.shared_expert_intermediate_size
-        return mixer + h * self.num_experts + matrices * h * (experts * self.moe_intermediate_size + shared) \
-            + h * (shared > 0 and self.shared_expert_gated)
+        latent = self.moe_latent_size
+        return mixer + h * self.num_experts + matrices * (latent or h) * experts * self.moe_intermediate_size \
+            + 2 * h * latent + matrices * h * shared + h * (shared > 0 and self.shared_expert_gated)
 
     @property
     def is_gpt2(self) -> bool:

@@ -245,9 +245,11 @@ def family_config(name: str):
     if name.startswith("nemotron_h"):  # Nemotron-H: a mixer a layer: Mamba-2 (8 heads of 12, not hidden * expand /
         # heads, in 2 groups), relu^2 MLPs, attention without rotary, relu^2 experts (groups of them, scaled weights)
         # behind a sigmoid router with a shared expert
+        # (-latent: experts on a 32-wide projection, as Nemotron 3 Super's)
         moe = "mlp" if name.endswith("-dense") else "moe"
         return tf.NemotronHConfig(**COMMON, layers_block_type=["linear_attention", "mlp", "full_attention", moe,
                                                                "linear_attention"],
+                                  moe_latent_size=32 if name.endswith("-latent") else None,
                                   head_dim=16, mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=8,
                                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                   moe_shared_expert_intermediate_size=40, routed_scaling_factor=1.5, n_group=2,
@@ -271,7 +273,8 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "minimax_m2", "apertus", "ministral3", "mistral4", "gemma3-vl", "mistral3-vl", "llama4", "hunyuan_moe",
             "qwen2_5-vl", "qwen3-vl-moe", "llava-vl", "internvl-vl", "aya_vision-vl",
             "glm4v-vl", "glm4v_moe-vl", "mistral4-vl", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl",
-            "qwen3_5_moe-vl", "granitemoehybrid", "granitemoehybrid-dense", "nemotron_h", "nemotron_h-dense"]
+            "qwen3_5_moe-vl", "granitemoehybrid", "granitemoehybrid-dense", "nemotron_h", "nemotron_h-dense",
+            "nemotron_h-latent"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4")  # and Llama 4's chunked layers

@@ -28,9 +28,9 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "mistral4": "mistral4", "qwen3_next": "qwen3next", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe",
         "qwen3_next-ssm_in": "qwen3next",  # as older converters wrote it: in_proj_qkvz whole
         "granitemoehybrid": "granitehybrid", "granitemoehybrid-dense": "granitehybrid",
-        "nemotron_h": "nemotron_h_moe", "nemotron_h-dense": "nemotron_h"}
+        "nemotron_h": "nemotron_h_moe", "nemotron_h-dense": "nemotron_h", "nemotron_h-latent": "nemotron_h_moe"}
 GRANITE_HYBRID = ("granitemoehybrid", "granitemoehybrid-dense")
-NEMOTRON_H = ("nemotron_h", "nemotron_h-dense")
+NEMOTRON_H = ("nemotron_h", "nemotron_h-dense", "nemotron_h-latent")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_next-ssm_in")  # linear-attention layers
 # the converter's LlamaModel: Q/K rows in llama.cpp's rotary order
 PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "arcee", "mistral3", "granitehybrid", "nemotron_h",
@@ -74,7 +74,8 @@ GLOBAL_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.
 NEMOTRON_TO_GGUF = {"norm": "attn_norm", "mixer.q_proj": "attn_q", "mixer.k_proj": "attn_k", "mixer.v_proj": "attn_v",
                     "mixer.o_proj": "attn_output", "mixer.up_proj": "ffn_up", "mixer.down_proj": "ffn_down",
                     "mixer.gate": "ffn_gate_inp", "mixer.shared_experts.up_proj": "ffn_up_shexp",
-                    "mixer.shared_experts.down_proj": "ffn_down_shexp"}
+                    "mixer.shared_experts.down_proj": "ffn_down_shexp", "mixer.fc1_latent_proj": "ffn_latent_down",
+                    "mixer.fc2_latent_proj": "ffn_latent_up"}
 
 
 def gguf_family_config(name: str):
@@ -210,10 +211,11 @@ def gguf_family_config(name: str):
                                          position_embedding_type=None, embedding_multiplier=4.0,
                                          residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
     if name in NEMOTRON_H:  # Mamba-2 (8 heads of 12 in 2 groups), attention without rotary, and relu^2 MLPs or
-        # experts (llama.cpp's files cannot tell an MLP layer in an experts model)
+        # experts (llama.cpp's files cannot tell an MLP layer in an experts model), on a projection (-latent)
         mlp = "mlp" if name.endswith("-dense") else "moe"
         return tf.NemotronHConfig(**BASE, layers_block_type=["linear_attention", mlp, "full_attention", mlp,
                                                              "linear_attention"],
+                                  moe_latent_size=32 if name.endswith("-latent") else None,
                                   head_dim=16, mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=8,
                                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                   moe_shared_expert_intermediate_size=64, routed_scaling_factor=1.5, n_group=2,
@@ -426,6 +428,8 @@ def write_nemotron_h_metadata(w: gguf.GGUFWriter, cfg) -> None:
         w.add_expert_group_count(cfg.n_group)
         w.add_expert_group_used_count(cfg.topk_group)
         w.add_nextn_predict_layers(1)
+        if cfg.moe_latent_size:
+            w.add_uint32(f"{w.arch}.moe_latent_size", cfg.moe_latent_size)
 
 
 def write_group_routed_metadata(w: gguf.GGUFWriter, cfg, sigmoid: bool) -> None:
@@ -745,7 +749,7 @@ def test_gguf_family_matches_hf(family_gguf, name):
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "granitemoehybrid", "granitemoehybrid-dense", "granitemoe",
-                                  "nemotron_h", "nemotron_h-dense"])
+                                  "nemotron_h", "nemotron_h-dense", "nemotron_h-latent"])
 def test_gguf_as_an_hf_folder(tmp_path, name):
     """convert_gguf's HF folder of a file (what `pipellm bench` gives transformers) holds HF's tensors: for qwen3next
     and qwen35, norms less 1, A_log from -exp(A_log), the conv unsqueezed, qwen35's value heads grouped again; for

@@ -155,7 +155,7 @@ def test_qwen3_next_release_config():
 def test_nemotron_h_release_configs():
     """Nemotron Nano 9B v2's config.json (older keys: hybrid_override_pattern, Mamba-2 heads wider than hidden_size
     x expand) and Nemotron 3 Nano 30B-A3B's (experts layers), their pattern's letters as given: read as HF reads them.
-    What pipellm cannot run is refused: experts on a latent projection, a time step limit, unknown layers."""
+    Nemotron 3 Super's latent experts read; what pipellm cannot run refused: a time step limit, unknown layers."""
     from transformers import AutoConfig
 
     from pipellm.model_config import ModelConfig
@@ -185,8 +185,9 @@ def test_nemotron_h_release_configs():
         assert cfg.routed_scaling_factor == (hf.routed_scaling_factor if moe else 1.0)
         assert [cfg.has_kv_cache(i) for i in range(cfg.num_layers)] == \
             [t == "full_attention" for t in hf.layers_block_type]
-    for change, needle in [(dict(moe_latent_size=1024), "moe_latent_size=1024"),
-                           (dict(time_step_limit=[0.0, 0.1]), r"time_step_limit=\[0.0, 0.1\]"),
+    super_ = ModelConfig.from_hf_dict(nano3 | dict(moe_latent_size=1024))  # Nemotron 3 Super's experts
+    assert super_.moe_latent_size == AutoConfig.for_model(**nano3 | dict(moe_latent_size=1024)).moe_latent_size
+    for change, needle in [(dict(time_step_limit=[0.0, 0.1]), r"time_step_limit=\[0.0, 0.1\]"),
                            (dict(hybrid_override_pattern="M-X*"), r"layer types \['X'\] are not supported"),
                            (dict(n_groups=7), "64 Mamba-2 heads do not split into 7 groups")]:
         with pytest.raises(ValueError, match=needle):

@@ -103,9 +103,10 @@ _FAMILY_NAMES["granitehybrid"] = {"ssm_in": "mamba.in_proj", "ssm_conv1d": "mamb
 _FAMILY_NAMES.update(dict.fromkeys(NEMOTRON, {
     "attn_norm": "norm", "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj", "attn_v": "mixer.v_proj",
     "attn_output": "mixer.o_proj", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj",
-    "ffn_gate_inp": "mixer.gate",
-    "ffn_up_shexp": "mixer.shared_experts.up_proj", "ffn_down_shexp": "mixer.shared_experts.down_proj",
-    "ssm_in": "mixer.in_proj", "ssm_conv1d": "mixer.conv1d", "ssm_norm": "mixer.norm", "ssm_out": "mixer.out_proj"}))
+    "ffn_gate_inp": "mixer.gate", "ffn_up_shexp": "mixer.shared_experts.up_proj",
+    "ffn_down_shexp": "mixer.shared_experts.down_proj", "ffn_latent_down": "mixer.fc1_latent_proj",
+    "ffn_latent_up": "mixer.fc2_latent_proj", "ssm_in": "mixer.in_proj", "ssm_conv1d": "mixer.conv1d",
+    "ssm_norm": "mixer.norm", "ssm_out": "mixer.out_proj"}))
 NEMOTRON_GLOBAL_NAMES = {"token_embd.weight": "model.embeddings.weight", "output_norm.weight": "model.norm_f.weight"}
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj",
                 "ffn_gate_up_exps": "gate_up_proj"}  # Mistral 4's fused: each expert's gate rows, then its up rows
@@ -300,14 +301,17 @@ def _nemotron_h_shapes(mc: ModelConfig) -> dict:
             if mc.mlp_bias:
                 shapes.update({p + "mixer.up_proj.bias": (ff,), p + "mixer.down_proj.bias": (h,)})
         else:
-            width, shared = mc.moe_intermediate_size, mc.shared_expert_intermediate_size
+            width, shared, latent = mc.moe_intermediate_size, mc.shared_expert_intermediate_size, mc.moe_latent_size
+            if latent:
+                shapes.update({p + "mixer.fc1_latent_proj.weight": (latent, h),
+                               p + "mixer.fc2_latent_proj.weight": (h, latent)})
             shapes.update({p + "mixer.gate.weight": (mc.num_experts, h),
                            p + "mixer.gate.e_score_correction_bias": (mc.num_experts,),
                            p + "mixer.shared_experts.up_proj.weight": (shared, h),
                            p + "mixer.shared_experts.down_proj.weight": (h, shared)})
             for e in range(mc.num_experts):
-                shapes.update({f"{p}mixer.experts.{e}.up_proj.weight": (width, h),
-                               f"{p}mixer.experts.{e}.down_proj.weight": (h, width)})
+                shapes.update({f"{p}mixer.experts.{e}.up_proj.weight": (width, latent or h),
+                               f"{p}mixer.experts.{e}.down_proj.weight": (latent or h, width)})
     return shapes
 
 

@@ -2,7 +2,8 @@
 Llama 4): a router picks top-k experts per token; each expert is a SwiGLU MLP (GPT-OSS: with biases, clamped);
 Qwen2-MoE adds a shared expert every token takes (behind a sigmoid gate; ERNIE's, DeepSeek's, GLM's and Llama 4's as
 it is), ERNIE, DeepSeek V3 and GLM pick their experts by their score plus a bias, and DeepSeek and GLM from the best
-groups of experts only; Llama 4 weighs an expert's input, not its output.
+groups of experts only; Llama 4 weighs an expert's input, not its output; Nemotron-H's experts are ungated relu^2
+MLPs (Nemotron 3 Super's between a projection down to a latent width and one back up).
 The stage that holds a layer holds all its experts."""
 import torch
 from torch import nn
@@ -43,10 +44,14 @@ class SparseMoE(nn.Module):
         # GPT-OSS's router has a bias
         self.softmax_after_topk, self.softmax_in_fp32 = cfg.router_softmax_after_topk, not cfg.swiglu_limit
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.swiglu_limit > 0)
+        width = cfg.moe_latent_size or cfg.hidden_size  # what the experts take and give
         self.experts = nn.ModuleList(
             ClampedSwiGLU(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit, cfg.swiglu_alpha)
-            if cfg.swiglu_limit else dense_mlp(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
+            if cfg.swiglu_limit else dense_mlp(width, cfg.moe_intermediate_size, cfg.hidden_act)
             for _ in range(cfg.num_experts))
+        if cfg.moe_latent_size:  # Nemotron 3 Super's: the experts between a projection down and one back up
+            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = dense_mlp(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act,
                                            bias=cfg.mlp_bias)
@@ -85,14 +90,19 @@ class SparseMoE(nn.Module):
         order = chosen.flatten().argsort(stable=True)                                    # [T * k]
         counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
         tokens, weights = order // self.top_k, weights.flatten()[order]
-        out = torch.zeros_like(x)
+        latent = hasattr(self, "fc1_latent_proj")
+        routed = self.fc1_latent_proj(x) if latent else x
+        out = torch.zeros_like(routed)
         start = 0
         for expert, count in zip(self.experts, counts):
             if count:
                 rows = tokens[start:start + count]
                 w = weights[start:start + count, None]
-                out.index_add_(0, rows, expert(x[rows] * w) if self.weigh_inputs else (expert(x[rows]) * w).to(x.dtype))
+                out.index_add_(0, rows, expert(routed[rows] * w) if self.weigh_inputs
+                               else (expert(routed[rows]) * w).to(x.dtype))
                 start += count
+        if latent:
+            out = self.fc2_latent_proj(out)
         if hasattr(self, "shared_expert_gate"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif hasattr(self, "shared_expert"):
