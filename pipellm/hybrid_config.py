@@ -1,9 +1,11 @@
 """The fields of ModelConfig that hybrid models' config.json files give their own way: Granite 4.0-H's and
-Nemotron-H's Mamba-2 layers among attention ones (models/linear_attention.py)."""
+Nemotron-H's Mamba-2 layers among attention ones, Falcon-H1's beside attention in every layer
+(models/linear_attention.py)."""
 
 GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"  # Granite 4.0-H: Mamba-2 layers among full-attention ones
 # Nemotron-H: each layer one mixer: Mamba-2, attention without rotary, a relu^2 MLP, or relu^2 experts
 NEMOTRON_H = "NemotronHForCausalLM"
+FALCON_H1 = "FalconH1ForCausalLM"  # attention and Mamba-2 side by side in every layer, µP multipliers
 # older configs' layer names, and Nemotron-H's hybrid_override_pattern letters: HF's layer types
 MAMBA_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention",
                      "M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -52,6 +54,36 @@ def nemotron_h(d: dict, source: str) -> tuple[dict, dict]:
     return d | keys, fields
 
 
+def falcon_h1(d: dict, source: str) -> tuple[dict, dict]:
+    """A Falcon-H1 config.json in the keys from_hf_dict reads, and ModelConfig's fields of its own, as HF reads it:
+    its Mamba-2 width mamba_d_ssm (else mamba_expand x hidden_size); its multipliers, the key's folded into the
+    attention's scale and the LM head's into the logits' divisor."""
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: Falcon-H1's hidden_act={d['hidden_act']!r} is not supported (silu: its MLP's "
+                         "and its Mamba-2 convolution's activation)")
+    hidden, heads = d["hidden_size"], d.get("mamba_n_heads") or 128
+    inner = d.get("mamba_d_ssm") or int((d.get("mamba_expand") or 2) * hidden)
+    head_dim = d.get("mamba_d_head")
+    head_dim = inner // heads if head_dim in (None, "auto") else head_dim
+    if head_dim * heads != inner:
+        raise ValueError(f"{source}: Mamba-2 heads of {heads} x {head_dim} for mamba_d_ssm={inner} are not "
+                         "supported (heads x head width = mamba_d_ssm)")
+    fields = _mamba2(d, source, heads, head_dim, d.get("mamba_n_groups") or 1, d.get("mamba_d_state") or 256,
+                     d.get("mamba_d_conv") or 4, d.get("mamba_conv_bias", True), d.get("mamba_proj_bias"))
+    ssm, mlp = d.get("ssm_multipliers") or [1.0] * 5, d.get("mlp_multipliers") or [1.0, 1.0]
+    fields |= dict(layer_types=("hybrid",) * d["num_hidden_layers"], mamba_out_bias=bool(d.get("projectors_bias")),
+                   mamba_norm="none" if not d.get("mamba_rms_norm") else
+                   "norm_then_gate" if d.get("mamba_norm_before_gate", True) else "gated",
+                   mup_multipliers=tuple(float(m) for m in [d.get(k, 1.0) for k in (
+                       "attention_in_multiplier", "attention_out_multiplier", "ssm_in_multiplier",
+                       "ssm_out_multiplier")] + list(ssm) + list(mlp)),
+                   embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
+                   logits_scaling=1.0 / float(d.get("lm_head_multiplier", 1.0)))
+    head = d.get("head_dim") or hidden // d["num_attention_heads"]
+    fields["attention_multiplier"] = float(d.get("key_multiplier", 1.0)) * head ** -0.5  # q.(k m) = m q.k
+    return d | dict(layer_types=None, max_position_embeddings=d.get("max_position_embeddings") or 8192), fields
+
+
 def _mamba2(d: dict, source: str, heads: int, head_dim: int, groups: int, state: int, kernel: int, conv_bias,
             proj_bias) -> dict:
     # transformers 5 writes infinity as {"__float__": "Infinity"}
@@ -62,4 +94,4 @@ def _mamba2(d: dict, source: str, heads: int, head_dim: int, groups: int, state:
     if heads % groups:
         raise ValueError(f"{source}: {heads} Mamba-2 heads do not split into {groups} groups")
     return dict(mamba=(heads, head_dim, groups, state, kernel), mamba_conv_bias=bool(conv_bias),
-                mamba_proj_bias=bool(proj_bias))
+                mamba_proj_bias=bool(proj_bias), mamba_out_bias=bool(proj_bias))

@@ -4,7 +4,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from pipellm.hybrid_config import GRANITE_HYBRID, MAMBA_LAYER_TYPES, NEMOTRON_H, granite_hybrid, nemotron_h
+from pipellm.hybrid_config import (FALCON_H1, GRANITE_HYBRID, MAMBA_LAYER_TYPES, NEMOTRON_H, falcon_h1,
+                                   granite_hybrid, nemotron_h)
 from pipellm.rope_config import RopeConfig
 from pipellm.vision_language import VISION_LANGUAGE, text_config
 
@@ -32,7 +33,7 @@ MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
                   GRANITE_HYBRID)  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel", NEMOTRON_H)
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel", NEMOTRON_H, FALCON_H1)
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
 
 
@@ -125,6 +126,13 @@ class ModelConfig:
     mamba: tuple[int, ...] = ()
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
+    mamba_out_bias: bool = False
+    # Falcon-H1: attention and a Mamba-2 mixer side by side in each layer ("hybrid" layer_types); the Mamba-2
+    # output normed after its gate ("gated": Granite's, Nemotron-H's), before it ("norm_then_gate") or not at all
+    # ("none"); µP multipliers: (attention in, attention out, ssm in, ssm out, the in_proj's z, x, B, C and dt, the
+    # MLP's gate and down), () none
+    mamba_norm: str = "gated"
+    mup_multipliers: tuple[float, ...] = ()
     attention_output_gate: bool = False
     text_of: str = ""  # the vision-language checkpoint whose text model this is (vision_language.py); "" none
 
@@ -163,9 +171,10 @@ class ModelConfig:
         """Weights of a layer's matmuls (norms, biases and convolutions aside): all its experts', or with picked
         those one token multiplies (the router's and its top-k experts')."""
         h, kind = self.hidden_size, self.layer_types[layer] if self.layer_types else "full_attention"
-        if self.is_linear(layer) and self.mamba:  # in_proj: z, x, B, C and dt; out_proj
+        if self.is_linear(layer) and self.mamba:  # in_proj: z, x, B, C and dt; out_proj (Falcon-H1's: attention too)
             heads, head_dim, groups, state, _ = self.mamba
-            mixer = h * (2 * heads * head_dim + 2 * groups * state + heads) + heads * head_dim * h
+            mixer = h * (2 * heads * head_dim + 2 * groups * state + heads) + heads * head_dim * h \
+                + self.attention_params * (kind == "hybrid")
         elif self.is_linear(layer):  # q, k, v, z, b and a; out_proj
             hk, hv, dk, dv, _ = self.linear_attention
             mixer = h * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * h
@@ -210,8 +219,8 @@ class ModelConfig:
         return bool(self.linear_attention or self.mamba)
 
     def is_linear(self, layer: int) -> bool:
-        """Whether the layer is a linear-attention (or Mamba-2) one: a state per sequence, no KV cache."""
-        return self.keeps_states and self.layer_types[layer] == "linear_attention"
+        """Whether the layer keeps a state per sequence: a linear-attention (or Mamba-2) one, and Falcon-H1's."""
+        return self.keeps_states and self.layer_types[layer] in ("linear_attention", "hybrid")
 
     def has_kv_cache(self, layer: int) -> bool:
         """Whether the layer caches keys and values: not one with a state, nor Nemotron-H's MLP and experts ones."""
@@ -272,6 +281,8 @@ class ModelConfig:
         if arch == NEMOTRON_H:
             d, family = nemotron_h(d, source)
             family |= _group_router(d, source, arch) if family["num_experts"] else {}
+        elif arch == FALCON_H1:
+            d, family = falcon_h1(d, source)
         is_gemma = arch in GEMMA_FAMILY
         act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
         if act not in ("silu", "gelu_pytorch_tanh") and (act, arch) not in (

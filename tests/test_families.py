@@ -254,6 +254,16 @@ def family_config(name: str):
                                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                   moe_shared_expert_intermediate_size=40, routed_scaling_factor=1.5, n_group=2,
                                   topk_group=1, layer_norm_epsilon=1e-2)  # an epsilon that shows when it is not read
+    if name.startswith("falcon_h1"):  # Falcon-H1: attention and Mamba-2 (8 heads of 12 in 2 groups: mamba_d_ssm, not
+        # hidden * expand) side by side; its Mamba-2 output normed before the gate, after it (-gated) or not at all
+        # (-ungated; and biases on the mixer's out_proj); µP multipliers each its own value
+        norm = dict(mamba_rms_norm=not name.endswith("-ungated"), mamba_norm_before_gate=not name.endswith("-gated"),
+                    projectors_bias=name.endswith("-ungated"))
+        return tf.FalconH1Config(**COMMON, **norm, mamba_d_ssm=96, mamba_n_heads=8, mamba_n_groups=2,
+                                 mamba_d_state=8, embedding_multiplier=2.0, lm_head_multiplier=0.5,
+                                 attention_in_multiplier=0.8, attention_out_multiplier=1.2, key_multiplier=0.7,
+                                 ssm_in_multiplier=1.3, ssm_out_multiplier=0.9,
+                                 ssm_multipliers=[0.6, 1.1, 0.9, 1.4, 0.5], mlp_multipliers=[1.5, 0.8])
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -274,7 +284,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "qwen2_5-vl", "qwen3-vl-moe", "llava-vl", "internvl-vl", "aya_vision-vl",
             "glm4v-vl", "glm4v_moe-vl", "mistral4-vl", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl",
             "qwen3_5_moe-vl", "granitemoehybrid", "granitemoehybrid-dense", "nemotron_h", "nemotron_h-dense",
-            "nemotron_h-latent"]
+            "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4")  # and Llama 4's chunked layers

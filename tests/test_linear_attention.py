@@ -106,7 +106,10 @@ AUTO = dict(pipeline_parallel_size=3, layer_partition="auto")  # split by each k
     ("qwen3_5", AUTO),
     ("nemotron_h", REUSED),  # Nemotron-H's MLP and experts layers: no cache, no blocks
     ("nemotron_h", AUTO),
-], ids=["rows-reused-preempted", "multi-step", "pp2-chunked", "pp3-auto", "nemotron_h-reused", "nemotron_h-pp3-auto"])
+    ("falcon_h1", REUSED),  # Falcon-H1's layers: a KV cache and a state each
+    ("falcon_h1", dict(pipeline_parallel_size=2, max_num_batched_tokens=8)),
+], ids=["rows-reused-preempted", "multi-step", "pp2-chunked", "pp3-auto", "nemotron_h-reused", "nemotron_h-pp3-auto",
+        "falcon_h1-reused", "falcon_h1-pp2-chunked"])
 def test_states_follow_their_sequences(state_models, name, options):
     folder, prompts, reference = state_models(name)
     with LLM(folder, dtype="float32", **options) as llm:
@@ -192,3 +195,29 @@ def test_nemotron_h_release_configs():
                            (dict(n_groups=7), "64 Mamba-2 heads do not split into 7 groups")]:
         with pytest.raises(ValueError, match=needle):
             ModelConfig.from_hf_dict(nano3 | change)
+
+
+def test_falcon_h1_release_config():
+    """A config.json shaped as Falcon-H1-0.5B's (mamba_d_ssm not mamba_expand x hidden_size, head widths given,
+    µP multipliers, no Mamba-2 norm): read as HF reads it."""
+    from transformers import AutoConfig
+
+    from pipellm.model_config import ModelConfig
+    release = dict(architectures=["FalconH1ForCausalLM"], model_type="falcon_h1", hidden_size=1024,
+                   intermediate_size=2048, num_hidden_layers=36, num_attention_heads=8, num_key_value_heads=2,
+                   head_dim=64, mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64, mamba_n_groups=1,
+                   mamba_d_state=128, mamba_d_conv=4, mamba_expand=2, mamba_rms_norm=False,
+                   mamba_norm_before_gate=False, rope_theta=1e11, vocab_size=32784, embedding_multiplier=5.657,
+                   lm_head_multiplier=0.0390625, key_multiplier=0.390625, attention_out_multiplier=0.9375,
+                   ssm_in_multiplier=1.25, ssm_out_multiplier=0.2357, ssm_multipliers=[0.354, 0.25, 0.354, 0.5, 0.354],
+                   mlp_multipliers=[0.884, 0.586])
+    cfg, hf = ModelConfig.from_hf_dict(release), AutoConfig.for_model(**release)
+    assert cfg.mamba == (hf.mamba_n_heads, hf.mamba_d_head, hf.mamba_n_groups, hf.mamba_d_state, hf.mamba_d_conv)
+    assert cfg.mamba_norm == "none" and cfg.layer_types == ("hybrid",) * hf.num_hidden_layers
+    assert cfg.mup_multipliers == (hf.attention_in_multiplier, hf.attention_out_multiplier, hf.ssm_in_multiplier,
+                                   hf.ssm_out_multiplier, *hf.ssm_multipliers, *hf.mlp_multipliers)
+    assert cfg.attention_multiplier == hf.key_multiplier * hf.head_dim ** -0.5
+    assert cfg.logits_scaling == 1 / hf.lm_head_multiplier and cfg.embedding_multiplier == hf.embedding_multiplier
+    assert all(cfg.is_linear(i) and cfg.has_kv_cache(i) for i in range(cfg.num_layers))
+    with pytest.raises(ValueError, match="Mamba-2 heads of 24 x 60 for mamba_d_ssm=1536"):
+        ModelConfig.from_hf_dict(release | dict(mamba_d_head=60))

@@ -14,6 +14,7 @@ from torch import nn
 
 from pipellm.model_config import ModelConfig
 from pipellm.models.attention import AttentionMetadata
+from pipellm.models.kv_cache import KVCache
 
 CHUNK = 64  # tokens a prompt's delta rule runs at once, as matrices (the chunked form HF's and FLA's kernels use)
 
@@ -44,6 +45,27 @@ class LinearState:
         new = max(rows, have + max(8, have // 4))
         self.conv = torch.cat([self.conv, self.conv.new_zeros(new - have, *self.conv.shape[1:])])
         self.ssm = torch.cat([self.ssm, self.ssm.new_zeros(new - have, *self.ssm.shape[1:])])
+
+
+@dataclass
+class KVAndState:
+    """A layer's KV cache and its state, where attention and a Mamba-2 mixer run side by side (Falcon-H1's)."""
+    kv: KVCache
+    state: LinearState
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.state.nbytes
+
+
+def layer_cache(cfg: ModelConfig, layer: int, dtype: torch.dtype, device, kv_cache):
+    """What a layer keeps between steps: its KV cache (kv_cache() makes it), its state, both (Falcon-H1's) or
+    nothing (Nemotron-H's MLP layers)."""
+    kv = kv_cache() if cfg.has_kv_cache(layer) else None
+    if not cfg.is_linear(layer):
+        return kv
+    state = LinearState.allocate(cfg, dtype, device)
+    return state if kv is None else KVAndState(kv, state)
 
 
 def state_shapes(cfg: ModelConfig) -> tuple[int, int, tuple[int, int, int]]:
@@ -267,16 +289,21 @@ class GatedDeltaNet(StateMixer):
 
 class GroupGatedRMSNorm(nn.Module):
     """Mamba-2's: gated by silu(z) first, then RMS-normed over each group's channels, scaled by w (fp32, one
-    rounding before the scale)."""
+    rounding before the scale); with norm_before_gate (Falcon-H1's option) normed, scaled, then gated, in fp32."""
 
-    def __init__(self, size: int, groups: int, eps: float):
+    def __init__(self, size: int, groups: int, eps: float, norm_before_gate: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.norm_before_gate = groups, eps, norm_before_gate
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        y = (x.float() * F.silu(z.float())).view(len(x), self.groups, -1)                   # [T, G, C / G]
+        gate, y = F.silu(z.float()), x.float()
+        if not self.norm_before_gate:
+            y = y * gate
+        y = y.view(len(x), self.groups, -1)                                                  # [T, G, C / G]
         y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).view(len(x), -1)
+        if self.norm_before_gate:
+            return (self.weight.float() * y * gate).to(x.dtype)
         return self.weight * y.to(x.dtype)
 
 
@@ -294,11 +321,16 @@ class Mamba2Mixer(StateMixer):
         self.dt_bias = nn.Parameter(torch.ones(self.heads))
         self.A_log = nn.Parameter(torch.zeros(self.heads))
         self.D = nn.Parameter(torch.ones(self.heads))
-        self.norm = GroupGatedRMSNorm(self.inner, self.groups, cfg.norm_eps)
-        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
+        if cfg.mamba_norm != "none":  # else (Falcon-H1's option) the output only gated
+            self.norm = GroupGatedRMSNorm(self.inner, self.groups, cfg.norm_eps, cfg.mamba_norm == "norm_then_gate")
+        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.mamba_out_bias)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> z, x, B, C and dt [T, inner + conv + heads]."""
+        return self.in_proj(x)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: LinearState) -> torch.Tensor:
-        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], -1)
+        z, xbc, dt = self.project(x).split([self.inner, self.conv_dim, self.heads], -1)
         dt = F.softplus(dt.float() + self.dt_bias.float())                                   # [T, H]
         A = -self.A_log.float().exp()
 
@@ -311,7 +343,10 @@ class Mamba2Mixer(StateMixer):
             y, matrices = ssd_chunked(xs, dt[s], A, B, C, matrices)
             return (y + xs * self.D.float()[:, None]).to(x.dtype), matrices
         out = self.convolve_and_scan(xbc, meta, state, step, chunked, x.new_empty(len(x), self.heads, self.head_dim))
-        return self.out_proj(self.norm(out.reshape(len(x), self.inner), z))
+        out = out.reshape(len(x), self.inner)
+        if not hasattr(self, "norm"):
+            return self.out_proj((out.float() * F.silu(z.float())).to(x.dtype))
+        return self.out_proj(self.norm(out, z))
 
     def _heads(self, mixed: torch.Tensor) -> tuple:
         """The convolution's output [T, C] as fp32 x [T, H, P] and each head's group's B and C [T, H, N]."""

@@ -5,6 +5,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 
@@ -13,7 +14,7 @@ from pipellm.config import EngineConfig
 from pipellm.model_config import ModelConfig
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache, cache_dtype
-from pipellm.models.linear_attention import LinearState
+from pipellm.models.linear_attention import layer_cache
 from pipellm.models.layers import transpose_linears
 from pipellm.models.registry import build_stage_model
 from pipellm.quant.linear import set_int8_activations
@@ -148,11 +149,8 @@ def _time_layer(cfg: ModelConfig, ecfg: EngineConfig, layer: int, num_tokens: in
     kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)
 
     def cache(blocks: int):  # the layer's (a linear-attention one's: its state; an MLP one's: none)
-        if cfg.is_linear(layer):
-            return LinearState.allocate(cfg, ecfg.torch_dtype)
-        if not cfg.has_kv_cache(layer):
-            return None
-        return KVCache.allocate(blocks, bs, *cfg.cache_shape, kv_dtype, shared=cfg.is_mla)
+        return layer_cache(cfg, layer, ecfg.torch_dtype, "cpu",
+                           partial(KVCache.allocate, blocks, bs, *cfg.cache_shape, kv_dtype, shared=cfg.is_mla))
     caches = [cache(num_tokens * blocks_per_seq)]
     tables = torch.arange(num_tokens * blocks_per_seq, dtype=torch.int32).view(num_tokens, blocks_per_seq)
     positions = torch.full((num_tokens,), CONTEXT - 1)

@@ -14,7 +14,7 @@ from pipellm.models.attention import AttentionMetadata
 from pipellm.models.huge_pages import weights_on_huge_pages
 from pipellm.models.kv_cache import KVCache, cache_dtype
 from pipellm.models.layers import share_tied_embedding, transpose_linears
-from pipellm.models.linear_attention import LinearState
+from pipellm.models.linear_attention import KVAndState, layer_cache
 from pipellm.models.registry import build_stage_model
 from pipellm.quant.linear import GREEDY_MIN_ROWS, densify, set_int8_activations, weight_bytes
 from pipellm.quant.rtn import LoadQuantizer, quantize_linears
@@ -56,14 +56,13 @@ class StageWorker:
         kv_dtype = cache_dtype(ecfg.kv_cache_dtype, ecfg.torch_dtype)
         eager_why = graphs.supported(cfg, ecfg, device, args.num_window_blocks)
         # sliding-window layers have caches of their own when the driver gives them rings of blocks; the decode
-        # graphs' padding rows write to a block past the driver's; linear-attention layers hold states instead,
-        # Nemotron-H's MLP layers nothing
-        self.kv_caches = [LinearState.allocate(cfg, ecfg.torch_dtype, device) if cfg.is_linear(i) else
-                          None if not cfg.has_kv_cache(i) else KVCache.allocate(args.num_window_blocks if sliding and args.num_window_blocks
-                                           else args.num_blocks + (eager_why is None), ecfg.block_size,
-                                           *cfg.cache_shape, kv_dtype, device, shared=cfg.is_mla)
-                          for i, sliding in zip(range(self.stage.start, self.stage.end), self.is_sliding)]
-        self.attention_caches = [c for c in self.kv_caches if isinstance(c, KVCache)]
+        # graphs' padding rows write to a block past the driver's; linear-attention layers hold states instead
+        self.kv_caches = [layer_cache(cfg, i, ecfg.torch_dtype, device, partial(
+            KVCache.allocate, args.num_window_blocks if sliding and args.num_window_blocks
+            else args.num_blocks + (eager_why is None), ecfg.block_size, *cfg.cache_shape, kv_dtype, device,
+            shared=cfg.is_mla)) for i, sliding in zip(range(self.stage.start, self.stage.end), self.is_sliding)]
+        self.attention_caches = [c.kv if isinstance(c, KVAndState) else c for c in self.kv_caches
+                                 if isinstance(c, (KVCache, KVAndState))]
         self.graphs = None if eager_why else graphs.DecodeGraphs(
             self.model, self.kv_caches, self.is_sliding, cfg.sliding_window, ecfg.block_size, ecfg.max_num_seqs,
             capture=device.type == "cuda")
@@ -297,7 +296,8 @@ class StageWorker:
             num_threads=torch.get_num_threads(),
             cpu_affinity=sorted(os.sched_getaffinity(0)), steps=self.steps,
             activation_bytes_sent=self.bytes_sent, activation_tokens_sent=self.tokens_sent, busy_s=self.busy_s,
-            weight_bytes=weight_bytes(self.model), kv_cache_bytes=sum(c.nbytes for c in self.kv_caches if c is not None),
+            weight_bytes=weight_bytes(self.model),
+            kv_cache_bytes=sum(c.nbytes for c in self.kv_caches if c is not None),
             rss_bytes=_resident_bytes(), events=events, clock_offset_s=time.time() - time.perf_counter(),
             device=str(self.device))
 
