@@ -28,7 +28,8 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "mistral4": "mistral4", "qwen3_next": "qwen3next", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe",
         "qwen3_next-ssm_in": "qwen3next",  # as older converters wrote it: in_proj_qkvz whole
         "granitemoehybrid": "granitehybrid", "granitemoehybrid-dense": "granitehybrid",
-        "nemotron_h": "nemotron_h_moe", "nemotron_h-dense": "nemotron_h", "nemotron_h-latent": "nemotron_h_moe"}
+        "nemotron_h": "nemotron_h_moe", "nemotron_h-dense": "nemotron_h", "nemotron_h-latent": "nemotron_h_moe",
+        "falcon_h1": "falcon-h1", "falcon_h1-ungated": "falcon-h1"}
 GRANITE_HYBRID = ("granitemoehybrid", "granitemoehybrid-dense")
 NEMOTRON_H = ("nemotron_h", "nemotron_h-dense", "nemotron_h-latent")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_next-ssm_in")  # linear-attention layers
@@ -70,7 +71,8 @@ MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_
            topk_group=2, first_k_dense_replace=1)
 GLOBAL_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                   "lm_head.weight": "output.weight", "model.embeddings.weight": "token_embd.weight",
-                  "model.norm_f.weight": "output_norm.weight"}
+                  "model.norm_f.weight": "output_norm.weight", "model.final_layernorm.weight": "output_norm.weight"}
+FALCON_H1_TO_GGUF = HF_TO_GGUF | {f"feed_forward.{p}_proj": f"ffn_{p}" for p in ("gate", "up", "down")}
 NEMOTRON_TO_GGUF = {"norm": "attn_norm", "mixer.q_proj": "attn_q", "mixer.k_proj": "attn_k", "mixer.v_proj": "attn_v",
                     "mixer.o_proj": "attn_output", "mixer.up_proj": "ffn_up", "mixer.down_proj": "ffn_down",
                     "mixer.gate": "ffn_gate_inp", "mixer.shared_experts.up_proj": "ffn_up_shexp",
@@ -220,6 +222,10 @@ def gguf_family_config(name: str):
                                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                   moe_shared_expert_intermediate_size=64, routed_scaling_factor=1.5, n_group=2,
                                   topk_group=1, layer_norm_epsilon=1e-2)  # an epsilon that shows when it is not read
+    if name.startswith("falcon_h1"):  # attention and Mamba-2 side by side, its norm after the gate (llama.cpp's only
+        # order) or none (-ungated); multipliers 1: the converter folds them into the weights
+        return tf.FalconH1Config(**BASE, mamba_d_ssm=96, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=8,
+                                 mamba_rms_norm=name == "falcon_h1", mamba_norm_before_gate=False)
     if name in HYBRID:  # two value heads a key head (which qwen35 files tile); llama.cpp's: key and value heads as
         # wide, every 4th layer full, a quarter of each head rotated, experts in every layer
         linear = dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -371,6 +377,13 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_ssm_group_count(cfg.mamba_n_groups)
         w.add_ssm_time_step_rank(cfg.mamba_n_heads)
         w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
+    if name.startswith("falcon_h1"):
+        w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+        w.add_ssm_state_size(cfg.mamba_d_state)
+        w.add_ssm_group_count(cfg.mamba_n_groups)
+        w.add_ssm_time_step_rank(cfg.mamba_n_heads)
+        w.add_ssm_inner_size(cfg.mamba_d_ssm)
+    if name in GRANITE_HYBRID:
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
@@ -487,7 +500,8 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
              "olmo3": OLMO_TO_GGUF, "gpt_oss": GPT_OSS_TO_GGUF, "exaone4": OLMO_TO_GGUF,
              "seed_oss": SEED_OSS_TO_GGUF, "glm4": GLM4_TO_GGUF, "deepseek_v2": DEEPSEEK_TO_GGUF,
              "deepseek_v3": DEEPSEEK_TO_GGUF, "glm4_moe": GLM4_MOE_TO_GGUF, "mistral4": DEEPSEEK_TO_GGUF,
-             "llama4": LLAMA4_TO_GGUF, **dict.fromkeys(HYBRID, SEED_OSS_TO_GGUF)}.get(name, HF_TO_GGUF)
+             "llama4": LLAMA4_TO_GGUF, **dict.fromkeys(HYBRID, SEED_OSS_TO_GGUF), "falcon_h1": FALCON_H1_TO_GGUF,
+             "falcon_h1-ungated": FALCON_H1_TO_GGUF}.get(name, HF_TO_GGUF)
     w = gguf.GGUFWriter(str(path), arch)
     write_metadata(w, name, cfg)
     write_tokenizer(w)
@@ -531,6 +545,12 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
                 held[hf] = np.concatenate([k_b.transpose(0, 2, 1), v_b], 1).reshape(arr.shape)
                 continue
             if module.startswith(("mamba", "shared_mlp")) and name in GRANITE_HYBRID:
+                held[hf] = _add_granite_hybrid(add, f"blk.{layer}.", module, suffix, arr, cfg)
+                continue
+            if name.startswith("falcon_h1") and module == "pre_ff_layernorm":  # its name without .weight
+                held[hf] = add(f"blk.{layer}.ffn_norm", arr)
+                continue
+            if name.startswith("falcon_h1") and module.startswith("mamba"):
                 held[hf] = _add_granite_hybrid(add, f"blk.{layer}.", module, suffix, arr, cfg)
                 continue
             if name in NEMOTRON_H and module == "mixer.experts":  # stacked [E, ...], as HF holds them
@@ -749,7 +769,7 @@ def test_gguf_family_matches_hf(family_gguf, name):
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "granitemoehybrid", "granitemoehybrid-dense", "granitemoe",
-                                  "nemotron_h", "nemotron_h-dense", "nemotron_h-latent"])
+                                  "nemotron_h", "nemotron_h-dense", "nemotron_h-latent", "falcon_h1"])
 def test_gguf_as_an_hf_folder(tmp_path, name):
     """convert_gguf's HF folder of a file (what `pipellm bench` gives transformers) holds HF's tensors: for qwen3next
     and qwen35, norms less 1, A_log from -exp(A_log), the conv unsqueezed, qwen35's value heads grouped again; for

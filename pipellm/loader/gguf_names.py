@@ -49,6 +49,7 @@ ARCHITECTURES = {
     # Nemotron-H: its converter permutes the Q/K rows though no layer takes rotary (undone all the same)
     "nemotron_h": ("NemotronHForCausalLM", "nemotron_h", True),
     "nemotron_h_moe": ("NemotronHForCausalLM", "nemotron_h", True),
+    "falcon-h1": ("FalconH1ForCausalLM", "falcon_h1", False),  # µP multipliers folded into the weights
 }
 NEMOTRON = ("nemotron_h", "nemotron_h_moe")
 HYBRID = ("qwen3next", "qwen35", "qwen35moe")  # linear-attention layers (gated delta nets) among full ones
@@ -107,7 +108,15 @@ _FAMILY_NAMES.update(dict.fromkeys(NEMOTRON, {
     "ffn_down_shexp": "mixer.shared_experts.down_proj", "ffn_latent_down": "mixer.fc1_latent_proj",
     "ffn_latent_up": "mixer.fc2_latent_proj", "ssm_in": "mixer.in_proj", "ssm_conv1d": "mixer.conv1d",
     "ssm_norm": "mixer.norm", "ssm_out": "mixer.out_proj"}))
-NEMOTRON_GLOBAL_NAMES = {"token_embd.weight": "model.embeddings.weight", "output_norm.weight": "model.norm_f.weight"}
+# Falcon-H1's: its MLP as its checkpoints name it (its pre-MLP norm: FFN_PRE_NORM, below)
+_FAMILY_NAMES["falcon-h1"] = {"ssm_in": "mamba.in_proj", "ssm_conv1d": "mamba.conv1d", "ssm_norm": "mamba.norm",
+                              "ssm_out": "mamba.out_proj", "ffn_gate": "feed_forward.gate_proj",
+                              "ffn_up": "feed_forward.up_proj", "ffn_down": "feed_forward.down_proj",
+                              "ffn_norm": "pre_ff_layernorm"}
+_GLOBAL_RENAMES = {**dict.fromkeys(NEMOTRON, {"token_embd.weight": "model.embeddings.weight",
+                                              "output_norm.weight": "model.norm_f.weight"}),
+                   "falcon-h1": {"output_norm.weight": "model.final_layernorm.weight"}}
+FFN_PRE_NORM = re.compile(r"blk\.(\d+)\.ffn_norm")  # falcon-h1's, without .weight
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj",
                 "ffn_gate_up_exps": "gate_up_proj"}  # Mistral 4's fused: each expert's gate rows, then its up rows
 MLA_ARCHS = ("deepseek2", "mistral4")
@@ -120,8 +129,11 @@ ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_s
 def hf_name(name: str, arch: str) -> str | None:
     """HF name of a GGUF tensor; for stacked experts, with {e} where the expert's number goes."""
     if name in _GLOBAL_NAMES:
-        return NEMOTRON_GLOBAL_NAMES.get(name, _GLOBAL_NAMES[name]) if arch in NEMOTRON else _GLOBAL_NAMES[name]
-    mixer = {"granitehybrid": "mamba", **dict.fromkeys(NEMOTRON, "mixer")}.get(arch, "linear_attn")
+        return _GLOBAL_RENAMES.get(arch, {}).get(name, _GLOBAL_NAMES[name])
+    if arch == "falcon-h1" and (match := FFN_PRE_NORM.fullmatch(name)):
+        return f"model.layers.{match[1]}.pre_ff_layernorm.weight"
+    mixer = {"granitehybrid": "mamba", "falcon-h1": "mamba", **dict.fromkeys(NEMOTRON, "mixer")}.get(arch,
+                                                                                                   "linear_attn")
     if match := SSM_PARAMS.fullmatch(name):
         return f"model.layers.{match[1]}.{mixer}.{'A_log' if match[2] == 'a' else 'D'}"
     match = BLOCK_RE.fullmatch(name)
@@ -182,6 +194,8 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
     mc = ModelConfig.from_hf_dict(cfg)
     if mc.architecture == "NemotronHForCausalLM":
         return _nemotron_h_shapes(mc)
+    if mc.architecture == "FalconH1ForCausalLM":
+        return _falcon_h1_shapes(mc)
     h, v, d = mc.hidden_size, mc.vocab_size, mc.head_dim
     q, kv = mc.num_heads * d, mc.num_kv_heads * d
     is_gemma = mc.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # its norms after attention and MLP
@@ -315,16 +329,37 @@ def _nemotron_h_shapes(mc: ModelConfig) -> dict:
     return shapes
 
 
+def _falcon_h1_shapes(mc: ModelConfig) -> dict:
+    """Falcon-H1's tensors under its checkpoints' names: attention, a Mamba-2 mixer and an MLP in every layer."""
+    h, d, ff = mc.hidden_size, mc.head_dim, mc.intermediate_size
+    q, kv = mc.num_heads * d, mc.num_kv_heads * d
+    shapes = {"model.embed_tokens.weight": (mc.vocab_size, h), "model.final_layernorm.weight": (h,)}
+    if not mc.tie_word_embeddings:
+        shapes["lm_head.weight"] = (mc.vocab_size, h)
+    for i in range(mc.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "pre_ff_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "feed_forward.gate_proj.weight": (ff, h), p + "feed_forward.up_proj.weight": (ff, h),
+                       p + "feed_forward.down_proj.weight": (h, ff), **_mamba_shapes(mc, p + "mamba.")})
+        if mc.mlp_bias:
+            shapes.update({p + "feed_forward.gate_proj.bias": (ff,), p + "feed_forward.up_proj.bias": (ff,),
+                           p + "feed_forward.down_proj.bias": (h,)})
+    return shapes
+
+
 def _mamba_shapes(mc: ModelConfig, p: str) -> dict:
     """A Mamba-2 layer's tensors (prefix p) and their shapes."""
     h, (heads, head_dim, groups, width, kernel) = mc.hidden_size, mc.mamba
     inner = heads * head_dim
     conv = inner + 2 * groups * width
     shapes = {p + "in_proj.weight": (inner + conv + heads, h), p + "conv1d.weight": (conv, 1, kernel),
-              p + "dt_bias": (heads,), p + "A_log": (heads,), p + "D": (heads,), p + "norm.weight": (inner,),
-              p + "out_proj.weight": (h, inner)}
+              p + "dt_bias": (heads,), p + "A_log": (heads,), p + "D": (heads,), p + "out_proj.weight": (h, inner)}
     if mc.mamba_conv_bias:
         shapes[p + "conv1d.bias"] = (conv,)
+    if mc.mamba_norm != "none":  # Falcon-H1's may have none
+        shapes[p + "norm.weight"] = (inner,)
     return shapes
 
 
@@ -446,6 +481,17 @@ def _nemotron_h(m, tensors: dict, layers: int, path: str) -> dict:
                 topk_group=m("expert_group_used_count", 1) or 1, moe_latent_size=m("moe_latent_size", None))
 
 
+def _falcon_h1(m, tensors: dict) -> dict:
+    """HF config fields of a falcon-h1 file: its multipliers folded into the weights by the converter (1 here); a
+    Mamba-2 norm where the file holds one, after the gate (llama.cpp's only order)."""
+    heads, inner = m("ssm.time_step_rank"), m("ssm.inner_size")
+    return dict(mamba_d_ssm=inner, mamba_n_heads=heads, mamba_d_head=inner // heads,
+                mamba_n_groups=m("ssm.group_count"), mamba_d_state=m("ssm.state_size"),
+                mamba_d_conv=m("ssm.conv_kernel"), mamba_rms_norm="blk.0.ssm_norm.weight" in tensors,
+                mamba_norm_before_gate=False, mamba_conv_bias="blk.0.ssm_conv1d.bias" in tensors,
+                mlp_bias="blk.0.ffn_gate.bias" in tensors)
+
+
 def _mla_config(m, rotated: int) -> dict:
     """HF config fields of a deepseek2 file's latent attention. Newer converters write the MLA widths apart (and
     one KV head); older ones as key_length and value_length."""
@@ -558,6 +604,8 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         cfg["no_rope_layer_interval"] = 4
     if arch == "granitehybrid":
         cfg.update(_granite_hybrid(m, hidden, experts))
+    if arch == "falcon-h1":
+        cfg.update(_falcon_h1(m, tensors))
     if arch in NEMOTRON:  # no rotary: context_length (2**20) as the converter writes it
         cfg.update(_nemotron_h(m, tensors, layers - m("nextn_predict_layers", 0), path))
     if arch in ("granite", "granitemoe", "granitehybrid"):  # llama.cpp: an attention scale of 0 (or none) is 1 /
