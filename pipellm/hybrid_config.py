@@ -1,11 +1,13 @@
 """The fields of ModelConfig that hybrid models' config.json files give their own way: Granite 4.0-H's and
 Nemotron-H's Mamba-2 layers among attention ones, Falcon-H1's beside attention in every layer
-(models/linear_attention.py)."""
+(models/linear_attention.py), and Jamba's Mamba layers among attention ones."""
+import math
 
 GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"  # Granite 4.0-H: Mamba-2 layers among full-attention ones
 # Nemotron-H: each layer one mixer: Mamba-2, attention without rotary, a relu^2 MLP, or relu^2 experts
 NEMOTRON_H = "NemotronHForCausalLM"
 FALCON_H1 = "FalconH1ForCausalLM"  # attention and Mamba-2 side by side in every layer, µP multipliers
+JAMBA = "JambaForCausalLM"  # Mamba (-1) layers among attention ones, experts every other layer
 # older configs' layer names, and Nemotron-H's hybrid_override_pattern letters: HF's layer types
 MAMBA_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention",
                      "M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -82,6 +84,27 @@ def falcon_h1(d: dict, source: str) -> tuple[dict, dict]:
     head = d.get("head_dim") or hidden // d["num_attention_heads"]
     fields["attention_multiplier"] = float(d.get("key_multiplier", 1.0)) * head ** -0.5  # q.(k m) = m q.k
     return d | dict(layer_types=None, max_position_embeddings=d.get("max_position_embeddings") or 8192), fields
+
+
+def jamba(d: dict, source: str) -> tuple[dict, dict]:
+    """A Jamba config.json in the keys from_hf_dict reads, and ModelConfig's fields of its own, as HF reads it: every
+    attn_layer_period-th layer (from attn_layer_offset) attention without rotary, the others Mamba; experts in every
+    expert_layer_period-th (from expert_layer_offset), their top-k softmax weights as they are."""
+    layers, hidden = d["num_hidden_layers"], d["hidden_size"]
+    attn, expert = (d.get(k + "_period") or p for k, p in (("attn_layer", 8), ("expert_layer", 2)))
+    attn_at, expert_at = d.get("attn_layer_offset", 4), d.get("expert_layer_offset", 1)
+    rank = d.get("mamba_dt_rank", "auto")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: Jamba's hidden_act={d['hidden_act']!r} is not supported (silu: its MLPs' and "
+                         "its Mamba convolution's activation)")
+    experts = d.get("num_experts") or d.get("num_local_experts") or 16
+    return d | dict(layer_types=None), dict(
+        layer_types=tuple("full_attention" if i % attn == attn_at else "linear_attention" for i in range(layers)),
+        nope_layers=tuple(range(layers)), num_experts=experts, num_experts_per_tok=d.get("num_experts_per_tok", 2),
+        dense_layers=tuple(i for i in range(layers) if i % expert != expert_at), norm_topk_prob=False,
+        mamba1=((d.get("mamba_expand") or 2) * hidden, d.get("mamba_d_state") or 16, d.get("mamba_d_conv") or 4,
+                math.ceil(hidden / 16) if rank == "auto" else rank),
+        mamba_conv_bias=bool(d.get("mamba_conv_bias", True)), mamba_proj_bias=bool(d.get("mamba_proj_bias")))
 
 
 def _mamba2(d: dict, source: str, heads: int, head_dim: int, groups: int, state: int, kernel: int, conv_bias,

@@ -4,8 +4,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from pipellm.hybrid_config import (FALCON_H1, GRANITE_HYBRID, MAMBA_LAYER_TYPES, NEMOTRON_H, falcon_h1,
-                                   granite_hybrid, nemotron_h)
+from pipellm.hybrid_config import (FALCON_H1, GRANITE_HYBRID, JAMBA, MAMBA_LAYER_TYPES, NEMOTRON_H, falcon_h1,
+                                   granite_hybrid, jamba, nemotron_h)
 from pipellm.rope_config import RopeConfig
 from pipellm.vision_language import VISION_LANGUAGE, text_config
 
@@ -33,7 +33,8 @@ MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
                   GRANITE_HYBRID)  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel", NEMOTRON_H, FALCON_H1)
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel", NEMOTRON_H, FALCON_H1,
+                                                                       JAMBA)
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
 
 
@@ -133,6 +134,8 @@ class ModelConfig:
     # MLP's gate and down), () none
     mamba_norm: str = "gated"
     mup_multipliers: tuple[float, ...] = ()
+    # Jamba: its "linear_attention" layers are Mamba (-1) mixers of (width, state width, conv kernel, dt rank)
+    mamba1: tuple[int, ...] = ()
     attention_output_gate: bool = False
     text_of: str = ""  # the vision-language checkpoint whose text model this is (vision_language.py); "" none
 
@@ -175,6 +178,9 @@ class ModelConfig:
             heads, head_dim, groups, state, _ = self.mamba
             mixer = h * (2 * heads * head_dim + 2 * groups * state + heads) + heads * head_dim * h \
                 + self.attention_params * (kind == "hybrid")
+        elif self.is_linear(layer) and self.mamba1:  # in_proj: x and z; x_proj: dt, B and C; dt_proj; out_proj
+            inner, state, _, rank = self.mamba1
+            mixer = h * 2 * inner + inner * (rank + 2 * state) + rank * inner + inner * h
         elif self.is_linear(layer):  # q, k, v, z, b and a; out_proj
             hk, hv, dk, dv, _ = self.linear_attention
             mixer = h * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * h
@@ -216,7 +222,7 @@ class ModelConfig:
     @property
     def keeps_states(self) -> bool:
         """Whether some layers keep a state per sequence (linear attention, Mamba-2) instead of a KV cache."""
-        return bool(self.linear_attention or self.mamba)
+        return bool(self.linear_attention or self.mamba or self.mamba1)
 
     def is_linear(self, layer: int) -> bool:
         """Whether the layer keeps a state per sequence: a linear-attention (or Mamba-2) one, and Falcon-H1's."""
@@ -283,6 +289,8 @@ class ModelConfig:
             family |= _group_router(d, source, arch) if family["num_experts"] else {}
         elif arch == FALCON_H1:
             d, family = falcon_h1(d, source)
+        elif arch == JAMBA:
+            d, family = jamba(d, source)
         is_gemma = arch in GEMMA_FAMILY
         act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
         if act not in ("silu", "gelu_pytorch_tanh") and (act, arch) not in (

@@ -264,6 +264,11 @@ def family_config(name: str):
                                  attention_in_multiplier=0.8, attention_out_multiplier=1.2, key_multiplier=0.7,
                                  ssm_in_multiplier=1.3, ssm_out_multiplier=0.9,
                                  ssm_multipliers=[0.6, 1.1, 0.9, 1.4, 0.5], mlp_multipliers=[1.5, 0.8])
+    if name == "jamba":  # Jamba: Mamba mixers (width 128, dt rank 4) but layer 2, attention without rotary; experts in
+        # layers 1 and 3 (a softmax's top 2, not renormalised)
+        return tf.JambaConfig(**COMMON, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
+                              expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
+                              mamba_dt_rank=4)
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -284,7 +289,8 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "qwen2_5-vl", "qwen3-vl-moe", "llava-vl", "internvl-vl", "aya_vision-vl",
             "glm4v-vl", "glm4v_moe-vl", "mistral4-vl", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl",
             "qwen3_5_moe-vl", "granitemoehybrid", "granitemoehybrid-dense", "nemotron_h", "nemotron_h-dense",
-            "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated"]
+            "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated",
+            "jamba"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4")  # and Llama 4's chunked layers

@@ -108,8 +108,10 @@ AUTO = dict(pipeline_parallel_size=3, layer_partition="auto")  # split by each k
     ("nemotron_h", AUTO),
     ("falcon_h1", REUSED),  # Falcon-H1's layers: a KV cache and a state each
     ("falcon_h1", dict(pipeline_parallel_size=2, max_num_batched_tokens=8)),
+    ("jamba", REUSED),  # Jamba's Mamba layers: a state [width, state width] a sequence
+    ("jamba", dict(pipeline_parallel_size=2, max_num_batched_tokens=8, num_scheduler_steps=4)),
 ], ids=["rows-reused-preempted", "multi-step", "pp2-chunked", "pp3-auto", "nemotron_h-reused", "nemotron_h-pp3-auto",
-        "falcon_h1-reused", "falcon_h1-pp2-chunked"])
+        "falcon_h1-reused", "falcon_h1-pp2-chunked", "jamba-reused", "jamba-pp2-chunked-multi-step"])
 def test_states_follow_their_sequences(state_models, name, options):
     folder, prompts, reference = state_models(name)
     with LLM(folder, dtype="float32", **options) as llm:
@@ -221,3 +223,25 @@ def test_falcon_h1_release_config():
     assert all(cfg.is_linear(i) and cfg.has_kv_cache(i) for i in range(cfg.num_layers))
     with pytest.raises(ValueError, match="Mamba-2 heads of 24 x 60 for mamba_d_ssm=1536"):
         ModelConfig.from_hf_dict(release | dict(mamba_d_head=60))
+
+
+def test_jamba_release_config():
+    """Jamba Mini's config.json: every 8th layer attention (from layer 4), experts in every other (from layer 1), read
+    as HF reads it; its state per sequence and Mamba layer: a [width, state width] fp32 matrix and the conv's last 3
+    inputs."""
+    from transformers import AutoConfig
+
+    from pipellm.model_config import ModelConfig
+    from pipellm.models.linear_attention import state_bytes
+    release = dict(architectures=["JambaForCausalLM"], model_type="jamba", hidden_size=4096, intermediate_size=14336,
+                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_experts=16,
+                   num_experts_per_tok=2, attn_layer_period=8, attn_layer_offset=4, expert_layer_period=2,
+                   expert_layer_offset=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=256,
+                   vocab_size=65536, max_position_embeddings=262144)
+    cfg, hf = ModelConfig.from_hf_dict(release), AutoConfig.for_model(**release)
+    assert list(cfg.layer_types) == hf.layer_types and cfg.num_linear_layers == 28
+    assert [cfg.num_experts if cfg.is_moe(i) else 1 for i in range(cfg.num_layers)] == hf.layers_num_experts
+    assert cfg.mamba1 == (hf.mamba_expand * hf.hidden_size, hf.mamba_d_state, hf.mamba_d_conv, hf.mamba_dt_rank)
+    assert state_bytes(cfg, torch.bfloat16) == 8192 * 16 * 4 + 8192 * 3 * 2
+    with pytest.raises(ValueError, match="Jamba's hidden_act='gelu' is not supported"):
+        ModelConfig.from_hf_dict(release | dict(hidden_act="gelu"))

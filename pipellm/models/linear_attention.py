@@ -1,11 +1,13 @@
 """Layers that keep a fixed-size state per sequence instead of every past key and value: Qwen3-Next's and Qwen3.5's
-gated delta nets (Yang et al., "Gated Delta Networks") and Granite 4.0-H's Mamba-2 mixers (Dao and Gu, "Transformers
-are SSMs"). Both keep the last few inputs of a short causal convolution, and a matrix per head: the delta net's
-[key width, value width], which each token decays, corrects towards its value (the delta rule) and reads with its
-query; Mamba-2's [head width, state width], which each token decays and adds its input to, read through C. The state
+gated delta nets (Yang et al., "Gated Delta Networks"), the Mamba-2 mixers of Granite 4.0-H, Nemotron-H and Falcon-H1
+(Dao and Gu, "Transformers are SSMs") and Jamba's Mamba mixers. All keep the last few inputs of a short causal
+convolution, and a matrix per head: the delta net's [key width, value width], which each token decays, corrects
+towards its value (the delta rule) and reads with its query; Mamba-2's [head width, state width], which each token
+decays and adds its input to, read through C (Mamba's one [width, state width], decayed channel by channel). The state
 lives on the stage with the layer (LinearState), a row per sequence (the row of the block tables the driver gives
 it); a sequence whose step starts at position 0 starts from zeros, every other step goes on from the state its last
 step left."""
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +17,7 @@ from torch import nn
 from pipellm.model_config import ModelConfig
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.kv_cache import KVCache
+from pipellm.models.layers import RMSNorm
 
 CHUNK = 64  # tokens a prompt's delta rule runs at once, as matrices (the chunked form HF's and FLA's kernels use)
 
@@ -68,8 +71,12 @@ def layer_cache(cfg: ModelConfig, layer: int, dtype: torch.dtype, device, kv_cac
     return state if kv is None else KVAndState(kv, state)
 
 
-def state_shapes(cfg: ModelConfig) -> tuple[int, int, tuple[int, int, int]]:
-    """(convolution channels, its kernel, the matrices' [heads, rows, columns]) of a layer's state."""
+def state_shapes(cfg: ModelConfig) -> tuple[int, int, tuple[int, ...]]:
+    """(convolution channels, its kernel, the matrices' shape: [heads, rows, columns]; Mamba-1's [width, state]) of a
+    layer's state."""
+    if cfg.mamba1:
+        inner, width, kernel, _ = cfg.mamba1
+        return inner, kernel, (inner, width)
     if cfg.mamba:
         heads, head_dim, groups, width, kernel = cfg.mamba
         return heads * head_dim + 2 * groups * width, kernel, (heads, head_dim, width)
@@ -79,8 +86,8 @@ def state_shapes(cfg: ModelConfig) -> tuple[int, int, tuple[int, int, int]]:
 
 def state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of one sequence's state in one linear-attention layer."""
-    channels, kernel, (heads, rows, columns) = state_shapes(cfg)
-    return channels * (kernel - 1) * dtype.itemsize + heads * rows * columns * 4
+    channels, kernel, matrices = state_shapes(cfg)
+    return channels * (kernel - 1) * dtype.itemsize + math.prod(matrices) * 4
 
 
 def l2_normed(x: torch.Tensor) -> torch.Tensor:
@@ -354,3 +361,48 @@ class Mamba2Mixer(StateMixer):
         B, C = (t.reshape(len(t), self.groups, self.width).repeat_interleave(self.heads // self.groups, 1)
                 for t in (B, C))
         return xs.reshape(len(xs), self.heads, self.head_dim), B, C
+
+
+class Mamba1Mixer(StateMixer):
+    """Jamba's Mamba (Gu and Dao, "Mamba"): a state [width, state width] per sequence that each token decays channel
+    by channel (exp(dt A)) and adds dt x B to, read through C; dt, B and C from the convolved input, RMS-normed."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inner, self.width, kernel, self.rank = cfg.mamba1
+        self.in_proj = nn.Linear(cfg.hidden_size, 2 * self.inner, bias=cfg.mamba_proj_bias)  # x, then the gate z
+        self.conv_weight = nn.Parameter(torch.empty(self.inner, kernel))
+        if cfg.mamba_conv_bias:
+            self.conv_bias = nn.Parameter(torch.zeros(self.inner))
+        self.x_proj = nn.Linear(self.inner, self.rank + 2 * self.width, bias=False)  # dt (low rank), B, C
+        self.dt_proj = nn.Linear(self.rank, self.inner)
+        self.A_log = nn.Parameter(torch.zeros(self.inner, self.width))
+        self.D = nn.Parameter(torch.ones(self.inner))
+        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
+        self.dt_layernorm, self.b_layernorm, self.c_layernorm = (
+            RMSNorm(n, cfg.norm_eps) for n in (self.rank, self.width, self.width))
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: LinearState) -> torch.Tensor:
+        xs, z = self.in_proj(x).chunk(2, -1)
+        A = -self.A_log.float().exp()                                                       # [width, state]
+
+        def step(mixed, idx, matrices):  # matrices [S, width, state], updated in place
+            u, dt, B, C = self._inputs(mixed)
+            matrices.mul_((dt[..., None] * A).exp()).add_((dt * u)[..., None] * B[:, None])
+            return ((matrices @ C[..., None])[..., 0] + u * self.D.float()).to(x.dtype)
+
+        def chunked(mixed, s, matrices):  # token by token (a [tokens, width, state] decay would not fit)
+            u, dt, B, C = self._inputs(mixed)
+            out = torch.empty_like(u)
+            for t in range(len(u)):
+                matrices = matrices * (dt[t, :, None] * A).exp() + (dt[t] * u[t])[:, None] * B[t]
+                out[t] = matrices @ C[t]
+            return (out + u * self.D.float()).to(x.dtype), matrices
+        out = self.convolve_and_scan(xs, meta, state, step, chunked, x.new_empty(len(x), self.inner))
+        return self.out_proj((out.float() * F.silu(z.float())).to(x.dtype))
+
+    def _inputs(self, mixed: torch.Tensor) -> tuple:
+        """The convolution's output [T, width] as fp32 u, dt [T, width], B and C [T, state]."""
+        dt, B, C = self.x_proj(mixed).split([self.rank, self.width, self.width], -1)
+        dt = F.softplus(self.dt_proj(self.dt_layernorm(dt)).float())
+        return mixed.float(), dt, self.b_layernorm(B).float(), self.c_layernorm(C).float()

@@ -7,6 +7,7 @@ from pipellm.model_config import ModelConfig
 from pipellm.models.apertus import ApertusStage
 from pipellm.models.cohere import CohereStage
 from pipellm.models.falcon_h1 import FalconH1Stage
+from pipellm.models.jamba import JambaStage
 from pipellm.models.deepseek import DeepseekStage, BiasedRouterStage
 from pipellm.models.gemma import Gemma1Stage, GemmaStage
 from pipellm.models.glm import Ernie45MoeStage, Glm4Stage, InterleavedRotaryStage
@@ -69,6 +70,7 @@ STAGE_CLASSES = {
     "Qwen3_5MoeForCausalLM": Qwen3NextStage,
     "NemotronHForCausalLM": NemotronHStage,
     "FalconH1ForCausalLM": FalconH1Stage,
+    "JambaForCausalLM": JambaStage,
 }
 
 
