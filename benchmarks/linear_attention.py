@@ -1,13 +1,15 @@
 """One Qwen3-Next linear-attention layer (Qwen3-Next-80B's shape: hidden 2048, 16 key heads and 32 value heads of
-128, a 4-wide convolution), or with --mixer mamba2 one Granite 4.0-H Mamba-2 layer (Granite-4.0-H-Small's shape:
-hidden 4096, 128 heads of 64, one group, a 128-wide state), two ways on the same weights and states: pipellm's
-GatedDeltaNet (Mamba2Mixer) and transformers' Qwen3NextGatedDeltaNet (GraniteMoeHybridMambaLayer) with its cache
-(its torch fallbacks: no flash-linear-attention or mamba-ssm kernels on a CPU).
+128, a 4-wide convolution), with --mixer mamba2 one Granite 4.0-H Mamba-2 layer (Granite-4.0-H-Small's shape:
+hidden 4096, 128 heads of 64, one group, a 128-wide state), or with --mixer mamba1 one Jamba Mamba layer (Jamba
+Mini's shape: hidden 4096, width 8192, a 16-wide state, dt rank 256), two ways on the same weights and states:
+pipellm's GatedDeltaNet (Mamba2Mixer, Mamba1Mixer) and transformers' Qwen3NextGatedDeltaNet
+(GraniteMoeHybridMambaLayer, JambaMambaMixer) with its cache (its torch fallbacks: no flash-linear-attention or
+mamba-ssm kernels on a CPU).
 Times a prompt of each length (one sequence, from an empty state) and a decode step of a batch (each sequence's state
 after its prompt), and gives the largest difference between the two outputs. A decode step's cost does not grow with
 the context: the state is the same size at any length.
 
-    python benchmarks/linear_attention.py [--mixer delta|mamba2] [--threads 2] [--batch 4] [--prompts 64,512,2048]
+    python benchmarks/linear_attention.py [--mixer delta|mamba2|mamba1] [--threads 2] [--batch 4] [--prompts 64,512,2048]
         [--json linear.json]
 """
 import argparse
@@ -15,8 +17,8 @@ import json
 import tempfile
 
 import torch
-from transformers import (DynamicCache, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, Qwen3NextConfig,
-                          Qwen3NextForCausalLM)
+from transformers import (DynamicCache, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, JambaConfig,
+                          JambaForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
 
 from pipellm.loader.safetensors import load_stage_weights
 from pipellm.model_config import ModelConfig
@@ -38,7 +40,7 @@ def meta_of(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mixer", choices=["delta", "mamba2"], default="delta")
+    ap.add_argument("--mixer", choices=["delta", "mamba2", "mamba1"], default="delta")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompts", default="64,512,2048")
@@ -53,6 +55,10 @@ def main():
                                  linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
                                  linear_conv_kernel_dim=4)
         hf = Qwen3NextForCausalLM(hf_cfg).eval()
+    elif args.mixer == "mamba1":
+        hf_cfg = JambaConfig(vocab_size=256, hidden_size=4096, intermediate_size=64, num_hidden_layers=1,
+                             num_experts=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=256)
+        hf = JambaForCausalLM(hf_cfg).eval()
     else:
         hf_cfg = GraniteMoeHybridConfig(vocab_size=256, hidden_size=4096, intermediate_size=64, num_hidden_layers=1,
                                         num_local_experts=0, shared_intermediate_size=64, layer_types=["mamba"],

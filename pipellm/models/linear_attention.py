@@ -391,12 +391,17 @@ class Mamba1Mixer(StateMixer):
             matrices.mul_((dt[..., None] * A).exp()).add_((dt * u)[..., None] * B[:, None])
             return ((matrices @ C[..., None])[..., 0] + u * self.D.float()).to(x.dtype)
 
-        def chunked(mixed, s, matrices):  # token by token (a [tokens, width, state] decay would not fit)
+        def chunked(mixed, s, matrices):
             u, dt, B, C = self._inputs(mixed)
             out = torch.empty_like(u)
-            for t in range(len(u)):
-                matrices = matrices * (dt[t, :, None] * A).exp() + (dt[t] * u[t])[:, None] * B[t]
-                out[t] = matrices @ C[t]
+            for a in range(0, len(u), CHUNK):  # CHUNK tokens' decays and inputs at once, [n, width, state] each
+                b = min(a + CHUNK, len(u))
+                decay = (dt[a:b, :, None] * A).exp()
+                states = (dt[a:b] * u[a:b])[..., None] * B[a:b, None]
+                for t in range(b - a):  # token by token: a state is its input plus its predecessor decayed
+                    torch.addcmul(states[t], decay[t], states[t - 1] if t else matrices, out=states[t])
+                out[a:b] = (states @ C[a:b, :, None])[..., 0]
+                matrices = states[-1].clone()
             return (out + u * self.D.float()).to(x.dtype), matrices
         out = self.convolve_and_scan(xs, meta, state, step, chunked, x.new_empty(len(x), self.inner))
         return self.out_proj((out.float() * F.silu(z.float())).to(x.dtype))
