@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pipellm import LLM, SamplingParams  # noqa: E402
 from pipellm.engine.async_engine import AsyncEngine  # noqa: E402
+from pipellm.model_config import ModelConfig  # noqa: E402
 from pipellm.engine.engine import _SEED_STRIDE  # noqa: E402  (completion i of a request draws from seed + i * it)
 from pipellm.sampling_params import BeamSearchParams  # noqa: E402
 from tests.conftest import ARCHS, NUM_LAYERS, make_checkpoint  # noqa: E402
@@ -146,8 +147,7 @@ def one_run(seed: int, models: dict, tmp: str, family: str | None = None) -> tup
     hf = models[name]
     kw = engine_options(rng)
     tol = TOLERANCE.get(name, 1e-4)
-    if getattr(hf.config.get_text_config(), "layer_types", None) and \
-            "linear_attention" in hf.config.get_text_config().layer_types:
+    if ModelConfig.from_pretrained(folder).keeps_states:
         kw.pop("speculative_config", None)  # a state a sequence cannot step back from a rejected draft
     shared = [rng.randrange(3, 300) for _ in range(rng.randrange(1, 40))]  # a prefix some prompts share
     prompts = [shared[:rng.randrange(len(shared) + 1)] + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 30))]

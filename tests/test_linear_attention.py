@@ -127,11 +127,11 @@ def test_what_a_state_cannot_do_is_refused_or_off(qwen3_5):
     """Drafts would need the state to step back; inspect draws attention over KV caches; a cached prefix has no
     state: speculative decoding and inspect say so, prefix caching is off."""
     folder, prompts, _ = qwen3_5
-    with pytest.raises(ValueError, match="speculative_config: Qwen3_5ForCausalLM's linear-attention layers"):
+    with pytest.raises(ValueError, match=r"speculative_config: Qwen3_5ForCausalLM's linear-attention \(or Mamba\)"):
         LLM(folder, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with LLM(folder, dtype="float32") as llm:
         assert not llm.engine.prefix_caching
-        with pytest.raises(ValueError, match="linear-attention layers hold a state instead"):
+        with pytest.raises(ValueError, match=r"linear-attention \(or Mamba\) layers hold a state"):
             llm.inspect({"prompt_token_ids": prompts[0]})
 
 

@@ -88,8 +88,9 @@ class LLMEngine:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context of {mc.max_context} "
                              f"(max_position_embeddings={mc.max_position_embeddings}, rope {mc.rope.rope_type})")
         if config.speculative_config is not None and mc.keeps_states:
-            raise ValueError(f"speculative_config: {mc.architecture}'s linear-attention layers keep one state a "
-                             "sequence, which cannot step back from rejected drafts; leave speculative_config unset")
+            raise ValueError(f"speculative_config: {mc.architecture}'s linear-attention (or Mamba) layers keep one "
+                             "state a sequence, which cannot step back from rejected drafts; leave speculative_config "
+                             "unset")
         if mc.attention_chunk % config.block_size:
             raise ValueError(f"block_size={config.block_size} does not divide the model's attention_chunk_size="
                              f"{mc.attention_chunk}: give a block_size that does (16 does for Llama 4's 8192)")

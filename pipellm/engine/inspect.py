@@ -16,7 +16,7 @@ def run_probe(engine: LLMEngine, prompt_token_ids: list[int]) -> dict:
     """The prompt's prefill and one decode step, every batch a probe; returns inspect.json's data."""
     if engine.model_config.keeps_states:
         raise ValueError(f"inspect shows each layer's attention over its KV cache; {engine.model_config.architecture}"
-                         "'s linear-attention layers hold a state instead, and it does not run them")
+                         "'s linear-attention (or Mamba) layers hold a state, and it does not run them")
     if engine.has_unfinished_requests() or engine.in_flight:
         raise ValueError("inspect needs the engine to itself; call it between generate calls, not while "
                          "requests run")
