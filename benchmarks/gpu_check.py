@@ -3,7 +3,7 @@
 1. Greedy ids equal HF transformers' on the same GPU, on tiny random checkpoints (llama, qwen2 with biases and a tied
    head, gpt2, gpt_oss with sinks and experts, deepseek_v3 with latent attention, llama4 with chunked layers,
    qwen3_5 with linear-attention layers, granitemoehybrid with Mamba-2 layers, nemotron_h with MLP-only layers and
-   relu^2 experts, falcon_h1 with attention and Mamba-2 side by side),
+   relu^2 experts, falcon_h1 with attention and Mamba-2 side by side, jamba with Mamba layers),
    fp32: PP=1, and PP=2 (a GPU a stage where there are two, else both stages on one GPU); decode steps replay CUDA
    graphs, and the llama's also with multi-step decoding and with enforce_eager.
 2. The default model (its GGUF, dequantized to the activations' dtype at load) agrees with HF on it.
@@ -95,7 +95,8 @@ def main():
         check("decode attention at long contexts, Triton (matrix and broadcast products) vs gather",
               long_decode_attention)
     with tempfile.TemporaryDirectory() as tmp:
-        families = ("gpt_oss", "deepseek_v3", "llama4", "qwen3_5", "granitemoehybrid", "nemotron_h", "falcon_h1")
+        families = ("gpt_oss", "deepseek_v3", "llama4", "qwen3_5", "granitemoehybrid", "nemotron_h", "falcon_h1",
+                    "jamba")
         for arch in () if args.skip_tiny else ("llama", "qwen2", "gpt2") + families:
             folder = os.path.join(tmp, arch)
             make = make_family_checkpoint if arch in families else make_checkpoint

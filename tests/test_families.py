@@ -264,11 +264,11 @@ def family_config(name: str):
                                  attention_in_multiplier=0.8, attention_out_multiplier=1.2, key_multiplier=0.7,
                                  ssm_in_multiplier=1.3, ssm_out_multiplier=0.9,
                                  ssm_multipliers=[0.6, 1.1, 0.9, 1.4, 0.5], mlp_multipliers=[1.5, 0.8])
-    if name == "jamba":  # Jamba: Mamba mixers (width 128, dt rank 4) but layer 2, attention without rotary; experts in
-        # layers 1 and 3 (a softmax's top 2, not renormalised)
+    if name == "jamba":  # Jamba: Mamba mixers (width 128, dt rank 6, not hidden / 16) but layer 2, attention without
+        # rotary; experts in layers 1 and 3 (a softmax's top 2, not renormalised)
         return tf.JambaConfig(**COMMON, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
                               expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
-                              mamba_dt_rank=4)
+                              mamba_dt_rank=6)
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated

@@ -29,7 +29,7 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "qwen3_next-ssm_in": "qwen3next",  # as older converters wrote it: in_proj_qkvz whole
         "granitemoehybrid": "granitehybrid", "granitemoehybrid-dense": "granitehybrid",
         "nemotron_h": "nemotron_h_moe", "nemotron_h-dense": "nemotron_h", "nemotron_h-latent": "nemotron_h_moe",
-        "falcon_h1": "falcon-h1", "falcon_h1-ungated": "falcon-h1"}
+        "falcon_h1": "falcon-h1", "falcon_h1-ungated": "falcon-h1", "jamba": "jamba"}
 GRANITE_HYBRID = ("granitemoehybrid", "granitemoehybrid-dense")
 NEMOTRON_H = ("nemotron_h", "nemotron_h-dense", "nemotron_h-latent")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_next-ssm_in")  # linear-attention layers
@@ -73,6 +73,10 @@ GLOBAL_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.
                   "lm_head.weight": "output.weight", "model.embeddings.weight": "token_embd.weight",
                   "model.norm_f.weight": "output_norm.weight", "model.final_layernorm.weight": "output_norm.weight"}
 FALCON_H1_TO_GGUF = HF_TO_GGUF | {f"feed_forward.{p}_proj": f"ffn_{p}" for p in ("gate", "up", "down")}
+JAMBA_TO_GGUF = FALCON_H1_TO_GGUF | {
+    "pre_ff_layernorm": "ffn_norm", "feed_forward.router": "ffn_gate_inp", "mamba.in_proj": "ssm_in",
+    "mamba.x_proj": "ssm_x", "mamba.dt_proj": "ssm_dt", "mamba.out_proj": "ssm_out",
+    "mamba.dt_layernorm": "ssm_dt_norm", "mamba.b_layernorm": "ssm_b_norm", "mamba.c_layernorm": "ssm_c_norm"}
 NEMOTRON_TO_GGUF = {"norm": "attn_norm", "mixer.q_proj": "attn_q", "mixer.k_proj": "attn_k", "mixer.v_proj": "attn_v",
                     "mixer.o_proj": "attn_output", "mixer.up_proj": "ffn_up", "mixer.down_proj": "ffn_down",
                     "mixer.gate": "ffn_gate_inp", "mixer.shared_experts.up_proj": "ffn_up_shexp",
@@ -222,6 +226,10 @@ def gguf_family_config(name: str):
                                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                   moe_shared_expert_intermediate_size=64, routed_scaling_factor=1.5, n_group=2,
                                   topk_group=1, layer_norm_epsilon=1e-2)  # an epsilon that shows when it is not read
+    if name == "jamba":  # Mamba but layer 2 (attention, every 4th from it); experts in layers 1 and 3
+        return tf.JambaConfig(**BASE, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
+                              expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
+                              mamba_dt_rank=6)
     if name.startswith("falcon_h1"):  # attention and Mamba-2 side by side, its norm after the gate (llama.cpp's only
         # order) or none (-ungated); multipliers 1: the converter folds them into the weights
         return tf.FalconH1Config(**BASE, mamba_d_ssm=96, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=8,
@@ -273,7 +281,7 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     w.add_feed_forward_length(cfg.intermediate_size_mlp if name == "llama4" else cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv([cfg.num_key_value_heads * (t == "full_attention") for t in cfg.layer_types]
-                        if name in GRANITE_HYBRID else cfg.num_key_value_heads)  # 0: a Mamba-2 layer
+                        if name in GRANITE_HYBRID + ("jamba",) else cfg.num_key_value_heads)  # 0: a Mamba layer
     if name.startswith("cohere"):
         w.add_layer_norm_eps(cfg.layer_norm_eps)
         w.add_logit_scale(cfg.logit_scale)
@@ -289,7 +297,7 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     if name == "hunyuan":
         rope = _rope_parameters(cfg)
         w.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (head_dim / (head_dim - 2)))
-    elif name != "gemma2":  # llama.cpp assumes Gemma 2's base, 10000
+    elif name not in ("gemma2", "jamba"):  # llama.cpp assumes Gemma 2's base, 10000; Jamba takes no rotary
         w.add_rope_freq_base(_rope_parameters(cfg)["rope_theta"])
     if name in ("llama3", "mixtral", "llama4", "ministral3"):
         w.add_rope_dimension_count(head_dim or cfg.hidden_size // cfg.num_attention_heads)
@@ -377,6 +385,13 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_ssm_group_count(cfg.mamba_n_groups)
         w.add_ssm_time_step_rank(cfg.mamba_n_heads)
         w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
+    if name == "jamba":
+        w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+        w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
+        w.add_ssm_state_size(cfg.mamba_d_state)
+        w.add_ssm_time_step_rank(cfg.mamba_dt_rank)
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     if name.startswith("falcon_h1"):
         w.add_ssm_conv_kernel(cfg.mamba_d_conv)
         w.add_ssm_state_size(cfg.mamba_d_state)
@@ -501,7 +516,7 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
              "seed_oss": SEED_OSS_TO_GGUF, "glm4": GLM4_TO_GGUF, "deepseek_v2": DEEPSEEK_TO_GGUF,
              "deepseek_v3": DEEPSEEK_TO_GGUF, "glm4_moe": GLM4_MOE_TO_GGUF, "mistral4": DEEPSEEK_TO_GGUF,
              "llama4": LLAMA4_TO_GGUF, **dict.fromkeys(HYBRID, SEED_OSS_TO_GGUF), "falcon_h1": FALCON_H1_TO_GGUF,
-             "falcon_h1-ungated": FALCON_H1_TO_GGUF}.get(name, HF_TO_GGUF)
+             "falcon_h1-ungated": FALCON_H1_TO_GGUF, "jamba": JAMBA_TO_GGUF}.get(name, HF_TO_GGUF)
     w = gguf.GGUFWriter(str(path), arch)
     write_metadata(w, name, cfg)
     write_tokenizer(w)
@@ -549,6 +564,9 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
                 continue
             if name.startswith("falcon_h1") and module == "pre_ff_layernorm":  # its name without .weight
                 held[hf] = add(f"blk.{layer}.ffn_norm", arr)
+                continue
+            if name == "jamba" and (suffix in ("A_log", "D") or module == "mamba.conv1d"):
+                held[hf] = _add_jamba_mamba(add, f"blk.{layer}.", suffix, arr)
                 continue
             if name.startswith("falcon_h1") and module.startswith("mamba"):
                 held[hf] = _add_granite_hybrid(add, f"blk.{layer}.", module, suffix, arr, cfg)
@@ -632,6 +650,16 @@ def _add_granite_hybrid(add, prefix: str, module: str, suffix: str, arr: np.ndar
         groups = cfg.n_groups if cfg.model_type == "nemotron_h" else cfg.mamba_n_groups
         return add(prefix + "ssm_norm.weight", arr.reshape(groups, -1), router=True).reshape(arr.shape)
     return add(prefix + {"mamba.in_proj": "ssm_in", "mamba.out_proj": "ssm_out"}[module] + ".weight", arr)
+
+
+def _add_jamba_mamba(add, prefix: str, suffix: str, arr: np.ndarray) -> np.ndarray:
+    """A Jamba Mamba layer's A ([width, state], as -exp(A_log)), D and conv (squeezed) as the converter writes them
+    (F32). Returns HF's tensor of what the file holds."""
+    if suffix == "A_log":
+        return np.log(-add(prefix + "ssm_a", -np.exp(arr), router=True))
+    if suffix == "D":
+        return add(prefix + "ssm_d", arr)
+    return add(f"{prefix}ssm_conv1d.{suffix}", arr.reshape(arr.shape[0], -1), router=True).reshape(arr.shape)
 
 
 def _reorder_v_heads(tensor: np.ndarray, dim: int, num_k_heads: int, num_v_per_k: int, head_dim: int) -> np.ndarray:
@@ -769,7 +797,7 @@ def test_gguf_family_matches_hf(family_gguf, name):
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "granitemoehybrid", "granitemoehybrid-dense", "granitemoe",
-                                  "nemotron_h", "nemotron_h-dense", "nemotron_h-latent", "falcon_h1"])
+                                  "nemotron_h", "nemotron_h-dense", "nemotron_h-latent", "falcon_h1", "jamba"])
 def test_gguf_as_an_hf_folder(tmp_path, name):
     """convert_gguf's HF folder of a file (what `pipellm bench` gives transformers) holds HF's tensors: for qwen3next
     and qwen35, norms less 1, A_log from -exp(A_log), the conv unsqueezed, qwen35's value heads grouped again; for

@@ -344,7 +344,8 @@ def load_gguf_stage_weights(model: nn.Module, folder: str, dtype: torch.dtype) -
             # only looked up here (no tied LM head on this stage): left in the file
             value = mapped_embedding(path, t["offset"], t["nbytes"], qtype, *shape, dtype,
                                      name=f"{path}: {t['name']}")
-        elif len(shape) != 2:  # a vector (norm, bias), or DeepSeek's heads' k_b and v_b [heads, rows, columns]
+        elif len(shape) != 2 or t["stored_as"]:  # a vector (norm, bias), DeepSeek's heads' k_b and v_b [heads,
+            # rows, columns], or values the converter changed (Jamba's A [width, state])
             from gguf.quants import dequantize
             value = undo(t["stored_as"], np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape))
             value = to_layout(t["hf_name"], torch.tensor(value)).to(model.get_parameter(targets[0][0]).dtype)

@@ -50,6 +50,7 @@ ARCHITECTURES = {
     "nemotron_h": ("NemotronHForCausalLM", "nemotron_h", True),
     "nemotron_h_moe": ("NemotronHForCausalLM", "nemotron_h", True),
     "falcon-h1": ("FalconH1ForCausalLM", "falcon_h1", False),  # µP multipliers folded into the weights
+    "jamba": ("JambaForCausalLM", "jamba", False),
 }
 NEMOTRON = ("nemotron_h", "nemotron_h_moe")
 HYBRID = ("qwen3next", "qwen35", "qwen35moe")  # linear-attention layers (gated delta nets) among full ones
@@ -113,9 +114,17 @@ _FAMILY_NAMES["falcon-h1"] = {"ssm_in": "mamba.in_proj", "ssm_conv1d": "mamba.co
                               "ssm_out": "mamba.out_proj", "ffn_gate": "feed_forward.gate_proj",
                               "ffn_up": "feed_forward.up_proj", "ffn_down": "feed_forward.down_proj",
                               "ffn_norm": "pre_ff_layernorm"}
+# Jamba's: Mamba's (dt_proj's weight and bias: ssm_dt), its MLP and experts as its checkpoints name them
+_FAMILY_NAMES["jamba"] = {"ssm_in": "mamba.in_proj", "ssm_conv1d": "mamba.conv1d", "ssm_x": "mamba.x_proj",
+                          "ssm_dt": "mamba.dt_proj", "ssm_dt_norm": "mamba.dt_layernorm",
+                          "ssm_b_norm": "mamba.b_layernorm", "ssm_c_norm": "mamba.c_layernorm",
+                          "ssm_out": "mamba.out_proj", "ffn_norm": "pre_ff_layernorm",
+                          "ffn_gate_inp": "feed_forward.router", "ffn_gate": "feed_forward.gate_proj",
+                          "ffn_up": "feed_forward.up_proj", "ffn_down": "feed_forward.down_proj"}
 _GLOBAL_RENAMES = {**dict.fromkeys(NEMOTRON, {"token_embd.weight": "model.embeddings.weight",
                                               "output_norm.weight": "model.norm_f.weight"}),
-                   "falcon-h1": {"output_norm.weight": "model.final_layernorm.weight"}}
+                   "falcon-h1": {"output_norm.weight": "model.final_layernorm.weight"},
+                   "jamba": {"output_norm.weight": "model.final_layernorm.weight"}}
 FFN_PRE_NORM = re.compile(r"blk\.(\d+)\.ffn_norm")  # falcon-h1's, without .weight
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj",
                 "ffn_gate_up_exps": "gate_up_proj"}  # Mistral 4's fused: each expert's gate rows, then its up rows
@@ -132,8 +141,8 @@ def hf_name(name: str, arch: str) -> str | None:
         return _GLOBAL_RENAMES.get(arch, {}).get(name, _GLOBAL_NAMES[name])
     if arch == "falcon-h1" and (match := FFN_PRE_NORM.fullmatch(name)):
         return f"model.layers.{match[1]}.pre_ff_layernorm.weight"
-    mixer = {"granitehybrid": "mamba", "falcon-h1": "mamba", **dict.fromkeys(NEMOTRON, "mixer")}.get(arch,
-                                                                                                   "linear_attn")
+    mixer = {"granitehybrid": "mamba", "falcon-h1": "mamba", "jamba": "mamba",
+             **dict.fromkeys(NEMOTRON, "mixer")}.get(arch, "linear_attn")
     if match := SSM_PARAMS.fullmatch(name):
         return f"model.layers.{match[1]}.{mixer}.{'A_log' if match[2] == 'a' else 'D'}"
     match = BLOCK_RE.fullmatch(name)
@@ -142,14 +151,14 @@ def hf_name(name: str, arch: str) -> str | None:
     kind = match[2]
     if kind == "attn_sinks":  # a parameter of its own, without .weight
         return f"model.layers.{match[1]}.self_attn.sinks"
-    if kind == "ssm_dt":
+    if kind == "ssm_dt" and arch != "jamba":  # Mamba-2's dt bias (Jamba's: dt_proj, below)
         return f"model.layers.{match[1]}.{mixer}.dt_bias"
     if kind == "exp_probs_b":  # the router's bias that picks the experts, as HF names it
         module = {"ernie4_5-moe": "mlp.moe_statics", **dict.fromkeys(NEMOTRON, "mixer.gate")}.get(arch, "mlp.gate")
         return f"model.layers.{match[1]}.{module}.e_score_correction_bias"
     if kind in EXPERT_NAMES:
-        return f"model.layers.{match[1]}.{'mixer' if arch in NEMOTRON else 'mlp'}.experts.{{e}}." \
-               f"{EXPERT_NAMES[kind]}.{match[3]}"
+        module = {**dict.fromkeys(NEMOTRON, "mixer"), "jamba": "feed_forward"}.get(arch, "mlp")
+        return f"model.layers.{match[1]}.{module}.experts.{{e}}.{EXPERT_NAMES[kind]}.{match[3]}"
     names = _FAMILY_NAMES.get("gemma2" if arch in NORMS_AFTER else arch, {})
     module = names.get(kind) or _BLOCK_NAMES.get(kind)
     return None if module is None else f"model.layers.{match[1]}.{module}.{match[3]}"
@@ -196,6 +205,8 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
         return _nemotron_h_shapes(mc)
     if mc.architecture == "FalconH1ForCausalLM":
         return _falcon_h1_shapes(mc)
+    if mc.architecture == "JambaForCausalLM":
+        return _jamba_shapes(mc)
     h, v, d = mc.hidden_size, mc.vocab_size, mc.head_dim
     q, kv = mc.num_heads * d, mc.num_kv_heads * d
     is_gemma = mc.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # its norms after attention and MLP
@@ -349,6 +360,39 @@ def _falcon_h1_shapes(mc: ModelConfig) -> dict:
     return shapes
 
 
+def _jamba_shapes(mc: ModelConfig) -> dict:
+    """Jamba's tensors under its checkpoints' names: Mamba or attention, then experts or an MLP, in each layer."""
+    h, d, ff = mc.hidden_size, mc.head_dim, mc.intermediate_size
+    q, kv = mc.num_heads * d, mc.num_kv_heads * d
+    inner, state, kernel, rank = mc.mamba1
+    shapes = {"model.embed_tokens.weight": (mc.vocab_size, h), "model.final_layernorm.weight": (h,)}
+    if not mc.tie_word_embeddings:
+        shapes["lm_head.weight"] = (mc.vocab_size, h)
+    for i in range(mc.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "pre_ff_layernorm.weight": (h,)})
+        if mc.is_linear(i):
+            m = p + "mamba."
+            shapes.update({m + "in_proj.weight": (2 * inner, h), m + "conv1d.weight": (inner, 1, kernel),
+                           m + "x_proj.weight": (rank + 2 * state, inner), m + "dt_proj.weight": (inner, rank),
+                           m + "dt_proj.bias": (inner,), m + "A_log": (inner, state), m + "D": (inner,),
+                           m + "out_proj.weight": (h, inner), m + "dt_layernorm.weight": (rank,),
+                           m + "b_layernorm.weight": (state,), m + "c_layernorm.weight": (state,)})
+            if mc.mamba_conv_bias:
+                shapes[m + "conv1d.bias"] = (inner,)
+        else:
+            shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                           p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+        f = p + "feed_forward."
+        experts = [f"{f}experts.{e}." for e in range(mc.num_experts)] if mc.is_moe(i) else [f]
+        for e in experts:
+            shapes.update({e + "gate_proj.weight": (ff, h), e + "up_proj.weight": (ff, h),
+                           e + "down_proj.weight": (h, ff)})
+        if mc.is_moe(i):
+            shapes[f + "router.weight"] = (mc.num_experts, h)
+    return shapes
+
+
 def _mamba_shapes(mc: ModelConfig, p: str) -> dict:
     """A Mamba-2 layer's tensors (prefix p) and their shapes."""
     h, (heads, head_dim, groups, width, kernel) = mc.hidden_size, mc.mamba
@@ -492,6 +536,29 @@ def _falcon_h1(m, tensors: dict) -> dict:
                 mlp_bias="blk.0.ffn_gate.bias" in tensors)
 
 
+def _jamba(m, tensors: dict, layers: int, hidden: int, path: str) -> dict:
+    """HF config fields of a jamba file: its attention layers those with KV heads in the per-layer
+    attention.head_count_kv, its experts layers those with a router; each kind every period-th layer from an
+    offset, as HF's Jamba config says them."""
+    kv = m("attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * layers
+
+    def period(flags: list[bool], what: str) -> tuple[int, int]:
+        for p in range(1, layers + 1):
+            at = flags.index(True) if True in flags else p
+            if at < p and all(f == (i % p == at) for i, f in enumerate(flags)):
+                return p, at
+        raise ValueError(f"{path}: the {what} layers {[i for i, f in enumerate(flags) if f]} are not every n-th "
+                         "layer from one offset, as HF's Jamba config says them")
+    attn = period([n > 0 for n in kv], "attention")
+    experts = period([f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(layers)], "experts")
+    return dict(attn_layer_period=attn[0], attn_layer_offset=attn[1], expert_layer_period=experts[0],
+                expert_layer_offset=experts[1], num_key_value_heads=max(kv), num_experts=m("expert_count", 1),
+                mamba_d_state=m("ssm.state_size"), mamba_d_conv=m("ssm.conv_kernel"),
+                mamba_expand=m("ssm.inner_size") // hidden, mamba_dt_rank=m("ssm.time_step_rank"),
+                mamba_conv_bias="blk.0.ssm_conv1d.bias" in tensors)
+
+
 def _mla_config(m, rotated: int) -> dict:
     """HF config fields of a deepseek2 file's latent attention. Newer converters write the MLA widths apart (and
     one KV head); older ones as key_length and value_length."""
@@ -573,7 +640,7 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         elif arch == "llama4":
             entry = ARCHITECTURES[arch]
             cfg.update(_llama4(m, experts, layers))
-        elif arch in ("granitehybrid",) + NEMOTRON:  # below
+        elif arch in ("granitehybrid", "jamba") + NEMOTRON:  # below
             pass
         elif arch in HYBRID:  # llama.cpp's rules: experts in every layer, their weights renormalised
             cfg.update(num_experts=experts, moe_intermediate_size=m("expert_feed_forward_length"),
@@ -606,6 +673,8 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         cfg.update(_granite_hybrid(m, hidden, experts))
     if arch == "falcon-h1":
         cfg.update(_falcon_h1(m, tensors))
+    if arch == "jamba":
+        cfg.update(_jamba(m, tensors, layers, hidden, path))
     if arch in NEMOTRON:  # no rotary: context_length (2**20) as the converter writes it
         cfg.update(_nemotron_h(m, tensors, layers - m("nextn_predict_layers", 0), path))
     if arch in ("granite", "granitemoe", "granitehybrid"):  # llama.cpp: an attention scale of 0 (or none) is 1 /
