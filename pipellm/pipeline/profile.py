@@ -125,9 +125,10 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
     threads = torch.get_num_threads()
     torch.set_num_threads(ecfg.num_threads)  # as a stage will run
     try:
-        # each kind of layer timed once, weighed by how many the model has (Qwen3-Next's linear-attention and
-        # full-attention layers, Nemotron-H's MLP ones too); every other model's layers are of one kind
-        kinds = [cfg.layer_types[i] if cfg.keeps_states else "" for i in range(cfg.num_layers)]
+        # each kind of layer timed once, weighed by how many the model has: with experts or a dense MLP (DeepSeek's
+        # first layers, Jamba's every other); linear-attention, Mamba or full-attention (Qwen3-Next's, Jamba's;
+        # Nemotron-H's MLP ones too); sliding and full layers as one kind
+        kinds = [(cfg.layer_types[i] if cfg.keeps_states else "", cfg.is_moe(i)) for i in range(cfg.num_layers)]
         timed = {kind: _time_layer(cfg, ecfg, kinds.index(kind), num_tokens, repeats, compact)
                  for kind in dict.fromkeys(kinds)}
         return {**timed[kinds[0]], **{key: sum(kinds.count(kind) / len(kinds) * t[key] for kind, t in timed.items())
