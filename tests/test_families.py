@@ -18,6 +18,11 @@ SLIDING_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sl
 GLM_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, image_size=28,
                   patch_size=14)
 GLM_VISION_ROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1], partial_rotary_factor=0.5)
+# Nemotron-H's: Mamba-2 of 8 heads of 12 in 2 groups; 4 experts in 2 groups, weights scaled; an epsilon that shows
+# when it is not read
+NEMOTRON_H_SHAPE = dict(head_dim=16, mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=8,
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, routed_scaling_factor=1.5,
+                        n_group=2, topk_group=1, layer_norm_epsilon=1e-2)
 QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)  # a tiny tower
 
 
@@ -247,13 +252,9 @@ def family_config(name: str):
         # behind a sigmoid router with a shared expert
         # (-latent: experts on a 32-wide projection, as Nemotron 3 Super's)
         moe = "mlp" if name.endswith("-dense") else "moe"
-        return tf.NemotronHConfig(**COMMON, layers_block_type=["linear_attention", "mlp", "full_attention", moe,
-                                                               "linear_attention"],
-                                  moe_latent_size=32 if name.endswith("-latent") else None,
-                                  head_dim=16, mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=8,
-                                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                  moe_shared_expert_intermediate_size=40, routed_scaling_factor=1.5, n_group=2,
-                                  topk_group=1, layer_norm_epsilon=1e-2)  # an epsilon that shows when it is not read
+        return tf.NemotronHConfig(**COMMON, **NEMOTRON_H_SHAPE, layers_block_type=[
+            "linear_attention", "mlp", "full_attention", moe, "linear_attention"],
+            moe_latent_size=32 if name.endswith("-latent") else None, moe_shared_expert_intermediate_size=40)
     if name.startswith("falcon_h1"):  # Falcon-H1: attention and Mamba-2 (8 heads of 12 in 2 groups: mamba_d_ssm, not
         # hidden * expand) side by side; its Mamba-2 output normed before the gate, after it (-gated) or not at all
         # (-ungated; and biases on the mixer's out_proj); µP multipliers each its own value

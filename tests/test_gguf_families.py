@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from pipellm import LLM, SamplingParams
-from tests.test_families import COMMON, SHORT, TOLERANCE, assert_matches_hf, hf_greedy
+from tests.test_families import COMMON, NEMOTRON_H_SHAPE, SHORT, TOLERANCE, assert_matches_hf, hf_greedy
 from tests.test_gguf import TOKENS, llama_cpp_permute, write_tokenizer
 from tests.test_parity import NEW_TOKENS, PROMPTS
 
@@ -219,13 +219,9 @@ def gguf_family_config(name: str):
     if name in NEMOTRON_H:  # Mamba-2 (8 heads of 12 in 2 groups), attention without rotary, and relu^2 MLPs or
         # experts (llama.cpp's files cannot tell an MLP layer in an experts model), on a projection (-latent)
         mlp = "mlp" if name.endswith("-dense") else "moe"
-        return tf.NemotronHConfig(**BASE, layers_block_type=["linear_attention", mlp, "full_attention", mlp,
-                                                             "linear_attention"],
-                                  moe_latent_size=32 if name.endswith("-latent") else None,
-                                  head_dim=16, mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=8,
-                                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                  moe_shared_expert_intermediate_size=64, routed_scaling_factor=1.5, n_group=2,
-                                  topk_group=1, layer_norm_epsilon=1e-2)  # an epsilon that shows when it is not read
+        return tf.NemotronHConfig(**BASE, **NEMOTRON_H_SHAPE, layers_block_type=[
+            "linear_attention", mlp, "full_attention", mlp, "linear_attention"],
+            moe_latent_size=32 if name.endswith("-latent") else None, moe_shared_expert_intermediate_size=64)
     if name == "jamba":  # Mamba but layer 2 (attention, every 4th from it); experts in layers 1 and 3
         return tf.JambaConfig(**BASE, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
                               expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
@@ -380,24 +376,14 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_context_length(2 ** 20)
         w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
         w.add_rope_scaling_finetuned(False)
-        w.add_ssm_conv_kernel(cfg.mamba_d_conv)
-        w.add_ssm_state_size(cfg.mamba_d_state)
-        w.add_ssm_group_count(cfg.mamba_n_groups)
-        w.add_ssm_time_step_rank(cfg.mamba_n_heads)
-        w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
-    if name == "jamba":
-        w.add_ssm_conv_kernel(cfg.mamba_d_conv)
-        w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
-        w.add_ssm_state_size(cfg.mamba_d_state)
-        w.add_ssm_time_step_rank(cfg.mamba_dt_rank)
+        write_ssm(w, cfg.mamba_d_conv, cfg.mamba_d_state, cfg.mamba_n_heads, cfg.mamba_expand * cfg.hidden_size,
+                  cfg.mamba_n_groups)
+    if name == "jamba":  # its time step rank: dt's
+        write_ssm(w, cfg.mamba_d_conv, cfg.mamba_d_state, cfg.mamba_dt_rank, cfg.mamba_expand * cfg.hidden_size)
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
     if name.startswith("falcon_h1"):
-        w.add_ssm_conv_kernel(cfg.mamba_d_conv)
-        w.add_ssm_state_size(cfg.mamba_d_state)
-        w.add_ssm_group_count(cfg.mamba_n_groups)
-        w.add_ssm_time_step_rank(cfg.mamba_n_heads)
-        w.add_ssm_inner_size(cfg.mamba_d_ssm)
+        write_ssm(w, cfg.mamba_d_conv, cfg.mamba_d_state, cfg.mamba_n_heads, cfg.mamba_d_ssm, cfg.mamba_n_groups)
     if name in GRANITE_HYBRID:
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -421,6 +407,16 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
 
 
+def write_ssm(w: gguf.GGUFWriter, kernel: int, state: int, rank: int, inner: int, groups: int | None = None) -> None:
+    """The converter's Mamba keys: its time step rank is Mamba-2's heads (Jamba's: dt's rank)."""
+    w.add_ssm_conv_kernel(kernel)
+    w.add_ssm_state_size(state)
+    w.add_ssm_time_step_rank(rank)
+    w.add_ssm_inner_size(inner)
+    if groups is not None:
+        w.add_ssm_group_count(groups)
+
+
 def write_nemotron_h_metadata(w: gguf.GGUFWriter, cfg) -> None:
     """nemotron_h(_moe) as its converter writes it: per layer its KV heads and MLP width (0 where it has none), a
     context of 2**20, a meaningless rotary width, no RMS epsilon key (where the config has no rms_norm_eps); the
@@ -440,11 +436,8 @@ def write_nemotron_h_metadata(w: gguf.GGUFWriter, cfg) -> None:
     w.add_vocab_size(VOCAB)
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     w.add_rope_scaling_finetuned(False)
-    w.add_ssm_conv_kernel(cfg.conv_kernel)
-    w.add_ssm_state_size(cfg.ssm_state_size)
-    w.add_ssm_group_count(cfg.n_groups)
-    w.add_ssm_time_step_rank(cfg.mamba_num_heads)
-    w.add_ssm_inner_size(cfg.mamba_num_heads * cfg.mamba_head_dim)
+    write_ssm(w, cfg.conv_kernel, cfg.ssm_state_size, cfg.mamba_num_heads, cfg.mamba_num_heads * cfg.mamba_head_dim,
+              cfg.n_groups)
     if moe:
         w.add_expert_count(cfg.n_routed_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
