@@ -4,6 +4,8 @@ import re
 
 import numpy as np
 
+from pipellm.loader.gguf_hybrid import (f32, falcon_h1, falcon_h1_shapes, granite_hybrid, jamba, jamba_shapes,
+                                       linear_attention, linear_shapes, mamba_shapes, nemotron_h, nemotron_h_shapes)
 from pipellm.model_config import ModelConfig
 
 # GGUF general.architecture -> (HF class, model_type, whether llama.cpp permuted the Q/K rows for its rotary).
@@ -202,11 +204,11 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
     (older converters)."""
     mc = ModelConfig.from_hf_dict(cfg)
     if mc.architecture == "NemotronHForCausalLM":
-        return _nemotron_h_shapes(mc)
+        return nemotron_h_shapes(mc)
     if mc.architecture == "FalconH1ForCausalLM":
-        return _falcon_h1_shapes(mc)
+        return falcon_h1_shapes(mc)
     if mc.architecture == "JambaForCausalLM":
-        return _jamba_shapes(mc)
+        return jamba_shapes(mc)
     h, v, d = mc.hidden_size, mc.vocab_size, mc.head_dim
     q, kv = mc.num_heads * d, mc.num_kv_heads * d
     is_gemma = mc.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # its norms after attention and MLP
@@ -247,8 +249,8 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
         if mc.is_linear(i):  # a gated delta net (or a Mamba-2 mixer) in place of attention
             for name in [n for n in shapes if n.startswith(p + "self_attn.")]:
                 del shapes[name]
-            shapes.update(_mamba_shapes(mc, p + "mamba.") if mc.mamba else
-                          _linear_shapes(mc, p + "linear_attn.", fused_qkvz))
+            shapes.update(mamba_shapes(mc, p + "mamba.") if mc.mamba else
+                          linear_shapes(mc, p + "linear_attn.", fused_qkvz))
         if mc.is_moe(i):
             ff, shared = mc.moe_intermediate_size, mc.shared_expert_intermediate_size
             shapes[p + "mlp.gate.weight"] = (mc.num_experts, h)
@@ -283,127 +285,6 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
         if mc.mlp_bias:
             shapes.update({p + "mlp.gate_proj.bias": (ff,), p + "mlp.up_proj.bias": (ff,),
                            p + "mlp.down_proj.bias": (h,)})
-    return shapes
-
-
-def _linear_shapes(mc: ModelConfig, p: str, fused_qkvz: bool) -> dict:
-    """A linear-attention layer's tensors (prefix p) and their shapes: Qwen3-Next's b and a in one tensor."""
-    h, (hk, hv, dk, dv, kernel) = mc.hidden_size, mc.linear_attention
-    conv, value = 2 * hk * dk + hv * dv, hv * dv
-    shapes = {p + "conv1d.weight": (conv, 1, kernel), p + "dt_bias": (hv,), p + "A_log": (hv,),
-              p + "norm.weight": (dv,), p + "out_proj.weight": (h, value)}
-    if fused_qkvz:
-        shapes[p + "in_proj_qkvz.weight"] = (conv + value, h)
-    else:
-        shapes.update({p + "in_proj_qkv.weight": (conv, h), p + "in_proj_z.weight": (value, h)})
-    if mc.architecture == "Qwen3NextForCausalLM":
-        shapes[p + "in_proj_ba.weight"] = (2 * hv, h)
-    else:
-        shapes.update({p + "in_proj_b.weight": (hv, h), p + "in_proj_a.weight": (hv, h)})
-    return shapes
-
-
-def _nemotron_h_shapes(mc: ModelConfig) -> dict:
-    """Nemotron-H's tensors under its checkpoints' names (model. for backbone.): a norm and one mixer a layer."""
-    h, v, d, ff = mc.hidden_size, mc.vocab_size, mc.head_dim, mc.intermediate_size
-    q, kv = mc.num_heads * d, mc.num_kv_heads * d
-    shapes = {"model.embeddings.weight": (v, h), "model.norm_f.weight": (h,)}
-    if not mc.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    for i, kind in enumerate(mc.layer_types):
-        p = f"model.layers.{i}."
-        shapes[p + "norm.weight"] = (h,)
-        if kind == "linear_attention":
-            shapes.update(_mamba_shapes(mc, p + "mixer."))
-        elif kind == "full_attention":
-            shapes.update({p + "mixer.q_proj.weight": (q, h), p + "mixer.k_proj.weight": (kv, h),
-                           p + "mixer.v_proj.weight": (kv, h), p + "mixer.o_proj.weight": (h, q)})
-            if mc.qkv_bias:
-                shapes.update({p + "mixer.q_proj.bias": (q,), p + "mixer.k_proj.bias": (kv,),
-                               p + "mixer.v_proj.bias": (kv,), p + "mixer.o_proj.bias": (h,)})
-        elif kind == "mlp":
-            shapes.update({p + "mixer.up_proj.weight": (ff, h), p + "mixer.down_proj.weight": (h, ff)})
-            if mc.mlp_bias:
-                shapes.update({p + "mixer.up_proj.bias": (ff,), p + "mixer.down_proj.bias": (h,)})
-        else:
-            width, shared, latent = mc.moe_intermediate_size, mc.shared_expert_intermediate_size, mc.moe_latent_size
-            if latent:
-                shapes.update({p + "mixer.fc1_latent_proj.weight": (latent, h),
-                               p + "mixer.fc2_latent_proj.weight": (h, latent)})
-            shapes.update({p + "mixer.gate.weight": (mc.num_experts, h),
-                           p + "mixer.gate.e_score_correction_bias": (mc.num_experts,),
-                           p + "mixer.shared_experts.up_proj.weight": (shared, h),
-                           p + "mixer.shared_experts.down_proj.weight": (h, shared)})
-            for e in range(mc.num_experts):
-                shapes.update({f"{p}mixer.experts.{e}.up_proj.weight": (width, latent or h),
-                               f"{p}mixer.experts.{e}.down_proj.weight": (latent or h, width)})
-    return shapes
-
-
-def _falcon_h1_shapes(mc: ModelConfig) -> dict:
-    """Falcon-H1's tensors under its checkpoints' names: attention, a Mamba-2 mixer and an MLP in every layer."""
-    h, d, ff = mc.hidden_size, mc.head_dim, mc.intermediate_size
-    q, kv = mc.num_heads * d, mc.num_kv_heads * d
-    shapes = {"model.embed_tokens.weight": (mc.vocab_size, h), "model.final_layernorm.weight": (h,)}
-    if not mc.tie_word_embeddings:
-        shapes["lm_head.weight"] = (mc.vocab_size, h)
-    for i in range(mc.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "pre_ff_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "feed_forward.gate_proj.weight": (ff, h), p + "feed_forward.up_proj.weight": (ff, h),
-                       p + "feed_forward.down_proj.weight": (h, ff), **_mamba_shapes(mc, p + "mamba.")})
-        if mc.mlp_bias:
-            shapes.update({p + "feed_forward.gate_proj.bias": (ff,), p + "feed_forward.up_proj.bias": (ff,),
-                           p + "feed_forward.down_proj.bias": (h,)})
-    return shapes
-
-
-def _jamba_shapes(mc: ModelConfig) -> dict:
-    """Jamba's tensors under its checkpoints' names: Mamba or attention, then experts or an MLP, in each layer."""
-    h, d, ff = mc.hidden_size, mc.head_dim, mc.intermediate_size
-    q, kv = mc.num_heads * d, mc.num_kv_heads * d
-    inner, state, kernel, rank = mc.mamba1
-    shapes = {"model.embed_tokens.weight": (mc.vocab_size, h), "model.final_layernorm.weight": (h,)}
-    if not mc.tie_word_embeddings:
-        shapes["lm_head.weight"] = (mc.vocab_size, h)
-    for i in range(mc.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "pre_ff_layernorm.weight": (h,)})
-        if mc.is_linear(i):
-            m = p + "mamba."
-            shapes.update({m + "in_proj.weight": (2 * inner, h), m + "conv1d.weight": (inner, 1, kernel),
-                           m + "x_proj.weight": (rank + 2 * state, inner), m + "dt_proj.weight": (inner, rank),
-                           m + "dt_proj.bias": (inner,), m + "A_log": (inner, state), m + "D": (inner,),
-                           m + "out_proj.weight": (h, inner), m + "dt_layernorm.weight": (rank,),
-                           m + "b_layernorm.weight": (state,), m + "c_layernorm.weight": (state,)})
-            if mc.mamba_conv_bias:
-                shapes[m + "conv1d.bias"] = (inner,)
-        else:
-            shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                           p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
-        f = p + "feed_forward."
-        experts = [f"{f}experts.{e}." for e in range(mc.num_experts)] if mc.is_moe(i) else [f]
-        for e in experts:
-            shapes.update({e + "gate_proj.weight": (ff, h), e + "up_proj.weight": (ff, h),
-                           e + "down_proj.weight": (h, ff)})
-        if mc.is_moe(i):
-            shapes[f + "router.weight"] = (mc.num_experts, h)
-    return shapes
-
-
-def _mamba_shapes(mc: ModelConfig, p: str) -> dict:
-    """A Mamba-2 layer's tensors (prefix p) and their shapes."""
-    h, (heads, head_dim, groups, width, kernel) = mc.hidden_size, mc.mamba
-    inner = heads * head_dim
-    conv = inner + 2 * groups * width
-    shapes = {p + "in_proj.weight": (inner + conv + heads, h), p + "conv1d.weight": (conv, 1, kernel),
-              p + "dt_bias": (heads,), p + "A_log": (heads,), p + "D": (heads,), p + "out_proj.weight": (h, inner)}
-    if mc.mamba_conv_bias:
-        shapes[p + "conv1d.bias"] = (conv,)
-    if mc.mamba_norm != "none":  # Falcon-H1's may have none
-        shapes[p + "norm.weight"] = (inner,)
     return shapes
 
 
@@ -449,7 +330,7 @@ def _group_routed(m, arch: str, tensors: dict, path: str) -> tuple[tuple, dict]:
         architectures=[entry[0]], n_routed_experts=m("expert_count"),
         moe_intermediate_size=m("expert_feed_forward_length"),
         n_shared_experts=m("expert_shared_count", 0), first_k_dense_replace=m("leading_dense_block_count", 0),
-        routed_scaling_factor=_f32(m("expert_weights_scale", 0.0) or 1.0),
+        routed_scaling_factor=f32(m("expert_weights_scale", 0.0) or 1.0),
         norm_topk_prob=bool(m("expert_weights_norm", False)), n_group=groups,
         topk_group=m("expert_group_used_count", 1) or 1,
         topk_method="noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy",
@@ -472,93 +353,6 @@ def _llama4(m, experts: int, layers: int) -> dict:
                 layer_types=["full_attention" if d else "chunked_attention" for d in dense])
 
 
-def _linear_attention(m, arch: str, layers: int) -> dict:
-    """HF config fields of a qwen3next, qwen35 or qwen35moe file's layers (an MTP layer after the last, left
-    unread): every full_attention_interval-th full, the others gated delta nets; qwen35's value heads tiled."""
-    interval, heads = m("full_attention_interval", 4), m("ssm.time_step_rank")
-    return dict(num_hidden_layers=layers, linear_conv_kernel_dim=m("ssm.conv_kernel"),
-                linear_key_head_dim=m("ssm.state_size"), linear_num_key_heads=m("ssm.group_count"),
-                linear_num_value_heads=heads, linear_value_head_dim=m("ssm.inner_size") // heads,
-                layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                             for i in range(layers)], linear_heads_tiled=arch != "qwen3next")
-
-
-def _granite_hybrid(m, hidden: int, experts: int) -> dict:
-    """HF config fields of a granitehybrid file (Granite 4.0-H): its attention layers those with KV heads in the
-    per-layer attention.head_count_kv, the others Mamba-2 mixers; rotary only where rope.scaling.finetuned says so
-    (llama.cpp's switch; its converter writes false for every hybrid model, as they take none)."""
-    kv = m("attention.head_count_kv")
-    kv = kv if isinstance(kv, list) else [kv] * m("block_count")
-    heads, inner = m("ssm.time_step_rank"), m("ssm.inner_size")
-    return dict(num_key_value_heads=max(kv), layer_types=["attention" if n else "mamba" for n in kv],
-                position_embedding_type="rope" if m("rope.scaling.finetuned", True) else None,
-                mamba_n_heads=heads, mamba_d_head=inner // heads, mamba_expand=inner // hidden,
-                mamba_n_groups=m("ssm.group_count"), mamba_d_state=m("ssm.state_size"),
-                mamba_d_conv=m("ssm.conv_kernel"), num_local_experts=experts,
-                num_experts_per_tok=m("expert_used_count", 0) or 1,
-                shared_intermediate_size=m("expert_shared_feed_forward_length"))
-
-
-def _nemotron_h(m, tensors: dict, layers: int, path: str) -> dict:
-    """HF config fields of a nemotron_h or nemotron_h_moe file (an MTP layer after the last, left unread): each
-    layer's kind from the tensors it holds (llama.cpp tells them by the per-layer head_count_kv and
-    feed_forward_length, which the converter has been seen to write all 0 for a dense model's MLP layers)."""
-    kinds = {"ssm_in": "linear_attention", "attn_q": "full_attention", "attn_qkv": "full_attention",
-             "ffn_up_exps": "moe", "ffn_up": "mlp"}
-    types = [next((kind for t, kind in kinds.items() if f"blk.{i}.{t}.weight" in tensors), None)
-             for i in range(layers)]
-    if None in types:
-        raise ValueError(f"{path}: layer {types.index(None)} holds none of ssm_in, attn_q, ffn_up_exps or ffn_up")
-    kv = m("attention.head_count_kv")
-    heads, inner = m("ssm.time_step_rank"), m("ssm.inner_size")
-    ff = next((tensors[f"blk.{i}.ffn_up.weight"][0][0] for i, t in enumerate(types) if t == "mlp"), 0)
-    return dict(layers_block_type=types, num_hidden_layers=layers,
-                num_key_value_heads=max(kv) if isinstance(kv, list) else kv,
-                intermediate_size=ff, layer_norm_epsilon=_f32(m("attention.layer_norm_epsilon")),
-                mamba_num_heads=heads, mamba_head_dim=inner // heads, n_groups=m("ssm.group_count"),
-                ssm_state_size=m("ssm.state_size"), conv_kernel=m("ssm.conv_kernel"),
-                n_routed_experts=m("expert_count", 0), num_experts_per_tok=m("expert_used_count", 0),
-                moe_intermediate_size=m("expert_feed_forward_length", 0),
-                moe_shared_expert_intermediate_size=m("expert_shared_feed_forward_length", 0),
-                routed_scaling_factor=_f32(m("expert_weights_scale", 0.0) or 1.0),
-                norm_topk_prob=bool(m("expert_weights_norm", False)), n_group=m("expert_group_count", 1) or 1,
-                topk_group=m("expert_group_used_count", 1) or 1, moe_latent_size=m("moe_latent_size", None))
-
-
-def _falcon_h1(m, tensors: dict) -> dict:
-    """HF config fields of a falcon-h1 file: its multipliers folded into the weights by the converter (1 here); a
-    Mamba-2 norm where the file holds one, after the gate (llama.cpp's only order)."""
-    heads, inner = m("ssm.time_step_rank"), m("ssm.inner_size")
-    return dict(mamba_d_ssm=inner, mamba_n_heads=heads, mamba_d_head=inner // heads,
-                mamba_n_groups=m("ssm.group_count"), mamba_d_state=m("ssm.state_size"),
-                mamba_d_conv=m("ssm.conv_kernel"), mamba_rms_norm="blk.0.ssm_norm.weight" in tensors,
-                mamba_norm_before_gate=False, mamba_conv_bias="blk.0.ssm_conv1d.bias" in tensors,
-                mlp_bias="blk.0.ffn_gate.bias" in tensors)
-
-
-def _jamba(m, tensors: dict, layers: int, hidden: int, path: str) -> dict:
-    """HF config fields of a jamba file: its attention layers those with KV heads in the per-layer
-    attention.head_count_kv, its experts layers those with a router; each kind every period-th layer from an
-    offset, as HF's Jamba config says them."""
-    kv = m("attention.head_count_kv")
-    kv = kv if isinstance(kv, list) else [kv] * layers
-
-    def period(flags: list[bool], what: str) -> tuple[int, int]:
-        for p in range(1, layers + 1):
-            at = flags.index(True) if True in flags else p
-            if at < p and all(f == (i % p == at) for i, f in enumerate(flags)):
-                return p, at
-        raise ValueError(f"{path}: the {what} layers {[i for i, f in enumerate(flags) if f]} are not every n-th "
-                         "layer from one offset, as HF's Jamba config says them")
-    attn = period([n > 0 for n in kv], "attention")
-    experts = period([f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(layers)], "experts")
-    return dict(attn_layer_period=attn[0], attn_layer_offset=attn[1], expert_layer_period=experts[0],
-                expert_layer_offset=experts[1], num_key_value_heads=max(kv), num_experts=m("expert_count", 1),
-                mamba_d_state=m("ssm.state_size"), mamba_d_conv=m("ssm.conv_kernel"),
-                mamba_expand=m("ssm.inner_size") // hidden, mamba_dt_rank=m("ssm.time_step_rank"),
-                mamba_conv_bias="blk.0.ssm_conv1d.bias" in tensors)
-
-
 def _mla_config(m, rotated: int) -> dict:
     """HF config fields of a deepseek2 file's latent attention. Newer converters write the MLA widths apart (and
     one KV head); older ones as key_length and value_length."""
@@ -568,11 +362,6 @@ def _mla_config(m, rotated: int) -> dict:
                 v_head_dim=m("attention.value_length_mla", None) or m("attention.value_length"),
                 num_key_value_heads=m("attention.head_count"), rope_interleave=True,
                 head_dim=rotated)  # HF's DeepSeek config names the rotary width so
-
-
-def _f32(x: float) -> float:
-    # GGUF stores float32; take its shortest repr so 1e-5 stays 1e-5 rather than 9.999999747e-06
-    return float(str(np.float32(x)))
 
 
 def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
@@ -601,8 +390,8 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         "num_attention_heads": heads,
         "num_key_value_heads": m("attention.head_count_kv", heads),
         "head_dim": head_dim,
-        **({"layer_norm_eps": _f32(m("attention.layer_norm_epsilon"))} if arch in COHERE else {} if arch in NEMOTRON
-           else {"rms_norm_eps": _f32(m("attention.layer_norm_rms_epsilon"))}),
+        **({"layer_norm_eps": f32(m("attention.layer_norm_epsilon"))} if arch in COHERE else {} if arch in NEMOTRON
+           else {"rms_norm_eps": f32(m("attention.layer_norm_rms_epsilon"))}),
         "max_position_embeddings": m("context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta("tokenizer.ggml.bos_token_id", None),
@@ -665,23 +454,23 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         if arch == "gemma2":
             cfg["attn_logit_softcapping"] = m("attn_logit_softcapping", None)
         elif arch == "gemma3":  # global layers: the file's base and scaling; local ones their own (llama.cpp: 10000)
-            local = {"rope_type": "default", "rope_theta": _f32(m("rope.freq_base_swa", 10000.0))}
+            local = {"rope_type": "default", "rope_theta": f32(m("rope.freq_base_swa", 10000.0))}
             rope = {"full_attention": rope, "sliding_attention": local}
     if arch == "smollm3":  # llama.cpp's rule, not in the file: every 4th layer without rotary
         cfg["no_rope_layer_interval"] = 4
     if arch == "granitehybrid":
-        cfg.update(_granite_hybrid(m, hidden, experts))
+        cfg.update(granite_hybrid(m, hidden, experts))
     if arch == "falcon-h1":
-        cfg.update(_falcon_h1(m, tensors))
+        cfg.update(falcon_h1(m, tensors))
     if arch == "jamba":
-        cfg.update(_jamba(m, tensors, layers, hidden, path))
+        cfg.update(jamba(m, tensors, layers, hidden, path))
     if arch in NEMOTRON:  # no rotary: context_length (2**20) as the converter writes it
-        cfg.update(_nemotron_h(m, tensors, layers - m("nextn_predict_layers", 0), path))
+        cfg.update(nemotron_h(m, tensors, layers - m("nextn_predict_layers", 0), path))
     if arch in ("granite", "granitemoe", "granitehybrid"):  # llama.cpp: an attention scale of 0 (or none) is 1 /
         # sqrt(head_dim)
-        cfg.update(attention_multiplier=_f32(m("attention.scale", 0.0)) or head_dim ** -0.5,
-                   embedding_multiplier=_f32(m("embedding_scale", 1.0)),
-                   residual_multiplier=_f32(m("residual_scale", 1.0)), logits_scaling=_f32(m("logit_scale", 1.0)))
+        cfg.update(attention_multiplier=f32(m("attention.scale", 0.0)) or head_dim ** -0.5,
+                   embedding_multiplier=f32(m("embedding_scale", 1.0)),
+                   residual_multiplier=f32(m("residual_scale", 1.0)), logits_scaling=f32(m("logit_scale", 1.0)))
     if arch == "olmo2" and window:  # OLMo 3: the pattern marks the sliding layers
         if rope["rope_type"] != "default":
             raise ValueError(f"{path}: sliding layers with rope scaling {rope['rope_type']!r} are not supported "
@@ -697,25 +486,25 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
     if arch in MLA_ARCHS:
         cfg.update(_mla_config(m, rotated))
         if rope["rope_type"] == "yarn":  # llama.cpp's: q.k scaled by mscale_all_dim's mscale squared, cos/sin not
-            rope.update(mscale_all_dim=_f32(m("rope.scaling.yarn_log_multiplier", 0.0) / 0.1))
+            rope.update(mscale_all_dim=f32(m("rope.scaling.yarn_log_multiplier", 0.0) / 0.1))
             rope["mscale"] = rope["mscale_all_dim"]
     if arch == "mistral3" and m("rope.scaling.yarn_log_multiplier", 0.0):  # yarn's mscale_all_dim, as it is
-        rope.update(mscale=1.0, mscale_all_dim=_f32(m("rope.scaling.yarn_log_multiplier")))
+        rope.update(mscale=1.0, mscale_all_dim=f32(m("rope.scaling.yarn_log_multiplier")))
     if arch in ("mistral3",) + MLA_ARCHS and m("attention.temperature_scale", 0.0):
         # Llama 4's temperature on q, past the context the file names (Ministral 3: yarn's original one)
         span = m("attention.temperature_length", None) if arch in MLA_ARCHS else None
         if span is not None and span != rope.get("original_max_position_embeddings"):
             raise ValueError(f"{path}: attention.temperature_length={span} differs from the rotary's original "
                              f"context ({rope.get('original_max_position_embeddings')}); one length is supported")
-        rope["llama_4_scaling_beta"] = _f32(m("attention.temperature_scale"))
+        rope["llama_4_scaling_beta"] = f32(m("attention.temperature_scale"))
     if arch in HYBRID:
-        cfg.update(_linear_attention(m, arch, layers - m("nextn_predict_layers", 0)))
+        cfg.update(linear_attention(m, arch, layers - m("nextn_predict_layers", 0)))
     if arch == "arcee":  # an ungated relu(x)**2 MLP
         cfg["hidden_act"] = "relu2"
     if arch in ("ernie4_5", "ernie4_5-moe"):  # on every linear layer
         cfg["use_bias"] = "blk.0.attn_q.bias" in tensors
     if arch in COHERE:
-        cfg["logit_scale"] = _f32(m("logit_scale"))
+        cfg["logit_scale"] = f32(m("logit_scale"))
     if arch == "cohere2":  # llama.cpp's rule, not in the file: every 4th layer full (and without rotary)
         cfg.update(sliding_window=window, layer_types=["sliding_attention" if i % 4 < 3 else "full_attention"
                                                        for i in range(layers)])
@@ -736,16 +525,16 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
 
 
 def _rope(m, arch: str, tensors: dict, head_dim: int, path: str) -> dict:
-    rope = {"rope_type": "default", "rope_theta": _f32(m("rope.freq_base", 10000.0))}
+    rope = {"rope_type": "default", "rope_theta": f32(m("rope.freq_base", 10000.0))}
     scaling = m("rope.scaling.type", "none")
     factor = m("rope.scaling.factor", m("rope.scale_linear", 1.0))
     if scaling == "linear" or (scaling == "none" and factor != 1.0):
-        rope.update(rope_type="linear", factor=_f32(factor))
+        rope.update(rope_type="linear", factor=f32(factor))
     elif scaling == "yarn":
-        rope.update(rope_type="yarn", factor=_f32(factor),
+        rope.update(rope_type="yarn", factor=f32(factor),
                     original_max_position_embeddings=m("rope.scaling.original_context_length"),
-                    beta_fast=_f32(m("rope.scaling.yarn_beta_fast", 32.0)),
-                    beta_slow=_f32(m("rope.scaling.yarn_beta_slow", 1.0)))
+                    beta_fast=f32(m("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=f32(m("rope.scaling.yarn_beta_slow", 1.0)))
     elif scaling not in ("none", "longrope"):
         raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (none, linear, yarn, longrope, and "
                          "llama3 by rope_freqs)")
