@@ -1,11 +1,13 @@
 """A model's shape as its HF config.json gives it (ModelConfig, with rope_config.py's RopeConfig for its rotary
-positions), and the architectures pipellm runs. The engine's settings: config.py."""
+positions and family_config.py's rules for the families whose configs say things their own way), and the
+architectures pipellm runs. The engine's settings: config.py."""
 import json
 import os
 from dataclasses import dataclass, field
 
-from pipellm.hybrid_config import (FALCON_H1, GRANITE_HYBRID, JAMBA, MAMBA_LAYER_TYPES, NEMOTRON_H, falcon_h1,
-                                   granite_hybrid, jamba, nemotron_h)
+from pipellm.family_config import (FALCON_H1, GRANITE_HYBRID, JAMBA, MAMBA_LAYER_TYPES, NEMOTRON_H, falcon_h1,
+                                   fp8_weight_block, granite_hybrid, group_router, jamba, latent_attention, nemotron_h,
+                                   same_each_layer)
 from pipellm.rope_config import RopeConfig
 from pipellm.vision_language import VISION_LANGUAGE, text_config
 
@@ -266,7 +268,7 @@ class ModelConfig:
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         quant = d.get("quantization_config")
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        fp8_block = _fp8_block(quant, source) if method == "fp8" else ()
+        fp8_block = fp8_weight_block(quant, source) if method == "fp8" else ()
         if method not in (None, "fp8") and not (method == "mxfp4" and arch == "GptOssForCausalLM"):
             raise ValueError(f"{source}: weights quantized as {method!r} are not supported (block-scaled fp8 and "
                              "GPT-OSS's mxfp4 are): "
@@ -286,7 +288,7 @@ class ModelConfig:
         family = {}  # fields a family's config gives its own way
         if arch == NEMOTRON_H:
             d, family = nemotron_h(d, source)
-            family |= _group_router(d, source, arch) if family["num_experts"] else {}
+            family |= group_router(d, source, arch) if family["num_experts"] else {}
         elif arch == FALCON_H1:
             d, family = falcon_h1(d, source)
         elif arch == JAMBA:
@@ -362,7 +364,7 @@ class ModelConfig:
         if arch == GRANITE_HYBRID and not num_experts:  # its shared MLP alone: a dense model
             d, shared = d | {"intermediate_size": shared}, 0
         if arch == "HunYuanMoEV1ForCausalLM":  # its shared MLP as wide as an expert, as HF's
-            num_experts, top_k = (_same_each_layer(d, key, source) for key in ("num_experts", "moe_topk"))
+            num_experts, top_k = (same_each_layer(d, key, source) for key in ("num_experts", "moe_topk"))
             d = d | {"num_experts_per_tok": top_k}
             shared = d["intermediate_size"]
         if arch == "OlmoeForCausalLM" and d.get("clip_qkv") is not None:
@@ -403,9 +405,9 @@ class ModelConfig:
         if arch in COHERE_FAMILY:  # logits * logit_scale, a power of two in Cohere's releases: exact as a divisor
             scales = {"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))}
         v3_router = arch in GROUP_ROUTED and arch not in SOFTMAX_GROUP_ROUTED
-        deepseek = _group_router(d, source, arch) if arch in GROUP_ROUTED else {}
+        deepseek = group_router(d, source, arch) if arch in GROUP_ROUTED else {}
         if arch in DEEPSEEK_FAMILY:
-            deepseek |= _latent_attention(d, arch)
+            deepseek |= latent_attention(d, arch)
             head_dim = deepseek["qk_rope_head_dim"] + d.get("qk_nope_head_dim", 128)
         if arch in GROUP_ROUTED:  # Glm4MoeLite names each layer's MLP; the others count the first dense ones
             kinds = d.get("mlp_layer_types") or ["dense" if i < d.get("first_k_dense_replace", 0)
@@ -453,48 +455,3 @@ class ModelConfig:
                    experts_in_out=llama4,
                    router_sigmoid=v3_router or arch in ("MiniMaxM2ForCausalLM", "Llama4ForCausalLM"), **deepseek,
                    **llama4_fields, **hybrid_fields) | family)
-
-
-def _same_each_layer(d: dict, key: str, source: str) -> int:
-    """A Hunyuan MoE config's count that may be given a layer: one value for them all."""
-    value = d.get(key) or 1
-    if isinstance(value, list) and len(set(value)) > 1:
-        raise ValueError(f"{source}: {key} differs between layers ({sorted(set(value))}); one value is supported")
-    return value[0] if isinstance(value, list) else value
-
-
-def _group_router(d: dict, source: str, arch: str) -> dict:
-    """ModelConfig's router fields of a DeepSeek V2/V3, GLM-4.5, dots.llm1 or Mistral 4 config.json, as HF reads
-    them: V2 by its topk_method, Mistral 4 always from groups, the others by noaux_tc (sigmoid, a selection bias)."""
-    method = {"DeepseekV2ForCausalLM": d.get("topk_method") or "greedy",
-              "Mistral4ForCausalLM": "group_limited_greedy"}.get(arch, "noaux_tc")
-    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
-        raise ValueError(f"{source}: DeepSeek's topk_method={method!r} is not supported "
-                         "(greedy, group_limited_greedy; V3's noaux_tc)")
-    groups, kept = (d.get("n_group") or 1, d.get("topk_group") or 1) if method != "greedy" else (1, 1)
-    experts, top_k = d.get("n_routed_experts") or 0, d.get("num_experts_per_tok") or 0
-    if experts % groups or kept > groups or top_k > kept * (experts // groups):
-        raise ValueError(f"{source}: n_group={groups}, topk_group={kept} and num_experts_per_tok={top_k} do not fit "
-                         f"n_routed_experts={experts}: the groups must split the experts evenly, and the kept "
-                         "groups hold at least num_experts_per_tok experts")
-    return dict(expert_groups=groups, expert_groups_kept=kept, group_by_top_expert=arch == "DeepseekV2ForCausalLM",
-                routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0))
-
-
-def _latent_attention(d: dict, arch: str) -> dict:
-    """ModelConfig's MLA fields of a DeepSeek V2/V3 (or Mistral 4) config.json: V2's rotary pairs always
-    interleaved."""
-    return dict(q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=d["kv_lora_rank"],
-                qk_rope_head_dim=d.get("qk_rope_head_dim", 64), v_head_dim=d.get("v_head_dim") or 128,
-                rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(d.get("rope_interleave", True)))
-
-
-def _fp8_block(quant: dict, source: str) -> tuple[int, int]:
-    """The block of a block-scaled fp8 quantization_config (HF's FineGrainedFP8, DeepSeek's), made dense at load."""
-    block = quant.get("weight_block_size")
-    if quant.get("fmt", "e4m3") != "e4m3" or quant.get("activation_scheme", "dynamic") != "dynamic" \
-            or not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise ValueError(f"{source}: fp8 weights are supported as e4m3 with a weight_block_size of two ints and the "
-                         f"dynamic activation_scheme; this quantization_config has fmt={quant.get('fmt')!r}, "
-                         f"weight_block_size={block!r}, activation_scheme={quant.get('activation_scheme')!r}")
-    return tuple(block)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipellm.model_config import GROUP_ROUTED, ModelConfig
-from pipellm.hybrid_config import NEMOTRON_H
+from pipellm.family_config import NEMOTRON_H
 from pipellm.models.layers import GatedMLP, dense_mlp
 
 

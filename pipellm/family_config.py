@@ -1,6 +1,7 @@
-"""The fields of ModelConfig that hybrid models' config.json files give their own way: Granite 4.0-H's and
-Nemotron-H's Mamba-2 layers among attention ones, Falcon-H1's beside attention in every layer
-(models/linear_attention.py), and Jamba's Mamba layers among attention ones."""
+"""The fields of ModelConfig that some families' config.json files give their own way (model_config.py reads the
+rest): the hybrid models' (Granite 4.0-H's and Nemotron-H's Mamba-2 layers among attention ones, Falcon-H1's beside
+attention in every layer, Jamba's Mamba layers among attention ones: models/linear_attention.py), DeepSeek's router
+and latent attention, Hunyuan's per-layer counts, block-scaled FP8."""
 import math
 
 GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"  # Granite 4.0-H: Mamba-2 layers among full-attention ones
@@ -118,3 +119,48 @@ def _mamba2(d: dict, source: str, heads: int, head_dim: int, groups: int, state:
         raise ValueError(f"{source}: {heads} Mamba-2 heads do not split into {groups} groups")
     return dict(mamba=(heads, head_dim, groups, state, kernel), mamba_conv_bias=bool(conv_bias),
                 mamba_proj_bias=bool(proj_bias), mamba_out_bias=bool(proj_bias))
+
+
+def same_each_layer(d: dict, key: str, source: str) -> int:
+    """A Hunyuan MoE config's count that may be given a layer: one value for them all."""
+    value = d.get(key) or 1
+    if isinstance(value, list) and len(set(value)) > 1:
+        raise ValueError(f"{source}: {key} differs between layers ({sorted(set(value))}); one value is supported")
+    return value[0] if isinstance(value, list) else value
+
+
+def group_router(d: dict, source: str, arch: str) -> dict:
+    """ModelConfig's router fields of a DeepSeek V2/V3, GLM-4.5, dots.llm1 or Mistral 4 config.json, as HF reads
+    them: V2 by its topk_method, Mistral 4 always from groups, the others by noaux_tc (sigmoid, a selection bias)."""
+    method = {"DeepseekV2ForCausalLM": d.get("topk_method") or "greedy",
+              "Mistral4ForCausalLM": "group_limited_greedy"}.get(arch, "noaux_tc")
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ValueError(f"{source}: DeepSeek's topk_method={method!r} is not supported "
+                         "(greedy, group_limited_greedy; V3's noaux_tc)")
+    groups, kept = (d.get("n_group") or 1, d.get("topk_group") or 1) if method != "greedy" else (1, 1)
+    experts, top_k = d.get("n_routed_experts") or 0, d.get("num_experts_per_tok") or 0
+    if experts % groups or kept > groups or top_k > kept * (experts // groups):
+        raise ValueError(f"{source}: n_group={groups}, topk_group={kept} and num_experts_per_tok={top_k} do not fit "
+                         f"n_routed_experts={experts}: the groups must split the experts evenly, and the kept "
+                         "groups hold at least num_experts_per_tok experts")
+    return dict(expert_groups=groups, expert_groups_kept=kept, group_by_top_expert=arch == "DeepseekV2ForCausalLM",
+                routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0))
+
+
+def latent_attention(d: dict, arch: str) -> dict:
+    """ModelConfig's MLA fields of a DeepSeek V2/V3 (or Mistral 4) config.json: V2's rotary pairs always
+    interleaved."""
+    return dict(q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=d["kv_lora_rank"],
+                qk_rope_head_dim=d.get("qk_rope_head_dim", 64), v_head_dim=d.get("v_head_dim") or 128,
+                rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(d.get("rope_interleave", True)))
+
+
+def fp8_weight_block(quant: dict, source: str) -> tuple[int, int]:
+    """The block of a block-scaled fp8 quantization_config (HF's FineGrainedFP8, DeepSeek's), made dense at load."""
+    block = quant.get("weight_block_size")
+    if quant.get("fmt", "e4m3") != "e4m3" or quant.get("activation_scheme", "dynamic") != "dynamic" \
+            or not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"{source}: fp8 weights are supported as e4m3 with a weight_block_size of two ints and the "
+                         f"dynamic activation_scheme; this quantization_config has fmt={quant.get('fmt')!r}, "
+                         f"weight_block_size={block!r}, activation_scheme={quant.get('activation_scheme')!r}")
+    return tuple(block)
