@@ -1,7 +1,9 @@
-"""Nemotron-H (NemotronHForCausalLM: Nemotron-H, Nemotron Nano 2, Nemotron 3 Nano): each layer is a norm and one
-mixer whose output joins the residual: a Mamba-2 mixer (linear_attention.py), attention without rotary, a relu^2 MLP,
-or relu^2 experts behind DeepSeek V3's router with a relu^2 shared expert (moe.py). Its MLP and experts layers cache
-nothing."""
+"""Nemotron-H (NemotronHForCausalLM: Nemotron-H, Nemotron Nano 2, Nemotron 3 Nano and Super): a layer is a norm
+and one mixer whose output joins the residual: a Mamba-2 mixer (linear_attention.py), attention without rotary, a
+relu^2 MLP, or relu^2 experts behind DeepSeek V3's router with a relu^2 shared expert (moe.py; Super's on a latent
+projection). Its MLP and experts layers cache nothing."""
+import re
+
 from torch import nn
 
 from pipellm.model_config import ModelConfig
@@ -10,6 +12,7 @@ from pipellm.models.linear_attention import Mamba2Mixer
 from pipellm.models.llama import LlamaAttention, LlamaStage, make_mlp
 
 MIXERS = {"linear_attention": "mamba", "full_attention": "self_attn", "mlp": "mlp", "moe": "mlp"}  # held as
+LAYER_PART = re.compile(r"^model\.layers\.(\d+)\.(norm|mixer)\.")  # a layer's norm or its one mixer
 
 
 class NemotronHLayer(nn.Module):
@@ -40,11 +43,8 @@ class NemotronHStage(LlamaStage):
         """Its checkpoints' names (backbone.layers.N.mixer.*) as Llama's, a layer's mixer under what it holds."""
         name = name.replace("backbone.", "model.", 1).replace("model.embeddings.", "model.embed_tokens.") \
             .replace("model.norm_f.", "model.norm.")
-        parts = name.split(".")
-        if parts[:2] == ["model", "layers"] and len(parts) > 3 and parts[2].isdigit():
-            kind = self.cfg.layer_types[int(parts[2])] if int(parts[2]) < self.cfg.num_layers else "mlp"
-            rest = ".".join(parts[3:]).replace("norm.", "input_layernorm.", 1) if parts[3] == "norm" else \
-                ".".join(parts[3:]).replace("mixer.", MIXERS[kind] + ".", 1).replace(
-                    ".shared_experts.", ".shared_expert.").replace(".gate.e_score_correction_bias", ".selection_bias")
-            name = f"model.layers.{parts[2]}.{rest}"
+        if (m := LAYER_PART.match(name)) and int(m[1]) < self.cfg.num_layers:
+            held = "input_layernorm" if m[2] == "norm" else MIXERS[self.cfg.layer_types[int(m[1])]]
+            name = f"model.layers.{m[1]}.{held}.{name[m.end():]}".replace(".shared_experts.", ".shared_expert.") \
+                .replace(".gate.e_score_correction_bias", ".selection_bias")
         return super().map_weight(name)
