@@ -99,6 +99,7 @@ def jamba(d: dict, source: str) -> tuple[dict, dict]:
         raise ValueError(f"{source}: Jamba's hidden_act={d['hidden_act']!r} is not supported (silu: its MLPs' and "
                          "its Mamba convolution's activation)")
     experts = d.get("num_experts") or d.get("num_local_experts") or 16
+    experts *= experts > 1  # one: every layer's MLP dense, as HF's
     return d | dict(layer_types=None), dict(
         layer_types=tuple("full_attention" if i % attn == attn_at else "linear_attention" for i in range(layers)),
         nope_layers=tuple(range(layers)), num_experts=experts, num_experts_per_tok=d.get("num_experts_per_tok", 2),

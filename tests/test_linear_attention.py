@@ -243,5 +243,8 @@ def test_jamba_release_config():
     assert [cfg.num_experts if cfg.is_moe(i) else 1 for i in range(cfg.num_layers)] == hf.layers_num_experts
     assert cfg.mamba1 == (hf.mamba_expand * hf.hidden_size, hf.mamba_d_state, hf.mamba_d_conv, hf.mamba_dt_rank)
     assert state_bytes(cfg, torch.bfloat16) == 8192 * 16 * 4 + 8192 * 3 * 2
+    one = ModelConfig.from_hf_dict(release | dict(num_experts=1))  # one expert: HF's layers all dense
+    assert not any(one.is_moe(i) for i in range(one.num_layers)) and set(
+        AutoConfig.for_model(**release | dict(num_experts=1)).layers_num_experts) == {1}
     with pytest.raises(ValueError, match="Jamba's hidden_act='gelu' is not supported"):
         ModelConfig.from_hf_dict(release | dict(hidden_act="gelu"))
