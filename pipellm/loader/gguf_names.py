@@ -101,8 +101,9 @@ _FAMILY_NAMES.update(dict.fromkeys(HYBRID, {
     "ssm_ba": "linear_attn.in_proj_ba", "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
     "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
     "post_attention_norm": "post_attention_layernorm"}))
-_FAMILY_NAMES["granitehybrid"] = {"ssm_in": "mamba.in_proj", "ssm_conv1d": "mamba.conv1d", "ssm_norm": "mamba.norm",
-                                  "ssm_out": "mamba.out_proj"}  # its MLPs' gate and up apart, as llama.cpp's
+MAMBA_NAMES = {"ssm_in": "mamba.in_proj", "ssm_conv1d": "mamba.conv1d", "ssm_norm": "mamba.norm",
+               "ssm_out": "mamba.out_proj"}
+_FAMILY_NAMES["granitehybrid"] = MAMBA_NAMES  # its MLPs' gate and up apart, as llama.cpp's
 # Nemotron-H's: a norm and one mixer a layer, under its checkpoints' names
 _FAMILY_NAMES.update(dict.fromkeys(NEMOTRON, {
     "attn_norm": "norm", "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj", "attn_v": "mixer.v_proj",
@@ -111,22 +112,17 @@ _FAMILY_NAMES.update(dict.fromkeys(NEMOTRON, {
     "ffn_down_shexp": "mixer.shared_experts.down_proj", "ffn_latent_down": "mixer.fc1_latent_proj",
     "ffn_latent_up": "mixer.fc2_latent_proj", "ssm_in": "mixer.in_proj", "ssm_conv1d": "mixer.conv1d",
     "ssm_norm": "mixer.norm", "ssm_out": "mixer.out_proj"}))
-# Falcon-H1's: its MLP as its checkpoints name it (its pre-MLP norm: FFN_PRE_NORM, below)
-_FAMILY_NAMES["falcon-h1"] = {"ssm_in": "mamba.in_proj", "ssm_conv1d": "mamba.conv1d", "ssm_norm": "mamba.norm",
-                              "ssm_out": "mamba.out_proj", "ffn_gate": "feed_forward.gate_proj",
-                              "ffn_up": "feed_forward.up_proj", "ffn_down": "feed_forward.down_proj",
-                              "ffn_norm": "pre_ff_layernorm"}
-# Jamba's: Mamba's (dt_proj's weight and bias: ssm_dt), its MLP and experts as its checkpoints name them
-_FAMILY_NAMES["jamba"] = {"ssm_in": "mamba.in_proj", "ssm_conv1d": "mamba.conv1d", "ssm_x": "mamba.x_proj",
-                          "ssm_dt": "mamba.dt_proj", "ssm_dt_norm": "mamba.dt_layernorm",
-                          "ssm_b_norm": "mamba.b_layernorm", "ssm_c_norm": "mamba.c_layernorm",
-                          "ssm_out": "mamba.out_proj", "ffn_norm": "pre_ff_layernorm",
-                          "ffn_gate_inp": "feed_forward.router", "ffn_gate": "feed_forward.gate_proj",
-                          "ffn_up": "feed_forward.up_proj", "ffn_down": "feed_forward.down_proj"}
+# Falcon-H1's and Jamba's: their MLP (Jamba's router) as their checkpoints name it (Falcon-H1's pre-MLP norm:
+# FFN_PRE_NORM, below); Jamba's Mamba's x_proj, dt_proj (its weight and bias: ssm_dt) and norms
+FEED_FORWARD_NAMES = {"ffn_norm": "pre_ff_layernorm", "ffn_gate_inp": "feed_forward.router",
+                      **{f"ffn_{p}": f"feed_forward.{p}_proj" for p in ("gate", "up", "down")}}
+_FAMILY_NAMES["falcon-h1"] = MAMBA_NAMES | FEED_FORWARD_NAMES
+_FAMILY_NAMES["jamba"] = MAMBA_NAMES | FEED_FORWARD_NAMES | {
+    "ssm_x": "mamba.x_proj", "ssm_dt": "mamba.dt_proj", "ssm_dt_norm": "mamba.dt_layernorm",
+    "ssm_b_norm": "mamba.b_layernorm", "ssm_c_norm": "mamba.c_layernorm"}
 _GLOBAL_RENAMES = {**dict.fromkeys(NEMOTRON, {"token_embd.weight": "model.embeddings.weight",
                                               "output_norm.weight": "model.norm_f.weight"}),
-                   "falcon-h1": {"output_norm.weight": "model.final_layernorm.weight"},
-                   "jamba": {"output_norm.weight": "model.final_layernorm.weight"}}
+                   **dict.fromkeys(("falcon-h1", "jamba"), {"output_norm.weight": "model.final_layernorm.weight"})}
 FFN_PRE_NORM = re.compile(r"blk\.(\d+)\.ffn_norm")  # falcon-h1's, without .weight
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj",
                 "ffn_gate_up_exps": "gate_up_proj"}  # Mistral 4's fused: each expert's gate rows, then its up rows

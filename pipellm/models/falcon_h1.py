@@ -8,7 +8,7 @@ import torch
 from pipellm.model_config import ModelConfig
 from pipellm.models.layers import GatedMLP, RMSNorm
 from pipellm.models.linear_attention import KVAndState, Mamba2Mixer
-from pipellm.models.llama import LlamaLayer, LlamaStage
+from pipellm.models.llama import LlamaLayer, LlamaStage, feed_forward_names
 
 
 class FalconH1Mixer(Mamba2Mixer):
@@ -55,6 +55,4 @@ class FalconH1Stage(LlamaStage):
     layer_class = FalconH1Layer
 
     def map_weight(self, name: str) -> list[tuple]:
-        """Its checkpoints' names as Llama's: feed_forward the MLP, pre_ff_layernorm its norm."""
-        return super().map_weight(name.replace(".feed_forward.", ".mlp.").replace(
-            ".pre_ff_layernorm.", ".post_attention_layernorm.").replace("model.final_layernorm.", "model.norm."))
+        return super().map_weight(feed_forward_names(name))
