@@ -1,11 +1,18 @@
 """Qwen3-Next's and Qwen3.5's linear-attention layers: the delta rule against HF's token-by-token recurrence, and
 each sequence's state kept apart from the others' through what the engine does to sequences (rows reused by later
 requests, preemption and recompute, several decode steps a batch)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from pipellm import LLM, SamplingParams
-from pipellm.models.linear_attention import delta_rule_chunked, delta_rule_step, l2_normed, ssd_chunked, ssd_step
+from pipellm.loader.safetensors import load_stage_weights
+from pipellm.model_config import ModelConfig
+from pipellm.models.linear_attention import (LinearState, StateMixer, delta_rule_chunked, delta_rule_step, l2_normed,
+                                             ssd_chunked, ssd_step)
+from pipellm.models.registry import build_stage_model
+from pipellm.pipeline.partition import StageLayers
 from tests.test_families import hf_greedy, make_family_checkpoint
 
 
@@ -71,7 +78,7 @@ def test_mamba2_scan_matches_hf(length):
 
 @pytest.fixture(scope="module")
 def state_models(tmp_path_factory):
-    """name -> (folder, prompts, HF's greedy ids), each built on first use."""
+    """name -> (folder, prompts, HF's greedy ids, HF's model), each built on first use."""
     built = {}
 
     def get(name):
@@ -79,7 +86,7 @@ def state_models(tmp_path_factory):
             folder = str(tmp_path_factory.mktemp(name))
             model = make_family_checkpoint(name, folder)
             prompts = [[(7 * i + 5 * j + 3) % 384 for i in range(12 + 5 * j)] for j in range(6)]  # 12 to 37 tokens
-            built[name] = folder, prompts, [ids for ids, _ in hf_greedy(model, prompts)]
+            built[name] = folder, prompts, [ids for ids, _ in hf_greedy(model, prompts)], model
         return built[name]
     return get
 
@@ -113,7 +120,7 @@ AUTO = dict(pipeline_parallel_size=3, layer_partition="auto")  # split by each k
 ], ids=["rows-reused-preempted", "multi-step", "pp2-chunked", "pp3-auto", "nemotron_h-reused", "nemotron_h-pp3-auto",
         "falcon_h1-reused", "falcon_h1-pp2-chunked", "jamba-reused", "jamba-pp2-chunked-multi-step"])
 def test_states_follow_their_sequences(state_models, name, options):
-    folder, prompts, reference = state_models(name)
+    folder, prompts, reference, _ = state_models(name)
     with LLM(folder, dtype="float32", **options) as llm:
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in LENGTHS]
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -123,16 +130,77 @@ def test_states_follow_their_sequences(state_models, name, options):
     assert [o.outputs[0].token_ids for o in outputs] == [ids[:n] for ids, n in zip(reference, LENGTHS)]
 
 
-def test_what_a_state_cannot_do_is_refused_or_off(qwen3_5):
-    """Drafts would need the state to step back; inspect draws attention over KV caches; a cached prefix has no
-    state: speculative decoding and inspect say so, prefix caching is off."""
-    folder, prompts, _ = qwen3_5
+def test_what_a_state_cannot_do_is_refused(qwen3_5):
+    """Drafts would need the state to step back; inspect draws attention over KV caches: both say so."""
+    folder, prompts, _, _ = qwen3_5
     with pytest.raises(ValueError, match=r"speculative_config: Qwen3_5ForCausalLM's linear-attention \(or Mamba\)"):
         LLM(folder, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with LLM(folder, dtype="float32") as llm:
-        assert not llm.engine.prefix_caching
         with pytest.raises(ValueError, match=r"linear-attention \(or Mamba\) layers hold a state"):
             llm.inspect({"prompt_token_ids": prompts[0]})
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "jamba"])
+def test_a_state_is_saved_after_the_tokens_asked(state_models, name):
+    """A mixer's state saved after its first k tokens of a step, for a prompt chunk cut there and for a chunk of one
+    token, equals the state after those tokens run alone; and the step's outputs are those of the uncut chunk."""
+    folder = state_models(name)[0]
+    cfg = ModelConfig.from_pretrained(folder)
+    model = build_stage_model(cfg, StageLayers(0, 0, cfg.num_layers, True, True), meta=True)
+    load_stage_weights(model, folder, torch.float32)
+    mixer = next(m for m in model.modules() if isinstance(m, StateMixer))
+    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def run(state, start, n, saves=None):  # tokens start..start+n of one sequence in row 0, as one step
+        meta = SimpleNamespace(state_rows=torch.tensor([0]), query_lens=torch.tensor([n]),
+                               seq_lens=torch.tensor([start + n]), state_saves=saves)
+        return mixer(x[start:start + n], meta, state)
+
+    def fresh():
+        return LinearState.allocate(cfg, torch.float32, rows=1)
+
+    with torch.inference_mode():
+        whole, cut = fresh(), fresh()
+        expected = run(whole, 0, 9)
+        out = torch.cat([run(cut, 0, 7, {0: [(1, 0), (4, 1), (7, 2)]}), run(cut, 7, 1, {0: [(1, 3)]}), run(cut, 8, 1)])
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        for slot, k in enumerate([1, 4, 7, 8]):
+            alone = fresh()
+            run(alone, 0, k)
+            torch.testing.assert_close(cut.saved.conv[slot], alone.conv[0])
+            torch.testing.assert_close(cut.saved.ssm[slot], alone.ssm[0], atol=1e-5, rtol=1e-5)
+
+
+SYSTEM = [(11 * i + 2) % 384 for i in range(18)]  # a prompt head three requests share: 4 full blocks of 4 tokens
+
+
+@pytest.mark.parametrize("name,options", [
+    ("qwen3_5", {}),
+    ("qwen3_5", dict(pipeline_parallel_size=2, max_num_batched_tokens=10)),  # states saved mid-chunk, on each stage
+    ("nemotron_h", {}),
+    ("falcon_h1", dict(pipeline_parallel_size=2, max_num_batched_tokens=8)),  # a KV cache and a state a layer
+    ("jamba", {}),
+], ids=["qwen3_5", "qwen3_5-pp2-chunked", "nemotron_h", "falcon_h1-pp2-chunked", "jamba"])
+def test_a_cached_prefix_goes_on_from_its_saved_state(state_models, name, options):
+    """Requests one after another: a prompt, a second with the same head (it saves its state where the two part),
+    a third with that head (it starts there), the first's conversation going on (it starts at the first prompt's
+    last full block), and the first again. Each starts after the tokens it should, and goes on as HF does from the
+    whole prompt."""
+    folder, _, _, model = state_models(name)
+    first = SYSTEM + [5, 9, 30, 41, 2, 77, 3, 8]  # 26 tokens: its state after 24 is saved
+    second, third = SYSTEM + [100, 1, 2, 3, 4, 5], SYSTEM + [200, 7, 6, 5, 4, 3, 2]
+    (reply, _), = hf_greedy(model, [first])
+    prompts = [first, second, third, first + reply + [60, 61, 62], first]
+    reference = [ids for ids, _ in hf_greedy(model, prompts)]
+    params = SamplingParams(max_tokens=len(reply), temperature=0.0, ignore_eos=True)
+    with LLM(folder, dtype="float32", block_size=4, **options) as llm:
+        bm, outputs, hits = llm.engine.block_manager, [], []
+        for prompt in prompts:
+            before = bm.num_prefix_hits
+            outputs += llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            hits.append(bm.num_prefix_hits - before)
+    assert hits == [0, 0, 16, 24, 24]
+    assert [o.outputs[0].token_ids for o in outputs] == reference
 
 
 def test_qwen3_next_release_config():

@@ -168,6 +168,22 @@ def test_stage_batch_check_refuses_out_of_range_indices():
             bad.check(12, 16, 50, True, True)
 
 
+def test_saved_states_travel_and_out_of_range_ones_are_refused():
+    """Prefix caching of states: the loads (slot, row) and saves (sequence, after k of its new tokens, slot)."""
+    batch = replace(_batch(), state_loads=np.array([[3, 1]]), state_saves=np.array([[0, 2, 5], [0, 4, 6], [2, 1, 0]]))
+    back = wire.decode(wire.encode(batch))
+    back.check(12, 16, 50, True, True)
+    assert back.state_loads.tolist() == [[3, 1]] and back.state_saves.tolist() == [[0, 2, 5], [0, 4, 6], [2, 1, 0]]
+    for change, why in [(dict(state_loads=np.array([[3, -1]])), "state_loads"),
+                        (dict(state_loads=np.array([3, 1])), "state_loads"),
+                        (dict(state_saves=np.array([[0, 5, 1]])), "within its new tokens"),  # 4 new tokens
+                        (dict(state_saves=np.array([[1, 0, 1]])), "within its new tokens"),
+                        (dict(state_saves=np.array([[3, 1, 1]])), "within its new tokens"),  # 3 sequences
+                        (dict(state_saves=np.array([[0, 1, 1 << 16]])), "a slot below")]:
+        with pytest.raises(ValueError, match=why):
+            replace(batch, **change).check(12, 16, 50, True, True)
+
+
 def test_a_stage_builds_block_tables_from_changes_and_refuses_bad_ones():
     tables = StageBlockTables()
     first = BlockTableChanges(np.array([1, 0]), np.array([0, 0]), np.array([3, 1]), np.array([4, 5, 6, 7], np.int32))

@@ -11,12 +11,15 @@ blocks before it and each run of tokens it starts with. A later request whose ne
 blocks are one of those (a beam search's next step, a conversation's next turn) takes the block over when no one
 holds it, or else gets a copy of it, which the stages make at the start of the batch that admits it
 (pending_copies): either way it runs only its tokens after them.
+With saved (a model whose layers keep a state per sequence), a cached prefix is taken only as far as a saved state
+goes (saved_states.py), and no partial block is.
 """
 import hashlib
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from pipellm.engine.saved_states import SavedStates
 from pipellm.engine.sequence import Request
 
 
@@ -27,10 +30,11 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_window_blocks: int = 0,
-                 window_ring: int = 0, reuse_partial: bool = False):
+                 window_ring: int = 0, reuse_partial: bool = False, saved: SavedStates | None = None):
         self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
         assert not (window_ring and enable_caching), "a ring holds no prefix to share"
-        self.reuse_partial = enable_caching and reuse_partial
+        self.saved = saved if enable_caching else None
+        self.reuse_partial = enable_caching and reuse_partial and saved is None
         self.partial: dict[tuple[bytes, tuple[int, ...]], int] = {}  # (hash before, tokens) -> a block starting so
         self.partial_keys: dict[int, list[tuple]] = {}           # block -> its keys in partial
         self.pending_copies: list[tuple[int, int]] = []          # (source, new block) for the next batch
@@ -76,6 +80,8 @@ class BlockManager:
             if h not in self.cached:
                 break
             ids.append(self.cached[h])
+        if self.saved is not None:
+            return ids[:self.saved.longest(req.block_hashes[:len(ids)])]
         return ids
 
     def cached_partial(self, req: Request, cached: Sequence[int]) -> tuple[int, int] | None:
@@ -259,10 +265,25 @@ class BlockManager:
             req.num_computed_tokens += k
         if req.table_row < 0:
             req.table_row = self.free_rows.pop() if self.free_rows else self._new_row()
+        if self.saved is not None:
+            self._plan_saves(req, len(cached))
         req.blocks_sent = 0
         if self.enable_caching:
             self.num_prefix_queries += req.num_tokens
             self.num_prefix_hits += req.num_computed_tokens
+
+    def _plan_saves(self, req: Request, start: int) -> None:
+        """req's state loaded from the saved one its start block ends (if it starts past 0), and where it saves its
+        own (in blocks, saved_states.py): where earlier prompts' cached blocks it shares end, and where the most
+        blocks a later request may take from it end."""
+        if start:
+            self.saved.load(req.block_hashes[start - 1], req.table_row)
+        last = (req.num_tokens - 1) // self.block_size
+        self._hash_blocks(req, last)
+        shared = start
+        while shared < last and req.block_hashes[shared] in self.cached:
+            shared += 1
+        req.state_saves = sorted({p for p in (shared, last) if p > start})
 
     def _take_free(self) -> int:
         # An empty block first; else evict the least recently freed cached one.

@@ -15,6 +15,7 @@ from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.input_processor import InputProcessor
 from pipellm.engine.kv_budget import kv_budget
 from pipellm.engine.output_processor import OutputProcessor
+from pipellm.engine.saved_states import SavedStates
 from pipellm.engine.scheduler import ScheduledBatch, Scheduler
 from pipellm.engine.sequence import Request
 from pipellm.loader.gguf import gguf_source
@@ -151,16 +152,17 @@ class LLMEngine:
     @property
     def prefix_caching(self) -> bool:
         # dynamic and longrope rotary turn a key by the length of its whole sequence: a prefix's K/V is not shareable;
-        # nor is a prefix that sliding-window layers overwrote in their rings, nor one that linear-attention layers
-        # hold no state of (their states went on past it)
+        # nor is a prefix that sliding-window layers overwrote in their rings
         return self.config.enable_prefix_caching and not self.window_ring and \
-            self.model_config.rope.rope_type not in ("dynamic", "longrope") and not self.model_config.keeps_states
+            self.model_config.rope.rope_type not in ("dynamic", "longrope")
 
     def _block_manager(self) -> BlockManager:
         # int8 caches: a later token written into a block may re-round what it holds, so a partial block's first
         # tokens are not what a request that goes on from them would compute
+        # layers that keep a state take a cached prefix only where a state was saved: max_num_seqs of them
+        saved = SavedStates(self.config.max_num_seqs) if self.model_config.keeps_states else None
         return BlockManager(self.num_blocks, self.config.block_size, self.prefix_caching, self.num_window_blocks,
-                            self.window_ring, reuse_partial=self.config.kv_cache_dtype != "int8")
+                            self.window_ring, reuse_partial=self.config.kv_cache_dtype != "int8", saved=saved)
 
     def _token(self) -> bytes:
         """The run's shared secret. One host: a fresh one, handed to the stages by their parent. Several hosts:

@@ -69,9 +69,11 @@ def kv_budget(mc: ModelConfig, cfg: EngineConfig, stages: list[StageLayers], dev
     if dev == "cpu" and cfg.nnodes == 1:
         # without rings a sliding layer's cache holds num_blocks too
         need = size * sum(stage_blocks(mc, s, num_blocks, ring_blocks or num_blocks) for s in stages)
-        # linear-attention layers' states, grown as sequences run: at most max_num_seqs of them
+        # linear-attention layers' states, grown as sequences run: at most max_num_seqs of them, and as many saved
+        # for prefix caching
         if mc.keeps_states:
-            need += mc.num_linear_layers * cfg.max_num_seqs * state_bytes(mc, cfg.torch_dtype)
+            rows = cfg.max_num_seqs * (2 if cfg.enable_prefix_caching else 1)
+            need += mc.num_linear_layers * rows * state_bytes(mc, cfg.torch_dtype)
         check_host_memory(source, need, num_blocks, len(stages))
     return KVBudget(ring, num_blocks, ring_blocks, max_model_len)
 

@@ -318,6 +318,9 @@ class Scheduler:
                            rope_lens if self.send_rope_lens else None, window_tables,
                            ahead_req_ids=[r.request_id for r in reqs if r.num_ahead], num_steps=steps,
                            table_changes=self._table_changes(reqs), draft_token_ids=drafts)
+        if self.block_manager.saved is not None:  # states of cached prefixes loaded, and states to save
+            batch.state_loads = self.block_manager.saved.take_loads()
+            batch.state_saves = self.block_manager.saved.saves(reqs, starts, counts, bs)
         if self.block_manager.pending_copies:  # kept partial blocks copied for the requests admitted here
             batch.block_copies = np.array(self.block_manager.pending_copies, dtype=np.int64)
             self.block_manager.pending_copies = []

@@ -110,6 +110,8 @@ class AttentionMetadata:
     varlen: VarlenPrefill | None = None  # on a GPU: the prefill chunks in one call
     state_rows: torch.Tensor | None = None  # [S] int64 each sequence's row of the linear-attention layers' states
     #                                         (its row of the block tables); None: 0..S-1
+    state_saves: dict[int, list[tuple[int, int]]] | None = None  # sequence -> (after how many of its new tokens,
+    #                                         slot), in order: where its state is saved (prefix caching)
 
     @property
     def token_rope_lens(self) -> torch.Tensor:

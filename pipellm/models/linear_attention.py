@@ -6,7 +6,9 @@ towards its value (the delta rule) and reads with its query; Mamba-2's [head wid
 decays and adds its input to, read through C (Mamba's one [width, state width], decayed channel by channel). The state
 lives on the stage with the layer (LinearState), a row per sequence (the row of the block tables the driver gives
 it); a sequence whose step starts at position 0 starts from zeros, every other step goes on from the state its last
-step left."""
+step left. With prefix caching, a layer also keeps saved states (LinearState.saved, by slot): a sequence's state
+after its first tokens, copied there mid-step where the driver asks (AttentionMetadata.state_saves) and copied back
+into a later sequence's row that starts after the same tokens (a StageBatch's state_loads)."""
 import math
 from dataclasses import dataclass
 
@@ -27,6 +29,7 @@ class LinearState:
     """One linear-attention layer's state, a row per sequence; rows are added as the driver's row numbers grow."""
     conv: torch.Tensor  # [R, C, kernel - 1] the convolution's last inputs, in the activations' dtype
     ssm: torch.Tensor   # [R, Hv, Dk, Dv] fp32, the delta rule's matrix per value head
+    saved: "LinearState | None" = None  # states kept for prefix caching, by the driver's slot numbers
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -37,7 +40,19 @@ class LinearState:
 
     @property
     def nbytes(self) -> int:
-        return self.conv.nbytes + self.ssm.nbytes
+        return self.conv.nbytes + self.ssm.nbytes + (self.saved.nbytes if self.saved is not None else 0)
+
+    def save(self, row: int, slot: int) -> None:
+        if self.saved is None:
+            self.saved = LinearState(self.conv[:0].clone(), self.ssm[:0].clone())
+        self.saved.grow(slot + 1)
+        self.saved.conv[slot], self.saved.ssm[slot] = self.conv[row], self.ssm[row]
+
+    def load(self, slot: int, row: int) -> None:
+        if self.saved is None or slot >= len(self.saved.conv):
+            raise ValueError(f"state_loads: slot {slot} holds no saved state")
+        self.grow(row + 1)
+        self.conv[row], self.ssm[row] = self.saved.conv[slot], self.saved.ssm[slot]
 
     def grow(self, rows: int) -> None:
         """Room for rows 0..rows-1, as the block tables' rows grow (by a quarter at least, not doubling: a row of
@@ -239,13 +254,25 @@ class StateMixer(nn.Module):
                 conv.copy_(window[..., 1:])
             else:
                 state.conv[at], state.ssm[at] = window[..., 1:], matrices
+        saves = meta.state_saves or {}
+        for i in single:
+            for _, slot in saves.get(i, ()):
+                state.save(int(rows[i]), slot)
         for i, n in enumerate(lens):  # each prompt chunk on its own, from its sequence's state
             if n == 1:
                 continue
-            r, s = int(rows[i]), slice(starts[i], starts[i] + n)
-            inputs = torch.cat([state.conv[r], conv_in[s].t().to(state.conv.dtype)], -1)    # [C, kernel - 1 + n]
-            state.conv[r] = inputs[:, -state.conv.shape[-1]:]
-            out[s], state.ssm[r] = chunked(self.activate(causal_conv(inputs, self.conv_weight).t()), s, state.ssm[r])
+            r, a = int(rows[i]), 0
+            # cut where a state is saved: after k of its tokens
+            for b, slot in [*saves.get(i, ()), (n, None)]:
+                if b > a:
+                    s = slice(starts[i] + a, starts[i] + b)
+                    inputs = torch.cat([state.conv[r], conv_in[s].t().to(state.conv.dtype)], -1)  # [C, kernel-1+n]
+                    state.conv[r] = inputs[:, -state.conv.shape[-1]:]
+                    out[s], state.ssm[r] = chunked(self.activate(causal_conv(inputs, self.conv_weight).t()), s,
+                                                   state.ssm[r])
+                    a = b
+                if slot is not None:
+                    state.save(r, slot)
         return out
 
     def activate(self, conv_out: torch.Tensor) -> torch.Tensor:

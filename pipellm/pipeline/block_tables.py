@@ -3,9 +3,7 @@ BlockTableChanges. Every stage gets every batch, in the order the driver sent th
 """
 import numpy as np
 
-from pipellm.pipeline.messages import BlockTableChanges
-
-MAX_ROWS = 1 << 16  # rows the driver may use (it reuses the rows of finished requests: at most ~2x max_num_seqs)
+from pipellm.pipeline.messages import MAX_ROWS, BlockTableChanges
 
 
 class StageBlockTables:

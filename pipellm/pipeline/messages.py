@@ -12,6 +12,8 @@ from pipellm.sampling_params import SamplingParams
 
 
 AHEAD_TOKEN = -1  # input id of a token the stage sampled for the request in the batch before (async scheduling)
+MAX_ROWS = 1 << 16  # rows the driver may use (it reuses the rows of finished requests: at most ~2x max_num_seqs),
+#                     and slots of saved states
 
 
 @dataclass
@@ -83,6 +85,10 @@ class StageBatch:
     #                                  verifies, -1 on a sampled request's last row; its rows before that hold drafts
     block_copies: np.ndarray | None = None  # [C, 2] int64 (source, destination): KV blocks every stage copies in
     #                                  each of its layers before running the batch (a kept partial block's copy)
+    state_loads: np.ndarray | None = None  # [L, 2] int64 (slot, row): saved states every linear-attention layer
+    #                                  copies into a sequence's row before running the batch (a cached prefix's)
+    state_saves: np.ndarray | None = None  # [K, 3] int64 (sequence, k, slot): after its first k new tokens, a
+    #                                  sequence's state is saved in the slot, in every linear-attention layer
 
     @property
     def num_tokens(self) -> int:
@@ -117,6 +123,15 @@ class StageBatch:
         need(c is None or (c.ndim == 2 and c.shape[1] == 2 and c.dtype.kind == "i" and (c >= 0).all()
                            and (c < num_blocks).all() and num_window_blocks == 0),
              f"block_copies must be [copies, 2] blocks below {num_blocks}, in caches without sliding-window rings")
+        loads, saves = self.state_loads, self.state_saves
+        need(loads is None or (loads.ndim == 2 and loads.shape[1] == 2 and loads.dtype.kind == "i"
+                               and (loads >= 0).all() and (loads < MAX_ROWS).all()),
+             f"state_loads must be [loads, 2] (slot, row) below {MAX_ROWS}")
+        need(saves is None or (saves.ndim == 2 and saves.shape[1] == 3 and saves.dtype.kind == "i"
+                               and self.num_steps == 1 and (saves >= 0).all() and (saves[:, 0] < B).all()
+                               and (saves[:, 2] < MAX_ROWS).all()
+                               and (saves[:, 1] >= 1).all() and (saves[:, 1] <= self.query_lens[saves[:, 0]]).all()),
+             f"state_saves must be [saves, 3] (sequence, tokens, slot): within its new tokens, a slot below {MAX_ROWS}")
         if self.window_block_tables is not None:
             need(self.window_block_tables.ndim == 2 and self.window_block_tables.dtype.kind == "i" and
                  len(self.window_block_tables) == B and (self.window_block_tables >= 0).all() and

@@ -14,7 +14,7 @@ from pipellm.models.attention import AttentionMetadata
 from pipellm.models.huge_pages import weights_on_huge_pages
 from pipellm.models.kv_cache import KVCache, cache_dtype
 from pipellm.models.layers import share_tied_embedding, transpose_linears
-from pipellm.models.linear_attention import KVAndState, layer_cache
+from pipellm.models.linear_attention import KVAndState, LinearState, layer_cache
 from pipellm.models.registry import build_stage_model
 from pipellm.quant.linear import GREEDY_MIN_ROWS, densify, set_int8_activations, weight_bytes
 from pipellm.quant.rtn import LoadQuantizer, quantize_linears
@@ -63,6 +63,8 @@ class StageWorker:
             shared=cfg.is_mla)) for i, sliding in zip(range(self.stage.start, self.stage.end), self.is_sliding)]
         self.attention_caches = [c.kv if isinstance(c, KVAndState) else c for c in self.kv_caches
                                  if isinstance(c, (KVCache, KVAndState))]
+        self.states = [c.state if isinstance(c, KVAndState) else c for c in self.kv_caches
+                       if isinstance(c, (LinearState, KVAndState))]
         self.graphs = None if eager_why else graphs.DecodeGraphs(
             self.model, self.kv_caches, self.is_sliding, cfg.sliding_window, ecfg.block_size, ecfg.max_num_seqs,
             capture=device.type == "cuda")
@@ -113,6 +115,10 @@ class StageWorker:
             src, dst = (torch.from_numpy(c).to(self.device) for c in batch.block_copies.T)
             for cache in self.attention_caches:
                 cache.copy_blocks(src, dst)
+        if batch.state_loads is not None:  # a cached prefix's states, into the rows of the sequences that take it
+            for state in self.states:
+                for slot, row in batch.state_loads.tolist():
+                    state.load(slot, row)
         if batch.num_steps > 1:
             return self._decode_steps(batch)
         t, dev = torch.from_numpy, self.device
@@ -127,6 +133,10 @@ class StageWorker:
             if batch.rope_lens is not None:
                 meta.rope_lens = t(batch.rope_lens)
             meta.state_rows = t(batch.table_changes.rows) if batch.table_changes is not None else None
+            if batch.state_saves is not None:
+                meta.state_saves = {}
+                for i, k, slot in batch.state_saves.tolist():
+                    meta.state_saves.setdefault(i, []).append((k, slot))
             meta, positions = meta.to(dev), positions.to(dev)
         if self.stage.is_first:
             x = self._input_ids(batch) if graph else t(self._input_ids(batch)).to(dev)
