@@ -187,10 +187,11 @@ def one_run(seed: int, models: dict, tmp: str, family: str | None = None) -> tup
             bm = llm.engine.block_manager
             leaked = bm.num_blocks - bm.num_free_blocks
         preemptions = llm.engine.scheduler.num_preemptions
+        cached = llm.engine.block_manager.num_prefix_hits
     about = (f"{name} {kw} prompts of {[len(i['prompt_token_ids']) for i in inputs]} tokens"
              f"{'' if priority is None else f', priorities {priority}'}"
              f"{'' if k is None else f', logprobs={k}'}{'' if penalty == 1 else f', repetition_penalty={penalty}'}"
-             f", {preemptions} preemptions{'' if streamed is None else ', streamed'}"
+             f", {preemptions} preemptions, {cached} prompt tokens cached{'' if streamed is None else ', streamed'}"
              f"{'' if beam is None else f', beam search of width {beam.beam_width}'}")
     expected, hf_logprobs = [], []  # HF's greedy ids, and log-softmax rows [prompt - 1 + new, V] of what they saw
     with torch.no_grad():
