@@ -183,8 +183,8 @@ SYSTEM = [(11 * i + 2) % 384 for i in range(18)]  # a prompt head three requests
 ], ids=["qwen3_5", "qwen3_5-pp2-chunked", "nemotron_h", "falcon_h1-pp2-chunked", "jamba"])
 def test_a_cached_prefix_goes_on_from_its_saved_state(state_models, name, options):
     """Requests one after another: a prompt, a second with the same head (it saves its state where the two part),
-    a third with that head (it starts there), the first's conversation going on (it starts at the first prompt's
-    last full block), and the first again. Each starts after the tokens it should, and goes on as HF does from the
+    a third with that head (it starts there), the first's conversation going on (it starts at the last full block
+    of the first's reply), and the first again (it starts at its own last full block). Each starts after the tokens it should, and goes on as HF does from the
     whole prompt."""
     folder, _, _, model = state_models(name)
     first = SYSTEM + [5, 9, 30, 41, 2, 77, 3, 8]  # 26 tokens: its state after 24 is saved
@@ -199,7 +199,7 @@ def test_a_cached_prefix_goes_on_from_its_saved_state(state_models, name, option
             before = bm.num_prefix_hits
             outputs += llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
             hits.append(bm.num_prefix_hits - before)
-    assert hits == [0, 0, 16, 24, 24]
+    assert hits == [0, 0, 16, 40, 24]
     assert [o.outputs[0].token_ids for o in outputs] == reference
 
 

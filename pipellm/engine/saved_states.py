@@ -7,9 +7,10 @@ it (BlockManager's). A request takes a cached prefix of full blocks only as far 
 state, which the stages copy into its row before its first step.
 
 Where a request saves its state: at the end of the last full block before its prompt's last token (a repeated
-prompt, and a longer one that goes on from it, start there), and where its cached blocks end when that is past its
+prompt, and a longer one that goes on from it, start there); where its cached blocks end when that is past its
 saved state (where it and an earlier prompt part: a system prompt many requests share gets a saved state as soon as
-two of them met there). Slots are few (max_num_seqs): a new save takes the least recently used one.
+two of them met there); and as it decodes, at the end of each block, keeping only the latest (a conversation's next
+turn starts after the reply). Slots are few (max_num_seqs): a new save takes the least recently used one.
 """
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,9 +38,11 @@ class SavedStates:
         self.slots.move_to_end(prefix)
         self.loads.append((self.slots[prefix], row))
 
-    def saves(self, reqs: list[Request], starts: np.ndarray, counts: np.ndarray, block_size: int) -> np.ndarray | None:
+    def saves(self, reqs: list[Request], starts: np.ndarray, counts: np.ndarray, block_size: int,
+              steps: int = 1) -> np.ndarray | None:
         """The batch's saves [K, 3] (sequence, after how many of its new tokens, slot): the planned ones that its
-        tokens reach. Ends the batch: its loads and its slots' reservations are handed out."""
+        tokens reach, and a decode step's that ends a block of known tokens (the request's latest such state
+        replaces its one before). Ends the batch: its slots' reservations are handed out."""
         out = []
         for i, (req, start, n) in enumerate(zip(reqs, starts.tolist(), counts.tolist())):
             while req.state_saves and req.state_saves[0] * block_size <= start + n:
@@ -47,6 +50,15 @@ class SavedStates:
                 slot = self._slot(req.block_hashes[p - 1])
                 if slot is not None:
                     out.append((i, p * block_size - start, slot))
+            end = (start + n) // block_size
+            # (the hash is there once its tokens are known: not a token sampled by a batch still out)
+            if n == 1 and steps == 1 and (start + n) % block_size == 0 and len(req.block_hashes) >= end:
+                slot = self._slot(req.block_hashes[end - 1])
+                if slot is not None:
+                    if req.decode_saved in self.slots:  # its state a block ago: this one goes on from it
+                        self.free.append(self.slots.pop(req.decode_saved))
+                    req.decode_saved = req.block_hashes[end - 1]
+                    out.append((i, 1, slot))
         self.taken.clear()
         return np.array(out, dtype=np.int64) if out else None
 

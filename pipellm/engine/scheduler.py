@@ -320,7 +320,7 @@ class Scheduler:
                            table_changes=self._table_changes(reqs), draft_token_ids=drafts)
         if self.block_manager.saved is not None:  # states of cached prefixes loaded, and states to save
             batch.state_loads = self.block_manager.saved.take_loads()
-            batch.state_saves = self.block_manager.saved.saves(reqs, starts, counts, bs)
+            batch.state_saves = self.block_manager.saved.saves(reqs, starts, counts, bs, steps)
         if self.block_manager.pending_copies:  # kept partial blocks copied for the requests admitted here
             batch.block_copies = np.array(self.block_manager.pending_copies, dtype=np.int64)
             self.block_manager.pending_copies = []

@@ -51,6 +51,7 @@ class Request:
     use_prefix_cache: bool = True    # False: compute every prompt position, even where a cached prefix holds it
     state_saves: list[int] = field(default_factory=list)  # blocks after which the stages save its state (prefix
     #                                  caching of a model whose layers keep one), those its batches have not reached
+    decode_saved: bytes | None = None  # the prefix whose state it saved last as it decoded
     min_tokens_stop_ids: list[int] = field(default_factory=list)  # what the sampler masks before params.min_tokens
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
     draft_token_ids: list[int] = field(default_factory=list)  # speculated after its next token, in its batch out
