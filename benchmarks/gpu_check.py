@@ -3,8 +3,8 @@
 1. Greedy ids equal HF transformers' on the same GPU, on tiny random checkpoints (llama, qwen2 with biases and a tied
    head, gpt2, gpt_oss with sinks and experts, deepseek_v3 with latent attention, llama4 with chunked layers,
    qwen3_5 with linear-attention layers, granitemoehybrid with Mamba-2 layers, nemotron_h with MLP-only layers and
-   relu^2 experts, falcon_h1 with attention and Mamba-2 side by side, jamba with Mamba layers),
-   fp32: PP=1, and PP=2 (a GPU a stage where there are two, else both stages on one GPU); decode steps replay CUDA
+   relu^2 experts, falcon_h1 with attention and Mamba-2 side by side, jamba with Mamba layers, lfm2 with short
+   convolutions), fp32: PP=1, and PP=2 (a GPU a stage where there are two, else both stages on one GPU); decode steps replay CUDA
    graphs, and the llama's also with multi-step decoding and with enforce_eager.
 2. The default model (its GGUF, dequantized to the activations' dtype at load) agrees with HF on it.
 3. Throughput of the batch workload (32 requests, 64-192 prompt tokens, 64 new) at PP=1 and PP=2 against HF
@@ -96,7 +96,7 @@ def main():
               long_decode_attention)
     with tempfile.TemporaryDirectory() as tmp:
         families = ("gpt_oss", "deepseek_v3", "llama4", "qwen3_5", "granitemoehybrid", "nemotron_h", "falcon_h1",
-                    "jamba")
+                    "jamba", "lfm2")
         for arch in () if args.skip_tiny else ("llama", "qwen2", "gpt2") + families:
             folder = os.path.join(tmp, arch)
             make = make_family_checkpoint if arch in families else make_checkpoint

@@ -1,6 +1,7 @@
 """The fields of ModelConfig that some families' config.json files give their own way (model_config.py reads the
 rest): the hybrid models' (Granite 4.0-H's and Nemotron-H's Mamba-2 layers among attention ones, Falcon-H1's beside
-attention in every layer, Jamba's Mamba layers among attention ones: models/linear_attention.py), DeepSeek's router
+attention in every layer, Jamba's Mamba layers and LFM2's short convolutions among attention ones:
+models/linear_attention.py), DeepSeek's router
 and latent attention, Hunyuan's per-layer counts, block-scaled FP8."""
 import math
 
@@ -9,6 +10,7 @@ GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"  # Granite 4.0-H: Mamba-2 layers 
 NEMOTRON_H = "NemotronHForCausalLM"
 FALCON_H1 = "FalconH1ForCausalLM"  # attention and Mamba-2 side by side in every layer, µP multipliers
 JAMBA = "JambaForCausalLM"  # Mamba (-1) layers among attention ones, experts every other layer
+LFM2 = "Lfm2ForCausalLM"  # gated short convolutions among attention layers
 # older configs' layer names, and Nemotron-H's hybrid_override_pattern letters: HF's layer types
 MAMBA_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention",
                      "M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -107,6 +109,33 @@ def jamba(d: dict, source: str) -> tuple[dict, dict]:
         mamba1=((d.get("mamba_expand") or 2) * hidden, d.get("mamba_d_state") or 16, d.get("mamba_d_conv") or 4,
                 math.ceil(hidden / 16) if rank == "auto" else rank),
         mamba_conv_bias=bool(d.get("mamba_conv_bias", True)), mamba_proj_bias=bool(d.get("mamba_proj_bias")))
+
+
+def lfm2(d: dict, source: str) -> tuple[dict, dict]:
+    """An LFM2 config.json in the keys from_hf_dict reads, and ModelConfig's fields of its own, as HF reads it: its
+    "conv" layers (layer_types, or all but full_attn_idxs) a gated short convolution of conv_L_cache taps; its
+    MLPs' width block_ff_dim (or intermediate_size), cut to two thirds, scaled and rounded up as
+    block_auto_adjust_ff_dim says."""
+    layers = d["num_hidden_layers"]
+    full = d.get("full_attn_idxs")
+    types = d.get("layer_types") or ["full_attention" if full is None or i in full else "conv" for i in range(layers)]
+    if set(types) - {"conv", "full_attention"}:
+        raise ValueError(f"{source}: LFM2 layer types {sorted(set(types) - {'conv', 'full_attention'})} are not "
+                         "supported (conv, full_attention)")
+    ff = d.get("block_ff_dim") or d["intermediate_size"]
+    if d.get("block_auto_adjust_ff_dim", True):
+        ff = int(2 * ff / 3)
+        if (multiplier := d.get("block_ffn_dim_multiplier", 1.0)) is not None:
+            step = d.get("block_multiple_of", 256)
+            ff = step * -(-int(multiplier * ff) // step)
+    bias = bool(d.get("conv_bias", False))  # on its in_proj, convolution and out_proj alike
+    keys = dict(intermediate_size=ff, rms_norm_eps=d.get("norm_eps", 1e-5), layer_types=None,
+                tie_word_embeddings=d.get("tie_embedding", d.get("tie_word_embeddings", True)))
+    if not d.get("rope_parameters") and not d.get("rope_scaling"):
+        keys["rope_theta"] = d.get("rope_theta", 1000000.0)  # HF's default for LFM2
+    return d | keys, dict(layer_types=tuple("linear_attention" if t == "conv" else t for t in types),
+                          short_conv=d.get("conv_L_cache") or 3, mamba_conv_bias=bias, mamba_proj_bias=bias,
+                          qk_norm=True)
 
 
 def _mamba2(d: dict, source: str, heads: int, head_dim: int, groups: int, state: int, kernel: int, conv_bias,

@@ -5,9 +5,9 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from pipellm.family_config import (FALCON_H1, GRANITE_HYBRID, JAMBA, MAMBA_LAYER_TYPES, NEMOTRON_H, falcon_h1,
-                                   fp8_weight_block, granite_hybrid, group_router, jamba, latent_attention, nemotron_h,
-                                   same_each_layer)
+from pipellm.family_config import (FALCON_H1, GRANITE_HYBRID, JAMBA, LFM2, MAMBA_LAYER_TYPES, NEMOTRON_H,
+                                   falcon_h1, fp8_weight_block, granite_hybrid, group_router, jamba, latent_attention,
+                                   lfm2, nemotron_h, same_each_layer)
 from pipellm.rope_config import RopeConfig
 from pipellm.vision_language import VISION_LANGUAGE, text_config
 
@@ -36,7 +36,7 @@ GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeShar
                   GRANITE_HYBRID)  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel", NEMOTRON_H, FALCON_H1,
-                                                                       JAMBA)
+                                                                       JAMBA, LFM2)
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
 
 
@@ -138,6 +138,7 @@ class ModelConfig:
     mup_multipliers: tuple[float, ...] = ()
     # Jamba: its "linear_attention" layers are Mamba (-1) mixers of (width, state width, conv kernel, dt rank)
     mamba1: tuple[int, ...] = ()
+    short_conv: int = 0  # LFM2: its "linear_attention" layers are gated short convolutions of this many taps
     attention_output_gate: bool = False
     text_of: str = ""  # the vision-language checkpoint whose text model this is (vision_language.py); "" none
 
@@ -183,6 +184,8 @@ class ModelConfig:
         elif self.is_linear(layer) and self.mamba1:  # in_proj: x and z; x_proj: dt, B and C; dt_proj; out_proj
             inner, state, _, rank = self.mamba1
             mixer = h * 2 * inner + inner * (rank + 2 * state) + rank * inner + inner * h
+        elif self.is_linear(layer) and self.short_conv:  # in_proj: B, C and x; out_proj
+            mixer = 4 * h * h
         elif self.is_linear(layer):  # q, k, v, z, b and a; out_proj
             hk, hv, dk, dv, _ = self.linear_attention
             mixer = h * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * h
@@ -224,7 +227,7 @@ class ModelConfig:
     @property
     def keeps_states(self) -> bool:
         """Whether some layers keep a state per sequence (linear attention, Mamba-2) instead of a KV cache."""
-        return bool(self.linear_attention or self.mamba or self.mamba1)
+        return bool(self.linear_attention or self.mamba or self.mamba1 or self.short_conv)
 
     def is_linear(self, layer: int) -> bool:
         """Whether the layer keeps a state per sequence: a linear-attention (or Mamba-2) one, and Falcon-H1's."""
@@ -293,6 +296,8 @@ class ModelConfig:
             d, family = falcon_h1(d, source)
         elif arch == JAMBA:
             d, family = jamba(d, source)
+        elif arch == LFM2:
+            d, family = lfm2(d, source)
         is_gemma = arch in GEMMA_FAMILY
         act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
         if act not in ("silu", "gelu_pytorch_tanh") and (act, arch) not in (

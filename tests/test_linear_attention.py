@@ -117,8 +117,11 @@ AUTO = dict(pipeline_parallel_size=3, layer_partition="auto")  # split by each k
     ("falcon_h1", dict(pipeline_parallel_size=2, max_num_batched_tokens=8)),
     ("jamba", REUSED),  # Jamba's Mamba layers: a state [width, state width] a sequence
     ("jamba", dict(pipeline_parallel_size=2, max_num_batched_tokens=8, num_scheduler_steps=4)),
+    ("lfm2", REUSED),  # LFM2's conv layers: the last 2 inputs a sequence, no matrices
+    ("lfm2", dict(pipeline_parallel_size=2, max_num_batched_tokens=8, num_scheduler_steps=4)),
 ], ids=["rows-reused-preempted", "multi-step", "pp2-chunked", "pp3-auto", "nemotron_h-reused", "nemotron_h-pp3-auto",
-        "falcon_h1-reused", "falcon_h1-pp2-chunked", "jamba-reused", "jamba-pp2-chunked-multi-step"])
+        "falcon_h1-reused", "falcon_h1-pp2-chunked", "jamba-reused", "jamba-pp2-chunked-multi-step", "lfm2-reused",
+        "lfm2-pp2-chunked-multi-step"])
 def test_states_follow_their_sequences(state_models, name, options):
     folder, prompts, reference, _ = state_models(name)
     with LLM(folder, dtype="float32", **options) as llm:
@@ -140,7 +143,7 @@ def test_what_a_state_cannot_do_is_refused(qwen3_5):
             llm.inspect({"prompt_token_ids": prompts[0]})
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "jamba"])
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "jamba", "lfm2"])
 def test_a_state_is_saved_after_the_tokens_asked(state_models, name):
     """A mixer's state saved after its first k tokens of a step, for a prompt chunk cut there and for a chunk of one
     token, equals the state after those tokens run alone; and the step's outputs are those of the uncut chunk."""
@@ -180,7 +183,8 @@ SYSTEM = [(11 * i + 2) % 384 for i in range(18)]  # a prompt head three requests
     ("nemotron_h", {}),
     ("falcon_h1", dict(pipeline_parallel_size=2, max_num_batched_tokens=8)),  # a KV cache and a state a layer
     ("jamba", {}),
-], ids=["qwen3_5", "qwen3_5-pp2-chunked", "nemotron_h", "falcon_h1-pp2-chunked", "jamba"])
+    ("lfm2", dict(pipeline_parallel_size=2, max_num_batched_tokens=10)),
+], ids=["qwen3_5", "qwen3_5-pp2-chunked", "nemotron_h", "falcon_h1-pp2-chunked", "jamba", "lfm2-pp2-chunked"])
 def test_a_cached_prefix_goes_on_from_its_saved_state(state_models, name, options):
     """Requests one after another: a prompt, a second with the same head (it saves its state where the two part),
     a third with that head (it starts there), the first's conversation going on (it starts at the last full block
@@ -316,3 +320,30 @@ def test_jamba_release_config():
         AutoConfig.for_model(**release | dict(num_experts=1)).layers_num_experts) == {1}
     with pytest.raises(ValueError, match="Jamba's hidden_act='gelu' is not supported"):
         ModelConfig.from_hf_dict(release | dict(hidden_act="gelu"))
+
+
+def test_lfm2_release_config():
+    """LFM2-1.2B's config.json (block_ff_dim, not intermediate_size; attention in full_attn_idxs only): its MLP width
+    and layers read as HF builds them; its state per sequence and conv layer: the conv's last 2 inputs, no matrices."""
+    from transformers import AutoConfig, Lfm2ForCausalLM
+
+    from pipellm.model_config import ModelConfig
+    from pipellm.models.linear_attention import state_bytes
+    release = dict(architectures=["Lfm2ForCausalLM"], model_type="lfm2", hidden_size=2048, block_ff_dim=12288,
+                   block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256,
+                   conv_L_cache=3, conv_bias=False, full_attn_idxs=[2, 5, 8, 10, 12, 14], num_attention_heads=32,
+                   num_key_value_heads=8, num_hidden_layers=16, norm_eps=1e-5, rope_theta=1000000.0,
+                   max_position_embeddings=128000, vocab_size=65536, tie_embedding=True)
+    cfg, hf = ModelConfig.from_hf_dict(release), AutoConfig.for_model(**release)
+    with torch.device("meta"):
+        model = Lfm2ForCausalLM(hf)
+    assert cfg.intermediate_size == model.model.layers[0].feed_forward.w1.out_features == 8192
+    assert [t == "full_attention" for t in cfg.layer_types] == [t == "full_attention" for t in hf.layer_types]
+    assert cfg.num_linear_layers == 10 and cfg.short_conv == 3 and cfg.tie_word_embeddings
+    assert cfg.rope.theta == 1000000.0 and cfg.norm_eps == 1e-5 and cfg.qk_norm
+    assert state_bytes(cfg, torch.bfloat16) == 2048 * 2 * 2
+    odd = ModelConfig.from_hf_dict(release | dict(block_ffn_dim_multiplier=1.3, block_multiple_of=100))
+    assert odd.intermediate_size == Lfm2ForCausalLM(AutoConfig.for_model(
+        **release | dict(block_ffn_dim_multiplier=1.3, block_multiple_of=100, num_hidden_layers=1,
+                         full_attn_idxs=[0], hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=16))).model.layers[0].feed_forward.w1.out_features

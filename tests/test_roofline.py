@@ -17,18 +17,18 @@ def test_weights_a_token_passes_equal_hfs_linear_layers(checkpoints, arch):
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "granitemoehybrid", "nemotron_h", "nemotron_h-latent",
-                                  "nemotron_h-dense", "falcon_h1", "jamba", "gpt_oss", "apertus"])
+                                  "nemotron_h-dense", "falcon_h1", "jamba", "lfm2", "gpt_oss", "apertus"])
 def test_layer_weights_equal_hfs_matrices(tmp_path, name):
     """Each layer's matmul weights (every expert's; what a stage's GPU memory is planned with) equal the matrices
     HF's layer holds, its convolutions, (stacked) biases and Mamba's A aside: linear-attention, Mamba, Mamba-2 and
-    MLP-only layers, ungated MLPs and experts, gated shared experts."""
+    MLP-only layers, short convolutions, ungated MLPs and experts, gated shared experts."""
     from tests.test_families import make_family_checkpoint
 
     hf_model = make_family_checkpoint(name, str(tmp_path))
     cfg = ModelConfig.from_pretrained(str(tmp_path))
     for i, block in enumerate(hf_model.model.layers):
         matrices = [p for n, p in block.named_parameters()
-                    if p.dim() >= 2 and not any(k in n for k in ("conv1d", "bias", "A_log"))]
+                    if p.dim() >= 2 and not any(k in n for k in ("conv1d", "conv.conv", "bias", "A_log"))]
         assert cfg.layer_weights(i) == sum(p.numel() for p in matrices), i
 
 

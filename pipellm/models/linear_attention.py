@@ -1,9 +1,10 @@
 """Layers that keep a fixed-size state per sequence instead of every past key and value: Qwen3-Next's and Qwen3.5's
 gated delta nets (Yang et al., "Gated Delta Networks"), the Mamba-2 mixers of Granite 4.0-H, Nemotron-H and Falcon-H1
-(Dao and Gu, "Transformers are SSMs") and Jamba's Mamba mixers. All keep the last few inputs of a short causal
-convolution, and a matrix per head: the delta net's [key width, value width], which each token decays, corrects
-towards its value (the delta rule) and reads with its query; Mamba-2's [head width, state width], which each token
-decays and adds its input to, read through C (Mamba's one [width, state width], decayed channel by channel). The state
+(Dao and Gu, "Transformers are SSMs"), Jamba's Mamba mixers and LFM2's gated short convolutions. All keep the last
+few inputs of a short causal convolution, and all but LFM2's a matrix per head: the delta net's [key width, value
+width], which each token decays, corrects towards its value (the delta rule) and reads with its query; Mamba-2's
+[head width, state width], which each token decays and adds its input to, read through C (Mamba's one [width, state
+width], decayed channel by channel). The state
 lives on the stage with the layer (LinearState), a row per sequence (the row of the block tables the driver gives
 it); a sequence whose step starts at position 0 starts from zeros, every other step goes on from the state its last
 step left. With prefix caching, a layer also keeps saved states (LinearState.saved, by slot): a sequence's state
@@ -89,6 +90,8 @@ def layer_cache(cfg: ModelConfig, layer: int, dtype: torch.dtype, device, kv_cac
 def state_shapes(cfg: ModelConfig) -> tuple[int, int, tuple[int, ...]]:
     """(convolution channels, its kernel, the matrices' shape: [heads, rows, columns]; Mamba-1's [width, state]) of a
     layer's state."""
+    if cfg.short_conv:  # the convolution's inputs alone
+        return cfg.hidden_size, cfg.short_conv, (0,)
     if cfg.mamba1:
         inner, width, kernel, _ = cfg.mamba1
         return inner, kernel, (inner, width)
@@ -438,3 +441,31 @@ class Mamba1Mixer(StateMixer):
         dt, B, C = self.x_proj(mixed).split([self.rank, self.width, self.width], -1)
         dt = F.softplus(self.dt_proj(self.dt_layernorm(dt)).float())
         return mixed.float(), dt, self.b_layernorm(B).float(), self.c_layernorm(C).float()
+
+
+class ShortConv(StateMixer):
+    """LFM2's gated short convolution: B x (both from in_proj, per token) convolved over the last few tokens, then
+    gated by C; its state is the convolution's last inputs alone (no matrices)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.in_proj = nn.Linear(h, 3 * h, bias=cfg.mamba_proj_bias)  # B, C, then x
+        self.conv_weight = nn.Parameter(torch.empty(h, cfg.short_conv))
+        if cfg.mamba_conv_bias:
+            self.conv_bias = nn.Parameter(torch.zeros(h))
+        self.out_proj = nn.Linear(h, h, bias=cfg.mamba_proj_bias)
+
+    def activate(self, conv_out: torch.Tensor) -> torch.Tensor:  # none
+        bias = getattr(self, "conv_bias", None)
+        return conv_out if bias is None else conv_out + bias
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: LinearState) -> torch.Tensor:
+        b, c, xs = self.in_proj(x).chunk(3, -1)
+
+        def step(mixed, idx, matrices):
+            return c[idx] * mixed
+
+        def chunked(mixed, s, matrices):
+            return c[s] * mixed, matrices
+        return self.out_proj(self.convolve_and_scan(b * xs, meta, state, step, chunked, torch.empty_like(x)))

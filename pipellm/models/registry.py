@@ -8,6 +8,7 @@ from pipellm.models.apertus import ApertusStage
 from pipellm.models.cohere import CohereStage
 from pipellm.models.falcon_h1 import FalconH1Stage
 from pipellm.models.jamba import JambaStage
+from pipellm.models.lfm2 import Lfm2Stage
 from pipellm.models.deepseek import DeepseekStage, BiasedRouterStage
 from pipellm.models.gemma import Gemma1Stage, GemmaStage
 from pipellm.models.glm import Ernie45MoeStage, Glm4Stage, InterleavedRotaryStage
@@ -71,6 +72,7 @@ STAGE_CLASSES = {
     "NemotronHForCausalLM": NemotronHStage,
     "FalconH1ForCausalLM": FalconH1Stage,
     "JambaForCausalLM": JambaStage,
+    "Lfm2ForCausalLM": Lfm2Stage,
 }
 
 
