@@ -1,10 +1,10 @@
 """The GPU checks of pipellm, one line each, for benchmarks/gpu_check.sh (which installs what they need first).
 
 1. Greedy ids equal HF transformers' on the same GPU, on tiny random checkpoints (llama, qwen2 with biases and a tied
-   head, gpt2, gpt_oss with sinks and experts, deepseek_v3 with latent attention, llama4 with chunked layers,
-   qwen3_5 with linear-attention layers, granitemoehybrid with Mamba-2 layers, nemotron_h with MLP-only layers and
-   relu^2 experts, falcon_h1 with attention and Mamba-2 side by side, jamba with Mamba layers, lfm2 with short
-   convolutions), fp32: PP=1, and PP=2 (a GPU a stage where there are two, else both stages on one GPU); decode steps replay CUDA
+   head, gpt2, gpt_oss with sinks and experts, deepseek_v3 with latent attention, llama4 with chunked layers, qwen3_5
+   with linear-attention layers, granitemoehybrid with Mamba-2 layers, nemotron_h with MLP-only layers and relu^2
+   experts, falcon_h1 with attention and Mamba-2 side by side, jamba with Mamba layers, lfm2 with short convolutions),
+   fp32: PP=1, and PP=2 (a GPU a stage where there are two, else both stages on one GPU); decode steps replay CUDA
    graphs, and the llama's also with multi-step decoding and with enforce_eager.
 2. The default model (its GGUF, dequantized to the activations' dtype at load) agrees with HF on it.
 3. Throughput of the batch workload (32 requests, 64-192 prompt tokens, 64 new) at PP=1 and PP=2 against HF

@@ -29,7 +29,7 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "qwen3_next-ssm_in": "qwen3next",  # as older converters wrote it: in_proj_qkvz whole
         "granitemoehybrid": "granitehybrid", "granitemoehybrid-dense": "granitehybrid",
         "nemotron_h": "nemotron_h_moe", "nemotron_h-dense": "nemotron_h", "nemotron_h-latent": "nemotron_h_moe",
-        "falcon_h1": "falcon-h1", "falcon_h1-ungated": "falcon-h1", "jamba": "jamba"}
+        "falcon_h1": "falcon-h1", "falcon_h1-ungated": "falcon-h1", "jamba": "jamba", "lfm2": "lfm2"}
 GRANITE_HYBRID = ("granitemoehybrid", "granitemoehybrid-dense")
 NEMOTRON_H = ("nemotron_h", "nemotron_h-dense", "nemotron_h-latent")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_next-ssm_in")  # linear-attention layers
@@ -71,12 +71,17 @@ MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_
            topk_group=2, first_k_dense_replace=1)
 GLOBAL_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                   "lm_head.weight": "output.weight", "model.embeddings.weight": "token_embd.weight",
-                  "model.norm_f.weight": "output_norm.weight", "model.final_layernorm.weight": "output_norm.weight"}
+                  "model.norm_f.weight": "output_norm.weight", "model.final_layernorm.weight": "output_norm.weight",
+                  "model.embedding_norm.weight": "token_embd_norm.weight"}  # LFM2's last norm
 FALCON_H1_TO_GGUF = HF_TO_GGUF | {f"feed_forward.{p}_proj": f"ffn_{p}" for p in ("gate", "up", "down")}
 JAMBA_TO_GGUF = FALCON_H1_TO_GGUF | {
     "pre_ff_layernorm": "ffn_norm", "feed_forward.router": "ffn_gate_inp", "mamba.in_proj": "ssm_in",
     "mamba.x_proj": "ssm_x", "mamba.dt_proj": "ssm_dt", "mamba.out_proj": "ssm_out",
     "mamba.dt_layernorm": "ssm_dt_norm", "mamba.b_layernorm": "ssm_b_norm", "mamba.c_layernorm": "ssm_c_norm"}
+LFM2_TO_GGUF = HF_TO_GGUF | {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.out_proj": "attn_output",
+                             "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
+                             "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
+                             "conv.in_proj": "shortconv.in_proj", "conv.out_proj": "shortconv.out_proj"}
 NEMOTRON_TO_GGUF = {"norm": "attn_norm", "mixer.q_proj": "attn_q", "mixer.k_proj": "attn_k", "mixer.v_proj": "attn_v",
                     "mixer.o_proj": "attn_output", "mixer.up_proj": "ffn_up", "mixer.down_proj": "ffn_down",
                     "mixer.gate": "ffn_gate_inp", "mixer.shared_experts.up_proj": "ffn_up_shexp",
@@ -222,6 +227,8 @@ def gguf_family_config(name: str):
         return tf.NemotronHConfig(**BASE, **NEMOTRON_H_SHAPE, layers_block_type=[
             "linear_attention", mlp, "full_attention", mlp, "linear_attention"],
             moe_latent_size=32 if name.endswith("-latent") else None, moe_shared_expert_intermediate_size=64)
+    if name == "lfm2":  # short convolutions but layers 1 and 4; the MLP's width adjusted (to 64)
+        return tf.Lfm2Config(**BASE, full_attn_idxs=[1, 4], block_multiple_of=16)
     if name == "jamba":  # Mamba but layer 2 (attention, every 4th from it); experts in layers 1 and 3
         return tf.JambaConfig(**BASE, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
                               expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
@@ -274,11 +281,16 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     w.add_block_count(cfg.num_hidden_layers + (name == "glm4_moe"))  # and its MTP layer
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size_mlp if name == "llama4" else cfg.intermediate_size)
+    # (LFM2's converter writes its MLPs' adjusted width)
+    w.add_feed_forward_length(cfg.intermediate_size_mlp if name == "llama4" else 64 if name == "lfm2" else
+                              cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv([cfg.num_key_value_heads * (t == "full_attention") for t in cfg.layer_types]
-                        if name in GRANITE_HYBRID + ("jamba",) else cfg.num_key_value_heads)  # 0: a Mamba layer
-    if name.startswith("cohere"):
+                        if name in GRANITE_HYBRID + ("jamba", "lfm2") else cfg.num_key_value_heads)  # 0: no attention
+    if name == "lfm2":
+        w.add_layer_norm_rms_eps(cfg.norm_eps)
+        w.add_shortconv_l_cache(cfg.conv_L_cache)
+    elif name.startswith("cohere"):
         w.add_layer_norm_eps(cfg.layer_norm_eps)
         w.add_logit_scale(cfg.logit_scale)
     else:
@@ -509,7 +521,7 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
              "seed_oss": SEED_OSS_TO_GGUF, "glm4": GLM4_TO_GGUF, "deepseek_v2": DEEPSEEK_TO_GGUF,
              "deepseek_v3": DEEPSEEK_TO_GGUF, "glm4_moe": GLM4_MOE_TO_GGUF, "mistral4": DEEPSEEK_TO_GGUF,
              "llama4": LLAMA4_TO_GGUF, **dict.fromkeys(HYBRID, SEED_OSS_TO_GGUF), "falcon_h1": FALCON_H1_TO_GGUF,
-             "falcon_h1-ungated": FALCON_H1_TO_GGUF, "jamba": JAMBA_TO_GGUF}.get(name, HF_TO_GGUF)
+             "falcon_h1-ungated": FALCON_H1_TO_GGUF, "jamba": JAMBA_TO_GGUF, "lfm2": LFM2_TO_GGUF}.get(name, HF_TO_GGUF)
     w = gguf.GGUFWriter(str(path), arch)
     write_metadata(w, name, cfg)
     write_tokenizer(w)
@@ -560,6 +572,9 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
                 continue
             if name == "jamba" and (suffix in ("A_log", "D") or module == "mamba.conv1d"):
                 held[hf] = _add_jamba_mamba(add, f"blk.{layer}.", suffix, arr)
+                continue
+            if name == "lfm2" and module == "conv.conv":  # the converter squeezes it to [C, taps]
+                held[hf] = add(f"blk.{layer}.shortconv.conv.{suffix}", arr[:, 0])[:, None]
                 continue
             if name.startswith("falcon_h1") and module.startswith("mamba"):
                 held[hf] = _add_granite_hybrid(add, f"blk.{layer}.", module, suffix, arr, cfg)
@@ -790,7 +805,7 @@ def test_gguf_family_matches_hf(family_gguf, name):
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "granitemoehybrid", "granitemoehybrid-dense", "granitemoe",
-                                  "nemotron_h", "nemotron_h-dense", "nemotron_h-latent", "falcon_h1", "jamba"])
+                                  "nemotron_h", "nemotron_h-dense", "nemotron_h-latent", "falcon_h1", "jamba", "lfm2"])
 def test_gguf_as_an_hf_folder(tmp_path, name):
     """convert_gguf's HF folder of a file (what `pipellm bench` gives transformers) holds HF's tensors: for qwen3next
     and qwen35, norms less 1, A_log from -exp(A_log), the conv unsqueezed, qwen35's value heads grouped again; for

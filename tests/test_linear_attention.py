@@ -186,10 +186,10 @@ SYSTEM = [(11 * i + 2) % 384 for i in range(18)]  # a prompt head three requests
     ("lfm2", dict(pipeline_parallel_size=2, max_num_batched_tokens=10)),
 ], ids=["qwen3_5", "qwen3_5-pp2-chunked", "nemotron_h", "falcon_h1-pp2-chunked", "jamba", "lfm2-pp2-chunked"])
 def test_a_cached_prefix_goes_on_from_its_saved_state(state_models, name, options):
-    """Requests one after another: a prompt, a second with the same head (it saves its state where the two part),
-    a third with that head (it starts there), the first's conversation going on (it starts at the last full block
-    of the first's reply), and the first again (it starts at its own last full block). Each starts after the tokens it should, and goes on as HF does from the
-    whole prompt."""
+    """Requests one after another: a prompt, a second with the same head (it saves its state where the two part), a
+    third with that head (it starts there), the first's conversation going on (it starts at the last full block of
+    the first's reply), and the first again (it starts at its own last full block). Each starts after the tokens it
+    should, and goes on as HF does from the whole prompt."""
     folder, _, _, model = state_models(name)
     first = SYSTEM + [5, 9, 30, 41, 2, 77, 3, 8]  # 26 tokens: its state after 24 is saved
     second, third = SYSTEM + [100, 1, 2, 3, 4, 5], SYSTEM + [200, 7, 6, 5, 4, 3, 2]

@@ -1,6 +1,6 @@
 """What llama.cpp's GGUF files of the models with states hold (gguf_names.py's part for them): Qwen3-Next's and
-Qwen3.5's, Granite 4.0-H's, Nemotron-H's, Falcon-H1's and Jamba's metadata as HF config fields, and the tensors
-their layers need."""
+Qwen3.5's, Granite 4.0-H's, Nemotron-H's, Falcon-H1's, Jamba's and LFM2's metadata as HF config fields, and the
+tensors their layers need."""
 import numpy as np
 
 from pipellm.model_config import ModelConfig
@@ -183,6 +183,40 @@ def falcon_h1_shapes(mc: ModelConfig) -> dict:
         if mc.mlp_bias:
             shapes.update({p + "feed_forward.gate_proj.bias": (ff,), p + "feed_forward.up_proj.bias": (ff,),
                            p + "feed_forward.down_proj.bias": (h,)})
+    return shapes
+
+
+def lfm2(m, layers: int, eps: float) -> dict:
+    """HF config fields of an lfm2 file: its attention layers those with KV heads in the per-layer
+    attention.head_count_kv, the others short convolutions; feed_forward_length its MLPs' width as it is."""
+    kv = m("attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    return dict(num_key_value_heads=max(kv), layer_types=["full_attention" if n else "conv" for n in kv],
+                conv_L_cache=m("shortconv.l_cache"), block_auto_adjust_ff_dim=False, norm_eps=eps)
+
+
+def lfm2_shapes(mc: ModelConfig) -> dict:
+    """LFM2's tensors under its checkpoints' names: a short convolution or attention, then an MLP, in each layer."""
+    h, d, ff = mc.hidden_size, mc.head_dim, mc.intermediate_size
+    q, kv = mc.num_heads * d, mc.num_kv_heads * d
+    shapes = {"model.embed_tokens.weight": (mc.vocab_size, h), "model.embedding_norm.weight": (h,)}
+    if not mc.tie_word_embeddings:
+        shapes["lm_head.weight"] = (mc.vocab_size, h)
+    for i in range(mc.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "operator_norm.weight": (h,), p + "ffn_norm.weight": (h,),
+                       p + "feed_forward.w1.weight": (ff, h), p + "feed_forward.w3.weight": (ff, h),
+                       p + "feed_forward.w2.weight": (h, ff)})
+        if mc.is_linear(i):
+            shapes.update({p + "conv.in_proj.weight": (3 * h, h), p + "conv.conv.weight": (h, 1, mc.short_conv),
+                           p + "conv.out_proj.weight": (h, h)})
+            if mc.mamba_conv_bias:
+                shapes.update({p + "conv.in_proj.bias": (3 * h,), p + "conv.conv.bias": (h,),
+                               p + "conv.out_proj.bias": (h,)})
+        else:
+            shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                           p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.out_proj.weight": (h, q),
+                           p + "self_attn.q_layernorm.weight": (d,), p + "self_attn.k_layernorm.weight": (d,)})
     return shapes
 
 

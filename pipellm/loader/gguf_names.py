@@ -4,8 +4,9 @@ import re
 
 import numpy as np
 
-from pipellm.loader.gguf_hybrid import (f32, falcon_h1, falcon_h1_shapes, granite_hybrid, jamba, jamba_shapes,
-                                       linear_attention, linear_shapes, mamba_shapes, nemotron_h, nemotron_h_shapes)
+from pipellm.loader.gguf_hybrid import (f32, falcon_h1, falcon_h1_shapes, granite_hybrid, jamba, jamba_shapes, lfm2,
+                                       lfm2_shapes, linear_attention, linear_shapes, mamba_shapes, nemotron_h,
+                                       nemotron_h_shapes)
 from pipellm.model_config import ModelConfig
 
 # GGUF general.architecture -> (HF class, model_type, whether llama.cpp permuted the Q/K rows for its rotary).
@@ -53,6 +54,7 @@ ARCHITECTURES = {
     "nemotron_h_moe": ("NemotronHForCausalLM", "nemotron_h", True),
     "falcon-h1": ("FalconH1ForCausalLM", "falcon_h1", False),  # µP multipliers folded into the weights
     "jamba": ("JambaForCausalLM", "jamba", False),
+    "lfm2": ("Lfm2ForCausalLM", "lfm2", False),  # short convolutions among attention layers
 }
 NEMOTRON = ("nemotron_h", "nemotron_h_moe")
 HYBRID = ("qwen3next", "qwen35", "qwen35moe")  # linear-attention layers (gated delta nets) among full ones
@@ -120,6 +122,12 @@ _FAMILY_NAMES["falcon-h1"] = MAMBA_NAMES | FEED_FORWARD_NAMES
 _FAMILY_NAMES["jamba"] = MAMBA_NAMES | FEED_FORWARD_NAMES | {
     "ssm_x": "mamba.x_proj", "ssm_dt": "mamba.dt_proj", "ssm_dt_norm": "mamba.dt_layernorm",
     "ssm_b_norm": "mamba.b_layernorm", "ssm_c_norm": "mamba.c_layernorm"}
+# LFM2's: its checkpoints' names; its short convolutions' tensors (blk.N.shortconv.conv and so on) as SHORTCONV reads
+_FAMILY_NAMES["lfm2"] = {
+    "attn_norm": "operator_norm", "ffn_norm": "ffn_norm", "attn_q_norm": "self_attn.q_layernorm",
+    "attn_k_norm": "self_attn.k_layernorm", "attn_output": "self_attn.out_proj", "ffn_gate": "feed_forward.w1",
+    "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2"}
+SHORTCONV = re.compile(r"blk\.(\d+)\.shortconv\.(conv|in_proj|out_proj)\.(weight|bias)")
 _GLOBAL_RENAMES = {**dict.fromkeys(NEMOTRON, {"token_embd.weight": "model.embeddings.weight",
                                               "output_norm.weight": "model.norm_f.weight"}),
                    **dict.fromkeys(("falcon-h1", "jamba"), {"output_norm.weight": "model.final_layernorm.weight"})}
@@ -137,6 +145,10 @@ def hf_name(name: str, arch: str) -> str | None:
     """HF name of a GGUF tensor; for stacked experts, with {e} where the expert's number goes."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_RENAMES.get(arch, {}).get(name, _GLOBAL_NAMES[name])
+    if arch == "lfm2" and name == "token_embd_norm.weight":  # its last norm, as llama.cpp names it
+        return "model.embedding_norm.weight"
+    if arch == "lfm2" and (match := SHORTCONV.fullmatch(name)):
+        return f"model.layers.{match[1]}.conv.{match[2]}.{match[3]}"
     if arch == "falcon-h1" and (match := FFN_PRE_NORM.fullmatch(name)):
         return f"model.layers.{match[1]}.pre_ff_layernorm.weight"
     mixer = {"granitehybrid": "mamba", "falcon-h1": "mamba", "jamba": "mamba",
@@ -205,6 +217,8 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
         return falcon_h1_shapes(mc)
     if mc.architecture == "JambaForCausalLM":
         return jamba_shapes(mc)
+    if mc.architecture == "Lfm2ForCausalLM":
+        return lfm2_shapes(mc)
     h, v, d = mc.hidden_size, mc.vocab_size, mc.head_dim
     q, kv = mc.num_heads * d, mc.num_kv_heads * d
     is_gemma = mc.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # its norms after attention and MLP
@@ -460,6 +474,8 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         cfg.update(falcon_h1(m, tensors))
     if arch == "jamba":
         cfg.update(jamba(m, tensors, layers, hidden, path))
+    if arch == "lfm2":
+        cfg.update(lfm2(m, layers, cfg["rms_norm_eps"]))
     if arch in NEMOTRON:  # no rotary: context_length (2**20) as the converter writes it
         cfg.update(nemotron_h(m, tensors, layers - m("nextn_predict_layers", 0), path))
     if arch in ("granite", "granitemoe", "granitehybrid"):  # llama.cpp: an attention scale of 0 (or none) is 1 /
