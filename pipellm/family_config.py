@@ -11,6 +11,7 @@ NEMOTRON_H = "NemotronHForCausalLM"
 FALCON_H1 = "FalconH1ForCausalLM"  # attention and Mamba-2 side by side in every layer, µP multipliers
 JAMBA = "JambaForCausalLM"  # Mamba (-1) layers among attention ones, experts every other layer
 LFM2 = "Lfm2ForCausalLM"  # gated short convolutions among attention layers
+LFM2_MOE = "Lfm2MoeForCausalLM"  # and experts in all but the first layers
 # older configs' layer names, and Nemotron-H's hybrid_override_pattern letters: HF's layer types
 MAMBA_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention",
                      "M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -115,7 +116,8 @@ def lfm2(d: dict, source: str) -> tuple[dict, dict]:
     """An LFM2 config.json in the keys from_hf_dict reads, and ModelConfig's fields of its own, as HF reads it: its
     "conv" layers (layer_types, or all but full_attn_idxs) a gated short convolution of conv_L_cache taps; its
     MLPs' width block_ff_dim (or intermediate_size), cut to two thirds, scaled and rounded up as
-    block_auto_adjust_ff_dim says."""
+    block_auto_adjust_ff_dim says. LFM2-MoE's: its MLPs as wide as intermediate_size says, experts in all but the
+    first num_dense_layers, behind a sigmoid router whose expert_bias picks them."""
     layers = d["num_hidden_layers"]
     full = d.get("full_attn_idxs")
     types = d.get("layer_types") or ["full_attention" if full is None or i in full else "conv" for i in range(layers)]
@@ -123,7 +125,8 @@ def lfm2(d: dict, source: str) -> tuple[dict, dict]:
         raise ValueError(f"{source}: LFM2 layer types {sorted(set(types) - {'conv', 'full_attention'})} are not "
                          "supported (conv, full_attention)")
     ff = d.get("block_ff_dim") or d["intermediate_size"]
-    if d.get("block_auto_adjust_ff_dim", True):
+    moe = d["architectures"][0] == LFM2_MOE if d.get("architectures") else False
+    if d.get("block_auto_adjust_ff_dim", True) and not moe:
         ff = int(2 * ff / 3)
         if (multiplier := d.get("block_ffn_dim_multiplier", 1.0)) is not None:
             step = d.get("block_multiple_of", 256)
@@ -133,9 +136,16 @@ def lfm2(d: dict, source: str) -> tuple[dict, dict]:
                 tie_word_embeddings=d.get("tie_embedding", d.get("tie_word_embeddings", True)))
     if not d.get("rope_parameters") and not d.get("rope_scaling"):
         keys["rope_theta"] = d.get("rope_theta", 1000000.0)  # HF's default for LFM2
-    return d | keys, dict(layer_types=tuple("linear_attention" if t == "conv" else t for t in types),
-                          short_conv=d.get("conv_L_cache") or 3, mamba_conv_bias=bias, mamba_proj_bias=bias,
-                          qk_norm=True)
+    fields = dict(layer_types=tuple("linear_attention" if t == "conv" else t for t in types),
+                  short_conv=d.get("conv_L_cache") or 3, mamba_conv_bias=bias, mamba_proj_bias=bias, qk_norm=True)
+    if moe:
+        fields |= dict(num_experts=d.get("num_experts", 32), num_experts_per_tok=d.get("num_experts_per_tok", 4),
+                       moe_intermediate_size=d.get("moe_intermediate_size", 1792), router_sigmoid=True,
+                       router_selection_bias=bool(d.get("use_expert_bias", True)),
+                       norm_topk_prob=bool(d.get("norm_topk_prob", True)), router_norm_eps=1e-6,
+                       routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+                       dense_layers=tuple(range(d.get("num_dense_layers", 2))))
+    return d | keys, fields
 
 
 def _mamba2(d: dict, source: str, heads: int, head_dim: int, groups: int, state: int, kernel: int, conv_bias,

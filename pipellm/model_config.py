@@ -5,7 +5,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from pipellm.family_config import (FALCON_H1, GRANITE_HYBRID, JAMBA, LFM2, MAMBA_LAYER_TYPES, NEMOTRON_H,
+from pipellm.family_config import (FALCON_H1, GRANITE_HYBRID, JAMBA, LFM2, LFM2_MOE, MAMBA_LAYER_TYPES, NEMOTRON_H,
                                    falcon_h1, fp8_weight_block, granite_hybrid, group_router, jamba, latent_attention,
                                    lfm2, nemotron_h, same_each_layer)
 from pipellm.rope_config import RopeConfig
@@ -36,7 +36,7 @@ GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeShar
                   GRANITE_HYBRID)  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel", NEMOTRON_H, FALCON_H1,
-                                                                       JAMBA, LFM2)
+                                                                       JAMBA, LFM2, LFM2_MOE)
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
 
 
@@ -108,6 +108,7 @@ class ModelConfig:
     expert_groups_kept: int = 1
     group_by_top_expert: bool = False
     routed_scaling_factor: float = 1.0
+    router_norm_eps: float = 0.0  # LFM2-MoE: added to the chosen weights' sum that renormalises them
     moe_latent_size: int = 0  # Nemotron 3 Super: the routed experts work on a projection this wide (0: none)
     fp8_block: tuple[int, ...] = ()  # the checkpoint's FP8 weights' (rows, columns) a scale (quant/fp8.py); () none
     # Llama 4: its chunked layers attend within chunks of attention_chunk positions only (0: none); q and k
@@ -296,7 +297,7 @@ class ModelConfig:
             d, family = falcon_h1(d, source)
         elif arch == JAMBA:
             d, family = jamba(d, source)
-        elif arch == LFM2:
+        elif arch in (LFM2, LFM2_MOE):
             d, family = lfm2(d, source)
         is_gemma = arch in GEMMA_FAMILY
         act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"

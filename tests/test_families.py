@@ -273,6 +273,11 @@ def family_config(name: str):
     if name == "lfm2":  # LFM2: gated short convolutions (3 taps) but layers 1 and 4, attention with q/k norms; its
         # MLP's width cut to two thirds of 96, rounded up to a multiple of 16 (64)
         return tf.Lfm2Config(**COMMON, full_attn_idxs=[1, 4], block_multiple_of=16)
+    if name == "lfm2_moe":  # LFM2-MoE: as LFM2 (its MLP 96 wide), experts from layer 1 (sigmoid scores plus a bias
+        # pick 2 of 4, renormalised, scaled by 1.5)
+        return tf.Lfm2MoeConfig(**COMMON, layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
+                                num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                routed_scaling_factor=1.5)
     if name == "llama-mlp-bias":
         return tf.LlamaConfig(**COMMON, mlp_bias=True)
     if name == "gpt_oss":  # attention sinks; sliding and full layers; biased, clamped experts; yarn untruncated
@@ -294,7 +299,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "glm4v-vl", "glm4v_moe-vl", "mistral4-vl", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl",
             "qwen3_5_moe-vl", "granitemoehybrid", "granitemoehybrid-dense", "nemotron_h", "nemotron_h-dense",
             "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated",
-            "jamba", "lfm2"]
+            "jamba", "lfm2", "lfm2_moe"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4")  # and Llama 4's chunked layers
@@ -337,14 +342,15 @@ def make_family_checkpoint(name: str, folder: str):
     auto = transformers.AutoModelForImageTextToText if "-vl" in name else transformers.AutoModelForCausalLM
     model = (transformers.Mistral4ForCausalLM(config) if name == "mistral4" else auto.from_config(config)).eval()
     with torch.no_grad():  # biases not at their initial 0, so loading them is tested; sinks that weigh; q/k norms
-        selection_biases = [(n, b) for n, b in model.named_buffers() if n.endswith(".e_score_correction_bias")]
+        selection_biases = [(n, b) for n, b in model.named_buffers()
+                            if n.endswith((".e_score_correction_bias", ".expert_bias"))]
         for param_name, p in [*model.named_parameters(), *selection_biases]:  # whose weights differ within a head
             if param_name.endswith((".bias", "_bias")):
                 torch.nn.init.normal_(p, std=0.2)
             elif param_name.endswith((".sinks", ".alpha_p", ".alpha_n")):  # and xIELU's alphas differ a layer
                 torch.nn.init.normal_(p, std=2.0)
             elif param_name.endswith(("q_norm.weight", "k_norm.weight", "query_layernorm.weight",
-                                      "key_layernorm.weight")):
+                                      "key_layernorm.weight", "q_layernorm.weight", "k_layernorm.weight")):
                 p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(folder)
     save_tokenizer(folder)

@@ -347,3 +347,27 @@ def test_lfm2_release_config():
         **release | dict(block_ffn_dim_multiplier=1.3, block_multiple_of=100, num_hidden_layers=1,
                          full_attn_idxs=[0], hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                          vocab_size=16))).model.layers[0].feed_forward.w1.out_features
+
+
+def test_lfm2_moe_release_config():
+    """LFM2-8B-A1B's config.json: its first 2 layers' MLPs dense and intermediate_size wide (not adjusted), experts
+    in the others behind a sigmoid router with a selection bias, read as HF builds them."""
+    from transformers import AutoConfig, Lfm2MoeForCausalLM
+
+    from pipellm.model_config import ModelConfig
+    attention = [2, 6, 10, 14, 18, 21]
+    release = dict(architectures=["Lfm2MoeForCausalLM"], model_type="lfm2_moe", hidden_size=2048,
+                   intermediate_size=7168, moe_intermediate_size=1792, num_hidden_layers=24, num_dense_layers=2,
+                   num_experts=32, num_experts_per_tok=4, use_expert_bias=True, norm_topk_prob=True,
+                   routed_scaling_factor=1.0, num_attention_heads=32, num_key_value_heads=8, conv_L_cache=3,
+                   layer_types=["full_attention" if i in attention else "conv" for i in range(24)], vocab_size=65536)
+    cfg, hf = ModelConfig.from_hf_dict(release), AutoConfig.for_model(**release)
+    with torch.device("meta"):
+        model = Lfm2MoeForCausalLM(hf)
+    moe = [hasattr(layer.feed_forward, "experts") for layer in model.model.layers]
+    assert [cfg.is_moe(i) for i in range(cfg.num_layers)] == moe and moe.count(False) == 2
+    assert cfg.intermediate_size == model.model.layers[0].feed_forward.w1.out_features == 7168
+    assert cfg.moe_intermediate_size * 2 == model.model.layers[2].feed_forward.experts.gate_up_proj.shape[1]
+    assert cfg.num_experts == 32 and cfg.num_experts_per_tok == 4 and cfg.router_sigmoid and \
+        cfg.router_selection_bias and cfg.norm_topk_prob
+    assert [cfg.is_linear(i) for i in range(24)] == [t == "conv" for t in hf.layer_types]

@@ -36,7 +36,7 @@ class SparseMoE(nn.Module):
         # dtype's
         self.weights_in_fp32 = cfg.architecture in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM",
                                                     "HunYuanMoEV1ForCausalLM", NEMOTRON_H) + GROUP_ROUTED
-        self.sigmoid, self.scaling = cfg.router_sigmoid, cfg.routed_scaling_factor
+        self.sigmoid, self.scaling, self.norm_eps = cfg.router_sigmoid, cfg.routed_scaling_factor, cfg.router_norm_eps
         self.weigh_inputs = cfg.router_weights_input  # Llama 4: an expert runs on its token times its weight
         self.groups, self.groups_kept, self.by_top_expert = cfg.expert_groups, cfg.expert_groups_kept, \
             cfg.group_by_top_expert
@@ -81,7 +81,7 @@ class SparseMoE(nn.Module):
                 chosen = torch.topk(self.best_groups(choice), self.top_k, dim=-1)[1]
                 weights = probs.gather(-1, chosen)
             if self.norm_topk_prob:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps)
             if self.scaling != 1:
                 weights = weights * self.scaling
             if not self.weights_in_fp32:

@@ -73,6 +73,7 @@ STAGE_CLASSES = {
     "FalconH1ForCausalLM": FalconH1Stage,
     "JambaForCausalLM": JambaStage,
     "Lfm2ForCausalLM": Lfm2Stage,
+    "Lfm2MoeForCausalLM": Lfm2Stage,
 }
 
 
