@@ -29,7 +29,8 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "qwen3_next-ssm_in": "qwen3next",  # as older converters wrote it: in_proj_qkvz whole
         "granitemoehybrid": "granitehybrid", "granitemoehybrid-dense": "granitehybrid",
         "nemotron_h": "nemotron_h_moe", "nemotron_h-dense": "nemotron_h", "nemotron_h-latent": "nemotron_h_moe",
-        "falcon_h1": "falcon-h1", "falcon_h1-ungated": "falcon-h1", "jamba": "jamba", "lfm2": "lfm2"}
+        "falcon_h1": "falcon-h1", "falcon_h1-ungated": "falcon-h1", "jamba": "jamba", "lfm2": "lfm2",
+        "lfm2_moe": "lfm2moe"}
 GRANITE_HYBRID = ("granitemoehybrid", "granitemoehybrid-dense")
 NEMOTRON_H = ("nemotron_h", "nemotron_h-dense", "nemotron_h-latent")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_next-ssm_in")  # linear-attention layers
@@ -81,7 +82,8 @@ JAMBA_TO_GGUF = FALCON_H1_TO_GGUF | {
 LFM2_TO_GGUF = HF_TO_GGUF | {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.out_proj": "attn_output",
                              "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
                              "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
-                             "conv.in_proj": "shortconv.in_proj", "conv.out_proj": "shortconv.out_proj"}
+                             "conv.in_proj": "shortconv.in_proj", "conv.out_proj": "shortconv.out_proj",
+                             "feed_forward.gate": "ffn_gate_inp"}
 NEMOTRON_TO_GGUF = {"norm": "attn_norm", "mixer.q_proj": "attn_q", "mixer.k_proj": "attn_k", "mixer.v_proj": "attn_v",
                     "mixer.o_proj": "attn_output", "mixer.up_proj": "ffn_up", "mixer.down_proj": "ffn_down",
                     "mixer.gate": "ffn_gate_inp", "mixer.shared_experts.up_proj": "ffn_up_shexp",
@@ -229,6 +231,9 @@ def gguf_family_config(name: str):
             moe_latent_size=32 if name.endswith("-latent") else None, moe_shared_expert_intermediate_size=64)
     if name == "lfm2":  # short convolutions but layers 1 and 4; the MLP's width adjusted (to 64)
         return tf.Lfm2Config(**BASE, full_attn_idxs=[1, 4], block_multiple_of=16)
+    if name == "lfm2_moe":  # and experts from layer 1 (llama.cpp's: renormalised, unscaled)
+        return tf.Lfm2MoeConfig(**BASE, layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
+                                num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     if name == "jamba":  # Mamba but layer 2 (attention, every 4th from it); experts in layers 1 and 3
         return tf.JambaConfig(**BASE, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
                               expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
@@ -284,10 +289,17 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     # (LFM2's converter writes its MLPs' adjusted width)
     w.add_feed_forward_length(cfg.intermediate_size_mlp if name == "llama4" else 64 if name == "lfm2" else
                               cfg.intermediate_size)
+    if name == "lfm2_moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_leading_dense_block_count(cfg.num_dense_layers)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_head_count(cfg.num_attention_heads)
+    stateful = name in GRANITE_HYBRID + ("jamba", "lfm2", "lfm2_moe")  # 0 KV heads: a layer without attention
     w.add_head_count_kv([cfg.num_key_value_heads * (t == "full_attention") for t in cfg.layer_types]
-                        if name in GRANITE_HYBRID + ("jamba", "lfm2") else cfg.num_key_value_heads)  # 0: no attention
-    if name == "lfm2":
+                        if stateful else cfg.num_key_value_heads)
+    if name.startswith("lfm2"):
         w.add_layer_norm_rms_eps(cfg.norm_eps)
         w.add_shortconv_l_cache(cfg.conv_L_cache)
     elif name.startswith("cohere"):
@@ -521,7 +533,8 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
              "seed_oss": SEED_OSS_TO_GGUF, "glm4": GLM4_TO_GGUF, "deepseek_v2": DEEPSEEK_TO_GGUF,
              "deepseek_v3": DEEPSEEK_TO_GGUF, "glm4_moe": GLM4_MOE_TO_GGUF, "mistral4": DEEPSEEK_TO_GGUF,
              "llama4": LLAMA4_TO_GGUF, **dict.fromkeys(HYBRID, SEED_OSS_TO_GGUF), "falcon_h1": FALCON_H1_TO_GGUF,
-             "falcon_h1-ungated": FALCON_H1_TO_GGUF, "jamba": JAMBA_TO_GGUF, "lfm2": LFM2_TO_GGUF}.get(name, HF_TO_GGUF)
+             "falcon_h1-ungated": FALCON_H1_TO_GGUF, "jamba": JAMBA_TO_GGUF, "lfm2": LFM2_TO_GGUF,
+             "lfm2_moe": LFM2_TO_GGUF}.get(name, HF_TO_GGUF)
     w = gguf.GGUFWriter(str(path), arch)
     write_metadata(w, name, cfg)
     write_tokenizer(w)
@@ -573,7 +586,10 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
             if name == "jamba" and (suffix in ("A_log", "D") or module == "mamba.conv1d"):
                 held[hf] = _add_jamba_mamba(add, f"blk.{layer}.", suffix, arr)
                 continue
-            if name == "lfm2" and module == "conv.conv":  # the converter squeezes it to [C, taps]
+            if name.startswith("lfm2") and suffix == "expert_bias":  # a buffer, without .weight
+                held[hf] = add(f"blk.{layer}.exp_probs_b.bias", arr, router=True)
+                continue
+            if name.startswith("lfm2") and module == "conv.conv":  # the converter squeezes it to [C, taps]
                 held[hf] = add(f"blk.{layer}.shortconv.conv.{suffix}", arr[:, 0])[:, None]
                 continue
             if name.startswith("falcon_h1") and module.startswith("mamba"):
@@ -805,7 +821,8 @@ def test_gguf_family_matches_hf(family_gguf, name):
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "granitemoehybrid", "granitemoehybrid-dense", "granitemoe",
-                                  "nemotron_h", "nemotron_h-dense", "nemotron_h-latent", "falcon_h1", "jamba", "lfm2"])
+                                  "nemotron_h", "nemotron_h-dense", "nemotron_h-latent", "falcon_h1", "jamba", "lfm2",
+                                  "lfm2_moe"])
 def test_gguf_as_an_hf_folder(tmp_path, name):
     """convert_gguf's HF folder of a file (what `pipellm bench` gives transformers) holds HF's tensors: for qwen3next
     and qwen35, norms less 1, A_log from -exp(A_log), the conv unsqueezed, qwen35's value heads grouped again; for

@@ -220,15 +220,15 @@ def _tokenizer_reads(arch: str):
     tokenizer (tokenizer.ggml.*) does not depend on them: for that call, it counts this one among them. For gpt-oss
     its reader also hides the rope scaling keys, which transformers' config parsing reads wrongly (it takes a key's
     length field for the value: float() of an array); the tokenizer needs none of them. A command-r, ernie4_5-moe,
-    hunyuan-dense, deepseek2, glm4moe, minimax-m2, qwen3next, granitehybrid, nemotron_h_moe or falcon-h1 file is
-    shown as the model type transformers knows."""
+    hunyuan-dense, deepseek2, glm4moe, minimax-m2, qwen3next, granitehybrid, nemotron_h_moe, falcon-h1 or lfm2moe
+    file is shown as the model type transformers knows."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as known
 
     shown = {"command-r": "cohere", "ernie4_5-moe": "ernie4_5_moe", "hunyuan-dense": "hunyuan_v1_dense",
              "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "minimax-m2": "minimax_m2",
              "qwen3next": "qwen3_next", "granitehybrid": "granitemoehybrid",
-             "nemotron_h_moe": "nemotron_h", "falcon-h1": "falcon_h1"}.get(arch, arch)
+             "nemotron_h_moe": "nemotron_h", "falcon-h1": "falcon_h1", "lfm2moe": "lfm2_moe"}.get(arch, arch)
     added = shown not in known.GGUF_SUPPORTED_ARCHITECTURES
     if added:
         known.GGUF_SUPPORTED_ARCHITECTURES.append(shown)

@@ -186,17 +186,28 @@ def falcon_h1_shapes(mc: ModelConfig) -> dict:
     return shapes
 
 
-def lfm2(m, layers: int, eps: float) -> dict:
-    """HF config fields of an lfm2 file: its attention layers those with KV heads in the per-layer
-    attention.head_count_kv, the others short convolutions; feed_forward_length its MLPs' width as it is."""
+def lfm2(m, arch: str, layers: int, eps: float, path: str) -> dict:
+    """HF config fields of an lfm2 or lfm2moe file: its attention layers those with KV heads in the per-layer
+    attention.head_count_kv, the others short convolutions; feed_forward_length its MLPs' width as it is; lfm2moe's
+    experts in all but the leading dense layers, picked by sigmoid scores plus exp_probs_b and renormalised (as
+    llama.cpp runs them)."""
     kv = m("attention.head_count_kv")
     kv = kv if isinstance(kv, list) else [kv] * layers
-    return dict(num_key_value_heads=max(kv), layer_types=["full_attention" if n else "conv" for n in kv],
-                conv_L_cache=m("shortconv.l_cache"), block_auto_adjust_ff_dim=False, norm_eps=eps)
+    fields = dict(num_key_value_heads=max(kv), layer_types=["full_attention" if n else "conv" for n in kv],
+                  conv_L_cache=m("shortconv.l_cache"), block_auto_adjust_ff_dim=False, norm_eps=eps)
+    if arch == "lfm2moe":
+        if m("expert_gating_func", 2) != 2:
+            raise ValueError(f"{path}: an lfm2moe router without sigmoid scores is not supported")
+        fields |= dict(num_experts=m("expert_count"), num_experts_per_tok=m("expert_used_count"),
+                       moe_intermediate_size=m("expert_feed_forward_length"),
+                       num_dense_layers=m("leading_dense_block_count", 0), use_expert_bias=True, norm_topk_prob=True,
+                       routed_scaling_factor=f32(m("expert_weights_scale", 0.0) or 1.0))
+    return fields
 
 
 def lfm2_shapes(mc: ModelConfig) -> dict:
-    """LFM2's tensors under its checkpoints' names: a short convolution or attention, then an MLP, in each layer."""
+    """LFM2's tensors under its checkpoints' names: a short convolution or attention, then an MLP (or LFM2-MoE's
+    experts), in each layer."""
     h, d, ff = mc.hidden_size, mc.head_dim, mc.intermediate_size
     q, kv = mc.num_heads * d, mc.num_kv_heads * d
     shapes = {"model.embed_tokens.weight": (mc.vocab_size, h), "model.embedding_norm.weight": (h,)}
@@ -204,9 +215,12 @@ def lfm2_shapes(mc: ModelConfig) -> dict:
         shapes["lm_head.weight"] = (mc.vocab_size, h)
     for i in range(mc.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({p + "operator_norm.weight": (h,), p + "ffn_norm.weight": (h,),
-                       p + "feed_forward.w1.weight": (ff, h), p + "feed_forward.w3.weight": (ff, h),
-                       p + "feed_forward.w2.weight": (h, ff)})
+        shapes.update({p + "operator_norm.weight": (h,), p + "ffn_norm.weight": (h,)})
+        f, width = p + "feed_forward.", mc.moe_intermediate_size if mc.is_moe(i) else ff
+        if mc.is_moe(i):
+            shapes.update({f + "gate.weight": (mc.num_experts, h), f + "expert_bias": (mc.num_experts,)})
+        for e in [f"{f}experts.{e}." for e in range(mc.num_experts)] if mc.is_moe(i) else [f]:
+            shapes.update({e + "w1.weight": (width, h), e + "w3.weight": (width, h), e + "w2.weight": (h, width)})
         if mc.is_linear(i):
             shapes.update({p + "conv.in_proj.weight": (3 * h, h), p + "conv.conv.weight": (h, 1, mc.short_conv),
                            p + "conv.out_proj.weight": (h, h)})

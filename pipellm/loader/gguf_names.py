@@ -55,7 +55,9 @@ ARCHITECTURES = {
     "falcon-h1": ("FalconH1ForCausalLM", "falcon_h1", False),  # µP multipliers folded into the weights
     "jamba": ("JambaForCausalLM", "jamba", False),
     "lfm2": ("Lfm2ForCausalLM", "lfm2", False),  # short convolutions among attention layers
+    "lfm2moe": ("Lfm2MoeForCausalLM", "lfm2_moe", False),  # and experts
 }
+LFM2 = ("lfm2", "lfm2moe")
 NEMOTRON = ("nemotron_h", "nemotron_h_moe")
 HYBRID = ("qwen3next", "qwen35", "qwen35moe")  # linear-attention layers (gated delta nets) among full ones
 DEEPSEEK_V2 = ("DeepseekV2ForCausalLM", "deepseek_v2", False)  # "deepseek2" with a softmax router
@@ -123,10 +125,11 @@ _FAMILY_NAMES["jamba"] = MAMBA_NAMES | FEED_FORWARD_NAMES | {
     "ssm_x": "mamba.x_proj", "ssm_dt": "mamba.dt_proj", "ssm_dt_norm": "mamba.dt_layernorm",
     "ssm_b_norm": "mamba.b_layernorm", "ssm_c_norm": "mamba.c_layernorm"}
 # LFM2's: its checkpoints' names; its short convolutions' tensors (blk.N.shortconv.conv and so on) as SHORTCONV reads
-_FAMILY_NAMES["lfm2"] = {
+_FAMILY_NAMES.update(dict.fromkeys(LFM2, {
     "attn_norm": "operator_norm", "ffn_norm": "ffn_norm", "attn_q_norm": "self_attn.q_layernorm",
     "attn_k_norm": "self_attn.k_layernorm", "attn_output": "self_attn.out_proj", "ffn_gate": "feed_forward.w1",
-    "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2"}
+    "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2", "ffn_gate_inp": "feed_forward.gate"}))
+LFM2_EXPERTS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}  # as LFM2-MoE's checkpoints
 SHORTCONV = re.compile(r"blk\.(\d+)\.shortconv\.(conv|in_proj|out_proj)\.(weight|bias)")
 _GLOBAL_RENAMES = {**dict.fromkeys(NEMOTRON, {"token_embd.weight": "model.embeddings.weight",
                                               "output_norm.weight": "model.norm_f.weight"}),
@@ -145,9 +148,9 @@ def hf_name(name: str, arch: str) -> str | None:
     """HF name of a GGUF tensor; for stacked experts, with {e} where the expert's number goes."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_RENAMES.get(arch, {}).get(name, _GLOBAL_NAMES[name])
-    if arch == "lfm2" and name == "token_embd_norm.weight":  # its last norm, as llama.cpp names it
+    if arch in LFM2 and name == "token_embd_norm.weight":  # its last norm, as llama.cpp names it
         return "model.embedding_norm.weight"
-    if arch == "lfm2" and (match := SHORTCONV.fullmatch(name)):
+    if arch in LFM2 and (match := SHORTCONV.fullmatch(name)):
         return f"model.layers.{match[1]}.conv.{match[2]}.{match[3]}"
     if arch == "falcon-h1" and (match := FFN_PRE_NORM.fullmatch(name)):
         return f"model.layers.{match[1]}.pre_ff_layernorm.weight"
@@ -163,6 +166,10 @@ def hf_name(name: str, arch: str) -> str | None:
         return f"model.layers.{match[1]}.self_attn.sinks"
     if kind == "ssm_dt" and arch != "jamba":  # Mamba-2's dt bias (Jamba's: dt_proj, below)
         return f"model.layers.{match[1]}.{mixer}.dt_bias"
+    if arch == "lfm2moe" and kind == "exp_probs_b":
+        return f"model.layers.{match[1]}.feed_forward.expert_bias"
+    if arch == "lfm2moe" and kind in LFM2_EXPERTS:
+        return f"model.layers.{match[1]}.feed_forward.experts.{{e}}.{LFM2_EXPERTS[kind]}.{match[3]}"
     if kind == "exp_probs_b":  # the router's bias that picks the experts, as HF names it
         module = {"ernie4_5-moe": "mlp.moe_statics", **dict.fromkeys(NEMOTRON, "mixer.gate")}.get(arch, "mlp.gate")
         return f"model.layers.{match[1]}.{module}.e_score_correction_bias"
@@ -217,7 +224,7 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
         return falcon_h1_shapes(mc)
     if mc.architecture == "JambaForCausalLM":
         return jamba_shapes(mc)
-    if mc.architecture == "Lfm2ForCausalLM":
+    if mc.architecture in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
         return lfm2_shapes(mc)
     h, v, d = mc.hidden_size, mc.vocab_size, mc.head_dim
     q, kv = mc.num_heads * d, mc.num_kv_heads * d
@@ -439,7 +446,7 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         elif arch == "llama4":
             entry = ARCHITECTURES[arch]
             cfg.update(_llama4(m, experts, layers))
-        elif arch in ("granitehybrid", "jamba") + NEMOTRON:  # below
+        elif arch in ("granitehybrid", "jamba", "lfm2moe") + NEMOTRON:  # below
             pass
         elif arch in HYBRID:  # llama.cpp's rules: experts in every layer, their weights renormalised
             cfg.update(num_experts=experts, moe_intermediate_size=m("expert_feed_forward_length"),
@@ -474,8 +481,8 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         cfg.update(falcon_h1(m, tensors))
     if arch == "jamba":
         cfg.update(jamba(m, tensors, layers, hidden, path))
-    if arch == "lfm2":
-        cfg.update(lfm2(m, layers, cfg["rms_norm_eps"]))
+    if arch in LFM2:
+        cfg.update(lfm2(m, arch, layers, cfg["rms_norm_eps"], path))
     if arch in NEMOTRON:  # no rotary: context_length (2**20) as the converter writes it
         cfg.update(nemotron_h(m, tensors, layers - m("nextn_predict_layers", 0), path))
     if arch in ("granite", "granitemoe", "granitehybrid"):  # llama.cpp: an attention scale of 0 (or none) is 1 /
