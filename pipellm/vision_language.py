@@ -16,7 +16,8 @@ VISION_LANGUAGE = {"LlavaForConditionalGeneration": (), "LlavaNextForConditional
                    "Qwen3_5ForConditionalGeneration": ("qwen3_5_text",),
                    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe_text",),
                    "Glm4vForConditionalGeneration": ("glm4v_text",),
-                   "Glm4vMoeForConditionalGeneration": ("glm4v_moe_text",)}
+                   "Glm4vMoeForConditionalGeneration": ("glm4v_moe_text",),
+                   "Lfm2VlForConditionalGeneration": ("lfm2",)}
 # a text model_type -> the class it runs as, where transformers' causal-LM classes do not name one (Qwen's multimodal
 # rotary turns all of a text token's dims by its one position: the text model's own rotary)
 TEXT_MODELS = {"mistral4": "Mistral4ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",

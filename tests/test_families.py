@@ -273,6 +273,11 @@ def family_config(name: str):
     if name == "lfm2":  # LFM2: gated short convolutions (3 taps) but layers 1 and 4, attention with q/k norms; its
         # MLP's width cut to two thirds of 96, rounded up to a multiple of 16 (64)
         return tf.Lfm2Config(**COMMON, full_attn_idxs=[1, 4], block_multiple_of=16)
+    if name == "lfm2-vl":  # LFM2's text model in LFM2-VL's checkpoint (a SigLIP 2 tower beside it)
+        return tf.Lfm2VlConfig(text_config=family_config("lfm2").to_dict(), projector_hidden_size=32,
+                               vision_config=dict(model_type="siglip2_vision_model", hidden_size=32,
+                                                  intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                                  num_patches=16, patch_size=14))
     if name == "lfm2_moe":  # LFM2-MoE: as LFM2 (its MLP 96 wide), experts from layer 1 (sigmoid scores plus a bias
         # pick 2 of 4, renormalised, scaled by 1.5)
         return tf.Lfm2MoeConfig(**COMMON, layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
@@ -299,7 +304,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "glm4v-vl", "glm4v_moe-vl", "mistral4-vl", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl",
             "qwen3_5_moe-vl", "granitemoehybrid", "granitemoehybrid-dense", "nemotron_h", "nemotron_h-dense",
             "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated",
-            "jamba", "lfm2", "lfm2_moe"]
+            "jamba", "lfm2", "lfm2_moe", "lfm2-vl"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4")  # and Llama 4's chunked layers
