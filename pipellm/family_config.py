@@ -6,6 +6,7 @@ and latent attention, Hunyuan's per-layer counts, block-scaled FP8."""
 import math
 
 GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"  # Granite 4.0-H: Mamba-2 layers among full-attention ones
+BAMBA = "BambaForCausalLM"  # the same Mamba-2 layers among Llama's attention ones, rotary on half of each head
 # Nemotron-H: each layer one mixer: Mamba-2, attention without rotary, a relu^2 MLP, or relu^2 experts
 NEMOTRON_H = "NemotronHForCausalLM"
 FALCON_H1 = "FalconH1ForCausalLM"  # attention and Mamba-2 side by side in every layer, µP multipliers
@@ -29,6 +30,19 @@ def granite_hybrid(d: dict, source: str) -> dict:
                          "(heads x head width = mamba_expand x hidden_size)")
     return _mamba2(d, source, heads, head_dim, d.get("mamba_n_groups") or 1, d.get("mamba_d_state") or 256,
                    d.get("mamba_d_conv") or 4, d.get("mamba_conv_bias", True), d.get("mamba_proj_bias"))
+
+
+def bamba(d: dict, source: str) -> tuple[dict, dict]:
+    """A Bamba config.json in the keys from_hf_dict reads, and ModelConfig's fields of its own, as HF reads it:
+    attention in attn_layer_indices, Mamba-2 mixers in the others; rotary on half of each head, whatever the config
+    says (HF's rule)."""
+    attention = set(d.get("attn_layer_indices") or ())
+    rope = dict(d.get("rope_parameters") or {})
+    keys = dict(layer_types=None, partial_rotary_factor=0.5, **({"rope_parameters": rope | dict(
+        partial_rotary_factor=0.5)} if rope else {}))
+    fields = granite_hybrid(d, source) | dict(layer_types=tuple(
+        "full_attention" if i in attention else "linear_attention" for i in range(d["num_hidden_layers"])))
+    return d | keys, fields
 
 
 def nemotron_h(d: dict, source: str) -> tuple[dict, dict]:

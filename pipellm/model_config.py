@@ -5,9 +5,9 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from pipellm.family_config import (FALCON_H1, GRANITE_HYBRID, JAMBA, LFM2, LFM2_MOE, MAMBA_LAYER_TYPES, NEMOTRON_H,
-                                   falcon_h1, fp8_weight_block, granite_hybrid, group_router, jamba, latent_attention,
-                                   lfm2, nemotron_h, same_each_layer)
+from pipellm.family_config import (BAMBA, FALCON_H1, GRANITE_HYBRID, JAMBA, LFM2, LFM2_MOE, MAMBA_LAYER_TYPES,
+                                   NEMOTRON_H, bamba, falcon_h1, fp8_weight_block, granite_hybrid, group_router, jamba,
+                                   latent_attention, lfm2, nemotron_h, same_each_layer)
 from pipellm.rope_config import RopeConfig
 from pipellm.vision_language import VISION_LANGUAGE, text_config
 
@@ -36,7 +36,7 @@ GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeShar
                   GRANITE_HYBRID)  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel", NEMOTRON_H, FALCON_H1,
-                                                                       JAMBA, LFM2, LFM2_MOE)
+                                                                       JAMBA, LFM2, LFM2_MOE, BAMBA)
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
 
 
@@ -299,6 +299,8 @@ class ModelConfig:
             d, family = jamba(d, source)
         elif arch in (LFM2, LFM2_MOE):
             d, family = lfm2(d, source)
+        elif arch == BAMBA:
+            d, family = bamba(d, source)
         is_gemma = arch in GEMMA_FAMILY
         act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
         if act not in ("silu", "gelu_pytorch_tanh") and (act, arch) not in (

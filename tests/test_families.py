@@ -270,6 +270,10 @@ def family_config(name: str):
         return tf.JambaConfig(**COMMON, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
                               expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
                               mamba_dt_rank=6)
+    if name == "bamba":  # Bamba: Mamba-2 mixers (8 heads in 2 groups) but layer 2, attention with rotary on half of
+        # each head (head_dim 32 of 16 rotated pairs, not hidden / heads)
+        return tf.BambaConfig(**COMMON, attn_layer_indices=[2], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=8,
+                              mamba_d_conv=4, head_dim=32)
     if name == "lfm2":  # LFM2: gated short convolutions (3 taps) but layers 1 and 4, attention with q/k norms; its
         # MLP's width cut to two thirds of 96, rounded up to a multiple of 16 (64)
         return tf.Lfm2Config(**COMMON, full_attn_idxs=[1, 4], block_multiple_of=16)
@@ -304,7 +308,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "glm4v-vl", "glm4v_moe-vl", "mistral4-vl", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl",
             "qwen3_5_moe-vl", "granitemoehybrid", "granitemoehybrid-dense", "nemotron_h", "nemotron_h-dense",
             "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated",
-            "jamba", "lfm2", "lfm2_moe", "lfm2-vl"]
+            "jamba", "lfm2", "lfm2_moe", "lfm2-vl", "bamba"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4")  # and Llama 4's chunked layers

@@ -371,3 +371,24 @@ def test_lfm2_moe_release_config():
     assert cfg.num_experts == 32 and cfg.num_experts_per_tok == 4 and cfg.router_sigmoid and \
         cfg.router_selection_bias and cfg.norm_topk_prob
     assert [cfg.is_linear(i) for i in range(24)] == [t == "conv" for t in hf.layer_types]
+
+
+def test_bamba_release_config():
+    """Bamba-9B's config.json (no rope_parameters; attention in attn_layer_indices): its layers, Mamba-2 shape and
+    rotary on half of each head read as HF builds them."""
+    from transformers import AutoConfig, BambaForCausalLM
+
+    from pipellm.model_config import ModelConfig
+    release = dict(architectures=["BambaForCausalLM"], model_type="bamba", attn_layer_indices=[9, 18, 27],
+                   attn_rotary_emb=64, hidden_size=4096, intermediate_size=14336, mamba_conv_bias=True,
+                   mamba_d_conv=4, mamba_d_head=64, mamba_d_state=128, mamba_expand=2, mamba_n_groups=1,
+                   mamba_n_heads=128, mamba_proj_bias=False, max_position_embeddings=4096, num_attention_heads=32,
+                   num_hidden_layers=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=10000.0,
+                   vocab_size=128256, tie_word_embeddings=False)
+    cfg, hf = ModelConfig.from_hf_dict(release), AutoConfig.for_model(**release)
+    with torch.device("meta"):
+        model = BambaForCausalLM(hf)
+    assert 2 * len(model.model.rotary_emb.inv_freq) == cfg.rope.partial_rotary_factor * cfg.head_dim == 64
+    assert [cfg.is_linear(i) for i in range(cfg.num_layers)] == [t == "linear_attention" for t in hf.layers_block_type]
+    assert cfg.mamba == (hf.mamba_n_heads, hf.mamba_d_head, hf.mamba_n_groups, hf.mamba_d_state, hf.mamba_d_conv)
+    assert cfg.embedding_multiplier == cfg.residual_multiplier == cfg.logits_scaling == 1.0

@@ -17,7 +17,7 @@ def test_weights_a_token_passes_equal_hfs_linear_layers(checkpoints, arch):
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "granitemoehybrid", "nemotron_h", "nemotron_h-latent",
-                                  "nemotron_h-dense", "falcon_h1", "jamba", "lfm2", "lfm2_moe", "gpt_oss",
+                                  "nemotron_h-dense", "falcon_h1", "jamba", "lfm2", "lfm2_moe", "bamba", "gpt_oss",
                                   "apertus"])
 def test_layer_weights_equal_hfs_matrices(tmp_path, name):
     """Each layer's matmul weights (every expert's; what a stage's GPU memory is planned with) equal the matrices

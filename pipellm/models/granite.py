@@ -4,9 +4,11 @@ softmaxes its top-k logits (moe.py). The checkpoint stacks a layer's experts: in
 hidden] (each expert's gate rows, then its up rows) and output_linear [experts, hidden, width]; at load each expert's
 slice fills its own layers, as transformers 5's stacked experts (llama.py). Granite 4.0-H
 (GraniteMoeHybridForCausalLM) is Granite MoE Shared with Mamba-2 mixers (linear_attention.py) in most layers' place of
-attention, and no rotary in the others; its dense models have the shared MLP alone."""
+attention, and no rotary in the others; its dense models have the shared MLP alone. Bamba (BambaForCausalLM) has
+the same Mamba-2 layers among Llama's attention ones (rotary on half of each head) and Llama's MLPs, under
+Jamba's names."""
 from pipellm.models.linear_attention import Mamba2Mixer
-from pipellm.models.llama import LlamaStage, StateLayer
+from pipellm.models.llama import LlamaStage, StateLayer, feed_forward_names
 
 
 class GraniteMoeStage(LlamaStage):
@@ -31,3 +33,10 @@ class GraniteHybridStage(GraniteMoeStage):
             name = name.replace(".shared_mlp.input_linear.", ".mlp.gate_up_proj.").replace(
                 ".shared_mlp.output_linear.", ".mlp.down_proj.")
         return super().map_weight(name)
+
+
+class BambaStage(LlamaStage):
+    layer_class = GraniteHybridLayer
+
+    def map_weight(self, name: str) -> list[tuple]:
+        return super().map_weight(feed_forward_names(name))

@@ -125,7 +125,7 @@ class StateLayer(LlamaLayer):
 
 
 def feed_forward_names(name: str) -> str:
-    """Falcon-H1's and Jamba's checkpoint names as Llama's: feed_forward the MLP (its router the gate),
+    """Falcon-H1's, Jamba's and Bamba's checkpoint names as Llama's: feed_forward the MLP (its router the gate),
     pre_ff_layernorm its norm, final_layernorm the last norm."""
     return name.replace(".feed_forward.router.", ".mlp.gate.").replace(".feed_forward.", ".mlp.").replace(
         ".pre_ff_layernorm.", ".post_attention_layernorm.").replace("model.final_layernorm.", "model.norm.")

@@ -14,7 +14,7 @@ from pipellm.models.gemma import Gemma1Stage, GemmaStage
 from pipellm.models.glm import Ernie45MoeStage, Glm4Stage, InterleavedRotaryStage
 from pipellm.models.gpt2 import GPT2Stage
 from pipellm.models.gpt_oss import GptOssStage
-from pipellm.models.granite import GraniteHybridStage, GraniteMoeStage
+from pipellm.models.granite import BambaStage, GraniteHybridStage, GraniteMoeStage
 from pipellm.models.hunyuan import HunyuanStage
 from pipellm.models.llama import LlamaStage
 from pipellm.models.llama4 import Llama4Stage
@@ -73,6 +73,7 @@ STAGE_CLASSES = {
     "FalconH1ForCausalLM": FalconH1Stage,
     "JambaForCausalLM": JambaStage,
     "Lfm2ForCausalLM": Lfm2Stage,
+    "BambaForCausalLM": BambaStage,
     "Lfm2MoeForCausalLM": Lfm2Stage,
 }
 
