@@ -99,6 +99,12 @@ class LLM:
         """SamplingParams with the model's own defaults: those in its generation_config.json, as vLLM's LLM."""
         return SamplingParams(**generation_defaults(self.engine.model_dir))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix, as vLLM's: the next prompts run cold. False while requests run."""
+        if self._dead:
+            raise RuntimeError(self._dead)
+        return self.engine.reset_prefix_cache()
+
     def describe_stages(self) -> list[str]:
         """One line a stage: its layers and its memory, e.g. "stage 0: embed + layers 0-14, 61 MB weights (Q4_1),
         ..."; only the layers while the pipeline cannot answer."""

@@ -203,6 +203,10 @@ def test_a_cached_prefix_goes_on_from_its_saved_state(state_models, name, option
             before = bm.num_prefix_hits
             outputs += llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
             hits.append(bm.num_prefix_hits - before)
+        assert llm.reset_prefix_cache()  # and after a reset, the first prompt again runs cold
+        before = bm.num_prefix_hits
+        again = llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert bm.num_prefix_hits == before and again == reference[0]
     assert hits == [0, 0, 16, 40, 24]
     assert [o.outputs[0].token_ids for o in outputs] == reference
 

@@ -382,3 +382,19 @@ def test_same_prompt_twice_hits_the_cache(llm_pp2):
     assert second == first
     assert (bm.num_prefix_queries - queries, bm.num_prefix_hits - hits) == (80, 32)  # 2 full blocks of 16
     assert bm.num_free_blocks == llm_pp2.engine.num_blocks
+
+
+def test_a_reset_prefix_cache_runs_the_next_prompt_cold(llm_pp2):
+    """vLLM's LLM.reset_prefix_cache: the same prompt again finds nothing, and gives the same tokens; refused while
+    a request runs."""
+    bm = llm_pp2.engine.block_manager
+    prompt = {"prompt_token_ids": [(17 * i) % 300 + 40 for i in range(40)]}
+    first = _token_ids(llm_pp2.generate(prompt, GREEDY, use_tqdm=False))
+    assert llm_pp2.reset_prefix_cache()
+    hits = bm.num_prefix_hits
+    assert _token_ids(llm_pp2.generate(prompt, GREEDY, use_tqdm=False)) == first and bm.num_prefix_hits == hits
+    llm_pp2.engine.add_request("running", prompt["prompt_token_ids"], GREEDY)
+    assert not llm_pp2.reset_prefix_cache()
+    while llm_pp2.engine.has_unfinished_requests():
+        llm_pp2.engine.step()
+    assert bm.num_prefix_hits == hits + 32 and llm_pp2.reset_prefix_cache()

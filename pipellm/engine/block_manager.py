@@ -176,6 +176,21 @@ class BlockManager:
             self.free_rows.append(req.table_row)
             req.table_row = -1
 
+    def reset_cache(self) -> bool:
+        """Forgets every cached block, kept partial block and saved state; False (and nothing forgotten) while a
+        request holds blocks."""
+        if any(self.ref_counts):
+            return False
+        self.cached.clear()
+        self.partial.clear()
+        self.partial_keys.clear()
+        self.block_hashes = [None] * self.num_blocks
+        self.evictable.clear()
+        self.free_ids = deque(range(self.num_blocks))
+        if self.saved is not None:
+            self.saved.clear()
+        return True
+
     def cache_sent_blocks(self, req: Request, num_sending: int = 0) -> None:
         """Indexes req's full blocks of known tokens whose K/V is in the cache or written by batches out: every stage
         runs batches in the order they were sent, so a later prompt that takes them reads them after they are

@@ -249,6 +249,11 @@ class LLMEngine:
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (vLLM's reset_prefix_cache: timings of cold prompts, say). False, and nothing
+        forgotten, while requests run."""
+        return not (self.has_unfinished_requests() or self.in_flight) and self.block_manager.reset_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

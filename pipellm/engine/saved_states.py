@@ -62,6 +62,10 @@ class SavedStates:
         self.taken.clear()
         return np.array(out, dtype=np.int64) if out else None
 
+    def clear(self) -> None:
+        self.free += list(self.slots.values())
+        self.slots.clear()
+
     def take_loads(self) -> np.ndarray | None:
         loads, self.loads = self.loads, []
         return np.array(loads, dtype=np.int64) if loads else None
