@@ -179,7 +179,8 @@ def test_saved_states_travel_and_out_of_range_ones_are_refused():
                         (dict(state_saves=np.array([[0, 5, 1]])), "within its new tokens"),  # 4 new tokens
                         (dict(state_saves=np.array([[1, 0, 1]])), "within its new tokens"),
                         (dict(state_saves=np.array([[3, 1, 1]])), "within its new tokens"),  # 3 sequences
-                        (dict(state_saves=np.array([[0, 1, 1 << 16]])), "a slot below")]:
+                        (dict(state_saves=np.array([[0, 1, 1 << 16]])), "a slot below"),
+                        (dict(state_saves=np.array([[0, 4, 6], [0, 2, 5]])), "in order")]:
         with pytest.raises(ValueError, match=why):
             replace(batch, **change).check(12, 16, 50, True, True)
 

@@ -1,15 +1,15 @@
-"""Layers that keep a fixed-size state per sequence instead of every past key and value: Qwen3-Next's and Qwen3.5's
-gated delta nets (Yang et al., "Gated Delta Networks"), the Mamba-2 mixers of Granite 4.0-H, Nemotron-H and Falcon-H1
-(Dao and Gu, "Transformers are SSMs"), Jamba's Mamba mixers and LFM2's gated short convolutions. All keep the last
-few inputs of a short causal convolution, and all but LFM2's a matrix per head: the delta net's [key width, value
-width], which each token decays, corrects towards its value (the delta rule) and reads with its query; Mamba-2's
-[head width, state width], which each token decays and adds its input to, read through C (Mamba's one [width, state
-width], decayed channel by channel). The state
-lives on the stage with the layer (LinearState), a row per sequence (the row of the block tables the driver gives
-it); a sequence whose step starts at position 0 starts from zeros, every other step goes on from the state its last
-step left. With prefix caching, a layer also keeps saved states (LinearState.saved, by slot): a sequence's state
-after its first tokens, copied there mid-step where the driver asks (AttentionMetadata.state_saves) and copied back
-into a later sequence's row that starts after the same tokens (a StageBatch's state_loads)."""
+"""Layers that keep a fixed-size state per sequence instead of every past key and value: Qwen3-Next's and Qwen3.5's gated
+delta nets (Yang et al., "Gated Delta Networks"), the Mamba-2 mixers of Granite 4.0-H, Nemotron-H and Falcon-H1 (Dao
+and Gu, "Transformers are SSMs"), Jamba's Mamba mixers and LFM2's gated short convolutions. All keep the last few
+inputs of a short causal convolution, and all but LFM2's a matrix per head: the delta net's [key width, value width],
+which each token decays, corrects towards its value (the delta rule) and reads with its query; Mamba-2's [head width,
+state width], which each token decays and adds its input to, read through C (Mamba's one [width, state width], decayed
+channel by channel). The state lives on the stage with the layer (LinearState), a row per sequence (the row of the
+block tables the driver gives it); a sequence whose step starts at position 0 starts from zeros, every other step goes
+on from the state its last step left. With prefix caching, a layer also keeps saved states (LinearState.saved, by
+slot): a sequence's state after its first tokens, copied there mid-step where the driver asks
+(AttentionMetadata.state_saves) and copied back into a later sequence's row that starts after the same tokens (a
+StageBatch's state_loads)."""
 import math
 from dataclasses import dataclass
 
@@ -456,7 +456,7 @@ class ShortConv(StateMixer):
             self.conv_bias = nn.Parameter(torch.zeros(h))
         self.out_proj = nn.Linear(h, h, bias=cfg.mamba_proj_bias)
 
-    def activate(self, conv_out: torch.Tensor) -> torch.Tensor:  # none
+    def activate(self, conv_out: torch.Tensor) -> torch.Tensor:  # its bias alone: no activation
         bias = getattr(self, "conv_bias", None)
         return conv_out if bias is None else conv_out + bias
 

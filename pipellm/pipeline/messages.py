@@ -130,8 +130,10 @@ class StageBatch:
         need(saves is None or (saves.ndim == 2 and saves.shape[1] == 3 and saves.dtype.kind == "i"
                                and self.num_steps == 1 and (saves >= 0).all() and (saves[:, 0] < B).all()
                                and (saves[:, 2] < MAX_ROWS).all()
-                               and (saves[:, 1] >= 1).all() and (saves[:, 1] <= self.query_lens[saves[:, 0]]).all()),
-             f"state_saves must be [saves, 3] (sequence, tokens, slot): within its new tokens, a slot below {MAX_ROWS}")
+                               and (saves[:, 1] >= 1).all() and (saves[:, 1] <= self.query_lens[saves[:, 0]]).all()
+                               and (np.diff(saves[:, 0] * (1 << 32) + saves[:, 1]) > 0).all()),
+             f"state_saves must be [saves, 3] (sequence, tokens, slot), in order: within its new tokens, a slot below "
+             f"{MAX_ROWS}")
         if self.window_block_tables is not None:
             need(self.window_block_tables.ndim == 2 and self.window_block_tables.dtype.kind == "i" and
                  len(self.window_block_tables) == B and (self.window_block_tables >= 0).all() and
