@@ -129,21 +129,32 @@ def mamba_shapes(mc: ModelConfig, p: str) -> dict:
     return shapes
 
 
+def _model_shapes(mc: ModelConfig, embedding: str, last_norm: str) -> dict:
+    """The embedding's and the last norm's shapes under these names, and the LM head's where it is not tied."""
+    h, v = mc.hidden_size, mc.vocab_size
+    return {f"model.{embedding}.weight": (v, h), f"model.{last_norm}.weight": (h,),
+            **({} if mc.tie_word_embeddings else {"lm_head.weight": (v, h)})}
+
+
+def _attention_shapes(mc: ModelConfig, p: str, out: str = "o_proj") -> dict:
+    """q, k, v and the output projection (named out) of the attention at prefix p."""
+    h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    return {p + "q_proj.weight": (q, h), p + "k_proj.weight": (kv, h), p + "v_proj.weight": (kv, h),
+            f"{p}{out}.weight": (h, q)}
+
+
 def nemotron_h_shapes(mc: ModelConfig) -> dict:
     """Nemotron-H's tensors under its checkpoints' names (model. for backbone.): a norm and one mixer a layer."""
-    h, v, d, ff = mc.hidden_size, mc.vocab_size, mc.head_dim, mc.intermediate_size
-    q, kv = mc.num_heads * d, mc.num_kv_heads * d
-    shapes = {"model.embeddings.weight": (v, h), "model.norm_f.weight": (h,)}
-    if not mc.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
+    h, ff = mc.hidden_size, mc.intermediate_size
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    shapes = _model_shapes(mc, "embeddings", "norm_f")
     for i, kind in enumerate(mc.layer_types):
         p = f"model.layers.{i}."
         shapes[p + "norm.weight"] = (h,)
         if kind == "linear_attention":
             shapes.update(mamba_shapes(mc, p + "mixer."))
         elif kind == "full_attention":
-            shapes.update({p + "mixer.q_proj.weight": (q, h), p + "mixer.k_proj.weight": (kv, h),
-                           p + "mixer.v_proj.weight": (kv, h), p + "mixer.o_proj.weight": (h, q)})
+            shapes.update(_attention_shapes(mc, p + "mixer."))
             if mc.qkv_bias:
                 shapes.update({p + "mixer.q_proj.bias": (q,), p + "mixer.k_proj.bias": (kv,),
                                p + "mixer.v_proj.bias": (kv,), p + "mixer.o_proj.bias": (h,)})
@@ -168,17 +179,12 @@ def nemotron_h_shapes(mc: ModelConfig) -> dict:
 
 def falcon_h1_shapes(mc: ModelConfig) -> dict:
     """Falcon-H1's tensors under its checkpoints' names: attention, a Mamba-2 mixer and an MLP in every layer."""
-    h, d, ff = mc.hidden_size, mc.head_dim, mc.intermediate_size
-    q, kv = mc.num_heads * d, mc.num_kv_heads * d
-    shapes = {"model.embed_tokens.weight": (mc.vocab_size, h), "model.final_layernorm.weight": (h,)}
-    if not mc.tie_word_embeddings:
-        shapes["lm_head.weight"] = (mc.vocab_size, h)
+    h, ff = mc.hidden_size, mc.intermediate_size
+    shapes = _model_shapes(mc, "embed_tokens", "final_layernorm")
     for i in range(mc.num_layers):
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (h,), p + "pre_ff_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "feed_forward.gate_proj.weight": (ff, h), p + "feed_forward.up_proj.weight": (ff, h),
+                       **_attention_shapes(mc, p + "self_attn."), p + "feed_forward.gate_proj.weight": (ff, h), p + "feed_forward.up_proj.weight": (ff, h),
                        p + "feed_forward.down_proj.weight": (h, ff), **mamba_shapes(mc, p + "mamba.")})
         if mc.mlp_bias:
             shapes.update({p + "feed_forward.gate_proj.bias": (ff,), p + "feed_forward.up_proj.bias": (ff,),
@@ -209,10 +215,7 @@ def lfm2_shapes(mc: ModelConfig) -> dict:
     """LFM2's tensors under its checkpoints' names: a short convolution or attention, then an MLP (or LFM2-MoE's
     experts), in each layer."""
     h, d, ff = mc.hidden_size, mc.head_dim, mc.intermediate_size
-    q, kv = mc.num_heads * d, mc.num_kv_heads * d
-    shapes = {"model.embed_tokens.weight": (mc.vocab_size, h), "model.embedding_norm.weight": (h,)}
-    if not mc.tie_word_embeddings:
-        shapes["lm_head.weight"] = (mc.vocab_size, h)
+    shapes = _model_shapes(mc, "embed_tokens", "embedding_norm")
     for i in range(mc.num_layers):
         p = f"model.layers.{i}."
         shapes.update({p + "operator_norm.weight": (h,), p + "ffn_norm.weight": (h,)})
@@ -228,20 +231,16 @@ def lfm2_shapes(mc: ModelConfig) -> dict:
                 shapes.update({p + "conv.in_proj.bias": (3 * h,), p + "conv.conv.bias": (h,),
                                p + "conv.out_proj.bias": (h,)})
         else:
-            shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                           p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.out_proj.weight": (h, q),
+            shapes.update({**_attention_shapes(mc, p + "self_attn.", "out_proj"),
                            p + "self_attn.q_layernorm.weight": (d,), p + "self_attn.k_layernorm.weight": (d,)})
     return shapes
 
 
 def jamba_shapes(mc: ModelConfig) -> dict:
     """Jamba's tensors under its checkpoints' names: Mamba or attention, then experts or an MLP, in each layer."""
-    h, d, ff = mc.hidden_size, mc.head_dim, mc.intermediate_size
-    q, kv = mc.num_heads * d, mc.num_kv_heads * d
+    h, ff = mc.hidden_size, mc.intermediate_size
     inner, state, kernel, rank = mc.mamba1
-    shapes = {"model.embed_tokens.weight": (mc.vocab_size, h), "model.final_layernorm.weight": (h,)}
-    if not mc.tie_word_embeddings:
-        shapes["lm_head.weight"] = (mc.vocab_size, h)
+    shapes = _model_shapes(mc, "embed_tokens", "final_layernorm")
     for i in range(mc.num_layers):
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (h,), p + "pre_ff_layernorm.weight": (h,)})
@@ -255,8 +254,7 @@ def jamba_shapes(mc: ModelConfig) -> dict:
             if mc.mamba_conv_bias:
                 shapes[m + "conv1d.bias"] = (inner,)
         else:
-            shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                           p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+            shapes.update(_attention_shapes(mc, p + "self_attn."))
         f = p + "feed_forward."
         experts = [f"{f}experts.{e}." for e in range(mc.num_experts)] if mc.is_moe(i) else [f]
         for e in experts:
