@@ -397,4 +397,5 @@ def test_a_reset_prefix_cache_runs_the_next_prompt_cold(llm_pp2):
     assert not llm_pp2.reset_prefix_cache()
     while llm_pp2.engine.has_unfinished_requests():
         llm_pp2.engine.step()
+    assert llm_pp2.engine.pop_output("running", None).finished  # (the shared engine left as it was)
     assert bm.num_prefix_hits == hits + 32 and llm_pp2.reset_prefix_cache()
