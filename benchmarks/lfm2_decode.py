@@ -2,12 +2,13 @@
 short convolutions, 6 attention; vocabulary 65,536) in pipellm, fp32 and int8, against HF transformers on the same
 weights, and against a Llama of the same width and depth whose layers run the one-call decode step (LFM2's layers
 with a state run layer by layer), in one run.
-Decode tok/s = (N - 1) / (time(N tokens) - time(1 token)), after a warm-up.
+Decode tok/s = (N - 1) / (time(N tokens) - time(1 token)), after a warm-up; the median of --rounds.
 
-    python benchmarks/lfm2_decode.py [--new-tokens 64] [--json out.json]
+    python benchmarks/lfm2_decode.py [--new-tokens 64] [--rounds 3] [--json out.json]
 """
 import argparse
 import json
+import statistics
 import tempfile
 import time
 
@@ -21,19 +22,20 @@ SHAPE = dict(vocab_size=65536, hidden_size=1024, num_hidden_layers=16, num_atten
              max_position_embeddings=4096, tie_word_embeddings=True)
 
 
-def rate(generate, n: int) -> float:
+def rate(generate, n: int, rounds: int) -> float:
     generate(2)
 
     def seconds(k):
         start = time.perf_counter()
         generate(k)
         return time.perf_counter() - start
-    return (n - 1) / (seconds(n) - seconds(1))
+    return statistics.median((n - 1) / (seconds(n) - seconds(1)) for _ in range(rounds))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -51,13 +53,13 @@ def main():
                     model.generate(torch.tensor([PROMPT]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                    pad_token_id=0)
             if name == "lfm2":
-                results["lfm2, HF transformers fp32"] = rate(hf, args.new_tokens)
+                results["lfm2, HF transformers fp32"] = rate(hf, args.new_tokens, args.rounds)
             for quantization in (None, "int8"):
                 with LLM(folder, dtype="float32", quantization=quantization) as llm:
                     def ours(n):
                         llm.generate([{"prompt_token_ids": PROMPT}],
                                      SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
-                    results[f"{name}, pipellm {quantization or 'fp32'}"] = rate(ours, args.new_tokens)
+                    results[f"{name}, pipellm {quantization or 'fp32'}"] = rate(ours, args.new_tokens, args.rounds)
     for key, tps in results.items():
         print(f"{key}: {tps:.1f} tok/s")
     if args.json:
