@@ -184,7 +184,8 @@ def falcon_h1_shapes(mc: ModelConfig) -> dict:
     for i in range(mc.num_layers):
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (h,), p + "pre_ff_layernorm.weight": (h,),
-                       **_attention_shapes(mc, p + "self_attn."), p + "feed_forward.gate_proj.weight": (ff, h), p + "feed_forward.up_proj.weight": (ff, h),
+                       **_attention_shapes(mc, p + "self_attn."), p + "feed_forward.gate_proj.weight": (ff, h),
+                       p + "feed_forward.up_proj.weight": (ff, h),
                        p + "feed_forward.down_proj.weight": (h, ff), **mamba_shapes(mc, p + "mamba.")})
         if mc.mlp_bias:
             shapes.update({p + "feed_forward.gate_proj.bias": (ff,), p + "feed_forward.up_proj.bias": (ff,),

@@ -1,6 +1,6 @@
-"""Layers that keep a fixed-size state per sequence instead of every past key and value: Qwen3-Next's and Qwen3.5's gated
-delta nets (Yang et al., "Gated Delta Networks"), the Mamba-2 mixers of Granite 4.0-H, Nemotron-H and Falcon-H1 (Dao
-and Gu, "Transformers are SSMs"), Jamba's Mamba mixers and LFM2's gated short convolutions. All keep the last few
+"""Layers that keep a fixed-size state per sequence instead of every past key and value: Qwen3-Next's and Qwen3.5's
+gated delta nets (Yang et al., "Gated Delta Networks"), the Mamba-2 mixers of Granite 4.0-H, Nemotron-H and Falcon-H1
+(Dao and Gu, "Transformers are SSMs"), Jamba's Mamba mixers and LFM2's gated short convolutions. All keep the last few
 inputs of a short causal convolution, and all but LFM2's a matrix per head: the delta net's [key width, value width],
 which each token decays, corrects towards its value (the delta rule) and reads with its query; Mamba-2's [head width,
 state width], which each token decays and adds its input to, read through C (Mamba's one [width, state width], decayed
