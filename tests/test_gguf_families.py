@@ -30,7 +30,7 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "granitemoehybrid": "granitehybrid", "granitemoehybrid-dense": "granitehybrid",
         "nemotron_h": "nemotron_h_moe", "nemotron_h-dense": "nemotron_h", "nemotron_h-latent": "nemotron_h_moe",
         "falcon_h1": "falcon-h1", "falcon_h1-ungated": "falcon-h1", "jamba": "jamba", "lfm2": "lfm2",
-        "lfm2_moe": "lfm2moe"}
+        "lfm2_moe": "lfm2moe", "bamba": "granitehybrid"}  # Bamba's: with rotary on half of each head
 GRANITE_HYBRID = ("granitemoehybrid", "granitemoehybrid-dense")
 NEMOTRON_H = ("nemotron_h", "nemotron_h-dense", "nemotron_h-latent")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_next-ssm_in")  # linear-attention layers
@@ -229,6 +229,10 @@ def gguf_family_config(name: str):
         return tf.NemotronHConfig(**BASE, **NEMOTRON_H_SHAPE, layers_block_type=[
             "linear_attention", mlp, "full_attention", mlp, "linear_attention"],
             moe_latent_size=32 if name.endswith("-latent") else None, moe_shared_expert_intermediate_size=64)
+    if name == "bamba":  # Granite 4.0-H's Mamba-2 layers (8 heads in 2 groups) but layer 2, attention with rotary on
+        # half of each head
+        return tf.BambaConfig(**BASE, attn_layer_indices=[2], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=8,
+                              mamba_d_conv=4)
     if name == "lfm2":  # short convolutions but layers 1 and 4; the MLP's width adjusted (to 64)
         return tf.Lfm2Config(**BASE, full_attn_idxs=[1, 4], block_multiple_of=16)
     if name == "lfm2_moe":  # and experts from layer 1 (llama.cpp's: renormalised, unscaled)
@@ -296,8 +300,9 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_leading_dense_block_count(cfg.num_dense_layers)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_head_count(cfg.num_attention_heads)
-    stateful = name in GRANITE_HYBRID + ("jamba", "lfm2", "lfm2_moe")  # 0 KV heads: a layer without attention
-    w.add_head_count_kv([cfg.num_key_value_heads * (t == "full_attention") for t in cfg.layer_types]
+    stateful = name in GRANITE_HYBRID + ("jamba", "lfm2", "lfm2_moe", "bamba")  # 0 KV heads: no attention
+    types = cfg.layers_block_type if name == "bamba" else getattr(cfg, "layer_types", None)
+    w.add_head_count_kv([cfg.num_key_value_heads * (t == "full_attention") for t in types]
                         if stateful else cfg.num_key_value_heads)
     if name.startswith("lfm2"):
         w.add_layer_norm_rms_eps(cfg.norm_eps)
@@ -400,6 +405,11 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_context_length(2 ** 20)
         w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
         w.add_rope_scaling_finetuned(False)
+        write_ssm(w, cfg.mamba_d_conv, cfg.mamba_d_state, cfg.mamba_n_heads, cfg.mamba_expand * cfg.hidden_size,
+                  cfg.mamba_n_groups)
+    if name == "bamba":  # rotary on: the converter's switch for Bamba; the rotated half
+        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads // 2)
+        w.add_rope_scaling_finetuned(True)
         write_ssm(w, cfg.mamba_d_conv, cfg.mamba_d_state, cfg.mamba_n_heads, cfg.mamba_expand * cfg.hidden_size,
                   cfg.mamba_n_groups)
     if name == "jamba":  # its time step rank: dt's
@@ -534,7 +544,7 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
              "deepseek_v3": DEEPSEEK_TO_GGUF, "glm4_moe": GLM4_MOE_TO_GGUF, "mistral4": DEEPSEEK_TO_GGUF,
              "llama4": LLAMA4_TO_GGUF, **dict.fromkeys(HYBRID, SEED_OSS_TO_GGUF), "falcon_h1": FALCON_H1_TO_GGUF,
              "falcon_h1-ungated": FALCON_H1_TO_GGUF, "jamba": JAMBA_TO_GGUF, "lfm2": LFM2_TO_GGUF,
-             "lfm2_moe": LFM2_TO_GGUF}.get(name, HF_TO_GGUF)
+             "lfm2_moe": LFM2_TO_GGUF, "bamba": JAMBA_TO_GGUF}.get(name, HF_TO_GGUF)
     w = gguf.GGUFWriter(str(path), arch)
     write_metadata(w, name, cfg)
     write_tokenizer(w)
@@ -577,7 +587,7 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
                 v_b = add(f"blk.{layer}.attn_v_b.weight", per_head[:, nope:])
                 held[hf] = np.concatenate([k_b.transpose(0, 2, 1), v_b], 1).reshape(arr.shape)
                 continue
-            if module.startswith(("mamba", "shared_mlp")) and name in GRANITE_HYBRID:
+            if module.startswith(("mamba", "shared_mlp")) and name in GRANITE_HYBRID + ("bamba",):
                 held[hf] = _add_granite_hybrid(add, f"blk.{layer}.", module, suffix, arr, cfg)
                 continue
             if name.startswith("falcon_h1") and module == "pre_ff_layernorm":  # its name without .weight
@@ -822,7 +832,7 @@ def test_gguf_family_matches_hf(family_gguf, name):
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "granitemoehybrid", "granitemoehybrid-dense", "granitemoe",
                                   "nemotron_h", "nemotron_h-dense", "nemotron_h-latent", "falcon_h1", "jamba", "lfm2",
-                                  "lfm2_moe"])
+                                  "lfm2_moe", "bamba"])
 def test_gguf_as_an_hf_folder(tmp_path, name):
     """convert_gguf's HF folder of a file (what `pipellm bench` gives transformers) holds HF's tensors: for qwen3next
     and qwen35, norms less 1, A_log from -exp(A_log), the conv unsqueezed, qwen35's value heads grouped again; for

@@ -136,9 +136,19 @@ def _tensors(reader, path: str, arch: str, cfg: dict, permuted: bool) -> dict:
             parts = (*np.split(qkv, [key, 2 * key]), z)
             out[qkv_name.replace("_qkv.", "_qkvz.")] = np.concatenate(
                 [p.reshape(heads, -1, qkv.shape[1]) for p in parts], 1).reshape(-1, qkv.shape[1])
-    if arch in ("granitemoe", "granitehybrid"):
+    if cfg["architectures"][0] == "BambaForCausalLM":
+        _bamba_names(out)
+    elif arch in ("granitemoe", "granitehybrid"):
         _granite_names(out, cfg)
     return out
+
+
+def _bamba_names(out: dict) -> None:
+    """Bamba's tensors under the names of its HF checkpoints: feed_forward its MLP, pre_ff_layernorm the MLP's norm,
+    final_layernorm the last norm."""
+    for name in list(out):
+        out[name.replace(".mlp.", ".feed_forward.").replace(".post_attention_layernorm.", ".pre_ff_layernorm.")
+            .replace("model.norm.", "model.final_layernorm.")] = out.pop(name)
 
 
 def _granite_names(out: dict, cfg: dict) -> None:

@@ -35,7 +35,7 @@ def granite_hybrid(m, hidden: int, experts: int) -> dict:
                 mamba_n_groups=m("ssm.group_count"), mamba_d_state=m("ssm.state_size"),
                 mamba_d_conv=m("ssm.conv_kernel"), num_local_experts=experts,
                 num_experts_per_tok=m("expert_used_count", 0) or 1,
-                shared_intermediate_size=m("expert_shared_feed_forward_length"))
+                shared_intermediate_size=m("expert_shared_feed_forward_length", 0))  # Bamba has none
 
 
 def nemotron_h(m, tensors: dict, layers: int, path: str) -> dict:

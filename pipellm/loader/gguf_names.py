@@ -58,6 +58,7 @@ ARCHITECTURES = {
     "lfm2moe": ("Lfm2MoeForCausalLM", "lfm2_moe", False),  # and experts
 }
 LFM2 = ("lfm2", "lfm2moe")
+BAMBA = ("BambaForCausalLM", "bamba", True)  # "granitehybrid" with rotary on part of each head (below)
 NEMOTRON = ("nemotron_h", "nemotron_h_moe")
 HYBRID = ("qwen3next", "qwen35", "qwen35moe")  # linear-attention layers (gated delta nets) among full ones
 DEEPSEEK_V2 = ("DeepseekV2ForCausalLM", "deepseek_v2", False)  # "deepseek2" with a softmax router
@@ -418,9 +419,9 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
     rope = _rope(m, arch, tensors, head_dim, path)
     rotated = m("rope.dimension_count", head_dim)
     if rotated != head_dim and arch not in MLA_ARCHS + NEMOTRON:  # whose rotary dims are qk_rope_head_dim's (below)
-        if arch not in ("phi3", "glm4", "glm4moe", "minimax-m2") + HYBRID:
+        if arch not in ("phi3", "glm4", "glm4moe", "minimax-m2", "granitehybrid") + HYBRID:
             raise ValueError(f"{path}: partial rotary (rope.dimension_count={rotated}, head_dim={head_dim}) is "
-                             "supported for phi3, glm4, glm4moe and minimax-m2 only")
+                             "supported for phi3, glm4, glm4moe, minimax-m2 and granitehybrid (Bamba) only")
         rope["partial_rotary_factor"] = rotated / head_dim
     window = m("attention.sliding_window", None)
     if arch == "mistral" or (arch == "llama" and not experts):  # llama.cpp attends to the whole context otherwise
@@ -477,6 +478,13 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         cfg["no_rope_layer_interval"] = 4
     if arch == "granitehybrid":
         cfg.update(granite_hybrid(m, hidden, experts))
+    if arch == "granitehybrid" and rotated != head_dim:  # Bamba, as llama.cpp's converter writes it
+        if experts or rotated * 2 != head_dim:
+            raise ValueError(f"{path}: a granitehybrid file with rotary on {rotated} of {head_dim} dims is read as "
+                             "Bamba, which rotates half of each head and has no experts")
+        entry = BAMBA
+        cfg.update(architectures=[BAMBA[0]], attn_layer_indices=[i for i, t in enumerate(cfg.pop("layer_types"))
+                                                                 if t == "attention"])
     if arch == "falcon-h1":
         cfg.update(falcon_h1(m, tensors))
     if arch == "jamba":
