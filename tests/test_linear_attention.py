@@ -143,6 +143,20 @@ def test_what_a_state_cannot_do_is_refused(qwen3_5):
             llm.inspect({"prompt_token_ids": prompts[0]})
 
 
+@pytest.mark.parametrize("options", [{}, dict(pipeline_parallel_size=2, max_num_batched_tokens=10)])
+def test_a_requests_completions_go_on_from_the_states_the_first_saved(qwen3_5, options):
+    """n=3 completions of one prompt: the first computes it and saves its states, the other two wait a step for them
+    and run only the prompt's last tokens (its first 24 cached for each); all three go on as HF does."""
+    folder, _, _, model = qwen3_5
+    prompt = SYSTEM + [5, 9, 30, 41, 2, 77, 3, 8]  # 26 tokens: the state after 24 is saved
+    (reply, _), = hf_greedy(model, [prompt])
+    params = SamplingParams(n=3, max_tokens=len(reply), temperature=0.0, ignore_eos=True)
+    with LLM(folder, dtype="float32", block_size=4, **options) as llm:
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        assert llm.engine.block_manager.num_prefix_hits == 2 * 24
+    assert [c.token_ids for c in out.outputs] == [reply] * 3
+
+
 @pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "jamba", "lfm2"])
 def test_a_state_is_saved_after_the_tokens_asked(state_models, name):
     """A mixer's state saved after its first k tokens of a step, for a prompt chunk cut there and for a chunk of one

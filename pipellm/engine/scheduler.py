@@ -197,6 +197,9 @@ class Scheduler:
                 break
             # its K/V is already there: compute only the rest
             bm = self.block_manager
+            if bm.saved is not None and req.parent_id is not None and req.use_prefix_cache and any(
+                    r.parent_id == req.parent_id and r.state_saves for r in self.running):
+                break  # a completion of its request still saves the prompt's states: go on from them after it
             cached = bm.cached_prefix(req) if req.use_prefix_cache else []
             partial = bm.cached_partial(req, cached) if req.use_prefix_cache else None
             n = min(req.num_tokens - len(cached) * bm.block_size - (partial[1] if partial else 0), budget)
