@@ -258,9 +258,10 @@ class StateMixer(nn.Module):
             else:
                 state.conv[at], state.ssm[at] = window[..., 1:], matrices
         saves = meta.state_saves or {}
-        for i in single:
-            for _, slot in saves.get(i, ()):
-                state.save(int(rows[i]), slot)
+        for i, at_tokens in saves.items():  # a decode's (or one-token chunk's) saves: after its token
+            if lens[i] == 1:
+                for _, slot in at_tokens:
+                    state.save(int(rows[i]), slot)
         for i, n in enumerate(lens):  # each prompt chunk on its own, from its sequence's state
             if n == 1:
                 continue

@@ -116,8 +116,9 @@ class StageWorker:
             for cache in self.attention_caches:
                 cache.copy_blocks(src, dst)
         if batch.state_loads is not None:  # a cached prefix's states, into the rows of the sequences that take it
+            loads = batch.state_loads.tolist()
             for state in self.states:
-                for slot, row in batch.state_loads.tolist():
+                for slot, row in loads:
                     state.load(slot, row)
         if batch.num_steps > 1:
             return self._decode_steps(batch)
