@@ -22,12 +22,17 @@ def linear_attention(m, arch: str, layers: int) -> dict:
                              for i in range(layers)], linear_heads_tiled=arch != "qwen3next")
 
 
+def kv_heads(m, layers: int) -> list[int]:
+    """Each layer's KV heads (attention.head_count_kv, a list where they differ): 0 for a layer without attention."""
+    kv = m("attention.head_count_kv")
+    return kv if isinstance(kv, list) else [kv] * layers
+
+
 def granite_hybrid(m, hidden: int, experts: int) -> dict:
     """HF config fields of a granitehybrid file (Granite 4.0-H): its attention layers those with KV heads in the
     per-layer attention.head_count_kv, the others Mamba-2 mixers; rotary only where rope.scaling.finetuned says so
     (llama.cpp's switch; its converter writes false for every hybrid model, as they take none)."""
-    kv = m("attention.head_count_kv")
-    kv = kv if isinstance(kv, list) else [kv] * m("block_count")
+    kv = kv_heads(m, m("block_count"))
     heads, inner = m("ssm.time_step_rank"), m("ssm.inner_size")
     return dict(num_key_value_heads=max(kv), layer_types=["attention" if n else "mamba" for n in kv],
                 position_embedding_type="rope" if m("rope.scaling.finetuned", True) else None,
@@ -48,11 +53,10 @@ def nemotron_h(m, tensors: dict, layers: int, path: str) -> dict:
              for i in range(layers)]
     if None in types:
         raise ValueError(f"{path}: layer {types.index(None)} holds none of ssm_in, attn_q, ffn_up_exps or ffn_up")
-    kv = m("attention.head_count_kv")
     heads, inner = m("ssm.time_step_rank"), m("ssm.inner_size")
     ff = next((tensors[f"blk.{i}.ffn_up.weight"][0][0] for i, t in enumerate(types) if t == "mlp"), 0)
     return dict(layers_block_type=types, num_hidden_layers=layers,
-                num_key_value_heads=max(kv) if isinstance(kv, list) else kv,
+                num_key_value_heads=max(kv_heads(m, layers)),
                 intermediate_size=ff, layer_norm_epsilon=f32(m("attention.layer_norm_epsilon")),
                 mamba_num_heads=heads, mamba_head_dim=inner // heads, n_groups=m("ssm.group_count"),
                 ssm_state_size=m("ssm.state_size"), conv_kernel=m("ssm.conv_kernel"),
@@ -79,8 +83,7 @@ def jamba(m, tensors: dict, layers: int, hidden: int, path: str) -> dict:
     """HF config fields of a jamba file: its attention layers those with KV heads in the per-layer
     attention.head_count_kv, its experts layers those with a router; each kind every period-th layer from an
     offset, as HF's Jamba config says them."""
-    kv = m("attention.head_count_kv")
-    kv = kv if isinstance(kv, list) else [kv] * layers
+    kv = kv_heads(m, layers)
 
     def period(flags: list[bool], what: str) -> tuple[int, int]:
         for p in range(1, layers + 1):
@@ -198,8 +201,7 @@ def lfm2(m, arch: str, layers: int, eps: float, path: str) -> dict:
     attention.head_count_kv, the others short convolutions; feed_forward_length its MLPs' width as it is; lfm2moe's
     experts in all but the leading dense layers, picked by sigmoid scores plus exp_probs_b and renormalised (as
     llama.cpp runs them)."""
-    kv = m("attention.head_count_kv")
-    kv = kv if isinstance(kv, list) else [kv] * layers
+    kv = kv_heads(m, layers)
     fields = dict(num_key_value_heads=max(kv), layer_types=["full_attention" if n else "conv" for n in kv],
                   conv_L_cache=m("shortconv.l_cache"), block_auto_adjust_ff_dim=False, norm_eps=eps)
     if arch == "lfm2moe":
