@@ -126,7 +126,7 @@ def jamba(d: dict, source: str) -> tuple[dict, dict]:
         mamba_conv_bias=bool(d.get("mamba_conv_bias", True)), mamba_proj_bias=bool(d.get("mamba_proj_bias")))
 
 
-def lfm2(d: dict, source: str) -> tuple[dict, dict]:
+def lfm2(d: dict, source: str, moe: bool) -> tuple[dict, dict]:
     """An LFM2 config.json in the keys from_hf_dict reads, and ModelConfig's fields of its own, as HF reads it: its
     "conv" layers (layer_types, or all but full_attn_idxs) a gated short convolution of conv_L_cache taps; its
     MLPs' width block_ff_dim (or intermediate_size), cut to two thirds, scaled and rounded up as
@@ -139,7 +139,6 @@ def lfm2(d: dict, source: str) -> tuple[dict, dict]:
         raise ValueError(f"{source}: LFM2 layer types {sorted(set(types) - {'conv', 'full_attention'})} are not "
                          "supported (conv, full_attention)")
     ff = d.get("block_ff_dim") or d["intermediate_size"]
-    moe = d["architectures"][0] == LFM2_MOE if d.get("architectures") else False
     if d.get("block_auto_adjust_ff_dim", True) and not moe:
         ff = int(2 * ff / 3)
         if (multiplier := d.get("block_ffn_dim_multiplier", 1.0)) is not None:

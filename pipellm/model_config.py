@@ -298,7 +298,7 @@ class ModelConfig:
         elif arch == JAMBA:
             d, family = jamba(d, source)
         elif arch in (LFM2, LFM2_MOE):
-            d, family = lfm2(d, source)
+            d, family = lfm2(d, source, moe=arch == LFM2_MOE)
         elif arch == BAMBA:
             d, family = bamba(d, source)
         is_gemma = arch in GEMMA_FAMILY
