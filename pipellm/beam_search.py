@@ -112,22 +112,23 @@ def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, use_tqd
     return results
 
 
-async def beam_search_async(engine, request_id: str, search: BeamSearch, priority: int = 0) -> list[BeamSearchOutput]:
+async def beam_search_async(engine, request_id: str, search: BeamSearch, priority: int = 0,
+                            lora_request=None) -> list[BeamSearchOutput]:
     """Runs a search's steps on an AsyncEngine, each beam a request of its own. Cancelling it aborts the step's
     requests."""
     while live := search.live():
         steps = await asyncio.gather(*(_one_step(engine, f"{request_id}-{search.step}-{j}", beam.tokens,
-                                                 search.step_params, priority)
+                                                 search.step_params, priority, lora_request)
                                        for j, (_, beam) in enumerate(live)))
         search.advance(live, [entry for entry, _ in steps], [token for _, token in steps])
     return search.results()
 
 
 async def _one_step(engine, request_id: str, tokens: list[int], params: SamplingParams,
-                    priority: int) -> tuple[dict[int, Logprob], int]:
+                    priority: int, lora_request=None) -> tuple[dict[int, Logprob], int]:
     """One token for one beam: (its top log-probabilities, the token drawn)."""
     entries, drawn = [], []
-    async with aclosing(engine.generate(request_id, tokens, params, priority)) as stream:
+    async with aclosing(engine.generate(request_id, tokens, params, priority, lora_request)) as stream:
         async for deltas in stream:
             for d in deltas:
                 entries += d.logprobs or []

@@ -123,6 +123,9 @@ class EngineConfig:
     #                                     prompt_logprobs) at most; -1: no cap (vLLM's name and default)
     scheduling_policy: str = "fcfs"     # "fcfs": requests run in arrival order; "priority": by each one's priority
     #                                     (lower first, then arrival), and the last of that order is preempted first
+    enable_lora: bool = False           # requests may name a LoRA adapter (a PEFT folder) to run with (vLLM's names)
+    max_loras: int = 1                  # adapters the stages hold at once (requests of others wait for a slot)
+    max_lora_rank: int = 16             # largest adapter rank taken
 
     def __post_init__(self):
         def bad(name, why):
@@ -194,6 +197,11 @@ class EngineConfig:
             bad("max_logprobs", "must be an integer >= 0, or -1 for no cap")
         if self.scheduling_policy not in ("fcfs", "priority"):
             bad("scheduling_policy", 'must be "fcfs" or "priority"')
+        if not isinstance(self.enable_lora, bool):
+            bad("enable_lora", "must be True or False")
+        for name in ("max_loras", "max_lora_rank"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                bad(name, "must be a positive integer")
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.speculative_config is not None:
             if self.num_scheduler_steps > 1:

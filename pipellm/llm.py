@@ -14,6 +14,7 @@ from pipellm.beam_search import BeamSearchOutput, beam_search
 from pipellm.config import EngineConfig, generation_defaults
 from pipellm.engine.detokenizer import StreamText
 from pipellm.engine.engine import LLMEngine
+from pipellm.lora import LoRARequest
 from pipellm.outputs import RequestOutput
 from pipellm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -149,8 +150,10 @@ class LLM:
                          f"not {type(prompt).__name__}")
 
     def generate(self, prompts: PromptType | list[PromptType], sampling_params: SamplingParams | list | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
-        """priority: one a prompt, with scheduling_policy="priority" (lower runs first), as vLLM's."""
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """priority: one a prompt, with scheduling_policy="priority" (lower runs first), as vLLM's. lora_request:
+        the LoRA adapter to run every prompt with, or one (or None) a prompt (enable_lora)."""
         if self._dead:
             raise RuntimeError(self._dead)
         prompts = _prompt_list(prompts)
@@ -162,7 +165,7 @@ class LLM:
                              "give one, or one per prompt")
         if priority is not None and (not isinstance(priority, list) or len(priority) != len(prompts)):
             raise ValueError(f"priority: give a list of one integer per prompt ({len(prompts)}), not {priority!r}")
-        queued = self._queue(prompts, params_list, priority)
+        queued = self._queue(prompts, params_list, priority, lora_request)
         with self._running([rid for rid, _ in queued]):
             with tqdm(total=sum(p.n for p in params_list), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished_requests():
@@ -179,7 +182,8 @@ class LLM:
             raise ValueError(f"params must be a BeamSearchParams, not {type(params).__name__}")
         return beam_search(self, [self._to_token_ids(p)[1] for p in _prompt_list(prompts)], params, use_tqdm)
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+               lora_request: LoRARequest | None = None) -> Iterator[str]:
         """One prompt's completion (n=1) as it is generated: yields the new text of each step. The pieces add up to
         the text generate() gives; a tail that could still become a stop string waits until it cannot."""
         params = sampling_params or SamplingParams()
@@ -189,7 +193,7 @@ class LLM:
             raise ValueError(f"stream() yields one completion; got n={params.n}")
         if self._dead:
             raise RuntimeError(self._dead)
-        [(rid, text)] = self._queue([prompt], [params])
+        [(rid, text)] = self._queue([prompt], [params], lora_request=lora_request)
         req, shown = self.engine.requests[rid], StreamText(params.stop)
         with self._running([rid]):
             while not req.is_finished:
@@ -201,17 +205,21 @@ class LLM:
         self.engine.pop_output(rid, text)
 
     def _queue(self, prompts: list[PromptType], params_list: list[SamplingParams],
-               priority: list[int] | None = None) -> list[tuple[str, str | None]]:
+               priority: list[int] | None = None, lora_request=None) -> list[tuple[str, str | None]]:
         """Adds the prompts' requests, every prompt checked before any is added (a bad one leaves the engine
         untouched). Returns (request id, prompt text) each."""
         encoded = [self._to_token_ids(p) for p in prompts]
         priority = priority or [0] * len(prompts)
-        for (_, ids), params, p in zip(encoded, params_list, priority):
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts; give one, or one per prompt")
+        for (_, ids), params, p, lora in zip(encoded, params_list, priority, loras):
             self.engine.inputs.validate(ids, params)
             self.engine.inputs.check_priority(p)
+            self.engine.check_lora(lora)
         queued = [(f"gen-{next(self._ids)}", text) for text, _ in encoded]
-        for (rid, _), (_, ids), params, p in zip(queued, encoded, params_list, priority):
-            self.engine.add_request(rid, ids, params, p)
+        for (rid, _), (_, ids), params, p, lora in zip(queued, encoded, params_list, priority, loras):
+            self.engine.add_request(rid, ids, params, p, lora)
         return queued
 
     @contextlib.contextmanager
@@ -242,15 +250,17 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
              tools: list[dict] | None = None, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """As vLLM's LLM.chat. chat_template: a Jinja template to use instead of the tokenizer's. tools: OpenAI's
         tool definitions, for the template to show the model (the output is text: its tool calls are not parsed).
         continue_final_message: the model continues the last (assistant) message, with add_generation_prompt=False.
-        chat_template_kwargs: the template's own variables (Qwen3's enable_thinking, ...)."""
+        chat_template_kwargs: the template's own variables (Qwen3's enable_thinking, ...). lora_request: as
+        generate's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.chat_prompt(conv, add_generation_prompt, chat_template, tools, continue_final_message,
                                     chat_template_kwargs) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
                     tools: list[dict] | None = None, continue_final_message: bool = False,

@@ -1,5 +1,7 @@
 from dataclasses import dataclass
 
+from pipellm.lora import LoRARequest
+
 
 @dataclass
 class Logprob:
@@ -42,3 +44,4 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token; None for the first
+    lora_request: LoRARequest | None = None  # the adapter it ran with (pipellm.lora), as vLLM's

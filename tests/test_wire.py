@@ -14,7 +14,7 @@ from pipellm.config import EngineConfig
 from pipellm.model_config import ModelConfig
 from pipellm.pipeline import wire
 from pipellm.pipeline.block_tables import StageBlockTables
-from pipellm.pipeline.messages import (AHEAD_TOKEN, BlockTableChanges, Inspect, NewRequest, ProbeReport,
+from pipellm.pipeline.messages import (AHEAD_TOKEN, BlockTableChanges, Inspect, LoRALoad, NewRequest, ProbeReport,
                                        SampledBatch, Shutdown, StageArgs, StageBatch, StageReport)
 from pipellm.pipeline.partition import make_partition
 from pipellm.rope_config import RopeConfig
@@ -183,6 +183,20 @@ def test_saved_states_travel_and_out_of_range_ones_are_refused():
                         (dict(state_saves=np.array([[0, 4, 6], [0, 2, 5]])), "in order")]:
         with pytest.raises(ValueError, match=why):
             replace(batch, **change).check(12, 16, 50, True, True)
+
+
+def test_lora_fields_travel_and_out_of_range_ones_are_refused():
+    """enable_lora: adapters loaded into slots, and each sequence's slot (-1: none)."""
+    batch = replace(_batch(), lora_loads=[LoRALoad(1, "/adapters/a")], lora_slots=np.array([1, -1, 0]))
+    back = wire.decode(wire.encode(batch))
+    back.check(12, 16, 50, True, True, max_loras=2)
+    assert back.lora_loads == [LoRALoad(1, "/adapters/a")] and back.lora_slots.tolist() == [1, -1, 0]
+    for change in [dict(lora_slots=np.array([2, -1, 0])), dict(lora_slots=np.array([-2, -1, 0])),
+                   dict(lora_slots=np.array([0, 0])), dict(lora_loads=[LoRALoad(2, "/adapters/a")])]:
+        with pytest.raises(ValueError, match="lora_"):
+            replace(batch, **change).check(12, 16, 50, True, True, max_loras=2)
+    with pytest.raises(ValueError, match="lora_"):  # an engine without enable_lora: no slots at all
+        batch.check(12, 16, 50, True, True)
 
 
 def test_a_stage_builds_block_tables_from_changes_and_refuses_bad_ones():

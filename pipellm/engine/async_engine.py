@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pipellm.engine.detokenizer import StreamText
 from pipellm.engine.engine import LLMEngine
 from pipellm.loader.model_folder import load_tokenizer
+from pipellm.lora import LoRARequest
 from pipellm.outputs import Logprob
 from pipellm.pipeline.launch import describe_exit
 from pipellm.sampling_params import SamplingParams
@@ -40,6 +41,7 @@ class AddRequest:
     params: SamplingParams
     updates: asyncio.Queue          # receives list[EngineDelta] per step, or an EngineDeadError
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -152,7 +154,8 @@ class AsyncEngine:
     # ---- event loop side ------------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[list[StreamDelta]]:
+                       priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[list[StreamDelta]]:
         """Yields the new text of the request's completions as it comes. Closing the iterator early (a client that
         went away) aborts the request, which frees its KV blocks."""
         if self.error:
@@ -164,7 +167,7 @@ class AsyncEngine:
         is_open = [True] * params.n
         with self._queued_lock:
             self._num_queued += params.n
-        self._commands.put(AddRequest(request_id, prompt_token_ids, params, updates, priority))
+        self._commands.put(AddRequest(request_id, prompt_token_ids, params, updates, priority, lora_request))
         if self.metrics:
             self.metrics.on_request(len(prompt_token_ids))
         try:
@@ -235,7 +238,8 @@ class AsyncEngine:
             if self.error is not None:
                 return self._send([(cmd.updates, EngineDeadError(self.error))])
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority)
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority,
+                                        cmd.lora_request)
             except ValueError as e:  # validated on the event loop already; a duplicate id would land here
                 return self._send([(cmd.updates, e)])
         finally:

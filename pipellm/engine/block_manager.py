@@ -90,7 +90,7 @@ class BlockManager:
         if not self.reuse_partial:
             return None
         bs, start = self.block_size, len(cached) * self.block_size
-        before = req.block_hashes[len(cached) - 1] if cached else b""
+        before = req.block_hashes[len(cached) - 1] if cached else req.cache_salt
         for k in range(min(bs - 1, req.num_tokens - 1 - start), 0, -1):
             b = self.partial.get((before, tuple(req.token_ids(start, start + k))))
             if b is not None and b not in cached:
@@ -221,7 +221,8 @@ class BlockManager:
     def _hash_blocks(self, req: Request, num_blocks: int) -> None:
         bs, hashes = self.block_size, req.block_hashes  # kept on req: its full blocks never change
         for i in range(len(hashes), num_blocks):
-            hashes.append(hash_block(hashes[-1] if hashes else b"", req.token_ids(i * bs, (i + 1) * bs)))
+            hashes.append(hash_block(hashes[-1] if hashes else req.cache_salt,
+                                     req.token_ids(i * bs, (i + 1) * bs)))
 
     def _is_cached(self, block_id: int) -> bool:
         h = self.block_hashes[block_id]
@@ -237,7 +238,8 @@ class BlockManager:
         if b is None or self.ref_counts[b] or self.block_hashes[b] is not None:  # still held, or full
             return
         self._hash_blocks(req, j)
-        before, tokens = req.block_hashes[j - 1] if j else b"", req.token_ids(j * self.block_size, known)
+        before = req.block_hashes[j - 1] if j else req.cache_salt
+        tokens = req.token_ids(j * self.block_size, known)
         for n in range(1, k + 1):
             key = (before, tuple(tokens[:n]))
             if key not in self.partial:

@@ -21,6 +21,7 @@ from pipellm.engine.sequence import Request
 from pipellm.loader.gguf import gguf_source
 from pipellm.loader.model_folder import load_tokenizer, resolve_model
 from pipellm.loader.safetensors import checkpoint_files
+from pipellm.lora import Adapters, LoRARequest
 from pipellm.model_config import ModelConfig
 from pipellm.observe.trace import TraceRecorder
 from pipellm.outputs import RequestOutput
@@ -92,6 +93,10 @@ class LLMEngine:
             raise ValueError(f"speculative_config: {mc.architecture}'s linear-attention (or Mamba) layers keep one "
                              "state a sequence, which cannot step back from rejected drafts; leave speculative_config "
                              "unset")
+        if config.enable_lora and gguf_file is not None:
+            raise ValueError("enable_lora: LoRA adapters (PEFT folders) add to a safetensors model's weights; this "
+                             "model is a GGUF file: give the model's folder")
+        self.adapters = Adapters(mc, config.max_lora_rank) if config.enable_lora else None
         if mc.attention_chunk % config.block_size:
             raise ValueError(f"block_size={config.block_size} does not divide the model's attention_chunk_size="
                              f"{mc.attention_chunk}: give a block_size that does (16 does for Llama 4's 8192)")
@@ -120,7 +125,8 @@ class LLMEngine:
                                    run_ahead_max_seqs=self._run_ahead_max_seqs(),
                                    chunks_ahead=config.pipeline_parallel_size > 1 and config.batches_in_flight > 1,
                                    speculative_config=config.speculative_config,
-                                   by_priority=config.scheduling_policy == "priority")
+                                   by_priority=config.scheduling_policy == "priority",
+                                   max_loras=config.max_loras if config.enable_lora else 0)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler)
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # a user's request id -> its completions' ids, to find them by id
@@ -217,9 +223,19 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """ValueError unless the engine can run this adapter (None: the base model)."""
+        if lora_request is not None and self.adapters is None:
+            raise ValueError("lora_request: this engine takes no LoRA adapters; start it with enable_lora=True "
+                             "(--enable-lora), max_loras and max_lora_rank as the adapters need")
+        if lora_request is not None:
+            self.adapters.check(lora_request)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
-        """Queues one prompt (params.n completions). Call inputs.validate() (and inputs.check_priority()) first."""
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
+        """Queues one prompt (params.n completions), run with the LoRA adapter lora_request if given. Call
+        inputs.validate() (and inputs.check_priority()) first."""
+        self.check_lora(lora_request)
         prompt_token_ids = self.inputs.truncated(prompt_token_ids, params)
         rids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         if request_id in self.groups or any(rid in self.requests for rid in rids):
@@ -240,6 +256,8 @@ class LLMEngine:
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None] * len(prompt_token_ids)
             req.min_tokens_stop_ids, req.bad_words_token_ids = stop_ids, bad_words
+            if lora_request is not None:
+                req.lora_request, req.cache_salt = lora_request, f"lora:{lora_request.lora_name}".encode()
             self.requests[rid] = req
             self.scheduler.add(req)
 

@@ -112,4 +112,4 @@ class OutputProcessor:
         return RequestOutput(request_id, prompt, reqs[0].prompt_token_ids, [self.completion(r) for r in reqs],
                              finished=all(r.is_finished for r in reqs),
                              metrics=RequestMetrics(reqs[0].arrival_time, list(reqs[0].token_times)),
-                             prompt_logprobs=reqs[0].prompt_logprobs)
+                             prompt_logprobs=reqs[0].prompt_logprobs, lora_request=reqs[0].lora_request)

@@ -11,6 +11,7 @@ import numpy as np
 from pipellm.config import SpeculativeConfig
 from pipellm.engine import speculative
 from pipellm.engine.block_manager import BlockManager
+from pipellm.engine.lora_slots import LoRASlots
 from pipellm.engine.sequence import Request, RequestStatus
 from pipellm.pipeline.messages import BlockTableChanges, NewRequest, StageBatch
 
@@ -31,8 +32,10 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  recompute_past: int | None = None, send_rope_lens: bool = False, num_scheduler_steps: int = 1,
                  steps_alone: bool = False, run_ahead_max_seqs: int = 0, chunks_ahead: bool = False,
-                 speculative_config: SpeculativeConfig | None = None, by_priority: bool = False):
+                 speculative_config: SpeculativeConfig | None = None, by_priority: bool = False,
+                 max_loras: int = 0):
         self.block_manager = block_manager
+        self.loras = LoRASlots(max_loras) if max_loras else None  # the stages' LoRA slots (enable_lora)
         # scheduling_policy "priority": waiting and running requests in priority order, the last of it preempted
         # first (as vLLM's); otherwise in arrival order, the last admitted preempted first
         self.by_priority = by_priority
@@ -118,6 +121,8 @@ class Scheduler:
             req.window_block_ids = []
             req.in_flight, req.num_ahead, req.is_known_to_sampler, req.draft_token_ids = 0, 0, False, []
             req.table_row, req.blocks_sent = -1, 0  # the new stages hold no rows
+        if self.loras is not None:
+            self.loras.reset()  # nor adapters
         self.waiting = deque(self.running + list(self.waiting))
         if self.by_priority:
             self.waiting = deque(sorted(self.waiting, key=_order))
@@ -191,10 +196,15 @@ class Scheduler:
             if n > 1:
                 self.block_manager.cache_sent_blocks(req, n)
         # max_num_seqs bounds the running requests of every batch in flight together, as vLLM's does
+        skipped = []  # requests whose LoRA adapter waits for a slot: the ones behind them go ahead
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
             if req.suspect and (suspect_out or any(r.suspect for r, _ in chosen)):
                 break
+            slot = -1 if self.loras is None else self.loras.slot_for(req, self.running)
+            if slot is None:  # every slot holds another adapter that a running request needs
+                skipped.append(self.waiting.popleft())
+                continue
             # its K/V is already there: compute only the rest
             bm = self.block_manager
             if bm.saved is not None and req.parent_id is not None and req.use_prefix_cache and any(
@@ -205,6 +215,8 @@ class Scheduler:
             n = min(req.num_tokens - len(cached) * bm.block_size - (partial[1] if partial else 0), budget)
             if not bm.can_allocate(req, n, cached, partial):
                 break
+            if self.loras is not None:
+                self.loras.take(req, slot)
             self.waiting.popleft()
             bm.allocate(req, n, cached, partial)
             if n > 1:
@@ -213,6 +225,7 @@ class Scheduler:
             self.running.append(req)
             chosen.append((req, n))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
         if not chosen:
             return None
         if self.speculative_config is not None:
@@ -324,6 +337,10 @@ class Scheduler:
         if self.block_manager.saved is not None:  # states of cached prefixes loaded, and states to save
             batch.state_loads = self.block_manager.saved.take_loads()
             batch.state_saves = self.block_manager.saved.saves(reqs, starts, counts, bs, steps)
+        if self.loras is not None:
+            batch.lora_loads = self.loras.take_loads()
+            if any(r.lora_slot >= 0 for r in reqs):
+                batch.lora_slots = np.array([r.lora_slot for r in reqs], dtype=np.int64)
         if self.block_manager.pending_copies:  # kept partial blocks copied for the requests admitted here
             batch.block_copies = np.array(self.block_manager.pending_copies, dtype=np.int64)
             self.block_manager.pending_copies = []

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipellm.engine.detokenizer import IncrementalDetokenizer
+from pipellm.lora import LoRARequest
 from pipellm.outputs import Logprob
 from pipellm.pipeline.messages import AHEAD_TOKEN
 from pipellm.sampling_params import SamplingParams
@@ -49,6 +50,10 @@ class Request:
     suspect: bool = False            # it was out when a stage failed: until a batch that samples it comes back, it
     #                                  runs with no other suspect out, and a failure then drops it (drop_suspects)
     use_prefix_cache: bool = True    # False: compute every prompt position, even where a cached prefix holds it
+    lora_request: LoRARequest | None = None  # the adapter it runs with (enable_lora)
+    lora_slot: int = -1              # the stages' slot holding that adapter, while it runs
+    cache_salt: bytes = b""          # what its first block's hash starts from: a cached prefix of another adapter's
+    #                                  K/V is not its own
     state_saves: list[int] = field(default_factory=list)  # blocks after which the stages save its state (prefix
     #                                  caching of a model whose layers keep one), those its batches have not reached
     decode_saved: bytes | None = None  # the prefix whose state it saved last as it decoded

@@ -58,6 +58,13 @@ def _non_empty(flag: str, instead: str):
     return check
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, eq, path = text.partition("=")
+    if not eq or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"--lora-modules {text!r}: give NAME=PATH, e.g. sql-lora=/adapters/sql")
+    return name.strip(), path.strip()
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -123,6 +130,12 @@ def _engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> N
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
                    help="auto (default): the activations' dtype; int8 holds 4x the tokens of float32, with a scale "
                         "per block and KV head")
+    p.add_argument("--enable-lora", action="store_true", default=None,
+                   help="requests may run with a LoRA adapter (a PEFT folder): serve's --lora-modules")
+    p.add_argument("--max-loras", type=_positive("--max-loras"), default=None,
+                   help="adapters the stages hold at once (default 1); requests of others wait for a slot")
+    p.add_argument("--max-lora-rank", type=_positive("--max-lora-rank"), default=None,
+                   help="largest adapter rank taken (default 16)")
     p.add_argument("--restart-on-failure", action=argparse.BooleanOptionalAction, default=None,
                    help="when a stage fails, start a new pipeline and re-run unfinished requests "
                         "(default: on for serve on one host, off otherwise)")
@@ -238,6 +251,8 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--out", default="inspect", help="folder to write the pictures and inspect.json to")
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _engine_args(serve)
+    serve.add_argument("--lora-modules", nargs="+", default=(), type=_lora_module, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) clients ask for by NAME as the model (needs --enable-lora)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /metrics",

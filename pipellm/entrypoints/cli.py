@@ -25,7 +25,9 @@ def _engine_kwargs(args, restart_default: bool = False) -> dict:
                     gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                     async_scheduling=args.async_scheduling,
                     speculative_config=args.speculative_config,
-                    max_logprobs=args.max_logprobs, scheduling_policy=args.scheduling_policy)  # unset: defaults
+                    max_logprobs=args.max_logprobs, scheduling_policy=args.scheduling_policy,
+                    enable_lora=args.enable_lora, max_loras=args.max_loras,
+                    max_lora_rank=args.max_lora_rank)  # unset: defaults
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     from pipellm.llm import engine_options
     engine_options({k: getattr(args, k) for k in VLLM_ONLY_FLAGS if getattr(args, k) is not None})  # refuses or drops
@@ -302,7 +304,7 @@ def cmd_serve(args) -> None:
                           generation_config=args.generation_config,
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                           chat_template=template, reasoning_parser=args.reasoning_parser,
-                          allowed_origins=tuple(args.allowed_origins))
+                          allowed_origins=tuple(args.allowed_origins), lora_modules=tuple(args.lora_modules))
     run_server(args.model, _engine_kwargs(args, restart_default=True), config, sock)
 
 

@@ -21,6 +21,7 @@ from pipellm.engine.engine import LLMEngine
 from pipellm.entrypoints.protocol import APIError, SamplingFields, beam_search_params, usage
 from pipellm.entrypoints.reasoning import PARSERS as reasoning_parsers
 from pipellm.entrypoints.tools import PARSERS as tool_parsers
+from pipellm.lora import LoRARequest
 from pipellm.observe.metrics import ServerMetrics
 from pipellm.sampling_params import SamplingParams
 
@@ -48,6 +49,7 @@ class ServerConfig:
     chat_template: str | None = None    # a Jinja template for chat completions instead of the tokenizer's
     reasoning_parser: str | None = None  # the thought in a message's reasoning_content (reasoning.PARSERS)
     allowed_origins: tuple[str, ...] = ()  # web pages (origins) whose scripts may call the API (CORS); "*" any
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder): LoRA adapters clients name as `model`
 
     def __post_init__(self):
         check_generation_config(self.generation_config)  # before the engine starts
@@ -83,11 +85,13 @@ class Work:
     params: SamplingParams          # n: the choices per prompt (a beam search's width)
     search: BeamSearch | None = None  # use_beam_search: the beams, grown a token per step
     priority: int = 0               # scheduling_policy "priority": lower runs first
+    lora: LoRARequest | None = None  # the adapter the request's model names
 
 
 class OpenAIServer:
     def __init__(self, engine: LLMEngine, config: ServerConfig):
         self.config, self.engine = for_model(config, engine.model_config.architecture), engine
+        self.loras = lora_modules(engine, config)
         self.async_engine = AsyncEngine(engine)
         self.metrics = ServerMetrics(config.served_model_name, lambda: self.async_engine.stats)
         self.async_engine.metrics = self.metrics
@@ -133,9 +137,10 @@ class OpenAIServer:
         return data
 
     def check_model_and_engine(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{self.config.served_model_name!r}", param="model", code="model_not_found")
+        if model is not None and model != self.config.served_model_name and model not in self.loras:
+            names = ", ".join(repr(n) for n in [self.config.served_model_name, *self.loras])
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {names}", param="model",
+                           code="model_not_found")
         dead = self.async_engine.dead_reason()
         if dead:
             raise APIError(503, f"the engine is dead: {dead}", type_="server_error", code="engine_dead")
@@ -198,14 +203,15 @@ class OpenAIServer:
             raise APIError(400, str(e).replace("start it", "start the server", 1), param="priority") from None
         await self.check_prompts(prompts, params, max_tokens_given, "prompt" if hasattr(req, "prompt") else "messages")
         self.check_size_and_room(prompts, params)
+        lora = self.loras.get(req.model)
         if beam is None:
-            return Work(prompts, params, priority=priority)
+            return Work(prompts, params, priority=priority, lora=lora)
         try:
             search = BeamSearch(prompts, beam, engine.eos_token_ids, engine.max_model_len, engine.config.max_logprobs,
                                 params.logprobs or 0)
         except ValueError as e:  # n beams rank 2n log-probabilities a step
             raise APIError(400, str(e).replace("beam_width", "n", 1), param="n") from None
-        return Work(prompts, params, search, priority)
+        return Work(prompts, params, search, priority, lora)
 
     # ---- generation ---------------------------------------------------------------------------------------
 
@@ -214,12 +220,13 @@ class OpenAIServer:
         choices all come at its end: no beam is kept until the last step ranks them."""
         prompts, params = work.prompts, work.params
         if work.search is not None:
-            outs = await beam_search_async(self.async_engine, request_id, work.search, work.priority)
+            outs = await beam_search_async(self.async_engine, request_id, work.search, work.priority, work.lora)
             for i, (ids, out) in enumerate(zip(prompts, outs)):
                 yield i, [self._beam_choice(j, seq, len(ids), params) for j, seq in enumerate(out.sequences)]
             return
         if len(prompts) == 1:
-            async with aclosing(self.async_engine.generate(request_id, prompts[0], params, work.priority)) as stream:
+            async with aclosing(self.async_engine.generate(request_id, prompts[0], params, work.priority,
+                                                           work.lora)) as stream:
                 async for deltas in stream:
                     yield 0, deltas
             return
@@ -228,7 +235,7 @@ class OpenAIServer:
         async def pump(i: int, ids: list[int]) -> None:
             try:
                 async with aclosing(self.async_engine.generate(f"{request_id}-{i}", ids, params,
-                                                               work.priority)) as stream:
+                                                               work.priority, work.lora)) as stream:
                     async for deltas in stream:
                         results.put_nowait((i, deltas))
                 results.put_nowait((i, None))
@@ -339,6 +346,21 @@ def _depth(value) -> int:
                 level.append((child, d + 1))
         deepest = max(deepest, d + isinstance(item, (dict, list)))
     return deepest
+
+
+def lora_modules(engine: LLMEngine, config: ServerConfig) -> dict[str, LoRARequest]:
+    """--lora-modules by name, each checked against the model before the server starts."""
+    loras: dict[str, LoRARequest] = {}
+    for i, (name, path) in enumerate(config.lora_modules):
+        try:
+            if name in loras or name == config.served_model_name:
+                raise ValueError(f"the name {name!r} is taken already; give each adapter a name of its own")
+            loras[name] = LoRARequest(name, i + 1, path)
+            engine.check_lora(loras[name])
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {name}={path}: {e}".replace("enable_lora=True (--enable-lora)",
+                                                                           "--enable-lora")) from None
+    return loras
 
 
 def for_model(config: ServerConfig, architecture: str) -> ServerConfig:

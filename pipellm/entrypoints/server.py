@@ -75,9 +75,10 @@ class _Endpoints:
         except chat.ChatTemplateError as e:
             raise APIError(400, str(e), param=e.param) from None
 
-    def base(self, prefix: str, kind: str) -> dict:
+    def base(self, prefix: str, kind: str, model: str | None) -> dict:
+        """A response's first fields; its model is the request's LoRA adapter, or the served model."""
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
-                "model": self.s.config.served_model_name}
+                "model": model if model in self.s.loras else self.s.config.served_model_name}
 
     async def completions(self, request: Request):
         s = self.s
@@ -100,7 +101,7 @@ class _Endpoints:
             texts = [t if len(p) <= params.truncate_prompt_tokens else None for p, t in zip(prompts, texts)]
             prompts = [s.engine.inputs.truncated(p, params) for p in prompts]
         work = await s.checked_work(req, prompts, params, req.max_tokens is not None)
-        base = self.base("cmpl", "text_completion")
+        base = self.base("cmpl", "text_completion", req.model)
         logprobs = [CompletionLogprobs(self.decode_token) for _ in range(len(prompts) * params.n)]
         echoed = [not echo] * len(logprobs)
 
@@ -160,7 +161,7 @@ class _Endpoints:
             params.skip_special_tokens = False
         prompts = [s.engine.inputs.truncated(self.chat_prompt(req.messages, req, tools), params)]
         work = await s.checked_work(req, prompts, params, max_tokens is not None)
-        base = self.base("chatcmpl", "chat.completion")
+        base = self.base("chatcmpl", "chat.completion", req.model)
 
         def lps(token_ids, entries):
             return chat_logprobs(token_ids, entries, top_k) if top_k is not None else None
@@ -248,7 +249,10 @@ class _Endpoints:
         name = self.s.config.served_model_name  # "root" is the name too: a local path tells clients nothing useful
         card = {"id": name, "object": "model", "created": self.s.created, "owned_by": "pipellm", "root": name,
                 "max_model_len": self.s.engine.max_model_len}
-        return {"object": "list", "data": [card]}
+        adapters = [{"id": lora.lora_name, "object": "model", "created": self.s.created, "owned_by": "pipellm",
+                     "root": str(lora.lora_path), "parent": name, "max_model_len": self.s.engine.max_model_len}
+                    for lora in self.s.loras.values()]  # as vLLM lists them
+        return {"object": "list", "data": [card, *adapters]}
 
     async def health(self):
         ae = self.s.async_engine

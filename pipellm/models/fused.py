@@ -16,8 +16,8 @@ from pipellm.quant.linear import CompactLinear, kernels_take
 def applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Whether this step can take the fused path: fp32 rows on the CPU (or bf16 rows where compact weights take them
     as they are), each the one new token of its sequence, in order, for the full and the sliding layers alike, with
-    nothing recorded per layer."""
-    return kernels_take(x.dtype) and x.is_cpu and all(
+    nothing recorded per layer and no LoRA adapter."""
+    return kernels_take(x.dtype) and x.is_cpu and not meta.adapters and all(
         m.decode is not None and m.decode.token_idx is None and not m.prefills and m.probe is None
         for m in (meta, meta.local or meta))
 
@@ -97,6 +97,7 @@ def _mlp(ops, mlp: nn.Module):
 
 def _linear(ops, module: nn.Module):
     """The kernels' Linear for a stage's linear module, or None for one it cannot run."""
+    module = getattr(module, "base", module)  # a LoRALinear's: steps of its adapters do not take the fused path
     bias = getattr(module, "bias", None)
     if bias is not None and bias.dtype != torch.float32:
         return None

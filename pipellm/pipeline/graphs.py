@@ -57,6 +57,8 @@ def supported(model_config, engine_config, dev: torch.device, num_window_blocks:
         return "linear-attention layers keep a state per sequence, in rows read from the data"
     if cfg.attention_chunk:
         return "chunked attention layers' blocks start where each sequence's chunk does"
+    if engine_config.enable_lora:
+        return "LoRA adapters add products per slot, for rows read from the data"
     if engine_config.kv_cache_dtype == "int8":
         return "int8 KV caches rescale blocks by data"
     if num_window_blocks:

@@ -53,6 +53,13 @@ class BlockTableChanges:
 
 
 @dataclass
+class LoRALoad:
+    """An adapter every stage loads into a LoRA slot before running the batch (the engine's enable_lora)."""
+    slot: int
+    path: str                        # the PEFT folder, on every host at this path
+
+
+@dataclass
 class StageBatch:
     """One step of work, driver -> every stage. T = new tokens, B = sequences, S = sequences sampled."""
     batch_id: int
@@ -89,13 +96,15 @@ class StageBatch:
     #                                  copies into a sequence's row before running the batch (a cached prefix's)
     state_saves: np.ndarray | None = None  # [K, 3] int64 (sequence, k, slot): after its first k new tokens, a
     #                                  sequence's state is saved in the slot, in every linear-attention layer
+    lora_loads: list[LoRALoad] = field(default_factory=list)  # adapters into slots, before the batch runs
+    lora_slots: np.ndarray | None = None  # [B] int64 each sequence's LoRA slot, -1 for none (None: all none)
 
     @property
     def num_tokens(self) -> int:
         return len(self.positions)
 
     def check(self, num_blocks: int, block_size: int, vocab_size: int, is_first: bool, is_last: bool,
-              num_window_blocks: int = 0) -> None:
+              num_window_blocks: int = 0, max_loras: int = 0) -> None:
         """ValueError unless the arrays agree with each other and index only this stage's caches and vocabulary."""
         def need(ok, what):
             if not ok:
@@ -134,6 +143,11 @@ class StageBatch:
                                and (np.diff(saves[:, 0] * (1 << 32) + saves[:, 1]) > 0).all()),
              f"state_saves must be [saves, 3] (sequence, tokens, slot), in order: within its new tokens, a slot below "
              f"{MAX_ROWS}")
+        ls = self.lora_slots
+        need(ls is None or (ls.shape == (B,) and ls.dtype.kind == "i" and ((ls >= -1) & (ls < max_loras)).all()),
+             f"lora_slots must be [sequences] slots below max_loras={max_loras}, or -1")
+        need(all(type(x.slot) is int and 0 <= x.slot < max_loras and isinstance(x.path, str)
+                 for x in self.lora_loads), f"lora_loads must name slots below max_loras={max_loras}")
         if self.window_block_tables is not None:
             need(self.window_block_tables.ndim == 2 and self.window_block_tables.dtype.kind == "i" and
                  len(self.window_block_tables) == B and (self.window_block_tables >= 0).all() and

@@ -26,8 +26,8 @@ import numpy as np
 
 from pipellm.config import EngineConfig, SpeculativeConfig
 from pipellm.model_config import ModelConfig
-from pipellm.pipeline.messages import (BlockTableChanges, Inspect, NewRequest, ProbeReport, SampledBatch, Shutdown,
-                                       StageArgs, StageBatch, StageReport)
+from pipellm.pipeline.messages import (BlockTableChanges, Inspect, LoRALoad, NewRequest, ProbeReport, SampledBatch,
+                                       Shutdown, StageArgs, StageBatch, StageReport)
 from pipellm.pipeline.partition import StageLayers
 from pipellm.rope_config import RopeConfig
 from pipellm.sampler import PromptLogprobs, SampledToken
@@ -35,8 +35,9 @@ from pipellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 KINDS = {cls.__name__: cls for cls in (StageArgs, StageBatch, SampledBatch, ProbeReport, Inspect, Shutdown,
                                              StageReport)}
-_NESTED = (BlockTableChanges, NewRequest, SampledToken, PromptLogprobs, SamplingParams, StructuredOutputsParams,
-           StageLayers, ModelConfig, RopeConfig, EngineConfig, SpeculativeConfig)  # only inside a kind
+_NESTED = (BlockTableChanges, LoRALoad, NewRequest, SampledToken, PromptLogprobs, SamplingParams,
+           StructuredOutputsParams, StageLayers, ModelConfig, RopeConfig, EngineConfig,
+           SpeculativeConfig)  # only inside a kind
 DTYPES = {np.dtype(t).str: np.dtype(t) for t in (np.int64, np.int32, np.float32, np.float64, np.uint8, np.bool_)}
 MAX_PAYLOAD_BYTES = 256 << 20   # a trace report of 200,000 events is ~15 MB
 TAG_BYTES = 32                  # HMAC-SHA256

@@ -10,6 +10,7 @@ import torch
 from pipellm import structured
 from pipellm.loader.gguf import gguf_source, load_gguf_stage_weights
 from pipellm.loader.safetensors import load_stage_weights
+from pipellm.lora import StageAdapters
 from pipellm.models.attention import AttentionMetadata
 from pipellm.models.huge_pages import weights_on_huge_pages
 from pipellm.models.kv_cache import KVCache, cache_dtype
@@ -50,6 +51,7 @@ class StageWorker:
         set_int8_activations(self.model, ecfg.int8_activations)
         transpose_linears(self.model)
         share_tied_embedding(self.model)
+        self.adapters = StageAdapters(self.model, ecfg.torch_dtype, device) if ecfg.enable_lora else None
         if device.type == "cpu":
             weights_on_huge_pages(self.model)
         self.model.eval().to(device)
@@ -110,7 +112,12 @@ class StageWorker:
         if batch.table_changes is not None:
             batch.block_tables = self.block_tables.apply(batch.table_changes, len(batch.query_lens), batch.batch_id)
         batch.check(self.args.num_blocks, ecfg.block_size, cfg.vocab_size, self.stage.is_first, self.stage.is_last,
-                    self.args.num_window_blocks)
+                    self.args.num_window_blocks, ecfg.max_loras if ecfg.enable_lora else 0)
+        adapters = False  # whether a row runs a LoRA adapter: the layers' own forward, which adds them
+        if self.adapters is not None:
+            for load in batch.lora_loads:
+                self.adapters.load(load.slot, load.path)
+            adapters = self.adapters.set_step(batch.lora_slots, batch.query_lens)
         if batch.block_copies is not None:
             src, dst = (torch.from_numpy(c).to(self.device) for c in batch.block_copies.T)
             for cache in self.attention_caches:
@@ -121,7 +128,7 @@ class StageWorker:
                 for slot, row in loads:
                     state.load(slot, row)
         if batch.num_steps > 1:
-            return self._decode_steps(batch)
+            return self._decode_steps(batch, adapters)
         t, dev = torch.from_numpy, self.device
         graph = self.graphs is not None and not batch.probe and self.graphs.applies(batch.query_lens, batch.seq_lens)
         if not graph:
@@ -133,6 +140,7 @@ class StageWorker:
                                                 decode_chunks=self.decode_chunks, attention_chunk=cfg.attention_chunk)
             if batch.rope_lens is not None:
                 meta.rope_lens = t(batch.rope_lens)
+            meta.adapters = adapters
             meta.state_rows = t(batch.table_changes.rows) if batch.table_changes is not None else None
             if batch.state_saves is not None:
                 meta.state_saves = {}
@@ -222,7 +230,7 @@ class StageWorker:
             self.sampler.add_request(req.req_id, req.params, req.prompt_token_ids, req.seed, req.output_token_ids,
                                      req.min_tokens_stop_ids, req.bad_words_token_ids)
 
-    def _decode_steps(self, batch: StageBatch) -> None:
+    def _decode_steps(self, batch: StageBatch, adapters: bool) -> None:
         """batch.num_steps decode steps of its sequences, each step one position on, in the slots their block tables
         give. The last stage's samples are the next step's input: it sends them to the first stage (only token ids
         cross), and the driver gets every step's tokens at the end."""
@@ -259,7 +267,7 @@ class StageWorker:
             else:
                 meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, query_lens,
                                                     seq_lens, tables, slots, bs, attention_chunk=cfg.attention_chunk)
-                meta.state_rows = state_rows
+                meta.state_rows, meta.adapters = state_rows, adapters
                 hidden = self.model(x.to(dev), positions.to(dev), meta.to(dev), self.kv_caches)
             if not stage.is_last:
                 self._send_hidden(hidden)

@@ -1,0 +1,177 @@
+"""LoRA adapters (enable_lora): requests of different adapters, and of none, in one batch, each greedy token for token
+what HF transformers gives with PEFT's model of that adapter."""
+import copy
+import json
+import os
+
+import httpx
+import peft
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from pipellm import LLM, LoRARequest, SamplingParams
+from tests.conftest import FP32, hf_greedy_ids, make_checkpoint
+from tests.serving import serve
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+N = 10
+PROMPTS = [[5, 9, 33, 7, 100, 3, 8], list(range(40, 75))]  # the second fills two blocks of 16: a cached prefix
+GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+
+
+def save_adapter(base, folder: str, seed: int, targets: list[str], **config):
+    """A PEFT adapter of random A and B (PEFT's own init leaves B zero: no change to see), saved as PEFT saves it;
+    returns HF's model with the adapter."""
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(target_modules=targets, init_lora_weights=False,
+                                                                      **config))
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory):
+    """(base folder, {adapter name: (LoRARequest, HF greedy ids of PROMPTS)}, HF base ids)."""
+    d = tmp_path_factory.mktemp("lora")
+    base = make_checkpoint("llama", str(d / "base"), seed=3)
+    adapters = {}
+    for i, (name, targets, config) in enumerate([
+            ("all", ALL, dict(r=8, lora_alpha=16)),
+            ("qv-rslora", ["q_proj", "v_proj"], dict(r=4, lora_alpha=32, use_rslora=True)),
+            ("mlp-pattern", ["gate_proj", "down_proj"], dict(r=6, lora_alpha=6, alpha_pattern={"down_proj": 24}))]):
+        model = save_adapter(base, str(d / name), i + 1, targets, **config)
+        adapters[name] = (LoRARequest(name, i + 1, str(d / name)), hf_greedy_ids(model, PROMPTS, N))
+    return str(d / "base"), adapters, hf_greedy_ids(base, PROMPTS, N)
+
+
+def _ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_batch_of_adapters_and_the_base_model_matches_peft(lora_setup, pp):
+    base_dir, adapters, base_ids = lora_setup
+    names = list(adapters)
+    loras = [None] * 2 + [adapters[n][0] for n in names for _ in PROMPTS]
+    with LLM(base_dir, pipeline_parallel_size=pp, dtype=FP32, enable_lora=True, max_loras=3,
+             max_lora_rank=8) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS] * (1 + len(names)), GREEDY,
+                            lora_request=loras, use_tqdm=False)
+    got = _ids(outs)
+    assert got[:2] == base_ids
+    for i, name in enumerate(names):
+        assert got[2 + 2 * i:4 + 2 * i] == adapters[name][1], name
+    assert [o.lora_request for o in outs] == loras
+    assert base_ids != adapters["all"][1]  # the adapters change the output: the comparison can fail
+
+
+def test_adapters_share_one_slot_and_no_cached_prefix(lora_setup):
+    """max_loras=1: two adapters' requests take turns in the slot. A prompt cached under one adapter (or none) is
+    computed again under another: its K/V differ."""
+    base_dir, adapters, base_ids = lora_setup
+    a, b = (adapters[n] for n in ("all", "qv-rslora"))
+    with LLM(base_dir, pipeline_parallel_size=2, dtype=FP32, enable_lora=True, max_loras=1,
+             max_lora_rank=8) as llm:
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == base_ids
+        assert _ids(llm.generate(prompts, GREEDY, lora_request=a[0], use_tqdm=False)) == a[1]
+        outs = llm.generate(prompts * 2, GREEDY, lora_request=[b[0], b[0], a[0], a[0]], use_tqdm=False)
+        assert _ids(outs) == b[1] + a[1]
+        # the base model again, after the adapters: its cached prefix is its own
+        assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == base_ids
+
+
+def test_mistakes_are_refused_before_anything_runs(lora_setup, tmp_path):
+    base_dir, adapters, base_ids = lora_setup
+    lora = adapters["all"][0]
+    with pytest.raises(ValueError, match="not a folder"):
+        LoRARequest("x", 1, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("x", 0, lora.lora_path)
+    with LLM(base_dir, dtype=FP32) as llm:
+        with pytest.raises(ValueError, match="enable_lora=True"):
+            llm.generate("Hello", GREEDY, lora_request=lora, use_tqdm=False)
+    other = tmp_path / "other"
+    # another model's adapter: its shapes differ
+    save_adapter(make_checkpoint("llama", str(other / "base"), hidden_size=32), str(other / "lora"), 0, ["q_proj"],
+                 r=4)
+    bad_config = tmp_path / "dora"
+    bad_config.mkdir()
+    cfg = json.load(open(os.path.join(lora.lora_path, "adapter_config.json")))
+    json.dump(cfg | {"use_dora": True}, open(bad_config / "adapter_config.json", "w"))
+    save_file(load_file(os.path.join(lora.lora_path, "adapter_model.safetensors")),
+              str(bad_config / "adapter_model.safetensors"))
+    embed = tmp_path / "embed"
+    embed.mkdir()
+    json.dump(cfg, open(embed / "adapter_config.json", "w"))
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64),
+               "base_model.model.lm_head.lora_B.weight": torch.zeros(384, 4)}, str(embed / "adapter_model.safetensors"))
+    small = adapters["qv-rslora"][0].lora_path
+    with LLM(base_dir, dtype=FP32, enable_lora=True, max_lora_rank=4) as llm:
+        for request, match in [
+                (lora, "rank 8 is above max_lora_rank=4; start the engine with max_lora_rank=8"),
+                (LoRARequest("other", 7, str(other / "lora")),
+                 r"q_proj \(\[32, 32\] in the adapter\) is not a linear layer"),
+                (LoRARequest("dora", 8, str(bad_config)), "use_dora"),
+                (LoRARequest("embed", 9, str(embed)), "lm_head"),
+                (LoRARequest("small", 9, small), None),  # rank 4: taken; then its name or id for another one
+                (LoRARequest("again", 9, small), "lora_int_id 9 is already"),
+                (LoRARequest("small", 10, small), "one name names one adapter")]:
+            if match is None:
+                llm.generate("Hello", SamplingParams(max_tokens=1), lora_request=request, use_tqdm=False)
+                continue
+            with pytest.raises(ValueError, match=match):  # the whole call refused: the first prompt did not run
+                llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2, GREEDY, lora_request=[None, request],
+                             use_tqdm=False)
+            assert not llm.engine.has_unfinished_requests()
+        assert _ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)) == base_ids
+
+
+def test_served_adapters_are_models_of_their_own(lora_setup, tmp_path):
+    base_dir, adapters, base_ids = lora_setup
+    lora, ids = adapters["all"]
+    with serve(base_dir, tmp_path, "--enable-lora", "--max-lora-rank", "8", "--lora-modules",
+               f"mine={lora.lora_path}") as server:
+        models = httpx.get(f"{server.url}/v1/models").json()["data"]
+        assert [(m["id"], m.get("parent")) for m in models] == [(base_dir, None), ("mine", base_dir)]
+        tokenizer = AutoTokenizer.from_pretrained(base_dir)
+        for model, want in ((base_dir, base_ids[0]), ("mine", ids[0])):
+            body = {"model": model, "prompt": PROMPTS[0], "max_tokens": N, "temperature": 0, "ignore_eos": True}
+            answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+            assert answer["model"] == model
+            assert answer["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
+        missing = httpx.post(f"{server.url}/v1/completions", json={"model": "nope", "prompt": "Hi"}, timeout=60)
+        assert missing.status_code == 404 and "'mine'" in missing.json()["error"]["message"]
+
+
+def test_a_request_whose_adapter_finds_no_free_slot_waits_and_the_others_go_ahead(tmp_path):
+    from pipellm.engine.block_manager import BlockManager
+    from pipellm.engine.scheduler import Scheduler
+    from pipellm.engine.sequence import Request
+    from tests.test_scheduler import _return_tokens
+
+    for name in "AB":
+        (tmp_path / name).mkdir()
+    lora = {name: LoRARequest(name, i + 1, str(tmp_path / name)) for i, name in enumerate("AB")}
+    sched = Scheduler(BlockManager(num_blocks=32, block_size=4), max_num_seqs=8, max_num_batched_tokens=64,
+                      max_loras=1)
+    reqs = {}
+    for rid, name in [("a", "A"), ("b", "B"), ("c", None), ("d", "A")]:
+        reqs[rid] = Request(rid, [1, 2, 3, 4, 5], SamplingParams(max_tokens=1), 0, 1, lora_request=lora.get(name))
+        sched.add(reqs[rid])
+    first = sched.schedule()
+    assert [r.request_id for r in first.requests] == ["a", "c", "d"]  # b's B waits for A's slot
+    assert first.stage_batch.lora_slots.tolist() == [0, -1, 0]
+    assert [(x.slot, x.path) for x in first.stage_batch.lora_loads] == [(0, str(tmp_path / "A"))]
+    _return_tokens(first)
+    for rid in "acd":
+        sched.finish(reqs[rid], "length")
+    second = sched.schedule()
+    assert [r.request_id for r in second.requests] == ["b"]
+    assert second.stage_batch.lora_slots.tolist() == [0]
+    assert [(x.slot, x.path) for x in second.stage_batch.lora_loads] == [(0, str(tmp_path / "B"))]
+    sched.requeue_all(BlockManager(num_blocks=32, block_size=4))  # new stages: b's adapter is loaded again
+    third = sched.schedule()
+    assert [(x.slot, x.path) for x in third.stage_batch.lora_loads] == [(0, str(tmp_path / "B"))]
