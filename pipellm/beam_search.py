@@ -92,16 +92,18 @@ class BeamSearch:
         return seq.cum_logprob / length ** self.params.length_penalty
 
 
-def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, use_tqdm: bool) -> list[BeamSearchOutput]:
+def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams, use_tqdm: bool,
+                lora_request=None) -> list[BeamSearchOutput]:
     """LLM.beam_search. prompts: token ids. llm: a pipellm.LLM (its generate runs each step)."""
     engine = llm.engine
+    engine.check_lora(lora_request)
     search = BeamSearch(prompts, params, engine.eos_token_ids, engine.max_model_len, engine.config.max_logprobs)
     for p in prompts:  # every prompt refused before any runs
         engine.inputs.validate(p, search.step_params)
     with tqdm(total=max(search.steps), desc="Beam search", unit="step", disable=not use_tqdm) as bar:
         while live := search.live():
             outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in live], search.step_params,
-                                use_tqdm=False)
+                                use_tqdm=False, lora_request=lora_request)
             search.advance(live, [out.outputs[0].logprobs[0] for out in outs],
                            [out.outputs[0].token_ids[0] for out in outs])
             bar.update()

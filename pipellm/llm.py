@@ -174,13 +174,15 @@ class LLM:
         return [self.engine.pop_output(rid, prompt) for rid, prompt in queued]
 
     def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """As vLLM's LLM.beam_search (pipellm/beam_search.py): a BeamSearchOutput per prompt, its best beams first."""
+                    use_tqdm: bool = False, lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+        """As vLLM's LLM.beam_search (pipellm/beam_search.py): a BeamSearchOutput per prompt, its best beams first;
+        every beam runs with lora_request's adapter if given."""
         if self._dead:
             raise RuntimeError(self._dead)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, not {type(params).__name__}")
-        return beam_search(self, [self._to_token_ids(p)[1] for p in _prompt_list(prompts)], params, use_tqdm)
+        return beam_search(self, [self._to_token_ids(p)[1] for p in _prompt_list(prompts)], params, use_tqdm,
+                           lora_request)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                lora_request: LoRARequest | None = None) -> Iterator[str]:

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from pipellm import LLM, LoRARequest, SamplingParams
+from pipellm.sampling_params import BeamSearchParams
 from tests.conftest import FP32, hf_greedy_ids, make_checkpoint
 from tests.serving import serve
 
@@ -33,7 +34,8 @@ def save_adapter(base, folder: str, seed: int, targets: list[str], **config):
 
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory):
-    """(base folder, {adapter name: (LoRARequest, HF greedy ids of PROMPTS)}, HF base ids)."""
+    """(base folder, {adapter name: (LoRARequest, HF greedy ids of PROMPTS)} and HF's beam search with the first
+    adapter ("all-beams": 3 beams of 5 tokens after PROMPTS[0]), HF base ids)."""
     d = tmp_path_factory.mktemp("lora")
     base = make_checkpoint("llama", str(d / "base"), seed=3)
     adapters = {}
@@ -43,6 +45,11 @@ def lora_setup(tmp_path_factory):
             ("mlp-pattern", ["gate_proj", "down_proj"], dict(r=6, lora_alpha=6, alpha_pattern={"down_proj": 24}))]):
         model = save_adapter(base, str(d / name), i + 1, targets, **config)
         adapters[name] = (LoRARequest(name, i + 1, str(d / name)), hf_greedy_ids(model, PROMPTS, N))
+        if name == "all":
+            with torch.no_grad():
+                beams = model.generate(torch.tensor([PROMPTS[0]]), num_beams=3, num_return_sequences=3,
+                                       max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+            adapters["all-beams"] = beams.tolist()
     return str(d / "base"), adapters, hf_greedy_ids(base, PROMPTS, N)
 
 
@@ -53,7 +60,7 @@ def _ids(outs) -> list[list[int]]:
 @pytest.mark.parametrize("pp", [1, 2])
 def test_a_batch_of_adapters_and_the_base_model_matches_peft(lora_setup, pp):
     base_dir, adapters, base_ids = lora_setup
-    names = list(adapters)
+    names = ["all", "qv-rslora", "mlp-pattern"]
     loras = [None] * 2 + [adapters[n][0] for n in names for _ in PROMPTS]
     with LLM(base_dir, pipeline_parallel_size=pp, dtype=FP32, enable_lora=True, max_loras=3,
              max_lora_rank=8) as llm:
@@ -69,7 +76,7 @@ def test_a_batch_of_adapters_and_the_base_model_matches_peft(lora_setup, pp):
 
 def test_adapters_share_one_slot_and_no_cached_prefix(lora_setup):
     """max_loras=1: two adapters' requests take turns in the slot. A prompt cached under one adapter (or none) is
-    computed again under another: its K/V differ."""
+    computed again under another: its K/V differ. A beam search with an adapter: HF's with PEFT's model."""
     base_dir, adapters, base_ids = lora_setup
     a, b = (adapters[n] for n in ("all", "qv-rslora"))
     with LLM(base_dir, pipeline_parallel_size=2, dtype=FP32, enable_lora=True, max_loras=1,
@@ -81,6 +88,9 @@ def test_adapters_share_one_slot_and_no_cached_prefix(lora_setup):
         assert _ids(outs) == b[1] + a[1]
         # the base model again, after the adapters: its cached prefix is its own
         assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == base_ids
+        beams = llm.beam_search(prompts[:1], BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True),
+                                lora_request=a[0])
+        assert [s.tokens for s in beams[0].sequences] == adapters["all-beams"]
 
 
 def test_mistakes_are_refused_before_anything_runs(lora_setup, tmp_path):
