@@ -183,6 +183,11 @@ def test_engine_flags_reach_the_engine(llama_dir):
     kwargs = _engine_kwargs(parse_args(["chat", "--enable-prefix-caching", "--kv-cache-gib", "2"]))
     assert kwargs["enable_prefix_caching"] is True and kwargs["kv_cache_gib"] == 2
     assert "block_size" not in _engine_kwargs(parse_args(["bench"]))  # unset flags leave the engine's defaults
+    args = parse_args(["serve", llama_dir, "--enable-lora", "--max-loras", "3", "--max-lora-rank", "64",
+                       "--lora-modules", "sql=/adapters/sql", "chat=./chat"])
+    kwargs = _engine_kwargs(args)
+    assert (kwargs["enable_lora"], kwargs["max_loras"], kwargs["max_lora_rank"]) == (True, 3, 64)
+    assert args.lora_modules == [("sql", "/adapters/sql"), ("chat", "./chat")]
 
 
 def test_model_and_prompts_on_the_command_line(llama_dir):
@@ -288,6 +293,17 @@ def test_serve_refuses_a_port_in_use(capsys, llama_dir):
         port = s.getsockname()[1]
         line = _fails(capsys, "serve", llama_dir, "--port", str(port))
         assert line == f"error: port {port} on 127.0.0.1 is in use; give another --port"
+
+
+def test_serve_refuses_lora_modules_it_cannot_serve(capsys, llama_dir, tmp_path):
+    assert _fails(capsys, "serve", llama_dir, "--lora-modules", "sql") == \
+        "error: argument --lora-modules: --lora-modules 'sql': give NAME=PATH, e.g. sql-lora=/adapters/sql " \
+        "(see `pipellm serve --help`)"
+    line = _fails(capsys, "serve", llama_dir, "--port", "0", "--lora-modules", f"sql={tmp_path}")
+    assert line.startswith(f"error: --lora-modules sql={tmp_path}: lora_request: this engine takes no LoRA adapters; "
+                           "start it with --enable-lora"), line
+    line = _fails(capsys, "serve", llama_dir, "--port", "0", "--enable-lora", "--lora-modules", f"sql={tmp_path}")
+    assert line.startswith(f"error: --lora-modules sql={tmp_path}: {tmp_path}: cannot read adapter_config.json"), line
 
 
 def test_serve_holds_its_port_while_the_engine_starts():

@@ -185,3 +185,27 @@ def test_a_request_whose_adapter_finds_no_free_slot_waits_and_the_others_go_ahea
     sched.requeue_all(BlockManager(num_blocks=32, block_size=4))  # new stages: b's adapter is loaded again
     third = sched.schedule()
     assert [(x.slot, x.path) for x in third.stage_batch.lora_loads] == [(0, str(tmp_path / "B"))]
+
+
+def test_an_adapter_over_a_gguf_models_compact_weights(tmp_path, monkeypatch):
+    """A PEFT adapter trained on the HF model a GGUF file came from runs over the file's compact weights (Q4_0, Q4_1,
+    Q8_0, F16, BF16; q and k in llama.cpp's row order in the file): PEFT's model on those weights dequantized."""
+    from transformers import AutoModelForCausalLM
+
+    from pipellm.loader.gguf import convert_gguf
+    from tests.test_gguf import write_tiny_gguf
+
+    monkeypatch.setenv("PIPELLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    convert_gguf(str(path), str(tmp_path / "hf"))
+    model = save_adapter(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval(), str(tmp_path / "lora"), 5, ALL,
+                         r=8, lora_alpha=8)
+    prompts = [[5, 80, 100, 7], [260, 3, 3, 40, 41, 42, 43, 44, 45]]
+    with LLM(str(path), pipeline_parallel_size=2, dtype=FP32, enable_lora=True, max_lora_rank=8) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                            lora_request=LoRARequest("tiny", 1, str(tmp_path / "lora")), use_tqdm=False)
+    want = hf_greedy_ids(model, prompts, N)
+    assert _ids(outs) == want
+    with model.disable_adapter():
+        assert hf_greedy_ids(model, prompts, N) != want  # the adapter changes the output: the comparison can fail

@@ -93,9 +93,6 @@ class LLMEngine:
             raise ValueError(f"speculative_config: {mc.architecture}'s linear-attention (or Mamba) layers keep one "
                              "state a sequence, which cannot step back from rejected drafts; leave speculative_config "
                              "unset")
-        if config.enable_lora and gguf_file is not None:
-            raise ValueError("enable_lora: LoRA adapters (PEFT folders) add to a safetensors model's weights; this "
-                             "model is a GGUF file: give the model's folder")
         self.adapters = Adapters(mc, config.max_lora_rank) if config.enable_lora else None
         if mc.attention_chunk % config.block_size:
             raise ValueError(f"block_size={config.block_size} does not divide the model's attention_chunk_size="
