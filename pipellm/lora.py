@@ -197,7 +197,7 @@ class LoRALinear(nn.Module):
         for slot, idx in self.rows.groups:
             if (ab := self.slots.get(slot)) is not None:
                 if idx is None:
-                    y += (x @ ab[0]) @ ab[1]
+                    y.addmm_(x @ ab[0], ab[1])
                 else:
                     y.index_add_(0, idx, (x[idx] @ ab[0]) @ ab[1])
         return y
