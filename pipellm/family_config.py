@@ -13,6 +13,7 @@ FALCON_H1 = "FalconH1ForCausalLM"  # attention and Mamba-2 side by side in every
 JAMBA = "JambaForCausalLM"  # Mamba (-1) layers among attention ones, experts every other layer
 LFM2 = "Lfm2ForCausalLM"  # gated short convolutions among attention layers
 LFM2_MOE = "Lfm2MoeForCausalLM"  # and experts in all but the first layers
+PHIMOE = "PhimoeForCausalLM"  # Phi-3.5-MoE: LayerNorms with biases, a sparsemixer router, an LM head with a bias
 # older configs' layer names, and Nemotron-H's hybrid_override_pattern letters: HF's layer types
 MAMBA_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention",
                      "M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -124,6 +125,16 @@ def jamba(d: dict, source: str) -> tuple[dict, dict]:
         mamba1=((d.get("mamba_expand") or 2) * hidden, d.get("mamba_d_state") or 16, d.get("mamba_d_conv") or 4,
                 math.ceil(hidden / 16) if rank == "auto" else rank),
         mamba_conv_bias=bool(d.get("mamba_conv_bias", True)), mamba_proj_bias=bool(d.get("mamba_proj_bias")))
+
+
+def phimoe(d: dict, source: str) -> dict:
+    """ModelConfig's fields of a Phi-MoE config.json, as HF reads it: experts as Mixtral's, two a token, picked by
+    sparsemixer (router_jitter_noise); its LM head's bias."""
+    if d.get("num_experts_per_tok", 2) != 2:
+        raise ValueError(f"{source}: Phi-MoE's router picks 2 experts a token; num_experts_per_tok="
+                         f"{d['num_experts_per_tok']} is not supported")
+    return dict(num_experts=d.get("num_local_experts", 16), num_experts_per_tok=2,
+                router_jitter_eps=float(d.get("router_jitter_noise", 0.01)), lm_head_bias=bool(d.get("lm_head_bias")))
 
 
 def lfm2(d: dict, source: str, moe: bool) -> tuple[dict, dict]:

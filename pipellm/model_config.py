@@ -2,12 +2,13 @@
 positions and family_config.py's rules for the families whose configs say things their own way), and the
 architectures pipellm runs. The engine's settings: config.py."""
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
 from pipellm.family_config import (BAMBA, FALCON_H1, GRANITE_HYBRID, JAMBA, LFM2, LFM2_MOE, MAMBA_LAYER_TYPES,
-                                   NEMOTRON_H, bamba, falcon_h1, fp8_weight_block, granite_hybrid, group_router, jamba,
-                                   latent_attention, lfm2, nemotron_h, same_each_layer)
+                                   NEMOTRON_H, PHIMOE, bamba, falcon_h1, fp8_weight_block, granite_hybrid,
+                                   group_router, jamba, latent_attention, lfm2, nemotron_h, phimoe, same_each_layer)
 from pipellm.rope_config import RopeConfig
 from pipellm.vision_language import VISION_LANGUAGE, text_config
 
@@ -36,7 +37,7 @@ GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeShar
                   GRANITE_HYBRID)  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel", NEMOTRON_H, FALCON_H1,
-                                                                       JAMBA, LFM2, LFM2_MOE, BAMBA)
+                                                                       JAMBA, LFM2, LFM2_MOE, BAMBA, PHIMOE)
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
 
 
@@ -109,6 +110,8 @@ class ModelConfig:
     group_by_top_expert: bool = False
     routed_scaling_factor: float = 1.0
     router_norm_eps: float = 0.0  # LFM2-MoE: added to the chosen weights' sum that renormalises them
+    router_jitter_eps: float = 0.0  # Phi-MoE's sparsemixer router (its router_jitter_noise); 0: another router
+    lm_head_bias: bool = False    # Phi-MoE's
     moe_latent_size: int = 0  # Nemotron 3 Super: the routed experts work on a projection this wide (0: none)
     fp8_block: tuple[int, ...] = ()  # the checkpoint's FP8 weights' (rows, columns) a scale (quant/fp8.py); () none
     # Llama 4: its chunked layers attend within chunks of attention_chunk positions only (0: none); q and k
@@ -261,6 +264,7 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
         archs = d.get("architectures") or []
         archs = [archs] if isinstance(archs, str) else archs
+        archs = [PHIMOE if a == "PhiMoEForCausalLM" else a for a in archs]  # Phi-3.5-MoE's release spells it so
         wrapper = next((a for a in archs if a in VISION_LANGUAGE), None)
         if wrapper is not None:
             d = text_config(d, wrapper, source)
@@ -301,6 +305,8 @@ class ModelConfig:
             d, family = lfm2(d, source, moe=arch == LFM2_MOE)
         elif arch == BAMBA:
             d, family = bamba(d, source)
+        elif arch == PHIMOE:
+            family = phimoe(d, source)
         is_gemma = arch in GEMMA_FAMILY
         act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
         if act not in ("silu", "gelu_pytorch_tanh") and (act, arch) not in (
@@ -310,6 +316,8 @@ class ModelConfig:
                              "Apertus's xielu)")
         layers = d["num_hidden_layers"]
         window = d.get("sliding_window")
+        if window is not None and window >= d.get("max_position_embeddings", math.inf):
+            window = None  # as long as the context (Phi-3.5-MoE's): no layer attends over less of it
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
                     "SmolLM3ForCausalLM") \
                 and not d.get("use_sliding_window", False):

@@ -50,9 +50,15 @@ class RopeConfig:
                 else 1.0
         if rope_type in ("linear", "dynamic", "llama3", "yarn") and "factor" not in d:
             raise ValueError(f"{source}: rope type {rope_type!r} needs a factor")
+        attention = d.get("attention_factor")
+        if rope_type == "longrope" and "short_mscale" in d:  # Phi-MoE's: cos and sin scaled as it says
+            attention = d["short_mscale"]
+            if d.get("long_mscale", attention) != attention:
+                raise ValueError(f"{source}: longrope with short_mscale {attention} and long_mscale "
+                                 f"{d['long_mscale']} is not supported (one scale at every length)")
         rope = cls(rope_type, float(theta), float(partial), float(factor), int(original),
                    float(d.get("low_freq_factor", 1.0)), float(d.get("high_freq_factor", 4.0)),
-                   d.get("attention_factor"), float(d.get("beta_fast") or 32), float(d.get("beta_slow") or 1),
+                   attention, float(d.get("beta_fast") or 32), float(d.get("beta_slow") or 1),
                    float(d.get("mscale") or 0), float(d.get("mscale_all_dim") or 0), bool(d.get("truncate", True)),
                    tuple(map(float, d.get("short_factor") or ())), tuple(map(float, d.get("long_factor") or ())),
                    tuple(map(float, d.get("freq_factors") or ())), float(d.get("llama_4_scaling_beta") or 0))

@@ -65,6 +65,16 @@ def family_config(name: str):
                                                                            factor=2.0)})
     if name == "mixtral":
         return tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+    if name == "phimoe":  # LayerNorms, attention and LM head with biases; longrope scaled by its mscale (prompts
+        # within its trained context: HF's Phi-MoE takes the short factors at every length)
+        rotated_half = 16 // 2
+        return tf.PhimoeConfig(**COMMON | dict(max_position_embeddings=1024), num_local_experts=4,
+                               num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
+                               rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                    original_max_position_embeddings=256, short_mscale=1.25,
+                                                    long_mscale=1.25,
+                                                    short_factor=[1.0 + 0.1 * i for i in range(rotated_half)],
+                                                    long_factor=[2.0 + 0.5 * i for i in range(rotated_half)]))
     if name == "qwen3moe":  # layer 1 dense; router weights not renormalised
         return tf.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                  mlp_only_layers=[1], norm_topk_prob=False)
@@ -299,7 +309,7 @@ def family_config(name: str):
 
 
 FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longrope", "qwen3", "gemma2", "gemma3",
-            "mixtral", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral",
+            "mixtral", "phimoe", "qwen3moe", "smollm3", "granite", "olmo2", "olmo3", "exaone4", "seed_oss", "ministral",
             "qwen2moe", "glm4", "gemma", "gpt_oss", "ernie4_5", "llama-mlp-bias", "cohere", "cohere2",
             "ernie4_5_moe", "hunyuan", "granitemoe", "granitemoeshared", "olmoe",
             "arcee", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1",
@@ -405,7 +415,7 @@ def test_family_matches_hf(family, name, pp, partition, budget):
     assert window_ring == ((3 if name == "llama4" else 4) if name in WINDOWED and pp == 2 else 0)
     # ... and prompts' chunks sent while the one before is out (at PP=2, 16 tokens a step), rings included; never
     # where rotary scales with each sequence's known length
-    if name in ("llama-dynamic", "phi3-longrope"):
+    if name in ("llama-dynamic", "phi3-longrope", "phimoe"):
         assert not any(ahead)
     elif pp == 2:
         assert any(ahead)
@@ -552,6 +562,31 @@ def test_minimax_m2_release_config_rotates_rotary_dim():
     rope = ModelConfig.from_hf_dict(d).rope
     assert rope.partial_rotary_factor == hf.rope_parameters["partial_rotary_factor"] == 0.25
     assert rope.theta == hf.rope_parameters["rope_theta"]
+
+
+def test_phi_3_5_moe_release_config():
+    """Phi-3.5-MoE's released config.json (its long- and short-factor lists cut short): its spelling of the
+    architecture, longrope scaled by its mscale, a sliding window as long as the context (none), biases, experts."""
+    import transformers as tf
+
+    rope = dict(type="longrope", long_factor=[1.0, 1.5], short_factor=[1.0, 1.1], long_mscale=1.243163121016122,
+                short_mscale=1.243163121016122, original_max_position_embeddings=4096)
+    d = dict(architectures=["PhiMoEForCausalLM"], model_type="phimoe", attention_bias=True, hidden_size=4096,
+             intermediate_size=6400, lm_head_bias=True, max_position_embeddings=131072, num_attention_heads=32,
+             num_experts_per_tok=2, num_hidden_layers=32, num_key_value_heads=8, num_local_experts=16,
+             original_max_position_embeddings=4096, rms_norm_eps=1e-05, rope_scaling=rope, rope_theta=10000.0,
+             router_jitter_noise=0.01, sliding_window=131072, tie_word_embeddings=False, vocab_size=32064)
+    cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.architecture == "PhimoeForCausalLM" and cfg.sliding_window is None and cfg.max_context == 131072
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.router_jitter_eps) == (16, 2, 0.01)
+    assert cfg.qkv_bias and cfg.o_bias and cfg.lm_head_bias and not cfg.tie_word_embeddings
+    hf = tf.PhimoeConfig(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+    assert cfg.rope.rope_type == "longrope" and cfg.rope.attention_factor == hf.rope_parameters["short_mscale"]
+    assert cfg.rope.short_factor == (1.0, 1.1) and cfg.rope.original_max_position_embeddings == 4096
+    with pytest.raises(ValueError, match="num_experts_per_tok=4 is not supported"):
+        ModelConfig.from_hf_dict(d | dict(num_experts_per_tok=4))
+    with pytest.raises(ValueError, match="long_mscale 2.0 is not supported"):
+        ModelConfig.from_hf_dict(d | dict(rope_scaling=rope | dict(long_mscale=2.0)))
 
 
 def test_selection_bias_stays_fp32_in_a_bf16_model(family):

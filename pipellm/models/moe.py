@@ -3,7 +3,8 @@ Llama 4): a router picks top-k experts per token; each expert is a SwiGLU MLP (G
 Qwen2-MoE adds a shared expert every token takes (behind a sigmoid gate; ERNIE's, DeepSeek's, GLM's and Llama 4's as
 it is), ERNIE, DeepSeek V3 and GLM pick their experts by their score plus a bias, and DeepSeek and GLM from the best
 groups of experts only; Llama 4 weighs an expert's input, not its output; Nemotron-H's experts are ungated relu^2
-MLPs (Nemotron 3 Super's between a projection down to a latent width and one back up).
+MLPs (Nemotron 3 Super's between a projection down to a latent width and one back up); Phi-MoE picks its two by
+sparsemixer.
 The stage that holds a layer holds all its experts."""
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ class SparseMoE(nn.Module):
         self.weights_in_fp32 = cfg.architecture in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM",
                                                     "HunYuanMoEV1ForCausalLM", NEMOTRON_H) + GROUP_ROUTED
         self.sigmoid, self.scaling, self.norm_eps = cfg.router_sigmoid, cfg.routed_scaling_factor, cfg.router_norm_eps
+        self.sparsemixer_eps = cfg.router_jitter_eps  # Phi-MoE's router
         self.weigh_inputs = cfg.router_weights_input  # Llama 4: an expert runs on its token times its weight
         self.groups, self.groups_kept, self.by_top_expert = cfg.expert_groups, cfg.expert_groups_kept, \
             cfg.group_by_top_expert
@@ -68,7 +70,9 @@ class SparseMoE(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.softmax_after_topk:
+        if self.sparsemixer_eps:
+            weights, chosen = sparsemixer(self.gate(x), self.sparsemixer_eps)
+        elif self.softmax_after_topk:
             top, chosen = torch.topk(self.gate(x), self.top_k, dim=-1)                   # [T, k]
             weights = torch.softmax(top.float() if self.softmax_in_fp32 else top, dim=-1).to(x.dtype)
         else:
@@ -119,3 +123,17 @@ class SparseMoE(nn.Module):
         dropped = torch.ones_like(score, dtype=torch.bool).scatter_(
             1, torch.topk(score, self.groups_kept, dim=-1)[1], False)                   # [T, G]
         return grouped.masked_fill(dropped[..., None], float("-inf")).view_as(choice)
+
+
+def sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-MoE's router at inference, as HF's sparsemixer: (weights, experts) [T, 2]. Two picks in turn, each the
+    best expert left; its weight is its softmax over the experts left whose logits lie within 2 eps of its (relative
+    to the larger magnitude), the others masked."""
+    left, weights, chosen = logits, [], []
+    for _ in range(2):
+        top, pick = left.max(dim=-1, keepdim=True)                                        # [T, 1]
+        far = (top - logits) / logits.abs().clamp(min=top) > 2 * eps                     # [T, E]
+        weights.append(torch.softmax(left.masked_fill(far, float("-inf")), dim=-1).gather(-1, pick))
+        chosen.append(pick)
+        left = left.scatter(-1, pick, float("-inf"))
+    return torch.cat(weights, -1), torch.cat(chosen, -1)

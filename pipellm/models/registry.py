@@ -20,6 +20,7 @@ from pipellm.models.llama import LlamaStage
 from pipellm.models.llama4 import Llama4Stage
 from pipellm.models.nemotron_h import NemotronHStage
 from pipellm.models.olmo import Olmo2Stage, OlmoStage
+from pipellm.models.phimoe import PhimoeStage
 from pipellm.models.qwen3_next import Qwen3NextStage
 from pipellm.pipeline.partition import StageLayers
 
@@ -52,6 +53,7 @@ STAGE_CLASSES = {
     "ArceeForCausalLM": LlamaStage,
     "ApertusForCausalLM": ApertusStage,
     "MixtralForCausalLM": LlamaStage,
+    "PhimoeForCausalLM": PhimoeStage,
     "Qwen3MoeForCausalLM": LlamaStage,
     "Qwen2MoeForCausalLM": LlamaStage,
     "GptOssForCausalLM": GptOssStage,
