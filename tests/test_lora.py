@@ -154,6 +154,8 @@ def test_served_adapters_are_models_of_their_own(lora_setup, tmp_path):
             assert answer["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
         missing = httpx.post(f"{server.url}/v1/completions", json={"model": "nope", "prompt": "Hi"}, timeout=60)
         assert missing.status_code == 404 and "'mine'" in missing.json()["error"]["message"]
+        metrics = httpx.get(f"{server.url}/metrics").text  # vLLM's gauge of the adapters in use: none now
+        assert 'pipellm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
 
 
 def test_a_request_whose_adapter_finds_no_free_slot_waits_and_the_others_go_ahead(tmp_path):

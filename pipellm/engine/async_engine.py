@@ -80,6 +80,8 @@ class EngineStats:
     stage_reports: list = field(default_factory=list)  # list[StageReport]: every 2 s idle, 15 s under load
     num_draft_tokens: int = 0                       # speculative decoding: drafts run
     num_accepted_tokens: int = 0                    # and drafts kept
+    loras: tuple[int, str, str] | None = None       # enable_lora: (max_loras, the adapters of running requests, of
+    #                                                 waiting ones: names joined by commas)
 
 
 @dataclass
@@ -299,9 +301,14 @@ class AsyncEngine:
             reports, self._last_report, self._has_stepped = engine.inspect(), time.monotonic(), False
         sched = engine.scheduler
         # Replaced whole, never mutated: the event loop reads it without a lock.
+        loras = None
+        if engine.adapters is not None:
+            names = [",".join(sorted({r.lora_request.lora_name for r in reqs if r.lora_request is not None}))
+                     for reqs in (sched.running, sched.waiting)]
+            loras = (engine.config.max_loras, *names)
         self.stats = EngineStats(len(sched.running), len(sched.waiting), bm.usage,
                                  bm.prefix_hit_rate, engine.num_generated_tokens, len(engine.restarts), reports,
-                                 engine.num_draft_tokens, engine.num_accepted_tokens)
+                                 engine.num_draft_tokens, engine.num_accepted_tokens, loras)
 
     def _fail(self, message: str) -> None:
         self.error = message

@@ -92,6 +92,11 @@ class _EngineCollector:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(m, value)
             yield counter
+        if stats.loras is not None:  # vLLM's: the adapters in use as labels, the time of this snapshot as value
+            info = GaugeMetricFamily("pipellm:lora_requests_info", "LoRA adapters of running and waiting requests.",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(stats.loras[0]), *stats.loras[1:]], time.time())
+            yield info
         restarts = CounterMetricFamily("pipellm:pipeline_restarts", "Pipelines started anew after a stage failed.",
                                        labels=["model_name"])
         restarts.add_metric(m, stats.num_restarts)
