@@ -226,6 +226,8 @@ class StageAdapters:
         for m in self.modules.values():
             m.slots.pop(slot, None)
         self.loaded.pop(slot, None)
+        if hasattr(self.model, "_fused"):
+            self.model._fused = None  # the one-call decode step (models/fused.py) is built again with the new one
         adapter = read_adapter(path)
         parts: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         with safe_open(os.path.join(path, ADAPTER_WEIGHTS), framework="pt") as f:
@@ -242,8 +244,8 @@ class StageAdapters:
             self.modules[module_path].slots[slot] = tuple(t.to(self.device, self.dtype).contiguous() for t in (a, b))
         self.loaded[slot] = path
 
-    def set_step(self, slots: np.ndarray | None, query_lens: np.ndarray) -> bool:
-        """The step's rows of each slot, from each sequence's slot (-1: the base model alone); whether any runs one."""
+    def set_step(self, slots: np.ndarray | None, query_lens: np.ndarray) -> None:
+        """The step's rows of each slot, from each sequence's slot (-1: the base model alone)."""
         per_row = np.repeat(slots, query_lens) if slots is not None else np.empty(0, np.int64)   # [T]
         used = np.unique(per_row[per_row >= 0]).tolist()
         if missing := [s for s in used if s not in self.loaded]:
@@ -251,4 +253,3 @@ class StageAdapters:
         self.rows.num_rows = len(per_row)
         self.rows.groups = [(s, None) if len(used) == 1 and (per_row == s).all() else
                             (s, torch.from_numpy(np.flatnonzero(per_row == s)).to(self.device)) for s in used]
-        return bool(used)

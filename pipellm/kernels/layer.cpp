@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <map>
 #include <variant>
 
 #include "ops.h"
@@ -17,16 +18,36 @@ namespace {
 // tokens' slots [T], the sequences' block tables [T, width] and lengths [T] (new token included), the window (0: none).
 using StepArgs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t>;
 
+// A step's rows of each LoRA slot in use (pipellm/lora.py's StepRows): (slot, row indices, or none for every row).
+using LoraRows = std::vector<std::pair<int64_t, c10::optional<at::Tensor>>>;
+
+// The LoRA adapters a linear layer holds, by slot: A [in, R] and B [R, out], as lora.py's LoRALinear holds them.
+using LoraSlots = std::map<int64_t, std::pair<at::Tensor, at::Tensor>>;
+
+// y plus, for each slot's rows, (x A) B: as LoRALinear.forward adds them
+at::Tensor add_lora(at::Tensor y, const at::Tensor& x, const LoraSlots& slots, const LoraRows& rows) {
+  for (const auto& [slot, idx] : rows) {
+    auto ab = slots.find(slot);
+    if (ab == slots.end()) continue;
+    const auto& [a, b] = ab->second;
+    if (!idx.has_value()) y.addmm_(x.mm(a), b);
+    else y.index_add_(0, *idx, x.index_select(0, *idx).mm(a).mm(b));
+  }
+  return y;
+}
+
 // down(act(gate(x)) * up(x)), gate and up in one matmul, as models/layers.py's GatedMLP
 struct GatedMlp {
   Linear gate_up, down;
   bool gelu_tanh = false;  // GeGLU (Gemma) instead of SwiGLU
+  LoraSlots gate_up_lora, down_lora;
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    at::Tensor gu = gate_up(x);                                                  // [T, 2 * intermediate]
+  at::Tensor operator()(const at::Tensor& x, const LoraRows& rows = {}) const {
+    at::Tensor gu = add_lora(gate_up(x), x, gate_up_lora, rows);                // [T, 2 * intermediate]
     const int64_t inter = gu.size(1) / 2;
     at::Tensor gate = gu.narrow(1, 0, inter);
-    return down((gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate)) * gu.narrow(1, inter, inter));
+    at::Tensor h = (gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate)) * gu.narrow(1, inter, inter);
+    return add_lora(down(h), h, down_lora, rows);
   }
 };
 
@@ -38,7 +59,7 @@ struct Experts {
   int64_t top_k;
   bool norm_topk_prob;
 
-  at::Tensor operator()(const at::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x, const LoraRows& = {}) const {  // experts take no adapters
     at::Tensor probs = at::softmax(router(x), -1, at::kFloat);                  // [T, E]
     auto [weights, chosen] = at::topk(probs, top_k, -1);                        // [T, k]
     if (norm_topk_prob) weights = weights / weights.sum({-1}, true);
@@ -72,6 +93,7 @@ struct DecoderLayer {
   double softcap = 0;      // > 0: soft-capped attention scores (Gemma 2)
   bool rotary = true;      // false: q and k take no rotary positions (SmolLM3's every 4th layer)
   double residual_scale = 1;  // the attention's and the MLP's outputs times this before they join x (Granite)
+  LoraSlots qkv_lora, o_lora;  // LoRA adapters (the MLP's are its own)
 
   static at::Tensor head_norm(const at::Tensor& x, const c10::optional<at::Tensor>& w, double eps) {
     if (!w.has_value()) return x;
@@ -80,10 +102,11 @@ struct DecoderLayer {
   }
 
   // x [T, hidden]: one new token per sequence. Returns the layer's output [T, hidden].
-  at::Tensor decode(const at::Tensor& x, const StepArgs& step) const {
+  at::Tensor decode(const at::Tensor& x, const StepArgs& step, const LoraRows& rows) const {
     const auto& [cos, sin, slots, tables, lens, window] = step;
     const int64_t T = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
-    at::Tensor qkv_out = qkv(rms_norm(x, input_norm, eps));                      // [T, (H + 2 KV) * D]
+    const at::Tensor normed = rms_norm(x, input_norm, eps);
+    at::Tensor qkv_out = add_lora(qkv(normed), normed, qkv_lora, rows);          // [T, (H + 2 KV) * D]
     at::Tensor q = head_norm(qkv_out.narrow(1, 0, q_size).view({T, heads, head_dim}), q_norm, eps);
     at::Tensor k = head_norm(qkv_out.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim}), k_norm, eps);
     at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
@@ -99,10 +122,11 @@ struct DecoderLayer {
     at::Tensor attn = paged_decode_attention(q.to(at::kFloat).contiguous(), k_cache, v_cache, k_scale, v_scale,
                                              tables, lens, window, scale, softcap, "")
                           .to(x.scalar_type());                                  // [T, H, D]: fp32 inside
-    at::Tensor a = o(attn.view({T, q_size}));
+    const at::Tensor attn_rows = attn.view({T, q_size});
+    at::Tensor a = add_lora(o(attn_rows), attn_rows, o_lora, rows);
     if (attn_out_norm.has_value()) a = rms_norm(a, *attn_out_norm, eps);
     at::Tensor h = x + (residual_scale == 1 ? a : a * residual_scale);
-    at::Tensor m = std::visit([&](const auto& f) { return f(rms_norm(h, post_norm, eps)); }, mlp);
+    at::Tensor m = std::visit([&](const auto& f) { return f(rms_norm(h, post_norm, eps), rows); }, mlp);
     if (mlp_out_norm.has_value()) m = rms_norm(m, *mlp_out_norm, eps);
     return h + (residual_scale == 1 ? m : m * residual_scale);
   }
@@ -111,7 +135,20 @@ struct DecoderLayer {
 struct DecoderStack {
   std::vector<DecoderLayer> layers;
 
-  at::Tensor decode(at::Tensor x, const StepArgs& full, const StepArgs& local) const {
+  void set_lora(int64_t layer, const std::string& module, const LoraSlots& slots) {
+    TORCH_CHECK(layer >= 0 && layer < int64_t(layers.size()), "no layer ", layer);
+    DecoderLayer& l = layers[layer];
+    if (module == "qkv") l.qkv_lora = slots;
+    else if (module == "o") l.o_lora = slots;
+    else {
+      TORCH_CHECK(std::holds_alternative<GatedMlp>(l.mlp) && (module == "gate_up" || module == "down"),
+                  "LoRA modules are qkv, o, gate_up and down (an MLP's, not experts')");
+      GatedMlp& m = std::get<GatedMlp>(l.mlp);
+      (module == "gate_up" ? m.gate_up_lora : m.down_lora) = slots;
+    }
+  }
+
+  at::Tensor decode(at::Tensor x, const StepArgs& full, const StepArgs& local, const LoraRows& rows) const {
     TORCH_CHECK(x.dim() == 2 && (layers.empty() || x.scalar_type() == layers[0].input_norm.scalar_type()),
                 "x must be [T, hidden] in the norms' dtype (fp32, or bf16 for Llama's norms)");
     for (const StepArgs* s : {&full, &local}) {
@@ -119,7 +156,7 @@ struct DecoderStack {
       TORCH_CHECK(slots.numel() == x.size(0) && lens.numel() == x.size(0) && tables.size(0) == x.size(0),
                   "one slot, length and block table a token: every row must be a decode");
     }
-    for (const DecoderLayer& layer : layers) x = layer.decode(x, layer.sliding ? local : full);
+    for (const DecoderLayer& layer : layers) x = layer.decode(x, layer.sliding ? local : full, rows);
     return x;
   }
 };
@@ -175,7 +212,11 @@ void bind_layers(pybind11::module_& m) {
   pybind11::class_<DecoderStack>(m, "DecoderStack", "a stage's layers, run on a decode step in one call")
       .def(pybind11::init([](const std::vector<DecoderLayer>& layers) { return DecoderStack{layers}; }), "layers"_a)
       .def("decode", &DecoderStack::decode, pybind11::call_guard<pybind11::gil_scoped_release>(), "x"_a, "full"_a,
-           "local"_a, "each: (cos, sin, slots, block_tables, seq_lens, window) of the full or the sliding layers");
+           "local"_a, "lora_rows"_a = LoraRows{},
+           "full, local: (cos, sin, slots, block_tables, seq_lens, window) of the full or the sliding layers; "
+           "lora_rows: (slot, row indices or None for all) of each LoRA slot the step's rows run")
+      .def("set_lora", &DecoderStack::set_lora, "layer"_a, "module"_a, "slots"_a,
+           "a layer's LoRA adapters by slot, (A [in, R], B [R, out]), for module qkv, o, gate_up or down");
 }
 
 }  // namespace pipellm

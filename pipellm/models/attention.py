@@ -112,7 +112,6 @@ class AttentionMetadata:
     #                                         (its row of the block tables); None: 0..S-1
     state_saves: dict[int, list[tuple[int, int]]] | None = None  # sequence -> (after how many of its new tokens,
     #                                         slot), in order: where its state is saved (prefix caching)
-    adapters: bool = False  # a row runs a LoRA adapter, which the layers' linear modules add (not the fused step)
 
     @property
     def token_rope_lens(self) -> torch.Tensor:

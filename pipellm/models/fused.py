@@ -16,8 +16,8 @@ from pipellm.quant.linear import CompactLinear, kernels_take
 def applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Whether this step can take the fused path: fp32 rows on the CPU (or bf16 rows where compact weights take them
     as they are), each the one new token of its sequence, in order, for the full and the sliding layers alike, with
-    nothing recorded per layer and no LoRA adapter."""
-    return kernels_take(x.dtype) and x.is_cpu and not meta.adapters and all(
+    nothing recorded per layer."""
+    return kernels_take(x.dtype) and x.is_cpu and all(
         m.decode is not None and m.decode.token_idx is None and not m.prefills and m.probe is None
         for m in (meta, meta.local or meta))
 
@@ -84,7 +84,24 @@ def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
                                       attn.num_kv_heads, attn.head_dim, cache.k, cache.v, cache.k_scale, cache.v_scale,
                                       q_norm, k_norm, attn_out_norm, mlp_out_norm, attn.is_sliding,
                                       attn.softcap or 0.0, attn.rotary, getattr(layer, "residual_multiplier", 1.0)))
-    return ops.DecoderStack(fused)
+    stack = ops.DecoderStack(fused)
+    for i, layer in enumerate(layers):  # LoRA adapters (pipellm/lora.py): the stack adds those of these four
+        modules = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj}
+        if type(layer.mlp) is GatedMLP:
+            modules |= {"gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
+        for name, module in modules.items():
+            if getattr(module, "slots", None):
+                stack.set_lora(i, name, module.slots)
+        if any(getattr(m, "slots", None) for m in layer.modules() if all(m is not x for x in modules.values())):
+            return None  # an adapter of another linear layer (a router's): the layers' forward adds it
+    return stack
+
+
+def lora_rows(layers: nn.ModuleList) -> list:
+    """DecoderStack.decode's lora_rows: the rows of each LoRA slot in use this step (StepRows, which the stage
+    sets and every LoRALinear of its layers shares); [] without adapters."""
+    rows = getattr(layers[0].self_attn.qkv_proj, "rows", None) if len(layers) else None
+    return rows.groups if rows is not None else []
 
 
 def _mlp(ops, mlp: nn.Module):
@@ -97,7 +114,7 @@ def _mlp(ops, mlp: nn.Module):
 
 def _linear(ops, module: nn.Module):
     """The kernels' Linear for a stage's linear module, or None for one it cannot run."""
-    module = getattr(module, "base", module)  # a LoRALinear's: steps of its adapters do not take the fused path
+    module = getattr(module, "base", module)  # a LoRALinear's (its adapters: build_stack's set_lora)
     bias = getattr(module, "bias", None)
     if bias is not None and bias.dtype != torch.float32:
         return None

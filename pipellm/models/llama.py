@@ -180,7 +180,8 @@ class LlamaStage(nn.Module):
             if self._fused is None or self._fused[0] is not kv_caches:
                 self._fused = (kv_caches, fused.build_stack(self.layers, kv_caches))
             if self._fused[1] is not None:
-                return self._fused[1].decode(x, *fused.step_args(meta, ropes.full, ropes.local))
+                return self._fused[1].decode(x, *fused.step_args(meta, ropes.full, ropes.local),
+                                             fused.lora_rows(self.layers))
         for layer, cache in zip(self.layers, kv_caches):
             x = layer(x, ropes, meta, cache)
         return x

@@ -113,11 +113,10 @@ class StageWorker:
             batch.block_tables = self.block_tables.apply(batch.table_changes, len(batch.query_lens), batch.batch_id)
         batch.check(self.args.num_blocks, ecfg.block_size, cfg.vocab_size, self.stage.is_first, self.stage.is_last,
                     self.args.num_window_blocks, ecfg.max_loras if ecfg.enable_lora else 0)
-        adapters = False  # whether a row runs a LoRA adapter: the layers' own forward, which adds them
-        if self.adapters is not None:
+        if self.adapters is not None:  # LoRA adapters loaded, and the rows of each slot this step
             for load in batch.lora_loads:
                 self.adapters.load(load.slot, load.path)
-            adapters = self.adapters.set_step(batch.lora_slots, batch.query_lens)
+            self.adapters.set_step(batch.lora_slots, batch.query_lens)
         if batch.block_copies is not None:
             src, dst = (torch.from_numpy(c).to(self.device) for c in batch.block_copies.T)
             for cache in self.attention_caches:
@@ -128,7 +127,7 @@ class StageWorker:
                 for slot, row in loads:
                     state.load(slot, row)
         if batch.num_steps > 1:
-            return self._decode_steps(batch, adapters)
+            return self._decode_steps(batch)
         t, dev = torch.from_numpy, self.device
         graph = self.graphs is not None and not batch.probe and self.graphs.applies(batch.query_lens, batch.seq_lens)
         if not graph:
@@ -140,7 +139,6 @@ class StageWorker:
                                                 decode_chunks=self.decode_chunks, attention_chunk=cfg.attention_chunk)
             if batch.rope_lens is not None:
                 meta.rope_lens = t(batch.rope_lens)
-            meta.adapters = adapters
             meta.state_rows = t(batch.table_changes.rows) if batch.table_changes is not None else None
             if batch.state_saves is not None:
                 meta.state_saves = {}
@@ -230,7 +228,7 @@ class StageWorker:
             self.sampler.add_request(req.req_id, req.params, req.prompt_token_ids, req.seed, req.output_token_ids,
                                      req.min_tokens_stop_ids, req.bad_words_token_ids)
 
-    def _decode_steps(self, batch: StageBatch, adapters: bool) -> None:
+    def _decode_steps(self, batch: StageBatch) -> None:
         """batch.num_steps decode steps of its sequences, each step one position on, in the slots their block tables
         give. The last stage's samples are the next step's input: it sends them to the first stage (only token ids
         cross), and the driver gets every step's tokens at the end."""
@@ -267,7 +265,7 @@ class StageWorker:
             else:
                 meta = AttentionMetadata.for_layers(self.is_sliding, cfg.sliding_window, positions, query_lens,
                                                     seq_lens, tables, slots, bs, attention_chunk=cfg.attention_chunk)
-                meta.state_rows, meta.adapters = state_rows, adapters
+                meta.state_rows = state_rows
                 hidden = self.model(x.to(dev), positions.to(dev), meta.to(dev), self.kv_caches)
             if not stage.is_last:
                 self._send_hidden(hidden)
