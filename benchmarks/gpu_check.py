@@ -3,9 +3,10 @@
 1. Greedy ids equal HF transformers' on the same GPU, on tiny random checkpoints (llama, qwen2 with biases and a tied
    head, gpt2, gpt_oss with sinks and experts, deepseek_v3 with latent attention, llama4 with chunked layers, qwen3_5
    with linear-attention layers, granitemoehybrid with Mamba-2 layers, nemotron_h with MLP-only layers and relu^2
-   experts, falcon_h1 with attention and Mamba-2 side by side, jamba with Mamba layers, lfm2 with short convolutions),
-   fp32: PP=1, and PP=2 (a GPU a stage where there are two, else both stages on one GPU); decode steps replay CUDA
-   graphs, and the llama's also with multi-step decoding and with enforce_eager.
+   experts, falcon_h1 with attention and Mamba-2 side by side, jamba with Mamba layers, lfm2 with short convolutions,
+   phimoe with its sparsemixer router), fp32: PP=1, and PP=2 (a GPU a stage where there are two, else both stages on
+   one GPU); decode steps replay CUDA graphs, and the llama's also with multi-step decoding and with enforce_eager; a
+   llama with a LoRA adapter at PP=2 against PEFT's model (where peft is installed).
 2. The default model (its GGUF, dequantized to the activations' dtype at load) agrees with HF on it.
 3. Throughput of the batch workload (32 requests, 64-192 prompt tokens, 64 new) at PP=1 and PP=2 against HF
    transformers `generate` on the same GPU, bf16: targets >= 2x HF at PP=1 and PP=2 >= 0.9x PP=1.
@@ -70,6 +71,30 @@ def parity(folder: str, hf_model, pp: int, device: str, hf_dev: str, dtype: str,
     return got == expected, f"stages on {where}, {same}/{n * len(PROMPTS)} tokens equal HF's"
 
 
+def lora_parity(tmp: str, device: str, hf_dev: str, n: int = 12):
+    """A random PEFT adapter on every linear layer of a tiny llama: greedy ids equal PEFT's model in HF's."""
+    if find_spec("peft") is None:
+        return None, "peft is not installed"
+    import peft
+
+    from pipellm import LoRARequest
+    folder, adapter = os.path.join(tmp, "lora-base"), os.path.join(tmp, "lora")
+    base = make_checkpoint("llama", folder, seed=3)
+    torch.manual_seed(1)  # random B too (PEFT's own init leaves it zero: no change to see)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    model.save_pretrained(adapter)
+    expected = hf_greedy_ids(model.eval().to(hf_dev), PROMPTS, n, hf_dev)
+    with LLM(folder, pipeline_parallel_size=2, device=device, dtype="float32", enable_lora=True, max_lora_rank=8,
+             **ENGINE) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(max_tokens=n, min_tokens=n, temperature=0, ignore_eos=True),
+                            lora_request=LoRARequest("tiny", 1, adapter), use_tqdm=False)  # (HF's min_new_tokens)
+    got = [o.outputs[0].token_ids for o in outs]
+    same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
+    return got == expected, f"{same}/{n * len(PROMPTS)} tokens equal PEFT's"
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to check this script")
@@ -96,7 +121,7 @@ def main():
               long_decode_attention)
     with tempfile.TemporaryDirectory() as tmp:
         families = ("gpt_oss", "deepseek_v3", "llama4", "qwen3_5", "granitemoehybrid", "nemotron_h", "falcon_h1",
-                    "jamba", "lfm2")
+                    "jamba", "lfm2", "phimoe")
         for arch in () if args.skip_tiny else ("llama", "qwen2", "gpt2") + families:
             folder = os.path.join(tmp, arch)
             make = make_family_checkpoint if arch in families else make_checkpoint
@@ -108,6 +133,7 @@ def main():
                       lambda: parity(folder, hf_model, 2, pp2_device, hf_dev, "float32", num_scheduler_steps=4))
                 check(f"parity {arch} PP=1 enforce_eager",
                       lambda: parity(folder, hf_model, 1, args.device, hf_dev, "float32", enforce_eager=True))
+        check("parity llama with a LoRA adapter PP=2", lambda: lora_parity(tmp, pp2_device, hf_dev))
         check("parity default model PP=2", lambda: default_model_parity(tmp, pp2_device, hf_dev))
         if not args.skip_bench:
             results["bench"] = bench(tmp, args.device, pp2_device, "bfloat16" if on_gpu else "float32",
