@@ -222,11 +222,12 @@ class LLMEngine:
 
     def check_lora(self, lora_request: LoRARequest | None) -> None:
         """ValueError unless the engine can run this adapter (None: the base model)."""
-        if lora_request is not None and self.adapters is None:
+        if lora_request is None:
+            return
+        if self.adapters is None:
             raise ValueError("lora_request: this engine takes no LoRA adapters; start it with enable_lora=True "
                              "(--enable-lora), max_loras and max_lora_rank as the adapters need")
-        if lora_request is not None:
-            self.adapters.check(lora_request)
+        self.adapters.check(lora_request)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, lora_request: LoRARequest | None = None) -> None:

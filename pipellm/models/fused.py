@@ -60,7 +60,7 @@ def build_stack(layers: nn.ModuleList, kv_caches: list[KVCache]):
         if type(layer.mlp) is SparseMoE:
             moe = layer.mlp
             if hasattr(moe, "shared_expert") or moe.selection_bias is not None or moe.softmax_after_topk \
-                    or moe.sigmoid or moe.groups > 1 or moe.scaling != 1:
+                    or moe.sigmoid or moe.groups > 1 or moe.scaling != 1 or moe.sparsemixer_eps:
                 return None  # the kernels' Experts: a softmax's top k, weighed unscaled, and no shared expert
             experts = [_mlp(ops, e) for e in moe.experts]
             router = _linear(ops, moe.gate)

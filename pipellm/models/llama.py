@@ -144,7 +144,7 @@ class LlamaStage(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg, i, self.norm_class) for i in range(stage.start, stage.end))
         if stage.is_last:
             self.norm = self.norm_class(cfg.hidden_size, cfg.norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         self.rotary_local = None if cfg.rope_local is None else \
             RotaryEmbedding(cfg.rope_local, cfg.head_dim, cfg.max_position_embeddings)

@@ -2,18 +2,11 @@
 LayerNorms that have biases, attention with biases, and an LM head with a bias."""
 from torch import nn
 
-from pipellm.model_config import ModelConfig
 from pipellm.models.llama import LlamaStage
-from pipellm.pipeline.partition import StageLayers
 
 
 class PhimoeStage(LlamaStage):
-    norm_class = nn.LayerNorm  # (size, eps), with a bias
-
-    def __init__(self, cfg: ModelConfig, stage: StageLayers):
-        super().__init__(cfg, stage)
-        if stage.is_last and cfg.lm_head_bias:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=True)
+    norm_class = nn.LayerNorm  # (size, eps), with a bias; LlamaStage gives the LM head its bias (lm_head_bias)
 
     def map_weight(self, name: str) -> list[tuple[str, int]]:
         if name in ("model.norm.bias", "lm_head.bias"):
