@@ -93,6 +93,11 @@ class LLM:
             raise ValueError("tracing is off; create the LLM with trace_dir=... to record a trace")
         return save_trace(self.engine, out_dir)
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine, under vLLM's name: llm.llm_engine.add_lora(...), remove_lora(id), list_loras()."""
+        return self.engine
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

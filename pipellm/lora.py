@@ -2,6 +2,7 @@
 the base model's weights plus that adapter's low-rank products, beside requests of other adapters or none in the
 same batch. Each stage reads only its own layers' tensors of the adapter; the driver checks the whole adapter
 against the model before a request of it is queued."""
+import itertools
 import json
 import math
 import os
@@ -140,24 +141,28 @@ def check(whole_model: nn.Module, adapter: Adapter, max_rank: int) -> None:
 
 
 class Adapters:
-    """The driver's adapters (enable_lora): each name's LoRARequest, checked against the model when first named."""
+    """The driver's adapters (enable_lora): each name's LoRARequest, checked against the model when first named, and
+    the salt its requests' cached prefixes start from: one of its own each time an adapter is added, so that one
+    removed and added again (its files maybe changed) never meets the K/V of the one before."""
 
     def __init__(self, model_config, max_rank: int):
         self.model_config, self.max_rank = model_config, max_rank
-        self.known: dict[str, LoRARequest] = {}
+        self.known: dict[str, tuple[LoRARequest, bytes]] = {}  # name -> (adapter, salt)
+        self._added = itertools.count(1)
         self._model = None  # every layer, on the meta device: what each adapter's modules must map to
 
-    def check(self, lora: LoRARequest) -> None:
+    def check(self, lora: LoRARequest) -> bytes:
+        """ValueError unless the model can run lora; adds it when new. Returns its salt."""
         if not isinstance(lora, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest(lora_name, lora_int_id, lora_path), not "
                              f"{type(lora).__name__}")
         known = self.known.get(lora.lora_name)
         if known is not None:
-            if known != lora:
-                raise ValueError(f"LoRA adapter {lora.lora_name!r} is already {known}; one name names one adapter: "
-                                 "give this one another name")
-            return
-        if other := next((k for k in self.known.values() if k.lora_int_id == lora.lora_int_id), None):
+            if known[0] != lora:
+                raise ValueError(f"LoRA adapter {lora.lora_name!r} is already {known[0]}; one name names one "
+                                 "adapter: give this one another name")
+            return known[1]
+        if other := next((k for k, _ in self.known.values() if k.lora_int_id == lora.lora_int_id), None):
             raise ValueError(f"lora_int_id {lora.lora_int_id} is already adapter {other.lora_name!r}'s; give "
                              f"{lora.lora_name!r} another id")
         if self._model is None:
@@ -166,7 +171,14 @@ class Adapters:
             layers = StageLayers(0, 0, self.model_config.num_layers, True, True)
             self._model = build_stage_model(self.model_config, layers, meta=True)
         check(self._model, read_adapter(str(lora.lora_path)), self.max_rank)
-        self.known[lora.lora_name] = lora
+        salt = f"lora:{next(self._added)}:{lora.lora_name}".encode()
+        self.known[lora.lora_name] = (lora, salt)
+        return salt
+
+    def remove(self, lora_id: int) -> bytes | None:
+        """Forgets the adapter of that id: its salt, or None where no adapter has it."""
+        name = next((n for n, (k, _) in self.known.items() if k.lora_int_id == lora_id), None)
+        return None if name is None else self.known.pop(name)[1]
 
 
 # ---- on a stage -------------------------------------------------------------------------------------------------

@@ -304,6 +304,9 @@ def test_serve_refuses_lora_modules_it_cannot_serve(capsys, llama_dir, tmp_path)
                            "start it with --enable-lora"), line
     line = _fails(capsys, "serve", llama_dir, "--port", "0", "--enable-lora", "--lora-modules", f"sql={tmp_path}")
     assert line.startswith(f"error: --lora-modules sql={tmp_path}: {tmp_path}: cannot read adapter_config.json"), line
+    assert _fails(capsys, "serve", llama_dir, "--port", "0", "--allow-runtime-lora-updating") == \
+        "error: --allow-runtime-lora-updating loads adapters into the engine's LoRA slots: give --enable-lora too " \
+        "(and --max-loras, --max-lora-rank as the adapters need)"
 
 
 def test_serve_holds_its_port_while_the_engine_starts():

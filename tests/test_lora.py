@@ -156,6 +156,70 @@ def test_served_adapters_are_models_of_their_own(lora_setup, tmp_path):
         assert missing.status_code == 404 and "'mine'" in missing.json()["error"]["message"]
         metrics = httpx.get(f"{server.url}/metrics").text  # vLLM's gauge of the adapters in use: none now
         assert 'pipellm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
+        off = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": lora.lora_path})
+        assert off.status_code == 404 and "--allow-runtime-lora-updating" in off.json()["error"]["message"]
+
+
+def test_adapters_added_and_removed_while_serving(lora_setup, tmp_path):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: each adapter's completions are PEFT's, also for a
+    prompt cached under the adapter the same name held before, in the one slot that adapter held."""
+    base_dir, adapters, base_ids = lora_setup
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+
+    with serve(base_dir, tmp_path, "--enable-lora", "--max-lora-rank", "8", "--allow-runtime-lora-updating") as server:
+        def post(route: str, **body) -> httpx.Response:
+            return httpx.post(f"{server.url}/v1/{route}", json=body, timeout=60)
+
+        def text(model: str) -> str | int:  # the completion of the cached prompt, or the status of a refusal
+            r = post("completions", model=model, prompt=PROMPTS[1], max_tokens=N, temperature=0, ignore_eos=True)
+            return r.json()["choices"][0]["text"] if r.status_code == 200 else r.status_code
+
+        def served() -> list[str]:
+            return [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
+
+        def want(name: str) -> str:
+            return tokenizer.decode(adapters[name][1][1], skip_special_tokens=True)
+
+        assert text("mine") == 404
+        load = post("load_lora_adapter", lora_name="mine", lora_path=adapters["all"][0].lora_path)
+        assert load.status_code == 200 and load.text == "Success: LoRA adapter 'mine' added successfully."
+        assert served() == [base_dir, "mine"] and text("mine") == want("all")
+        qv = adapters["qv-rslora"][0].lora_path
+        for body, status, match in [
+                (dict(lora_name="mine", lora_path=qv), 400, "load_inplace"),
+                (dict(lora_name=base_dir, lora_path=qv), 400, "taken"),
+                (dict(lora_name="x", lora_path=str(tmp_path / "missing")), 400, "not a folder"),
+                (dict(lora_name="x", lora_path=str(tmp_path)), 400, "adapter_config.json"),
+                (dict(lora_name="x"), 400, "lora_path"),
+        ]:
+            r = post("load_lora_adapter", **body)
+            assert r.status_code == status and match in r.json()["error"]["message"], (body, r.text)
+        assert served() == [base_dir, "mine"] and text("mine") == want("all")  # nothing changed
+        assert post("load_lora_adapter", lora_name="mine", lora_path=qv, load_inplace=True).status_code == 200
+        assert text("mine") == want("qv-rslora") != want("all")
+        unload = post("unload_lora_adapter", lora_name="mine")
+        assert unload.status_code == 200 and unload.text == "Success: LoRA adapter 'mine' removed successfully."
+        assert served() == [base_dir] and text("mine") == 404
+        assert post("unload_lora_adapter", lora_name="mine").status_code == 404
+        assert post("load_lora_adapter", lora_name="mine", lora_path=adapters["all"][0].lora_path).status_code == 200
+        assert text("mine") == want("all")
+        assert text(base_dir) == tokenizer.decode(base_ids[1], skip_special_tokens=True)
+
+
+def test_an_adapter_removed_and_added_again_under_its_name_and_id_runs_its_new_files(lora_setup):
+    """vLLM's LLMEngine.add_lora / remove_lora / list_loras: the name and id of a removed adapter may name another,
+    whose requests then run it, not the one before in its slot, nor the K/V cached under it."""
+    base_dir, adapters, base_ids = lora_setup
+    (a, a_ids), (b, b_ids) = adapters["all"], adapters["qv-rslora"]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    with LLM(base_dir, dtype=FP32, enable_lora=True, max_lora_rank=8) as llm:
+        engine = llm.llm_engine
+        assert engine.add_lora(a) and engine.list_loras() == {a.lora_int_id}
+        assert _ids(llm.generate(prompts, GREEDY, lora_request=a, use_tqdm=False)) == a_ids
+        assert engine.remove_lora(a.lora_int_id) and engine.list_loras() == set()
+        assert not engine.remove_lora(a.lora_int_id)
+        again = LoRARequest(a.lora_name, a.lora_int_id, b.lora_path)
+        assert _ids(llm.generate(prompts, GREEDY, lora_request=again, use_tqdm=False)) == b_ids
 
 
 def test_a_request_whose_adapter_finds_no_free_slot_waits_and_the_others_go_ahead(tmp_path):

@@ -679,6 +679,8 @@ def test_error_statuses_and_still_serving(server):
     with pytest.raises(openai.AuthenticationError):
         server.client("wrong-key").completions.create(model=NAME, prompt=PROMPT)
     assert _error(httpx.get(f"{url}/v1/models"), 401)["code"] == "invalid_api_key"
+    for route in ("load_lora_adapter", "unload_lora_adapter"):  # before it says the routes are off
+        assert _error(httpx.post(f"{url}/v1/{route}", json={"lora_name": "a"}), 401)["code"] == "invalid_api_key"
     _still_serves(server)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4", messages=MESSAGES)

@@ -7,7 +7,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from pipellm.engine.detokenizer import StreamText
@@ -47,6 +47,13 @@ class AddRequest:
 @dataclass
 class AbortRequest:
     request_id: str
+
+
+@dataclass
+class Call:
+    """fn(engine) on the engine thread, between steps; its result or exception goes to done."""
+    fn: Callable
+    done: asyncio.Future
 
 
 @dataclass
@@ -199,6 +206,13 @@ class AsyncEngine:
                     for _ in range(sum(is_open)):
                         self.metrics.on_delta([], None, arrival, "abort")
 
+    async def call(self, fn: Callable, timeout_s: float = 30.0):
+        """fn(engine) run on the engine thread, in order with the requests queued before it (the engine's state is
+        that thread's). Returns its result or raises its exception; TimeoutError if the thread does not get to it."""
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(Call(fn, done))
+        return await asyncio.wait_for(done, timeout_s)
+
     # ---- engine thread ----------------------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -232,6 +246,12 @@ class AsyncEngine:
             return cmds
 
     def _handle(self, cmd) -> None:
+        if isinstance(cmd, Call):
+            try:
+                result, error = cmd.fn(self.engine), None
+            except Exception as e:
+                result, error = None, e
+            return self._loop.call_soon_threadsafe(_settle, cmd.done, result, error)
         if isinstance(cmd, AbortRequest):
             if self._active.pop(cmd.request_id, None) is not None:
                 self.engine.abort_request(cmd.request_id)
@@ -338,6 +358,11 @@ def _describe_dead(stages: list[dict]) -> str:
 def _deliver(batch: list) -> None:
     for updates, item in batch:
         updates.put_nowait(item)
+
+
+def _settle(done: asyncio.Future, result, error: Exception | None) -> None:
+    if not done.done():  # the caller may have given up waiting
+        done.set_exception(error) if error is not None else done.set_result(result)
 
 
 def _merge(out: dict[int, StreamDelta], d: EngineDelta, text: str) -> None:

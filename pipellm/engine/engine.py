@@ -220,20 +220,36 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    def check_lora(self, lora_request: LoRARequest | None) -> None:
-        """ValueError unless the engine can run this adapter (None: the base model)."""
+    def check_lora(self, lora_request: LoRARequest | None) -> bytes:
+        """ValueError unless the engine can run this adapter (None: the base model); adds a new one. Returns the
+        salt of its requests' cached prefixes."""
         if lora_request is None:
-            return
+            return b""
         if self.adapters is None:
             raise ValueError("lora_request: this engine takes no LoRA adapters; start it with enable_lora=True "
                              "(--enable-lora), max_loras and max_lora_rank as the adapters need")
-        self.adapters.check(lora_request)
+        return self.adapters.check(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's: checks the adapter against the model and adds it (ValueError if it cannot run); a request
+        naming it later loads it into a slot."""
+        self.check_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's: forgets the adapter of that id (False if none has it). Requests of it that were added already
+        run to their end with it; its name and id are free for another adapter."""
+        return self.adapters is not None and self.adapters.remove(lora_id) is not None
+
+    def list_loras(self) -> set[int]:
+        """vLLM's: the ids of the adapters added."""
+        return set() if self.adapters is None else {lora.lora_int_id for lora, _ in self.adapters.known.values()}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         """Queues one prompt (params.n completions), run with the LoRA adapter lora_request if given. Call
         inputs.validate() (and inputs.check_priority()) first."""
-        self.check_lora(lora_request)
+        salt = self.check_lora(lora_request)
         prompt_token_ids = self.inputs.truncated(prompt_token_ids, params)
         rids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         if request_id in self.groups or any(rid in self.requests for rid in rids):
@@ -255,7 +271,7 @@ class LLMEngine:
                 req.prompt_logprobs = [None] * len(prompt_token_ids)
             req.min_tokens_stop_ids, req.bad_words_token_ids = stop_ids, bad_words
             if lora_request is not None:
-                req.lora_request, req.cache_salt = lora_request, f"lora:{lora_request.lora_name}".encode()
+                req.lora_request, req.cache_salt = lora_request, salt
             self.requests[rid] = req
             self.scheduler.add(req)
 

@@ -2,7 +2,8 @@
 takes its adapter's slot as it is admitted; an adapter no slot holds is loaded into the least recently used slot
 that no running request needs (the stages load it before the batch it is first in), or the request waits while
 others go ahead. Stages run batches in order, so a slot reloaded for batch k + 1 still held the old adapter for
-batch k."""
+batch k. An adapter is known by its LoRARequest and its requests' cache salt, which is new each time an adapter is
+added (Adapters): one removed and added again under its name and id is loaded again."""
 import os
 
 from pipellm.engine.sequence import Request
@@ -11,7 +12,7 @@ from pipellm.pipeline.messages import LoRALoad
 
 class LoRASlots:
     def __init__(self, max_loras: int):
-        self.names: list[str | None] = [None] * max_loras  # the adapter each slot holds on the stages
+        self.held: list[tuple | None] = [None] * max_loras  # the adapter each slot holds on the stages (_key)
         self.used: list[int] = [0] * max_loras              # when a request last took it
         self.clock = 0
         self.pending: list[LoRALoad] = []                   # loads for the next batch
@@ -19,22 +20,21 @@ class LoRASlots:
     def slot_for(self, req: Request, running: list[Request]) -> int | None:
         """The slot that holds req's adapter, or that it would be loaded into (-1: req runs none); None while every
         slot holds another adapter that a running request needs."""
-        lora = req.lora_request
-        if lora is None:
+        if req.lora_request is None:
             return -1
-        if lora.lora_name in self.names:
-            return self.names.index(lora.lora_name)
+        if _key(req) in self.held:
+            return self.held.index(_key(req))
         busy = {r.lora_slot for r in running}
-        free = [s for s in range(len(self.names)) if s not in busy]
-        return min(free, key=lambda s: (self.names[s] is not None, self.used[s])) if free else None
+        free = [s for s in range(len(self.held)) if s not in busy]
+        return min(free, key=lambda s: (self.held[s] is not None, self.used[s])) if free else None
 
     def take(self, req: Request, slot: int) -> None:
         """req runs in slot (slot_for's), its adapter loaded there with the next batch unless it is already."""
         req.lora_slot = slot
         if slot < 0:
             return
-        if self.names[slot] != req.lora_request.lora_name:
-            self.names[slot] = req.lora_request.lora_name
+        if self.held[slot] != _key(req):
+            self.held[slot] = _key(req)
             load = LoRALoad(slot, os.path.abspath(req.lora_request.lora_path))
             self.pending = [p for p in self.pending if p.slot != slot] + [load]
         self.clock += 1
@@ -46,4 +46,8 @@ class LoRASlots:
 
     def reset(self) -> None:
         """New stages (a pipeline restart) hold no adapter."""
-        self.names, self.pending = [None] * len(self.names), []
+        self.held, self.pending = [None] * len(self.held), []
+
+
+def _key(req: Request) -> tuple:
+    return req.lora_request, req.cache_salt

@@ -253,6 +253,9 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(serve)
     serve.add_argument("--lora-modules", nargs="+", default=(), type=_lora_module, metavar="NAME=PATH",
                        help="LoRA adapters (PEFT folders) clients ask for by NAME as the model (needs --enable-lora)")
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove adapters while the "
+                            "server runs, as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING (needs --enable-lora)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /metrics",

@@ -304,7 +304,8 @@ def cmd_serve(args) -> None:
                           generation_config=args.generation_config,
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                           chat_template=template, reasoning_parser=args.reasoning_parser,
-                          allowed_origins=tuple(args.allowed_origins), lora_modules=tuple(args.lora_modules))
+                          allowed_origins=tuple(args.allowed_origins), lora_modules=tuple(args.lora_modules),
+                          allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     run_server(args.model, _engine_kwargs(args, restart_default=True), config, sock)
 
 

@@ -4,6 +4,7 @@ streaming their deltas as server-sent events."""
 import asyncio
 import dataclasses
 import hmac
+import itertools
 import json
 import logging
 import re
@@ -18,7 +19,8 @@ from pipellm.beam_search import BeamSearch, BeamSearchSequence, beam_search_asyn
 from pipellm.config import check_generation_config, sampling_defaults
 from pipellm.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, StreamDelta
 from pipellm.engine.engine import LLMEngine
-from pipellm.entrypoints.protocol import APIError, SamplingFields, beam_search_params, usage
+from pipellm.entrypoints.protocol import (APIError, LoadLoRAAdapterRequest, SamplingFields, UnloadLoRAAdapterRequest,
+                                          beam_search_params, usage)
 from pipellm.entrypoints.reasoning import PARSERS as reasoning_parsers
 from pipellm.entrypoints.tools import PARSERS as tool_parsers
 from pipellm.lora import LoRARequest
@@ -50,6 +52,7 @@ class ServerConfig:
     reasoning_parser: str | None = None  # the thought in a message's reasoning_content (reasoning.PARSERS)
     allowed_origins: tuple[str, ...] = ()  # web pages (origins) whose scripts may call the API (CORS); "*" any
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder): LoRA adapters clients name as `model`
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     def __post_init__(self):
         check_generation_config(self.generation_config)  # before the engine starts
@@ -92,6 +95,8 @@ class OpenAIServer:
     def __init__(self, engine: LLMEngine, config: ServerConfig):
         self.config, self.engine = for_model(config, engine.model_config.architecture), engine
         self.loras = lora_modules(engine, config)
+        self._lora_ids = itertools.count(len(self.loras) + 1)  # never one again: a removed adapter's is not reused
+        self._lora_lock = asyncio.Lock()  # one load or unload at a time
         self.async_engine = AsyncEngine(engine)
         self.metrics = ServerMetrics(config.served_model_name, lambda: self.async_engine.stats)
         self.async_engine.metrics = self.metrics
@@ -212,6 +217,52 @@ class OpenAIServer:
         except ValueError as e:  # n beams rank 2n log-probabilities a step
             raise APIError(400, str(e).replace("beam_width", "n", 1), param="n") from None
         return Work(prompts, params, search, priority, lora)
+
+    # ---- LoRA adapters added and removed while serving (--allow-runtime-lora-updating) ------------------------
+
+    def check_lora_updating(self) -> None:
+        if not self.config.allow_runtime_lora_updating:
+            raise APIError(404, "loading and unloading LoRA adapters while the server runs is off; start it with "
+                           "--allow-runtime-lora-updating (and --enable-lora)", code="not_found")
+
+    async def load_lora(self, req: LoadLoRAAdapterRequest) -> None:
+        """Adds the adapter under its name (with load_inplace, in place of the one of that name), checked against
+        the model first: a refused one leaves what was served as it was."""
+        name = req.lora_name
+        async with self._lora_lock:
+            old = self.loras.get(name)
+            if name == self.config.served_model_name or old is not None and not req.load_inplace:
+                raise APIError(400, f"the name {name!r} is taken already" + (
+                    "; unload that adapter first, or send load_inplace: true" if old else ""), param="lora_name")
+            try:
+                lora = LoRARequest(name, next(self._lora_ids), req.lora_path)
+            except ValueError as e:
+                raise APIError(400, str(e), param="lora_path") from None
+
+            def swap(engine: LLMEngine) -> None:  # on the engine thread
+                _forget(engine, name)
+                try:
+                    engine.add_lora(lora)
+                except ValueError:
+                    if old is not None:
+                        engine.add_lora(old)
+                    raise
+            try:
+                await self.async_engine.call(swap)
+            except ValueError as e:
+                raise APIError(400, str(e).replace("enable_lora=True (--enable-lora)", "--enable-lora"),
+                               param="lora_path") from None
+            self.loras[name] = lora
+        logger.info("LoRA adapter %r %s from %s", name, "replaced" if old else "added", req.lora_path)
+
+    async def unload_lora(self, req: UnloadLoRAAdapterRequest) -> None:
+        """Removes the adapter of that name: new requests may not name it; those running it finish with it."""
+        async with self._lora_lock:
+            if self.loras.pop(req.lora_name, None) is None:
+                raise APIError(404, f"no LoRA adapter {req.lora_name!r} is loaded; loaded: "
+                               f"{', '.join(map(repr, self.loras)) or 'none'}", param="lora_name", code="not_found")
+            await self.async_engine.call(lambda engine: _forget(engine, req.lora_name))
+        logger.info("LoRA adapter %r removed", req.lora_name)
 
     # ---- generation ---------------------------------------------------------------------------------------
 
@@ -350,6 +401,9 @@ def _depth(value) -> int:
 
 def lora_modules(engine: LLMEngine, config: ServerConfig) -> dict[str, LoRARequest]:
     """--lora-modules by name, each checked against the model before the server starts."""
+    if config.allow_runtime_lora_updating and engine.adapters is None:
+        raise ValueError("--allow-runtime-lora-updating loads adapters into the engine's LoRA slots: give "
+                         "--enable-lora too (and --max-loras, --max-lora-rank as the adapters need)")
     loras: dict[str, LoRARequest] = {}
     for i, (name, path) in enumerate(config.lora_modules):
         try:
@@ -361,6 +415,14 @@ def lora_modules(engine: LLMEngine, config: ServerConfig) -> dict[str, LoRAReque
             raise ValueError(f"--lora-modules {name}={path}: {e}".replace("enable_lora=True (--enable-lora)",
                                                                            "--enable-lora")) from None
     return loras
+
+
+def _forget(engine: LLMEngine, name: str) -> None:
+    """Removes the engine's adapter of that name, if any: the server's names are the ones that count (a request
+    queued before an unload may have added its adapter again since)."""
+    known = engine.adapters.known.get(name) if engine.adapters is not None else None
+    if known is not None:
+        engine.remove_lora(known[0].lora_int_id)
 
 
 def for_model(config: ServerConfig, architecture: str) -> ServerConfig:

@@ -109,6 +109,20 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter (--allow-runtime-lora-updating)."""
+    model_config = STRICT
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # replace the adapter of that name, if one is loaded
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = STRICT
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; the name says which
+
+
 def parse_request(model: type[BaseModel], data: dict):
     try:
         return model.model_validate(data)

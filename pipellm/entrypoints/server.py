@@ -1,8 +1,8 @@
 """`pipellm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncEngine; its routes (the work they
 share: openai_server.py).
 
-/v1/models, /v1/completions, /v1/chat/completions (with SSE streaming), /tokenize, /detokenize (as vLLM's),
-/health, /version, /metrics.
+/v1/models, /v1/completions, /v1/chat/completions (with SSE streaming), /tokenize, /detokenize,
+/v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's), /health, /version, /metrics.
 User errors come back in OpenAI's error shape with 400/401/404/413, a dead pipeline or a full queue gives 503: never a
 500 for user input.
 """
@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 import pipellm
@@ -25,8 +25,9 @@ from pipellm.entrypoints.harmony import HarmonyStream
 from pipellm.entrypoints.harmony import split as split_harmony
 from pipellm.entrypoints.openai_server import OpenAIServer, ServerConfig, for_model
 from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, ChatTemplateFields, CompletionLogprobs,
-                                          CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs,
-                                          parse_request, sampling_params, usage)
+                                          CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
+                                          UnloadLoRAAdapterRequest, chat_logprobs, parse_request, sampling_params,
+                                          usage)
 from pipellm.entrypoints.reasoning import ReasoningStream
 from pipellm.entrypoints.reasoning import split as split_reasoning
 from pipellm.entrypoints.tools import ReplyStream, check_tools, choice_of, forced_output
@@ -254,6 +255,21 @@ class _Endpoints:
                     for lora in self.s.loras.values()]  # as vLLM lists them
         return {"object": "list", "data": [card, *adapters]}
 
+    async def load_lora_adapter(self, request: Request):
+        """vLLM's: {"lora_name", "lora_path", "load_inplace"}; its answer is plain text."""
+        self.s.check_key(request)
+        self.s.check_lora_updating()
+        req = parse_request(LoadLoRAAdapterRequest, await self.s.read_json(request))
+        await self.s.load_lora(req)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request):
+        self.s.check_key(request)
+        self.s.check_lora_updating()
+        req = parse_request(UnloadLoRAAdapterRequest, await self.s.read_json(request))
+        await self.s.unload_lora(req)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
     async def health(self):
         ae = self.s.async_engine
         dead = ae.dead_reason()
@@ -291,6 +307,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app.add_api_route("/v1/completions", ep.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", ep.chat, methods=["POST"])
     app.add_api_route("/v1/models", ep.models, methods=["GET"])
+    app.add_api_route("/v1/load_lora_adapter", ep.load_lora_adapter, methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", ep.unload_lora_adapter, methods=["POST"])
     app.add_api_route("/tokenize", ep.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", ep.detokenize, methods=["POST"])
     app.add_api_route("/health", ep.health, methods=["GET"])
