@@ -165,15 +165,19 @@ class Adapters:
         if other := next((k for k, _ in self.known.values() if k.lora_int_id == lora.lora_int_id), None):
             raise ValueError(f"lora_int_id {lora.lora_int_id} is already adapter {other.lora_name!r}'s; give "
                              f"{lora.lora_name!r} another id")
+        self.validate(lora)
+        salt = f"lora:{next(self._added)}:{lora.lora_name}".encode()
+        self.known[lora.lora_name] = (lora, salt)
+        return salt
+
+    def validate(self, lora: LoRARequest) -> None:
+        """ValueError unless the model can run the adapter in lora's folder."""
         if self._model is None:
             from pipellm.models.registry import build_stage_model
             from pipellm.pipeline.partition import StageLayers
             layers = StageLayers(0, 0, self.model_config.num_layers, True, True)
             self._model = build_stage_model(self.model_config, layers, meta=True)
         check(self._model, read_adapter(str(lora.lora_path)), self.max_rank)
-        salt = f"lora:{next(self._added)}:{lora.lora_name}".encode()
-        self.known[lora.lora_name] = (lora, salt)
-        return salt
 
     def remove(self, lora_id: int) -> bytes | None:
         """Forgets the adapter of that id: its salt, or None where no adapter has it."""

@@ -240,18 +240,13 @@ class OpenAIServer:
                 raise APIError(400, str(e), param="lora_path") from None
 
             def swap(engine: LLMEngine) -> None:  # on the engine thread
+                engine.adapters.validate(lora)  # before the old one goes
                 _forget(engine, name)
-                try:
-                    engine.add_lora(lora)
-                except ValueError:
-                    if old is not None:
-                        engine.add_lora(old)
-                    raise
+                engine.add_lora(lora)
             try:
-                await self.async_engine.call(swap)
+                await self.engine_call(swap)
             except ValueError as e:
-                raise APIError(400, str(e).replace("enable_lora=True (--enable-lora)", "--enable-lora"),
-                               param="lora_path") from None
+                raise APIError(400, str(e), param="lora_path") from None
             self.loras[name] = lora
         logger.info("LoRA adapter %r %s from %s", name, "replaced" if old else "added", req.lora_path)
 
@@ -261,8 +256,15 @@ class OpenAIServer:
             if self.loras.pop(req.lora_name, None) is None:
                 raise APIError(404, f"no LoRA adapter {req.lora_name!r} is loaded; loaded: "
                                f"{', '.join(map(repr, self.loras)) or 'none'}", param="lora_name", code="not_found")
-            await self.async_engine.call(lambda engine: _forget(engine, req.lora_name))
+            await self.engine_call(lambda engine: _forget(engine, req.lora_name))
         logger.info("LoRA adapter %r removed", req.lora_name)
+
+    async def engine_call(self, fn) -> None:
+        try:
+            await self.async_engine.call(fn)
+        except TimeoutError:
+            raise APIError(503, "the engine did not get to the request within 30 s; retry", type_="server_error",
+                           headers={"Retry-After": "1"}) from None
 
     # ---- generation ---------------------------------------------------------------------------------------
 
