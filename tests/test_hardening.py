@@ -17,6 +17,7 @@ from pydantic.json_schema import models_json_schema
 from benchmarks.soak import run_soak
 from pipellm import kernels
 from pipellm.entrypoints.protocol import ChatRequest, CompletionRequest
+from pipellm.entrypoints.responses import ResponsesRequest
 from tests.conftest import VOCAB
 from tests.serving import serve
 
@@ -104,6 +105,24 @@ _BOUNDS = {
         "top_logprobs": _opt(type="integer", minimum=0, maximum=20),
         "tools": {"type": "null"},
     },
+    "ResponsesRequest": {
+        "model": {"type": "null"},
+        "input": {"anyOf": [{"type": "string", "minLength": 1, "maxLength": 200},
+                            {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+                                "type": "object", "required": ["role", "content"],
+                                "properties": {"role": {"enum": ["user", "system", "developer", "assistant"]},
+                                               "content": {"anyOf": [{"type": "string", "maxLength": 200}, {
+                                                   "type": "array", "maxItems": 2, "items": {
+                                                       "type": "object", "required": ["type", "text"],
+                                                       "properties": {"type": {"const": "input_text"},
+                                                                      "text": {"type": "string"}}}}]}}}}]},
+        "max_output_tokens": _opt(type="integer", minimum=1, maximum=32),
+        "temperature": _opt(type="number", minimum=0, maximum=2),
+        "top_p": _opt(type="number", exclusiveMinimum=0, maximum=1),
+        "tools": {"type": "null"},
+        "tool_choice": {"type": "null"},
+        "previous_response_id": {"type": "null"},
+    },
     "ChatMessage": {
         "role": {"enum": ["system", "user", "assistant"]},
         "content": {"anyOf": [{"type": "string", "maxLength": 200}, {"type": "null"},
@@ -115,10 +134,10 @@ _BOUNDS = {
 
 
 def _openapi() -> dict:
-    """An OpenAPI schema of the two POST endpoints, from the pydantic models the server validates bodies with,
+    """An OpenAPI schema of the three POST endpoints, from the pydantic models the server validates bodies with,
     narrowed to _BOUNDS. The server has no schema of its own (openapi_url=None), and its routes read the raw Request
     (to bound the body's size before parsing it), so FastAPI's would have no request bodies anyway."""
-    models = [(CompletionRequest, "validation"), (ChatRequest, "validation")]
+    models = [(CompletionRequest, "validation"), (ChatRequest, "validation"), (ResponsesRequest, "validation")]
     refs, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
     schemas = defs["$defs"]
     for name, props in _BOUNDS.items():
@@ -130,7 +149,8 @@ def _openapi() -> dict:
         return {"post": {"requestBody": body, "responses": {"200": {"description": "OK"}}}}
 
     return {"openapi": "3.1.0", "info": {"title": "pipellm", "version": "test"},
-            "paths": {"/v1/completions": post(CompletionRequest), "/v1/chat/completions": post(ChatRequest)},
+            "paths": {"/v1/completions": post(CompletionRequest), "/v1/chat/completions": post(ChatRequest),
+                      "/v1/responses": post(ResponsesRequest)},
             "components": {"schemas": schemas}}
 
 
@@ -153,7 +173,7 @@ def fuzz_server(llama_dir, tmp_path_factory):
         yield s
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_fuzzed_requests_never_get_a_5xx(fuzz_server, path):
     operation = SCHEMA[path]["POST"]
     cases = st.one_of(*(operation.as_strategy(mode) for mode in schemathesis.GenerationMode))

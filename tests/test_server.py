@@ -399,6 +399,79 @@ def test_a_named_tool_choice_gives_its_call(server):
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_responses_api_greedy_matches_llm_chat(server, llm_pp2):
+    """OpenAI's Responses API: instructions and input as the chat's messages, the reply as the output message;
+    streamed, the same text in output_text deltas between the events that open and close it, numbered."""
+    expected = llm_pp2.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)[0].outputs[0]
+    client = server.client()
+    kwargs = dict(model=NAME, instructions=MESSAGES[0]["content"], input=MESSAGES[1]["content"],
+                  max_output_tokens=10, temperature=0)
+    out = client.responses.create(**kwargs)
+    [message] = out.output
+    assert (message.type, message.role, out.output_text) == ("message", "assistant", expected.text)
+    assert out.status == ("incomplete" if expected.finish_reason == "length" else "completed")
+    assert out.usage.output_tokens == len(expected.token_ids) and out.model == NAME
+    events = list(client.responses.create(stream=True, **kwargs))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:4]] + [e.type for e in events[-4:]] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        f"response.{out.status}"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected.text
+    assert events[-1].response.output_text == expected.text and events[-1].response.usage == out.usage
+    # the same conversation as items: a developer message is the system's, a message's text parts its content
+    items = [{"role": "developer", "content": MESSAGES[0]["content"]},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": MESSAGES[1]["content"]}]}]
+    again = client.responses.create(model=NAME, input=items, max_output_tokens=10, temperature=0)
+    assert again.output_text == expected.text and again.usage == out.usage
+
+
+def test_responses_api_function_calls_and_their_outputs(server):
+    """A named tool_choice gives its function_call item (arguments held to its schema), streamed as one; the call
+    and its output, sent back as input items, reach the chat template as the assistant's call and a tool message."""
+    client = server.client()
+    tool = {"type": "function"} | WEATHER["function"]
+    kwargs = dict(model=NAME, input="Weather?", max_output_tokens=48, tools=[tool],
+                  tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+    out = client.responses.create(**kwargs)
+    [call] = out.output
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed") and call.call_id
+    assert json.loads(call.arguments) in ({"city": "Paris"}, {"city": "Rome"})
+    events = list(client.responses.create(stream=True, **kwargs))
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert (done.name, done.arguments) == ("get_weather", call.arguments)
+    assert [i.type for i in events[-1].response.output] == ["function_call"]
+    turn = [{"role": "user", "content": "Weather?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}]
+    follow = client.responses.create(model=NAME, input=turn, max_output_tokens=2, tools=[tool], tool_choice="none")
+    chat = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": call.name,
+                                                                      "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"}]
+    same = client.chat.completions.create(model=NAME, messages=chat, max_tokens=2, tools=[WEATHER], tool_choice="none")
+    assert follow.usage.input_tokens == same.usage.prompt_tokens
+
+
+def test_responses_api_refuses_what_it_cannot_run(server):
+    url = f"{server.url}/v1/responses"
+    for body, param, words in [
+            ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+            ({"input": []}, "input", "input is empty"),
+            ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
+             "text parts only"),
+            ({"input": [{"type": "computer_call"}]}, "input", "give message, function_call"),
+            ({"input": [{"type": "function_call", "name": "f"}]}, "input", "needs 'call_id'"),
+            ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools", "function tools"),
+            ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+            ({"input": "Hi", "model": "gpt-5"}, "model", "does not exist")]:
+        err = _error(httpx.post(url, json=body, headers=AUTH), 404 if param == "model" else 400)
+        assert err["param"] == param and words in err["message"], (body, err)
+    _error(httpx.post(url, json={"input": "Hi"}), 401)
+    _still_serves(server)
+
+
 def test_auto_tool_choice_and_reasoning_parsers(llama_dir, tmp_path):
     """`--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3`: a reply that writes a
     <tool_call> comes back as the call, a <think> block as reasoning_content, streamed or not; plain text as text.

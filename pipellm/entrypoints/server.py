@@ -1,7 +1,7 @@
 """`pipellm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncEngine; its routes (the work they
 share: openai_server.py).
 
-/v1/models, /v1/completions, /v1/chat/completions (with SSE streaming), /tokenize, /detokenize,
+/v1/models, /v1/completions, /v1/chat/completions (with SSE streaming), /v1/responses, /tokenize, /detokenize,
 /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's), /health, /version, /metrics.
 User errors come back in OpenAI's error shape with 400/401/404/413, a dead pipeline or a full queue gives 503: never a
 500 for user input.
@@ -29,6 +29,7 @@ from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, Ch
                                           UnloadLoRAAdapterRequest, chat_logprobs, parse_request, sampling_params,
                                           usage)
 from pipellm.entrypoints.reasoning import ReasoningStream
+from pipellm.entrypoints.responses import Reply, ResponsesRequest, chat_body, renamed
 from pipellm.entrypoints.reasoning import split as split_reasoning
 from pipellm.entrypoints.tools import ReplyStream, check_tools, choice_of, forced_output
 from pipellm.entrypoints.tools import parse as parse_tool_calls
@@ -136,9 +137,25 @@ class _Endpoints:
                        "usage": usage(prompts, sum(len(c.token_ids) for c in choices) if max_tokens else 0)}
 
     async def chat(self, request: Request):
+        self.s.check_key(request)
+        return await self.chat_reply(request, parse_request(ChatRequest, await self.s.read_json(request)))
+
+    async def responses(self, request: Request):
+        """OpenAI's Responses API, run as a chat completion (responses.py)."""
+        self.s.check_key(request)
+        req = parse_request(ResponsesRequest, await self.s.read_json(request))
+        out = Reply(req, req.model or self.s.config.served_model_name)
+        try:
+            reply = await self.chat_reply(request, parse_request(ChatRequest, chat_body(req)))
+        except APIError as e:
+            raise renamed(e) from None
+        if isinstance(reply, StreamingResponse):
+            return StreamingResponse(out.events(reply.body_iterator), media_type="text/event-stream")
+        return out.from_chat(reply) if isinstance(reply, dict) else reply
+
+    async def chat_reply(self, request: Request, req: ChatRequest):
+        """A chat completion (a dict), its stream, or 499 for a client that went away."""
         s = self.s
-        s.check_key(request)
-        req = parse_request(ChatRequest, await s.read_json(request))
         s.check_model_and_engine(req.model)
         tools = check_tools(req.tools) if req.tools else None
         tool_choice = choice_of(tools, req.tool_choice, s.config.tool_call_parser)
@@ -306,6 +323,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                            allow_headers=["Authorization", "Content-Type"])
     app.add_api_route("/v1/completions", ep.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", ep.chat, methods=["POST"])
+    app.add_api_route("/v1/responses", ep.responses, methods=["POST"])
     app.add_api_route("/v1/models", ep.models, methods=["GET"])
     app.add_api_route("/v1/load_lora_adapter", ep.load_lora_adapter, methods=["POST"])
     app.add_api_route("/v1/unload_lora_adapter", ep.unload_lora_adapter, methods=["POST"])
