@@ -489,6 +489,7 @@ def test_auto_tool_choice_and_reasoning_parsers(llama_dir, tmp_path):
             ids = httpx.post(f"{srv.url}/tokenize", json={"messages": hi} | body).json()["tokens"]
             assert ids == tok.encode(text, add_special_tokens=False)
         weather = [("get_weather", {"city": "Rome"})]
+        tools = [{"type": "function"} | t["function"] for t in (WEATHER, TIME)]
         for text, reasoning, content, calls in ((f"Sure. {call}", None, "Sure.", weather),
                                                 ("It is noon.", None, "It is noon.", []),
                                                 ("<think>Rome, then.</think>\n" + call, "Rome, then.", None, weather),
@@ -507,6 +508,18 @@ def test_auto_tool_choice_and_reasoning_parsers(llama_dir, tmp_path):
                 assert [(c.function.name, json.loads(c.function.arguments)) for c in got_calls] == calls
                 assert finish == ("tool_calls" if calls else "stop")
                 assert (got_content and got_content.strip() or None, got_reasoning) == (content, reasoning)
+            # the Responses API: the same reply as its output items, streamed or not
+            replies = [client.responses.create(model=model, input="Hi", max_output_tokens=160, tools=tools,
+                                               extra_body={"structured_outputs": {"choice": [text]}})]
+            events = list(client.responses.create(model=model, input="Hi", max_output_tokens=160, tools=tools,
+                                                  stream=True, extra_body={"structured_outputs": {"choice": [text]}}))
+            replies.append(events[-1].response)
+            assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == (reasoning or "")
+            for reply in replies:
+                assert [(i.name, json.loads(i.arguments)) for i in reply.output if i.type == "function_call"] == calls
+                thoughts = [i.content[0].text for i in reply.output if i.type == "reasoning"]
+                assert thoughts == ([reasoning] if reasoning else [])
+                assert (reply.output_text.strip() or None) == content
 
 
 def test_gpt_oss_harmony_replies(tmp_path):

@@ -4,6 +4,7 @@ the tool messages), its tools and text format the chat's; the chat's reply becom
 (reasoning, message, function calls), and a streamed reply's chunks the Responses API's events. Stateless, as vLLM's
 without a store: nothing is kept, so there is no previous_response_id."""
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,9 +14,18 @@ from pydantic import BaseModel
 
 from pipellm.entrypoints.protocol import STRICT, APIError
 
+logger = logging.getLogger("pipellm.server")
+
 # the chat request's fields by the names a Responses request gives them, for errors that name a field
 _FIELDS = {"max_completion_tokens": "max_output_tokens", "SamplingParams.max_tokens": "max_output_tokens",
            "max_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
+
+
+# The chat's sampling fields that the Responses API does not name, taken as they are (as vLLM's extra parameters)
+SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids",
+                   "bad_words", "logit_bias", "structured_outputs", "priority", "skip_special_tokens",
+                   "chat_template_kwargs")
 
 
 class ResponsesRequest(BaseModel):
@@ -36,8 +46,9 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
 
 
-def chat_body(req: ResponsesRequest) -> dict:
-    """The chat completions request that runs a Responses request; APIError for what it cannot be."""
+def chat_body(req: ResponsesRequest, data: dict) -> dict:
+    """The chat completions request that runs a Responses request (data: its body, for SAMPLING_EXTRAS); APIError
+    for what it cannot be."""
     if req.previous_response_id is not None:
         raise APIError(400, "previous_response_id: this server keeps no responses; send the conversation so far as "
                        "input (its messages, function_call and function_call_output items)",
@@ -90,7 +101,7 @@ def chat_body(req: ResponsesRequest) -> dict:
             k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
     elif fmt.get("type") != "text":
         body["response_format"] = fmt  # json_object; anything else, chat's check refuses
-    return {k: v for k, v in body.items() if v is not None}
+    return {k: v for k, v in body.items() if v is not None} | {k: data[k] for k in SAMPLING_EXTRAS if k in data}
 
 
 def _str(item: dict, key: str) -> str:
@@ -164,6 +175,15 @@ class Reply:
     async def events(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         """The Responses API's server-sent events from a chat stream's (with its usage chunk)."""
         stream = _Events(self)
+        try:
+            async for event in self._events(stream, chunks):
+                yield event
+        except Exception as e:  # the status line is gone already: say it in the stream
+            logger.exception("internal error while streaming a response", exc_info=e)
+            for event in stream.failed({"code": "server_error", "message": f"internal error: {type(e).__name__}"}):
+                yield event
+
+    async def _events(self, stream: "_Events", chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         yield stream.event("response.created", response=self.head)
         yield stream.event("response.in_progress", response=self.head)
         finish_reason = usage = None

@@ -143,10 +143,11 @@ class _Endpoints:
     async def responses(self, request: Request):
         """OpenAI's Responses API, run as a chat completion (responses.py)."""
         self.s.check_key(request)
-        req = parse_request(ResponsesRequest, await self.s.read_json(request))
+        data = await self.s.read_json(request)
+        req = parse_request(ResponsesRequest, data)
         out = Reply(req, req.model or self.s.config.served_model_name)
         try:
-            reply = await self.chat_reply(request, parse_request(ChatRequest, chat_body(req)))
+            reply = await self.chat_reply(request, parse_request(ChatRequest, chat_body(req, data)))
         except APIError as e:
             raise renamed(e) from None
         if isinstance(reply, StreamingResponse):
