@@ -275,3 +275,37 @@ def test_an_adapter_over_a_gguf_models_compact_weights(tmp_path, monkeypatch):
     assert _ids(outs) == want
     with model.disable_adapter():
         assert hf_greedy_ids(model, prompts, N) != want  # the adapter changes the output: the comparison can fail
+
+
+def test_the_server_s_engine_refuses_a_request_whose_adapter_name_changed_hands(lora_setup):
+    """Through the server's AsyncEngine: a request naming an adapter whose name was given to another one meanwhile
+    (replaced while the request was on its way to the engine thread) ends with RequestRefusedError (the server's
+    400), and the requests after it run."""
+    import asyncio
+
+    from pipellm.config import EngineConfig
+    from pipellm.engine.async_engine import AsyncEngine, RequestRefusedError
+    from pipellm.engine.engine import LLMEngine
+
+    base_dir, adapters, _ = lora_setup
+    (a, a_ids), (b, _) = adapters["all"], adapters["qv-rslora"]
+    engine = LLMEngine(EngineConfig(base_dir, dtype=FP32, enable_lora=True, max_lora_rank=8))
+
+    async def run():
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+
+        async def tokens(lora):
+            return [t async for deltas in async_engine.generate(f"r{id(lora)}", PROMPTS[0], GREEDY, lora_request=lora)
+                    for d in deltas for t in d.token_ids]
+        try:
+            assert await async_engine.call(lambda e: e.add_lora(a))
+            with pytest.raises(RequestRefusedError, match="one name names one adapter"):
+                await tokens(LoRARequest(a.lora_name, 99, b.lora_path))
+            return await tokens(a)
+        finally:
+            async_engine.stop()
+    try:
+        assert asyncio.run(run()) == a_ids[0]
+    finally:
+        engine.shutdown()

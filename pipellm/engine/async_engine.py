@@ -32,6 +32,11 @@ class RequestFailedError(RuntimeError):
     that the other requests could go on (Scheduler.drop_suspects)."""
 
 
+class RequestRefusedError(ValueError):
+    """The engine refused the request as it reached it (checked on the event loop already, the state changed since:
+    its LoRA adapter was replaced, say)."""
+
+
 # ---- messages between the event loop and the engine thread ---------------------------------------------------
 
 @dataclass
@@ -263,7 +268,7 @@ class AsyncEngine:
                 self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority,
                                         cmd.lora_request)
             except ValueError as e:  # validated on the event loop already; a duplicate id would land here
-                return self._send([(cmd.updates, e)])
+                return self._send([(cmd.updates, RequestRefusedError(str(e)))])
         finally:
             with self._queued_lock:  # after add_request: counted in the scheduler now, never in neither
                 self._num_queued -= cmd.params.n

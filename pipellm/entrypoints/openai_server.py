@@ -17,7 +17,8 @@ from starlette.requests import ClientDisconnect
 
 from pipellm.beam_search import BeamSearch, BeamSearchSequence, beam_search_async
 from pipellm.config import check_generation_config, sampling_defaults
-from pipellm.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, StreamDelta
+from pipellm.engine.async_engine import (AsyncEngine, EngineDeadError, RequestFailedError, RequestRefusedError,
+                                         StreamDelta)
 from pipellm.engine.engine import LLMEngine
 from pipellm.entrypoints.protocol import (APIError, LoadLoRAAdapterRequest, SamplingFields, UnloadLoRAAdapterRequest,
                                           beam_search_params, usage)
@@ -339,6 +340,8 @@ class OpenAIServer:
             raise APIError(503, f"the engine is dead: {e}", type_="server_error", code="engine_dead") from None
         except RequestFailedError as e:
             raise APIError(500, str(e), type_="server_error", code="request_failed") from None
+        except RequestRefusedError as e:
+            raise APIError(400, str(e)) from None
         return choices
 
     async def collect_unless_gone(self, request: Request, request_id: str, work: Work) -> list[_Choice] | None:
@@ -376,6 +379,8 @@ class OpenAIServer:
             yield event(APIError(503, f"the engine is dead: {e}", "server_error", code="engine_dead").body)
         except RequestFailedError as e:
             yield event(APIError(500, str(e), "server_error", code="request_failed").body)
+        except RequestRefusedError as e:
+            yield event(APIError(400, str(e)).body)
         except Exception as e:  # the status line is gone already: say it in the stream
             logger.exception("internal error while streaming", exc_info=e)
             yield event(APIError(500, f"internal error: {type(e).__name__}", "server_error").body)
