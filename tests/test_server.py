@@ -463,7 +463,11 @@ def test_responses_api_refuses_what_it_cannot_run(server):
              "text parts only"),
             ({"input": [{"type": "computer_call"}]}, "input", "give message, function_call"),
             ({"input": [{"type": "function_call", "name": "f"}]}, "input", "needs 'call_id'"),
+            ({"input": [1]}, "input", "an item is an object"),
             ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools", "function tools"),
+            ({"input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools", "JSON schema"),
+            ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "needs its 'schema'"),
+            ({"input": "Hi", "text": {"format": {"type": "yaml"}}}, "text", "give text, json_object or json_schema"),
             ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
             ({"input": "Hi", "model": "gpt-5"}, "model", "does not exist")]:
         err = _error(httpx.post(url, json=body, headers=AUTH), 404 if param == "model" else 400)

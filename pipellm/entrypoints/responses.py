@@ -31,7 +31,7 @@ SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "presence_penalty", "freque
 class ResponsesRequest(BaseModel):
     model_config = STRICT
     model: str | None = None
-    input: str | list[dict]
+    input: str | list
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -58,6 +58,9 @@ def chat_body(req: ResponsesRequest, data: dict) -> dict:
     if not items:
         raise APIError(400, "input is empty; give a string or a list of items", param="input")
     for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise APIError(400, f"input[{i}]: an item is an object ({{'role': 'user', 'content': ...}}, ...), not "
+                           f"{type(item).__name__}", param="input")
         kind = item.get("type", "message")
         try:
             if kind == "message":
@@ -97,10 +100,16 @@ def chat_body(req: ResponsesRequest, data: dict) -> dict:
         raise APIError(400, "text.format must be an object: {'type': 'text' | 'json_object' | 'json_schema', ...}",
                        param="text")
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, "text.format: a json_schema format needs its 'schema' (a JSON schema object)",
+                           param="text")
         body["response_format"] = {"type": "json_schema", "json_schema": {
             k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
+    elif fmt.get("type") == "json_object":
+        body["response_format"] = fmt
     elif fmt.get("type") != "text":
-        body["response_format"] = fmt  # json_object; anything else, chat's check refuses
+        raise APIError(400, f"text.format.type {fmt.get('type')!r}: give text, json_object or json_schema",
+                       param="text")
     return {k: v for k, v in body.items() if v is not None} | {k: data[k] for k in SAMPLING_EXTRAS if k in data}
 
 
@@ -124,9 +133,10 @@ def _text(content) -> str:
 
 
 def _chat_tool(i: int, tool: dict) -> dict:
-    if tool.get("type") != "function" or "name" not in tool:
+    if tool.get("type") != "function" or not isinstance(tool.get("name"), str) or \
+            not isinstance(tool.get("parameters", {}), dict):
         raise APIError(400, f"tools[{i}]: give function tools ({{'type': 'function', 'name': ..., 'parameters': "
-                       "...}}); this server has no built-in tools", param="tools")
+                       "{...JSON schema...}}); this server has no built-in tools", param="tools")
     return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters") if k in tool}}
 
 
