@@ -1,6 +1,7 @@
 """`pipellm serve` as a user runs it: a real server subprocess on a loopback port, driven by the official openai client
 and by httpx. The expected texts come from LLM.generate / LLM.chat on the same tiny checkpoint (llm_pp2)."""
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -842,6 +843,25 @@ def test_32_concurrent_streams_some_disconnect_then_kv_cache_empty(server):
     # The disconnected requests stopped early: fewer tokens than their 100 each.
     generated = after["pipellm:generation_tokens_total"] - before["pipellm:generation_tokens_total"]
     assert generated < 24 * 24 + 8 * 80
+    _still_serves(server)
+
+
+def test_a_responses_stream_whose_client_hangs_up_is_aborted(server):
+    before = _metrics(server)
+    body = {"input": PROMPT, "stream": True, "max_output_tokens": 80, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, headers=AUTH, timeout=60) as resp:
+        assert resp.status_code == 200
+        events = [line for line in itertools.islice(resp.iter_lines(), 40) if line.startswith("event: ")]
+    assert events[-1] == "event: response.output_text.delta"  # hung up mid-reply
+
+    def idle():
+        m = _metrics(server)
+        return m["pipellm:num_requests_running"] == 0 and m["pipellm:num_requests_waiting"] == 0
+    wait_until(idle, 15, "the request to end")
+    after = _metrics(server)
+    assert after["pipellm:kv_cache_usage_perc"] == 0.0
+    assert after.get("pipellm:request_finished_total[abort]", 0) - before.get(
+        "pipellm:request_finished_total[abort]", 0) == 1
     _still_serves(server)
 
 
