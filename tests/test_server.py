@@ -52,6 +52,19 @@ def _metrics(server: Server) -> dict[str, float]:
     return out
 
 
+def _when_all_ended(server: Server, before: dict) -> tuple[dict, int]:
+    """Once no request runs or waits: the metrics, with the KV cache checked empty, and the completions aborted
+    since `before` (metrics too)."""
+    def idle():
+        m = _metrics(server)
+        return m["pipellm:num_requests_running"] == 0 and m["pipellm:num_requests_waiting"] == 0
+    wait_until(idle, 15, "every request to end")
+    after = _metrics(server)
+    assert after["pipellm:kv_cache_usage_perc"] == 0.0
+    key = "pipellm:request_finished_total[abort]"
+    return after, after.get(key, 0) - before.get(key, 0)
+
+
 def _still_serves(server: Server) -> None:
     out = server.client().completions.create(model=NAME, prompt="Hello", max_tokens=2)
     assert out.usage.completion_tokens >= 1
@@ -830,15 +843,7 @@ def test_32_concurrent_streams_some_disconnect_then_kv_cache_empty(server):
         usage = json.loads(r["events"][-2])["usage"]
         assert usage["completion_tokens"] == 24
         assert json.loads(r["events"][-3])["choices"][0]["finish_reason"] == "length"
-
-    def idle():
-        m = _metrics(server)
-        return m["pipellm:num_requests_running"] == 0 and m["pipellm:num_requests_waiting"] == 0
-    wait_until(idle, 15, "every request to end")
-    after = _metrics(server)
-    assert after["pipellm:kv_cache_usage_perc"] == 0.0
-    aborted = after.get("pipellm:request_finished_total[abort]", 0) - before.get(
-        "pipellm:request_finished_total[abort]", 0)
+    after, aborted = _when_all_ended(server, before)
     assert aborted == sum(disconnect)
     # The disconnected requests stopped early: fewer tokens than their 100 each.
     generated = after["pipellm:generation_tokens_total"] - before["pipellm:generation_tokens_total"]
@@ -853,15 +858,7 @@ def test_a_responses_stream_whose_client_hangs_up_is_aborted(server):
         assert resp.status_code == 200
         events = [line for line in itertools.islice(resp.iter_lines(), 40) if line.startswith("event: ")]
     assert events[-1] == "event: response.output_text.delta"  # hung up mid-reply
-
-    def idle():
-        m = _metrics(server)
-        return m["pipellm:num_requests_running"] == 0 and m["pipellm:num_requests_waiting"] == 0
-    wait_until(idle, 15, "the request to end")
-    after = _metrics(server)
-    assert after["pipellm:kv_cache_usage_perc"] == 0.0
-    assert after.get("pipellm:request_finished_total[abort]", 0) - before.get(
-        "pipellm:request_finished_total[abort]", 0) == 1
+    assert _when_all_ended(server, before)[1] == 1
     _still_serves(server)
 
 
