@@ -151,33 +151,31 @@ class Adapters:
         self._added = itertools.count(1)
         self._model = None  # every layer, on the meta device: what each adapter's modules must map to
 
-    def check(self, lora: LoRARequest) -> bytes:
-        """ValueError unless the model can run lora; adds it when new. Returns its salt."""
+    def check(self, lora: LoRARequest, replace: bool = False) -> bytes:
+        """ValueError unless the model can run lora; adds it when new (replace: in place of another adapter of its
+        name, once it is found runnable). Returns its salt."""
         if not isinstance(lora, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest(lora_name, lora_int_id, lora_path), not "
                              f"{type(lora).__name__}")
         known = self.known.get(lora.lora_name)
-        if known is not None:
-            if known[0] != lora:
-                raise ValueError(f"LoRA adapter {lora.lora_name!r} is already {known[0]}; one name names one "
-                                 "adapter: give this one another name")
+        if known is not None and known[0] == lora:
             return known[1]
-        if other := next((k for k, _ in self.known.values() if k.lora_int_id == lora.lora_int_id), None):
+        if known is not None and not replace:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} is already {known[0]}; one name names one adapter: "
+                             "give this one another name")
+        if other := next((k for name, (k, _) in self.known.items()
+                          if k.lora_int_id == lora.lora_int_id and name != lora.lora_name), None):
             raise ValueError(f"lora_int_id {lora.lora_int_id} is already adapter {other.lora_name!r}'s; give "
                              f"{lora.lora_name!r} another id")
-        self.validate(lora)
-        salt = f"lora:{next(self._added)}:{lora.lora_name}".encode()
-        self.known[lora.lora_name] = (lora, salt)
-        return salt
-
-    def validate(self, lora: LoRARequest) -> None:
-        """ValueError unless the model can run the adapter in lora's folder."""
         if self._model is None:
             from pipellm.models.registry import build_stage_model
             from pipellm.pipeline.partition import StageLayers
             layers = StageLayers(0, 0, self.model_config.num_layers, True, True)
             self._model = build_stage_model(self.model_config, layers, meta=True)
         check(self._model, read_adapter(str(lora.lora_path)), self.max_rank)
+        salt = f"lora:{next(self._added)}:{lora.lora_name}".encode()
+        self.known[lora.lora_name] = (lora, salt)
+        return salt
 
     def remove(self, lora_id: int) -> bytes | None:
         """Forgets the adapter of that id: its salt, or None where no adapter has it."""

@@ -220,20 +220,21 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    def check_lora(self, lora_request: LoRARequest | None) -> bytes:
-        """ValueError unless the engine can run this adapter (None: the base model); adds a new one. Returns the
-        salt of its requests' cached prefixes."""
+    def check_lora(self, lora_request: LoRARequest | None, replace: bool = False) -> bytes:
+        """ValueError unless the engine can run this adapter (None: the base model); adds a new one (replace: in
+        place of another of its name). Returns the salt of its requests' cached prefixes."""
         if lora_request is None:
             return b""
         if self.adapters is None:
             raise ValueError("lora_request: this engine takes no LoRA adapters; start it with enable_lora=True "
                              "(--enable-lora), max_loras and max_lora_rank as the adapters need")
-        return self.adapters.check(lora_request)
+        return self.adapters.check(lora_request, replace)
 
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """vLLM's: checks the adapter against the model and adds it (ValueError if it cannot run); a request
-        naming it later loads it into a slot."""
-        self.check_lora(lora_request)
+    def add_lora(self, lora_request: LoRARequest, replace: bool = False) -> bool:
+        """vLLM's: checks the adapter against the model and adds it (ValueError if it cannot run; replace: in place
+        of another adapter of its name, which stays if this one cannot); a request naming it later loads it into a
+        slot."""
+        self.check_lora(lora_request, replace)
         return True
 
     def remove_lora(self, lora_id: int) -> bool:

@@ -239,13 +239,8 @@ class OpenAIServer:
                 lora = LoRARequest(name, next(self._lora_ids), req.lora_path)
             except ValueError as e:
                 raise APIError(400, str(e), param="lora_path") from None
-
-            def swap(engine: LLMEngine) -> None:  # on the engine thread
-                engine.adapters.validate(lora)  # before the old one goes
-                _forget(engine, name)
-                engine.add_lora(lora)
-            try:
-                await self.engine_call(swap)
+            try:  # in place of any adapter of that name the engine holds (see _forget)
+                await self.engine_call(lambda engine: engine.add_lora(lora, replace=True))
             except ValueError as e:
                 raise APIError(400, str(e), param="lora_path") from None
             self.loras[name] = lora
