@@ -29,8 +29,8 @@ from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, Ch
                                           UnloadLoRAAdapterRequest, chat_logprobs, parse_request, sampling_params,
                                           usage)
 from pipellm.entrypoints.reasoning import ReasoningStream
-from pipellm.entrypoints.responses import Reply, ResponsesRequest, chat_body, renamed
 from pipellm.entrypoints.reasoning import split as split_reasoning
+from pipellm.entrypoints.responses import Reply, ResponsesRequest, chat_body, renamed
 from pipellm.entrypoints.tools import ReplyStream, check_tools, choice_of, forced_output
 from pipellm.entrypoints.tools import parse as parse_tool_calls
 from pipellm.observe.metrics import CONTENT_TYPE
