@@ -18,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipellm import LLM, SamplingParams, StructuredOutputsParams
 from pipellm.sampling_params import BeamSearchParams
+from pipellm.entrypoints.protocol import APIError
+from pipellm.entrypoints.responses import Reply, ResponsesRequest, ResponseStore
 from pipellm.loader.model_folder import load_tokenizer
 from tests.serving import KEY, Server, is_running, serve, wait_until
 
@@ -468,10 +470,99 @@ def test_responses_api_function_calls_and_their_outputs(server):
     assert follow.usage.input_tokens == same.usage.prompt_tokens
 
 
+def test_responses_api_continues_a_kept_response(server):
+    """previous_response_id continues a kept response as if the conversation so far came as input (the earlier
+    turn's instructions not carried, as OpenAI's); GET gives a response back as it was made, streamed or not, and
+    lists its own input items; a response made with store=false, or deleted, cannot be read or continued."""
+    client = server.client()
+    kwargs = dict(model=NAME, max_output_tokens=6, temperature=0)
+    first = client.responses.create(instructions="Be brief.", input="Hello world!", **kwargs)
+    second = client.responses.create(previous_response_id=first.id, input="How are you?", **kwargs)
+    sent = [{"role": "user", "content": "Hello world!"}, {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "How are you?"}]
+    whole = client.responses.create(input=sent, store=False, **kwargs)
+    assert (second.output_text, second.usage) == (whole.output_text, whole.usage)
+    assert (second.previous_response_id, second.store, whole.store) == (first.id, True, False)
+    events = list(client.responses.create(previous_response_id=second.id, input="Bye", stream=True, **kwargs))
+    third = events[-1].response
+    whole = client.responses.create(input=sent + [{"role": "assistant", "content": second.output_text},
+                                                  {"role": "user", "content": "Bye"}], store=False, **kwargs)
+    assert (third.output_text, third.usage) == (whole.output_text, whole.usage)
+    for made in (first, second, third):
+        assert client.responses.retrieve(made.id).model_dump() == made.model_dump()
+    [item] = client.responses.input_items.list(second.id).data
+    assert (item.type, item.role, item.content[0].text) == ("message", "user", "How are you?")
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.retrieve(whole.id)
+    with pytest.raises(openai.NotFoundError, match=whole.id):
+        client.responses.create(previous_response_id=whole.id, input="Hi", **kwargs)
+    client.responses.delete(first.id)
+    for gone in (lambda: client.responses.retrieve(first.id), lambda: client.responses.delete(first.id),
+                 lambda: client.responses.create(previous_response_id=third.id, input="Hi", **kwargs)):
+        with pytest.raises(openai.NotFoundError, match=first.id):  # a conversation needs each of its turns
+            gone()
+    assert client.responses.retrieve(second.id).id == second.id
+
+
+def test_the_response_store_keeps_the_last_responses_used():
+    """--responses-store-size N keeps the last N responses made, read or continued; a conversation with a turn
+    dropped cannot go on, and size 0 keeps none (saying which flag keeps some)."""
+    store = ResponseStore(2)
+
+    def made(previous: Reply | None = None) -> Reply:
+        reply = Reply(ResponsesRequest(input="Hi", previous_response_id=previous and previous.head["id"]), NAME, True)
+        reply.from_chat({"choices": [{"message": {"content": "Hello"}, "finish_reason": "stop"}],
+                         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+        store.put(reply, [{"type": "message", "role": "user", "content": "Hi", "id": "msg_1"}])
+        return reply
+
+    first = made()
+    second = made(first)
+    store.get(first.head["id"])  # read: second is now the oldest
+    third = made()
+    assert list(store.kept) == [first.head["id"], third.head["id"]]
+    with pytest.raises(APIError, match="keeps the last 2"):
+        store.get(second.head["id"])
+    fourth = made(third)
+    assert len(store.history(fourth.head["id"])) == 4  # two turns: an input and an output item each
+    fifth = made(fourth)  # a conversation's oldest turn goes first
+    with pytest.raises(APIError, match=third.head["id"]):
+        store.history(fifth.head["id"])
+    with pytest.raises(APIError, match="--responses-store-size") as e:
+        ResponseStore(0).history("resp_1")
+    assert e.value.status == 400
+
+
+def test_responses_api_background_mode(server):
+    """background=true answers at once; the response runs, polled with GET, to the same reply as in the
+    foreground; cancelled while it runs, its request is aborted and its KV blocks freed."""
+    client = server.client()
+    kwargs = dict(model=NAME, input=PROMPT, max_output_tokens=8, temperature=0)
+    expected = client.responses.create(store=False, **kwargs)
+    started = client.responses.create(background=True, **kwargs)
+    assert started.background and started.status in ("queued", "in_progress")
+    wait_until(lambda: client.responses.retrieve(started.id).status not in ("queued", "in_progress"), 30,
+               "the background response to end")
+    done = client.responses.retrieve(started.id)
+    assert (done.status, done.output_text, done.usage) == (expected.status, expected.output_text, expected.usage)
+    before = _metrics(server)
+    long = client.responses.create(background=True, model=NAME, input=PROMPT, max_output_tokens=96,
+                                   extra_body={"ignore_eos": True})
+    wait_until(lambda: client.responses.retrieve(long.id).output, 10, "the reply to begin")  # its output so far
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.output_text
+    assert _when_all_ended(server, before)[1] == 1
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError, match="only a background response"):
+        client.responses.cancel(client.responses.create(**kwargs).id)
+
+
 def test_responses_api_refuses_what_it_cannot_run(server):
     url = f"{server.url}/v1/responses"
     for body, param, words in [
-            ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+            ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id", "'resp_1' not found"),
+            ({"input": "Hi", "background": True, "store": False}, "background", "give store=true"),
+            ({"input": "Hi", "background": True, "stream": True}, "background", "not both"),
             ({"input": []}, "input", "input is empty"),
             ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
              "text parts only"),
@@ -484,9 +575,18 @@ def test_responses_api_refuses_what_it_cannot_run(server):
             ({"input": "Hi", "text": {"format": {"type": "yaml"}}}, "text", "give text, json_object or json_schema"),
             ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
             ({"input": "Hi", "model": "gpt-5"}, "model", "does not exist")]:
-        err = _error(httpx.post(url, json=body, headers=AUTH), 404 if param == "model" else 400)
+        err = _error(httpx.post(url, json=body, headers=AUTH), 404 if param in ("model", "previous_response_id")
+                     else 400)
         assert err["param"] == param and words in err["message"], (body, err)
+    made = server.client().responses.create(model=NAME, input="Hi", max_output_tokens=1)
+    for path, query, param in [("resp_1", {}, None), (made.id, {"stream": "true"}, "stream"),
+                               (f"{made.id}/input_items", {"limit": "0"}, "limit"),
+                               (f"{made.id}/input_items", {"order": "up"}, "order"),
+                               (f"{made.id}/input_items", {"after": "msg_1"}, "after")]:
+        err = _error(httpx.get(f"{url}/{path}", params=query, headers=AUTH), 400 if param else 404)
+        assert err["param"] == param, (path, query, err)
     _error(httpx.post(url, json={"input": "Hi"}), 401)
+    _error(httpx.get(f"{url}/{made.id}"), 401)
     _still_serves(server)
 
 

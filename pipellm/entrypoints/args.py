@@ -256,6 +256,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",
                        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove adapters while the "
                             "server runs, as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING (needs --enable-lora)")
+    serve.add_argument("--responses-store-size", type=int, default=1000,
+                       help="the last N responses (each its input and output) kept in memory for "
+                            "previous_response_id, GET /v1/responses/{id} and background mode (0: none, stateless)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /metrics",

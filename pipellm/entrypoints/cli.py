@@ -305,7 +305,8 @@ def cmd_serve(args) -> None:
                           tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                           chat_template=template, reasoning_parser=args.reasoning_parser,
                           allowed_origins=tuple(args.allowed_origins), lora_modules=tuple(args.lora_modules),
-                          allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                          allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                          responses_store_size=args.responses_store_size)
     run_server(args.model, _engine_kwargs(args, restart_default=True), config, sock)
 
 

@@ -54,6 +54,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # web pages (origins) whose scripts may call the API (CORS); "*" any
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder): LoRA adapters clients name as `model`
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+    responses_store_size: int = 1000    # the last responses kept for previous_response_id, GET and background; 0 none
 
     def __post_init__(self):
         check_generation_config(self.generation_config)  # before the engine starts
@@ -69,6 +70,8 @@ class ServerConfig:
         for name in ("max_request_bytes", "max_request_seqs", "max_request_tokens", "max_waiting_seqs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: give a positive integer")
+        if not isinstance(self.responses_store_size, int) or self.responses_store_size < 0:
+            raise ValueError(f"--responses-store-size {self.responses_store_size}: give 0 (keep none) or more")
 
 
 @dataclass

@@ -1,14 +1,17 @@
 """OpenAI's Responses API (/v1/responses) over the chat completions the server runs: a request's input items become
 chat messages (its instructions the system message, function calls and their outputs the assistant's tool calls and
 the tool messages), its tools and text format the chat's; the chat's reply becomes the response's output items
-(reasoning, message, function calls), and a streamed reply's chunks the Responses API's events. Stateless, as vLLM's
-without a store: nothing is kept, so there is no previous_response_id."""
+(reasoning, message, function calls), and a streamed reply's chunks the Responses API's events. ResponseStore keeps
+the last responses in memory, for previous_response_id, GET /v1/responses/{id} and background mode."""
+import asyncio
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
@@ -44,20 +47,23 @@ class ResponsesRequest(BaseModel):
     metadata: dict | None = None
     previous_response_id: str | None = None
     user: str | None = None
+    store: bool = True
+    background: bool = False
 
 
-def chat_body(req: ResponsesRequest, data: dict) -> dict:
-    """The chat completions request that runs a Responses request (data: its body, for SAMPLING_EXTRAS); APIError
-    for what it cannot be."""
-    if req.previous_response_id is not None:
-        raise APIError(400, "previous_response_id: this server keeps no responses; send the conversation so far as "
-                       "input (its messages, function_call and function_call_output items)",
-                       param="previous_response_id")
+def input_items(req: ResponsesRequest) -> list:
+    """The request's input as a list of items (not yet checked)."""
+    return [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+
+
+def chat_body(req: ResponsesRequest, data: dict, history: list[dict] = ()) -> dict:
+    """The chat completions request that runs a Responses request (data: its body, for SAMPLING_EXTRAS; history: the
+    items of the conversation before it, from previous_response_id); APIError for what it cannot be."""
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    items = input_items(req)
     if not items:
         raise APIError(400, "input is empty; give a string or a list of items", param="input")
-    for i, item in enumerate(items):
+    for i, item in enumerate([*history, *items], -len(history)):  # the history's were checked when they came
         if not isinstance(item, dict):
             raise APIError(400, f"input[{i}]: an item is an object ({{'role': 'user', 'content': ...}}, ...), not "
                            f"{type(item).__name__}", param="input")
@@ -84,10 +90,10 @@ def chat_body(req: ResponsesRequest, data: dict) -> dict:
             raise APIError(400, f"input[{i}]: a {kind} item needs {e.args[0]!r}", param="input") from None
         except (TypeError, ValueError) as e:
             raise APIError(400, f"input[{i}]: {e}", param="input") from None
-    body = {"model": req.model, "messages": messages, "stream": req.stream, "max_completion_tokens":
-            req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+    body = {"model": req.model, "messages": messages, "stream": req.stream or req.background,
+            "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
             "parallel_tool_calls": req.parallel_tool_calls}
-    if req.stream:
+    if req.stream or req.background:  # a background response runs as a stream nobody reads
         body["stream_options"] = {"include_usage": True}
     if req.tools:
         body["tools"] = [_chat_tool(i, t) for i, t in enumerate(req.tools)]
@@ -152,24 +158,37 @@ def renamed(e: APIError) -> APIError:
 class Reply:
     """A response's fields, and its output items from chat messages or streamed chunks."""
 
-    def __init__(self, req: ResponsesRequest, model: str):
+    def __init__(self, req: ResponsesRequest, model: str, stored: bool):
         self.head = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
-                     "status": "in_progress", "error": None, "incomplete_details": None,
+                     "status": "queued" if req.background else "in_progress", "background": req.background,
+                     "error": None, "incomplete_details": None,
                      "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
                      "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
                      "temperature": req.temperature, "top_p": req.top_p, "tools": req.tools or [],
                      "tool_choice": req.tool_choice or "auto", "text": req.text or {"format": {"type": "text"}},
-                     "metadata": req.metadata or {}, "previous_response_id": None, "reasoning": None, "store": False,
-                     "truncation": "disabled", "user": req.user, "usage": None}
+                     "metadata": req.metadata or {}, "previous_response_id": req.previous_response_id,
+                     "reasoning": None, "store": stored, "truncation": "disabled", "user": req.user, "usage": None}
         self.output: list[dict] = []
+        self.final: dict | None = None  # the response once it has ended
+        self.on_end: Callable[["Reply"], None] | None = None
+
+    def now(self) -> dict:
+        """The response as it stands: its output so far until it ends."""
+        return self.final or self.head | {"output": list(self.output)}
+
+    def end(self, response: dict) -> dict:
+        self.final = response
+        if self.on_end is not None:
+            self.on_end(self)
+        return response
 
     def done(self, finish_reason: str | None, usage: dict | None) -> dict:
         incomplete = finish_reason == "length"
-        return self.head | {
+        return self.end(self.head | {
             "status": "incomplete" if incomplete else "completed", "output": self.output,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "usage": usage and {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-                                "total_tokens": usage["total_tokens"]}}
+                                "total_tokens": usage["total_tokens"]}})
 
     def from_chat(self, completion: dict) -> dict:
         """The whole response from a chat completion."""
@@ -181,6 +200,22 @@ class Reply:
             self.output.append(_item("message", message.get("content") or "", "completed"))
         self.output += [_call_item(c) for c in message.get("tool_calls") or []]
         return self.done(choice["finish_reason"], completion["usage"])
+
+    async def run(self, chunks: AsyncIterator[str]) -> None:
+        """A background response: its events run to the end with nobody reading them; cancelled, it ends
+        cancelled (closing the chat stream aborts its request)."""
+        self.head["status"] = "in_progress"
+        try:
+            async with aclosing(self.events(chunks)) as events:
+                async for _ in events:
+                    pass
+        except asyncio.CancelledError:
+            self.cancelled()
+            raise
+
+    def cancelled(self) -> None:
+        if self.final is None:
+            self.end(self.now() | {"status": "cancelled"})
 
     async def events(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         """The Responses API's server-sent events from a chat stream's (with its usage chunk)."""
@@ -281,8 +316,8 @@ class _Events:
         return out + [self.event("response.output_item.done", output_index=len(self.reply.output) - 1, item=item)]
 
     def failed(self, error: dict) -> list[str]:
-        response = self.reply.head | {"status": "failed", "output": self.reply.output, "error": {
-            "code": error.get("code") or "server_error", "message": error["message"]}}
+        response = self.reply.end(self.reply.head | {"status": "failed", "output": self.reply.output, "error": {
+            "code": error.get("code") or "server_error", "message": error["message"]}})
         return self.close() + [self.event("error", code=error.get("code"), message=error["message"],
                                           param=error.get("param")),
                                self.event("response.failed", response=response)]
@@ -309,3 +344,85 @@ def _item(kind: str, text: str, status: str) -> dict:
 def _call_item(call: dict) -> dict:
     return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+
+
+def listed_items(items: list[dict]) -> list[dict]:
+    """Checked input items as a response lists them: typed, each with an id, a message's content as parts."""
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            content = item["content"]
+            if isinstance(content, str):
+                content = [{"type": "output_text" if item["role"] == "assistant" else "input_text", "text": content}]
+            item = item | {"type": "message", "content": content, "status": item.get("status", "completed")}
+        out.append({"id": f"{_ID_PREFIX[kind]}_{uuid.uuid4().hex}"} | item)  # an id the item has stays
+    return out
+
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+@dataclass
+class _Kept:
+    reply: Reply
+    items: list[dict]  # its input items (listed_items), the conversation's turn without the instructions
+    task: asyncio.Task | None = None  # a background response's generation
+
+
+class ResponseStore:
+    """Responses kept for previous_response_id, GET /v1/responses/{id} and background mode: the last `size` made or
+    read, in memory (a restart forgets them; `--responses-store-size`, 0 keeps none)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.kept: OrderedDict[str, _Kept] = OrderedDict()
+
+    def put(self, reply: Reply, items: list[dict], task: asyncio.Task | None = None) -> None:
+        self.kept[reply.head["id"]] = _Kept(reply, items, task)
+        while len(self.kept) > self.size:
+            self._drop(next(iter(self.kept)))
+
+    def get(self, response_id: str, param: str | None = None) -> _Kept:
+        if not self.size:
+            raise APIError(404 if param is None else 400, "this server keeps no responses: start it with "
+                           "--responses-store-size N (N > 0), or send the conversation so far as input",
+                           code="not_found", param=param)
+        kept = self.kept.get(response_id)
+        if kept is None:
+            raise APIError(404, f"response {response_id!r} not found: not made here, deleted, or dropped from the "
+                           f"store, which keeps the last {self.size} responses (--responses-store-size)",
+                           code="not_found", param=param)
+        self.kept.move_to_end(response_id)  # a conversation in use stays
+        return kept
+
+    def history(self, response_id: str) -> list[dict]:
+        """The items of the conversation up to and with a kept response: each turn's input and output, in order."""
+        turns = []
+        while response_id is not None:
+            reply = self.get(response_id, "previous_response_id").reply
+            status = reply.now()["status"]
+            if status not in ("completed", "incomplete"):
+                raise APIError(400, f"previous_response_id: response {response_id!r} is {status}; continue a "
+                               "completed or incomplete one", param="previous_response_id")
+            turns.append((response_id, self.kept[response_id].items + reply.final["output"]))
+            response_id = reply.head["previous_response_id"]
+        turns.reverse()
+        for response_id, _ in turns:  # the conversation's oldest turn goes first
+            self.kept.move_to_end(response_id)
+        return [item for _, turn in turns for item in turn]
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        self._drop(response_id)
+
+    def close(self) -> None:
+        """Cancels the background responses still running (the server stops)."""
+        for kept in self.kept.values():
+            if kept.task is not None:
+                kept.task.cancel()
+
+    def _drop(self, response_id: str) -> None:
+        kept = self.kept.pop(response_id)
+        if kept.task is not None:
+            kept.task.cancel()

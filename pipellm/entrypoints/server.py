@@ -1,8 +1,9 @@
 """`pipellm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncEngine; its routes (the work they
 share: openai_server.py).
 
-/v1/models, /v1/completions, /v1/chat/completions (with SSE streaming), /v1/responses, /tokenize, /detokenize,
-/v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's), /health, /version, /metrics.
+/v1/models, /v1/completions, /v1/chat/completions (with SSE streaming), /v1/responses (and /v1/responses/{id}: a
+kept response, its input items, its cancel), /tokenize, /detokenize, /v1/load_lora_adapter and /v1/unload_lora_adapter
+(as vLLM's), /health, /version, /metrics.
 User errors come back in OpenAI's error shape with 400/401/404/413, a dead pipeline or a full queue gives 503: never a
 500 for user input.
 """
@@ -30,7 +31,8 @@ from pipellm.entrypoints.protocol import (APIError, ChatMessage, ChatRequest, Ch
                                           usage)
 from pipellm.entrypoints.reasoning import ReasoningStream
 from pipellm.entrypoints.reasoning import split as split_reasoning
-from pipellm.entrypoints.responses import Reply, ResponsesRequest, chat_body, renamed
+from pipellm.entrypoints.responses import (Reply, ResponsesRequest, ResponseStore, chat_body, input_items,
+                                           listed_items, renamed)
 from pipellm.entrypoints.tools import ReplyStream, check_tools, choice_of, forced_output
 from pipellm.entrypoints.tools import parse as parse_tool_calls
 from pipellm.observe.metrics import CONTENT_TYPE
@@ -43,6 +45,7 @@ logger = logging.getLogger("pipellm.server")
 class _Endpoints:
     def __init__(self, server: OpenAIServer):
         self.s = server
+        self.store = ResponseStore(server.config.responses_store_size)
 
     def completion_prompts(self, prompt) -> tuple[list[list[int]], list[str | None]]:
         """Each prompt's token ids, and its text when it came as text."""
@@ -145,14 +148,76 @@ class _Endpoints:
         self.s.check_key(request)
         data = await self.s.read_json(request)
         req = parse_request(ResponsesRequest, data)
-        out = Reply(req, req.model or self.s.config.served_model_name)
+        stored = req.store and self.store.size > 0
+        if req.background and not stored:
+            raise APIError(400, "background: a background response is kept until it is read; give store=true, on a "
+                           "server started with --responses-store-size N (N > 0)", param="background")
+        if req.background and req.stream:
+            raise APIError(400, "background: give stream or background, not both (poll GET /v1/responses/{id} for a "
+                           "background response)", param="background")
+        history = self.store.history(req.previous_response_id) if req.previous_response_id is not None else []
+        out = Reply(req, req.model or self.s.config.served_model_name, stored)
         try:
-            reply = await self.chat_reply(request, parse_request(ChatRequest, chat_body(req, data)))
+            reply = await self.chat_reply(request, parse_request(ChatRequest, chat_body(req, data, history)))
         except APIError as e:
             raise renamed(e) from None
+        if not isinstance(reply, (dict, StreamingResponse)):
+            return reply  # 499: the client went away
+        items = listed_items(input_items(req))
+        if req.background:
+            self.store.put(out, items, asyncio.create_task(out.run(reply.body_iterator)))
+            return out.now()
+        if stored:
+            out.on_end = lambda reply: self.store.put(reply, items)
         if isinstance(reply, StreamingResponse):
             return StreamingResponse(out.events(reply.body_iterator), media_type="text/event-stream")
-        return out.from_chat(reply) if isinstance(reply, dict) else reply
+        return out.from_chat(reply)
+
+    async def response(self, request: Request, response_id: str):
+        """A kept response, as it stands (a background one: its output so far)."""
+        self.s.check_key(request)
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise APIError(400, "stream: this server gives a kept response whole; poll it without stream",
+                           param="stream")
+        return self.store.get(response_id).reply.now()
+
+    async def delete_response(self, request: Request, response_id: str):
+        self.s.check_key(request)
+        self.store.delete(response_id)  # a background one still running stops
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def cancel_response(self, request: Request, response_id: str):
+        """Stops a background response; one that has ended comes back as it is."""
+        self.s.check_key(request)
+        kept = self.store.get(response_id)
+        if kept.task is None:
+            raise APIError(400, f"response {response_id!r} did not run in the background: only a background "
+                           "response can be cancelled", param="response_id")
+        kept.task.cancel()
+        await asyncio.wait({kept.task}, timeout=10)
+        kept.reply.cancelled()  # also one cancelled before it began
+        return kept.reply.now()
+
+    async def response_input_items(self, request: Request, response_id: str):
+        """A kept response's input items (its own turn, as OpenAI's list): ?limit=1..100 (20), order=asc|desc
+        (desc), after=an item id."""
+        self.s.check_key(request)
+        items = self.store.get(response_id).items
+        query = request.query_params
+        limit, order, after = query.get("limit", "20"), query.get("order", "desc"), query.get("after")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise APIError(400, f"limit {limit!r}: give a whole number from 1 to 100", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order {order!r}: give asc or desc", param="order")
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(400, f"after {after!r}: not an item of this response", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:int(limit)]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
 
     async def chat_reply(self, request: Request, req: ChatRequest):
         """A chat completion (a dict), its stream, or 499 for a client that went away."""
@@ -311,6 +376,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         server.async_engine.start()
         yield
+        ep.store.close()
         await asyncio.to_thread(server.async_engine.stop)  # ends what is left with finish_reason "abort"
         if config.trace_dir is not None and engine.executor.is_alive():
             await asyncio.to_thread(_write_trace, engine, config.trace_dir)  # the engine thread has ended
@@ -320,11 +386,15 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                   openapi_url=None)
     app.state.server = server
     if config.allowed_origins:  # none by default: a page the user visits may not call a local server
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["GET", "POST", "DELETE"], allow_headers=["Authorization", "Content-Type"])
     app.add_api_route("/v1/completions", ep.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", ep.chat, methods=["POST"])
     app.add_api_route("/v1/responses", ep.responses, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", ep.response, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", ep.delete_response, methods=["DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", ep.cancel_response, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", ep.response_input_items, methods=["GET"])
     app.add_api_route("/v1/models", ep.models, methods=["GET"])
     app.add_api_route("/v1/load_lora_adapter", ep.load_lora_adapter, methods=["POST"])
     app.add_api_route("/v1/unload_lora_adapter", ep.unload_lora_adapter, methods=["POST"])
