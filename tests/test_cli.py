@@ -295,6 +295,11 @@ def test_serve_refuses_a_port_in_use(capsys, llama_dir):
         assert line == f"error: port {port} on 127.0.0.1 is in use; give another --port"
 
 
+def test_serve_refuses_a_negative_responses_store_size(capsys, llama_dir):
+    assert _fails(capsys, "serve", llama_dir, "--port", "0", "--responses-store-size", "-1") == \
+        "error: --responses-store-size -1: give 0 (keep none) or more"
+
+
 def test_serve_refuses_lora_modules_it_cannot_serve(capsys, llama_dir, tmp_path):
     assert _fails(capsys, "serve", llama_dir, "--lora-modules", "sql") == \
         "error: argument --lora-modules: --lora-modules 'sql': give NAME=PATH, e.g. sql-lora=/adapters/sql " \
