@@ -14,6 +14,11 @@ JAMBA = "JambaForCausalLM"  # Mamba (-1) layers among attention ones, experts ev
 LFM2 = "Lfm2ForCausalLM"  # gated short convolutions among attention layers
 LFM2_MOE = "Lfm2MoeForCausalLM"  # and experts in all but the first layers
 PHIMOE = "PhimoeForCausalLM"  # Phi-3.5-MoE: LayerNorms with biases, a sparsemixer router, an LM head with a bias
+# LayerNorms, MLPs without a gate, rotary on part of each head (models/classic.py)
+GPT_NEOX, PHI, STARCODER2, NEMOTRON = "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM", \
+    "NemotronForCausalLM"
+CLASSIC = (GPT_NEOX, PHI, STARCODER2, NEMOTRON)
+GELUS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")  # exact; the others HF's names of its tanh form
 # older configs' layer names, and Nemotron-H's hybrid_override_pattern letters: HF's layer types
 MAMBA_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention",
                      "M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -135,6 +140,25 @@ def phimoe(d: dict, source: str) -> dict:
                          f"{d['num_experts_per_tok']} is not supported")
     return dict(num_experts=d.get("num_local_experts", 16), num_experts_per_tok=2,
                 router_jitter_eps=float(d.get("router_jitter_noise", 0.01)), lm_head_bias=bool(d.get("lm_head_bias")))
+
+
+def classic(d: dict, arch: str, source: str) -> tuple[dict, dict]:
+    """A GPT-NeoX, Phi, StarCoder2 or Nemotron config.json in the keys from_hf_dict reads, and ModelConfig's fields
+    of its own, as HF reads it: its norms' epsilon, its rotary's share of a head and base (GPT-NeoX's rotary_pct and
+    rotary_emb_base), its biases."""
+    if d.get("qk_layernorm"):
+        raise ValueError(f"{source}: Phi's qk_layernorm=true (LayerNorms over each head's q and k) is not supported")
+    partial = {GPT_NEOX: d.get("rotary_pct", 0.25), PHI: 0.5, NEMOTRON: 0.5, STARCODER2: 1.0}[arch]
+    eps = next((d[k] for k in ("layer_norm_eps", "norm_epsilon", "norm_eps") if d.get(k) is not None), 1e-5)
+    d = {"partial_rotary_factor": partial, "rope_theta": d.get("rotary_emb_base", 10000.0),
+         "tie_word_embeddings": arch == STARCODER2} | d | {"rms_norm_eps": eps}
+    bias = bool(d.get("use_bias", True)) if arch == STARCODER2 else bool(d.get("attention_bias", arch != NEMOTRON))
+    family = dict(qkv_bias=bias, o_bias=bias, mlp_bias=bias if arch != NEMOTRON else bool(d.get("mlp_bias")),
+                  gated_mlp=False, lm_head_bias=arch == PHI, parallel_residual=bool(d.get("use_parallel_residual",
+                                                                                          True)) and arch == GPT_NEOX)
+    if arch == GPT_NEOX:  # its MLP's biases whatever attention_bias says
+        family["mlp_bias"] = True
+    return d, family
 
 
 def lfm2(d: dict, source: str, moe: bool) -> tuple[dict, dict]:

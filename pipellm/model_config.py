@@ -6,9 +6,10 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from pipellm.family_config import (BAMBA, FALCON_H1, GRANITE_HYBRID, JAMBA, LFM2, LFM2_MOE, MAMBA_LAYER_TYPES,
-                                   NEMOTRON_H, PHIMOE, bamba, falcon_h1, fp8_weight_block, granite_hybrid,
-                                   group_router, jamba, latent_attention, lfm2, nemotron_h, phimoe, same_each_layer)
+from pipellm.family_config import (BAMBA, CLASSIC, FALCON_H1, GELUS, GRANITE_HYBRID, JAMBA, LFM2, LFM2_MOE,
+                                   MAMBA_LAYER_TYPES, NEMOTRON_H, PHIMOE, bamba, classic, falcon_h1, fp8_weight_block,
+                                   granite_hybrid, group_router, jamba, latent_attention, lfm2, nemotron_h, phimoe,
+                                   same_each_layer)
 from pipellm.rope_config import RopeConfig
 from pipellm.vision_language import VISION_LANGUAGE, text_config
 
@@ -37,7 +38,7 @@ GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeShar
                   GRANITE_HYBRID)  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel", NEMOTRON_H, FALCON_H1,
-                                                                       JAMBA, LFM2, LFM2_MOE, BAMBA, PHIMOE)
+                                                                       JAMBA, LFM2, LFM2_MOE, BAMBA, PHIMOE) + CLASSIC
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
 
 
@@ -58,6 +59,8 @@ class ModelConfig:
     qkv_bias: bool = False          # Qwen2, and Llama with attention_bias
     o_bias: bool = False            # Llama with attention_bias
     mlp_bias: bool = False          # Llama with mlp_bias, ERNIE 4.5 with use_bias
+    gated_mlp: bool = True          # False: down(act(up(x))) (GPT-NeoX, Phi, StarCoder2; relu2 and xielu always)
+    parallel_residual: bool = False  # GPT-NeoX: x + attention(norm1(x)) + mlp(norm2(x))
     sliding_window: int | None = None  # sliding layers attend to the last sliding_window keys only
     eos_token_ids: tuple[int, ...] = ()
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" | LOCAL_LAYER_TYPES; () = all full, or all
@@ -147,6 +150,8 @@ class ModelConfig:
     text_of: str = ""  # the vision-language checkpoint whose text model this is (vision_language.py); "" none
 
     def __post_init__(self):
+        if self.hidden_act in ("relu2", "xielu"):
+            self.gated_mlp = False
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"the model's num_attention_heads={self.num_heads} is not a multiple of its "
                              f"num_key_value_heads={self.num_kv_heads}")
@@ -199,7 +204,7 @@ class ModelConfig:
             mixer = self.attention_params + self.attention_output_gate * h * self.num_heads * self.head_dim
         if self.architecture == NEMOTRON_H and kind not in ("mlp", "moe"):
             return mixer  # each of its layers one mixer
-        matrices = 2 if self.is_gpt2 or self.hidden_act in ("relu2", "xielu") else 3  # an MLP's: no gate, or one
+        matrices = 2 if self.is_gpt2 or not self.gated_mlp else 3  # an MLP's: no gate, or one
         if not self.is_moe(layer):
             return mixer + matrices * h * self.intermediate_size
         experts, shared = self.num_experts_per_tok if picked else self.num_experts, \
@@ -307,13 +312,15 @@ class ModelConfig:
             d, family = bamba(d, source)
         elif arch == PHIMOE:
             family = phimoe(d, source)
+        elif arch in CLASSIC:
+            d, family = classic(d, arch, source)
         is_gemma = arch in GEMMA_FAMILY
         act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
-        if act not in ("silu", "gelu_pytorch_tanh") and (act, arch) not in (
+        classic_act = arch in CLASSIC and act in (("relu2",) if arch == "NemotronForCausalLM" else GELUS)
+        if act not in ("silu", "gelu_pytorch_tanh") and not classic_act and (act, arch) not in (
                 ("relu2", "ArceeForCausalLM"), ("relu2", NEMOTRON_H), ("xielu", "ApertusForCausalLM")):
             raise ValueError(f"{source}: activation {act!r} is not supported (silu, gelu_pytorch_tanh; Arcee's and "
-                             "Nemotron-H's relu2, "
-                             "Apertus's xielu)")
+                             "Nemotron's relu2, Apertus's xielu; GPT-NeoX's, Phi's and StarCoder2's GELUs)")
         layers = d["num_hidden_layers"]
         window = d.get("sliding_window")
         if window is not None and window >= d.get("max_position_embeddings", math.inf):

@@ -305,6 +305,17 @@ def family_config(name: str):
                                rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0,
                                                     beta_slow=1.0, original_max_position_embeddings=SHORT,
                                                     truncate=False))
+    if name in ("gpt_neox", "gpt_neox-sequential"):  # a quarter of each head rotated; q, k, v rows by head
+        return tf.GPTNeoXConfig(**{k: v for k, v in COMMON.items() if k != "num_key_value_heads"},
+                                hidden_act="gelu", use_parallel_residual=name == "gpt_neox",
+                                rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                     partial_rotary_factor=0.25))
+    if name == "phi":  # attention and MLP on one LayerNorm; half of each head rotated; biases, the LM head's too
+        return tf.PhiConfig(**COMMON)
+    if name == "starcoder2":  # every layer windowed; biases; the tanh GELU without a gate
+        return tf.Starcoder2Config(**COMMON, sliding_window=24)
+    if name == "nemotron":  # 1 + w LayerNorms, relu^2 without a gate, half of each head rotated
+        return tf.NemotronConfig(**COMMON)
     raise ValueError(name)
 
 
@@ -318,10 +329,11 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "glm4v-vl", "glm4v_moe-vl", "mistral4-vl", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl",
             "qwen3_5_moe-vl", "granitemoehybrid", "granitemoehybrid-dense", "nemotron_h", "nemotron_h-dense",
             "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated",
-            "jamba", "lfm2", "lfm2_moe", "lfm2-vl", "bamba"]
+            "jamba", "lfm2", "lfm2_moe", "lfm2-vl", "bamba", "gpt_neox", "gpt_neox-sequential", "phi", "starcoder2",
+            "nemotron"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
-            "aya_vision-vl", "llama4")  # and Llama 4's chunked layers
+            "aya_vision-vl", "llama4", "starcoder2")  # and Llama 4's chunked layers
 # the log-probabilities' tolerance where fp32 rounding alone moves them further: on these checkpoints HF's own fp32
 # ones are up to 1.7e-4 from its fp64 ones, ours up to 3.6e-4 (the delta nets' norms magnify a small head's rounding)
 TOLERANCE = dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl", "qwen3_5_moe-vl"), 1e-3)

@@ -115,14 +115,35 @@ class XieluMLP(ReluSquaredMLP):
         return self.down_proj(h)
 
 
+class GeluMLP(ReluSquaredMLP):
+    """down(gelu(up(x))): GPT-NeoX's (exact GELU), Phi's and StarCoder2's (its tanh approximation) MLP."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, exact: bool = False):
+        super().__init__(hidden_size, intermediate_size, bias)
+        self.approximate = "none" if exact else "tanh"
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate))
+
+
 UNGATED = {"relu2": ReluSquaredMLP, "xielu": XieluMLP}  # Arcee's and Nemotron-H's, Apertus's: up, activation, down
 
 
-def dense_mlp(hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> nn.Module:
-    """An MLP through this activation: ungated (UNGATED), or gated by it (SwiGLU, GeGLU)."""
+def dense_mlp(hidden_size: int, intermediate_size: int, act: str, bias: bool = False, gated: bool = True) -> nn.Module:
+    """An MLP through this activation: ungated (UNGATED, or a GELU with gated=False), or gated by it (SwiGLU,
+    GeGLU)."""
     if act in UNGATED:
         return UNGATED[act](hidden_size, intermediate_size, bias=bias)
+    if not gated:
+        return GeluMLP(hidden_size, intermediate_size, bias, exact=act == "gelu")
     return GatedMLP(hidden_size, intermediate_size, act, bias=bias)
+
+
+class LayerNorm1p(nn.LayerNorm):
+    """Nemotron's LayerNorm: its weight held as an offset from 1."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1.0, self.bias, self.eps)
 
 
 class TransposedLinear(nn.Module):

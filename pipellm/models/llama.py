@@ -12,7 +12,7 @@ from pipellm.model_config import ModelConfig
 from pipellm.models import fused
 from pipellm.models.attention import AttentionMetadata, paged_attention
 from pipellm.models.kv_cache import KVCache
-from pipellm.models.layers import UNGATED, RMSNorm, dense_mlp, greedy_head
+from pipellm.models.layers import RMSNorm, dense_mlp, greedy_head
 from pipellm.models.moe import SparseMoE
 from pipellm.models.rotary import RotaryEmbedding, StepRopes, apply_rotary, query_scale
 from pipellm.pipeline.partition import StageLayers
@@ -79,7 +79,7 @@ class LlamaAttention(nn.Module):
 def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     if cfg.is_moe(layer):
         return SparseMoE(cfg)
-    return dense_mlp(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
+    return dense_mlp(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias, gated=cfg.gated_mlp)
 
 
 class LlamaLayer(nn.Module):
@@ -217,7 +217,7 @@ class LlamaStage(nn.Module):
             if stage.is_last and cfg.tie_word_embeddings:
                 targets.append(("lm_head.weight", 0))
             return targets
-        if name in ("model.norm.weight", "lm_head.weight"):
+        if name in ("model.norm.weight", "model.norm.bias", "lm_head.weight", "lm_head.bias"):  # biases: LayerNorm's
             return [(name.removeprefix("model."), 0)] if stage.is_last else []
         m = LAYER_NAME.match(name)
         if not m or not stage.start <= int(m[1]) < stage.end:
@@ -235,14 +235,14 @@ class LlamaStage(nn.Module):
             return [(f"{prefix}mlp.experts.{e}.{m[1]}.weight", 0, e) for e in range(cfg.num_experts)]
         if m := EXPERT.match(rest):
             expert, proj, kind = m[1], m[2], m[3]
-            target = "down_proj" if proj in ("w2", "down_proj") else "up_proj" if cfg.hidden_act in UNGATED \
+            target = "down_proj" if proj in ("w2", "down_proj") else "up_proj" if not cfg.gated_mlp \
                 else "gate_up_proj"  # Nemotron-H's experts have no gate
             row = cfg.moe_intermediate_size if proj in ("w3", "up_proj") and target == "gate_up_proj" else 0
             return [(f"{prefix}mlp.experts.{expert}.{target}.{kind}", row)]
         module, _, kind = rest.rpartition(".")
         if module.endswith(".conv1d"):  # a linear-attention or Mamba-2 layer's convolution
             return [(f"{prefix}{module.removesuffix('conv1d')}conv_{kind}", 0)]
-        if module in fused and not (cfg.hidden_act in UNGATED and module.endswith("up_proj")):  # no gate to fuse with
+        if module in fused and (cfg.gated_mlp or not module.endswith("up_proj")):  # an up_proj without a gate: alone
             target, row = fused[module]
             return [(f"{prefix}{target}.{kind}", row)]
         return [(prefix + rest, 0)]

@@ -5,6 +5,7 @@ from torch import nn
 
 from pipellm.model_config import ModelConfig
 from pipellm.models.apertus import ApertusStage
+from pipellm.models.classic import NemotronStage, NeoXStage, PhiStage, Starcoder2Stage
 from pipellm.models.cohere import CohereStage
 from pipellm.models.falcon_h1 import FalconH1Stage
 from pipellm.models.jamba import JambaStage
@@ -77,6 +78,10 @@ STAGE_CLASSES = {
     "Lfm2ForCausalLM": Lfm2Stage,
     "BambaForCausalLM": BambaStage,
     "Lfm2MoeForCausalLM": Lfm2Stage,
+    "GPTNeoXForCausalLM": NeoXStage,
+    "PhiForCausalLM": PhiStage,
+    "Starcoder2ForCausalLM": Starcoder2Stage,
+    "NemotronForCausalLM": NemotronStage,
 }
 
 

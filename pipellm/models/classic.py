@@ -1,0 +1,73 @@
+"""Families from before Llama's block settled: LayerNorms, biases, MLPs without a gate (layers.GeluMLP, relu^2), rotary
+on part of each head. GPT-NeoX (Pythia): attention and MLP side by side on two norms of the same input (or one after
+the other), q, k and v rows interleaved by head; Phi (phi-1.5, phi-2): side by side on one norm; StarCoder2: Llama's
+block, its layers all windowed when it gives a window; Nemotron (Nemotron-4, Minitron): Llama's block with 1 + w
+LayerNorms and a relu^2 MLP."""
+import torch
+from torch import nn
+
+from pipellm.models.cohere import CohereLayer
+from pipellm.models.layers import LayerNorm1p
+from pipellm.models.llama import LlamaLayer, LlamaStage
+
+# checkpoint names -> Llama's, in turn
+NEOX_NAMES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
+              ("embed_out.", "lm_head."), ("gpt_neox.layers.", "model.layers."),
+              (".attention.query_key_value.", ".self_attn.qkv_proj."), (".attention.dense.", ".self_attn.o_proj."),
+              (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj."))
+PHI_NAMES = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.up_proj."),
+             (".mlp.fc2.", ".mlp.down_proj."), ("model.final_layernorm.", "model.norm."))
+STARCODER2_NAMES = ((".mlp.c_fc.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj."))
+
+
+def _renamed(name: str, names: tuple) -> str:
+    for theirs, ours in names:
+        name = name.replace(theirs, ours)
+    return name
+
+
+class NeoXLayer(LlamaLayer):
+    def __init__(self, cfg, layer, norm=nn.LayerNorm):
+        super().__init__(cfg, layer, norm)
+        self.parallel = cfg.parallel_residual
+
+    def forward(self, x, ropes, meta, cache):
+        if not self.parallel:
+            return super().forward(x, ropes, meta, cache)
+        return x + self.self_attn(self.input_layernorm(x), ropes, meta, cache) + \
+            self.mlp(self.post_attention_layernorm(x))
+
+
+class NeoXStage(LlamaStage):
+    layer_class, norm_class = NeoXLayer, nn.LayerNorm
+
+    def map_weight(self, name: str) -> list[tuple[str, int]]:
+        if name.endswith((".attention.bias", ".attention.masked_bias")):  # older checkpoints' causal masks
+            return []
+        return super().map_weight(_renamed(name, NEOX_NAMES))
+
+    def row_order(self, name: str) -> torch.Tensor | None:
+        """query_key_value's rows [H, 3, D] (each head's q, k, v) in qkv_proj's order [3, H, D]."""
+        if ".attention.query_key_value." not in name:
+            return None
+        heads, d = self.cfg.num_heads, self.cfg.head_dim
+        return (torch.arange(heads)[None, :, None] * 3 * d + torch.arange(3)[:, None, None] * d
+                + torch.arange(d)).flatten()
+
+
+class PhiStage(LlamaStage):
+    layer_class, norm_class = CohereLayer, nn.LayerNorm
+
+    def map_weight(self, name: str) -> list[tuple[str, int]]:
+        return super().map_weight(_renamed(name, PHI_NAMES))
+
+
+class Starcoder2Stage(LlamaStage):
+    norm_class = nn.LayerNorm
+
+    def map_weight(self, name: str) -> list[tuple[str, int]]:
+        return super().map_weight(_renamed(name, STARCODER2_NAMES))
+
+
+class NemotronStage(LlamaStage):
+    norm_class = LayerNorm1p
