@@ -19,6 +19,21 @@ GPT_NEOX, PHI, STARCODER2, NEMOTRON = "GPTNeoXForCausalLM", "PhiForCausalLM", "S
     "NemotronForCausalLM"
 CLASSIC = (GPT_NEOX, PHI, STARCODER2, NEMOTRON)
 GELUS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")  # exact; the others HF's names of its tanh form
+# their checkpoints' names -> Llama's, in turn (models/classic.py; the GGUF loader the other way)
+NEOX_NAMES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
+              ("embed_out.", "lm_head."), ("gpt_neox.layers.", "model.layers."),
+              (".attention.query_key_value.", ".self_attn.qkv_proj."), (".attention.dense.", ".self_attn.o_proj."),
+              (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj."))
+PHI_NAMES = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.up_proj."),
+             (".mlp.fc2.", ".mlp.down_proj."), ("model.final_layernorm.", "model.norm."))
+STARCODER2_NAMES = ((".mlp.c_fc.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj."))
+
+
+def renamed(name: str, names: tuple, back: bool = False) -> str:
+    """A checkpoint's tensor name as Llama's (or, back, Llama's as the checkpoint's)."""
+    for theirs, ours in names:
+        name = name.replace(ours, theirs) if back else name.replace(theirs, ours)
+    return name
 # older configs' layer names, and Nemotron-H's hybrid_override_pattern letters: HF's layer types
 MAMBA_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention",
                      "M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}

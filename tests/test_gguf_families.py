@@ -30,7 +30,10 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "granitemoehybrid": "granitehybrid", "granitemoehybrid-dense": "granitehybrid",
         "nemotron_h": "nemotron_h_moe", "nemotron_h-dense": "nemotron_h", "nemotron_h-latent": "nemotron_h_moe",
         "falcon_h1": "falcon-h1", "falcon_h1-ungated": "falcon-h1", "jamba": "jamba", "lfm2": "lfm2",
-        "lfm2_moe": "lfm2moe", "bamba": "granitehybrid"}  # Bamba's: with rotary on half of each head
+        "lfm2_moe": "lfm2moe", "bamba": "granitehybrid",  # Bamba's: with rotary on half of each head
+        "gpt_neox": "gptneox", "gpt_neox-sequential": "gptneox", "phi": "phi2", "phi-qkv": "phi2",
+        "starcoder2": "starcoder2", "nemotron": "nemotron"}
+CLASSIC = ("gpt_neox", "gpt_neox-sequential", "phi", "phi-qkv", "starcoder2", "nemotron")
 GRANITE_HYBRID = ("granitemoehybrid", "granitemoehybrid-dense")
 NEMOTRON_H = ("nemotron_h", "nemotron_h-dense", "nemotron_h-latent")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_next-ssm_in")  # linear-attention layers
@@ -73,7 +76,11 @@ MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_
 GLOBAL_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                   "lm_head.weight": "output.weight", "model.embeddings.weight": "token_embd.weight",
                   "model.norm_f.weight": "output_norm.weight", "model.final_layernorm.weight": "output_norm.weight",
-                  "model.embedding_norm.weight": "token_embd_norm.weight"}  # LFM2's last norm
+                  "model.embedding_norm.weight": "token_embd_norm.weight",  # LFM2's last norm
+                  "model.norm.bias": "output_norm.bias", "lm_head.bias": "output.bias",
+                  "model.final_layernorm.bias": "output_norm.bias", "gpt_neox.embed_in.weight": "token_embd.weight",
+                  "gpt_neox.final_layer_norm.weight": "output_norm.weight",
+                  "gpt_neox.final_layer_norm.bias": "output_norm.bias", "embed_out.weight": "output.weight"}
 FALCON_H1_TO_GGUF = HF_TO_GGUF | {f"feed_forward.{p}_proj": f"ffn_{p}" for p in ("gate", "up", "down")}
 JAMBA_TO_GGUF = FALCON_H1_TO_GGUF | {
     "pre_ff_layernorm": "ffn_norm", "feed_forward.router": "ffn_gate_inp", "mamba.in_proj": "ssm_in",
@@ -84,6 +91,10 @@ LFM2_TO_GGUF = HF_TO_GGUF | {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm
                              "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
                              "conv.in_proj": "shortconv.in_proj", "conv.out_proj": "shortconv.out_proj",
                              "feed_forward.gate": "ffn_gate_inp"}
+CLASSIC_TO_GGUF = HF_TO_GGUF | {"attention.query_key_value": "attn_qkv", "attention.dense": "attn_output",
+                                "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down",
+                                "self_attn.dense": "attn_output", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+                                "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
 NEMOTRON_TO_GGUF = {"norm": "attn_norm", "mixer.q_proj": "attn_q", "mixer.k_proj": "attn_k", "mixer.v_proj": "attn_v",
                     "mixer.o_proj": "attn_output", "mixer.up_proj": "ffn_up", "mixer.down_proj": "ffn_down",
                     "mixer.gate": "ffn_gate_inp", "mixer.shared_experts.up_proj": "ffn_up_shexp",
@@ -246,6 +257,17 @@ def gguf_family_config(name: str):
         # order) or none (-ungated); multipliers 1: the converter folds them into the weights
         return tf.FalconH1Config(**BASE, mamba_d_ssm=96, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=8,
                                  mamba_rms_norm=name == "falcon_h1", mamba_norm_before_gate=False)
+    if name.startswith("gpt_neox"):  # a quarter of each head rotated; attention and MLP side by side, or in turn
+        return tf.GPTNeoXConfig(**{k: v for k, v in BASE.items() if k != "num_key_value_heads"}, hidden_act="gelu",
+                                use_parallel_residual=name == "gpt_neox",
+                                rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                     partial_rotary_factor=0.25))
+    if name.startswith("phi"):  # its converter writes as many KV heads as heads; half of each head rotated
+        return tf.PhiConfig(**BASE | dict(num_key_value_heads=4))
+    if name == "starcoder2":  # no window: llama.cpp reads none for it
+        return tf.Starcoder2Config(**BASE, sliding_window=None)
+    if name == "nemotron":  # 1 + w LayerNorms, stored as such; relu^2; half of each head rotated
+        return tf.NemotronConfig(**BASE)
     if name in HYBRID:  # two value heads a key head (which qwen35 files tile); llama.cpp's: key and value heads as
         # wide, every 4th layer full, a quarter of each head rotated, experts in every layer
         linear = dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -292,6 +314,7 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     w.add_embedding_length(cfg.hidden_size)
     # (LFM2's converter writes its MLPs' adjusted width)
     w.add_feed_forward_length(cfg.intermediate_size_mlp if name == "llama4" else 64 if name == "lfm2" else
+                              4 * cfg.hidden_size if name.startswith("phi-") or name == "phi" else
                               cfg.intermediate_size)
     if name == "lfm2_moe":
         w.add_expert_count(cfg.num_experts)
@@ -302,18 +325,28 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     w.add_head_count(cfg.num_attention_heads)
     stateful = name in GRANITE_HYBRID + ("jamba", "lfm2", "lfm2_moe", "bamba")  # 0 KV heads: no attention
     types = cfg.layers_block_type if name == "bamba" else getattr(cfg, "layer_types", None)
-    w.add_head_count_kv([cfg.num_key_value_heads * (t == "full_attention") for t in types]
-                        if stateful else cfg.num_key_value_heads)
+    if name.startswith("gpt_neox"):  # its converter writes no KV heads
+        pass
+    else:
+        w.add_head_count_kv([cfg.num_key_value_heads * (t == "full_attention") for t in types]
+                            if stateful else cfg.num_key_value_heads)
     if name.startswith("lfm2"):
         w.add_layer_norm_rms_eps(cfg.norm_eps)
         w.add_shortconv_l_cache(cfg.conv_L_cache)
     elif name.startswith("cohere"):
         w.add_layer_norm_eps(cfg.layer_norm_eps)
         w.add_logit_scale(cfg.logit_scale)
+    elif name in CLASSIC:  # LayerNorms; rotary on part of each head
+        w.add_layer_norm_eps(cfg.norm_epsilon if name == "starcoder2" else cfg.norm_eps if name == "nemotron" else
+                             cfg.layer_norm_eps)
+        rotated = _rope_parameters(cfg).get("partial_rotary_factor", 1.0)
+        w.add_rope_dimension_count(int(rotated * cfg.hidden_size) // cfg.num_attention_heads)
+        if name.startswith("gpt_neox"):
+            w.add_parallel_residual(cfg.use_parallel_residual)
     else:
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(VOCAB)
-    head_dim = getattr(cfg, "head_dim", None)
+    head_dim = None if name in CLASSIC else getattr(cfg, "head_dim", None)
     if name.startswith("deepseek") or name == "mistral4":
         write_deepseek_metadata(w, name, cfg)
     elif head_dim is not None and name != "phi3":  # written when the config names it
@@ -544,7 +577,8 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
              "deepseek_v3": DEEPSEEK_TO_GGUF, "glm4_moe": GLM4_MOE_TO_GGUF, "mistral4": DEEPSEEK_TO_GGUF,
              "llama4": LLAMA4_TO_GGUF, **dict.fromkeys(HYBRID, SEED_OSS_TO_GGUF), "falcon_h1": FALCON_H1_TO_GGUF,
              "falcon_h1-ungated": FALCON_H1_TO_GGUF, "jamba": JAMBA_TO_GGUF, "lfm2": LFM2_TO_GGUF,
-             "lfm2_moe": LFM2_TO_GGUF, "bamba": JAMBA_TO_GGUF}.get(name, HF_TO_GGUF)
+             "lfm2_moe": LFM2_TO_GGUF, "bamba": JAMBA_TO_GGUF, **dict.fromkeys(CLASSIC, CLASSIC_TO_GGUF)}.get(
+                 name, HF_TO_GGUF)
     w = gguf.GGUFWriter(str(path), arch)
     write_metadata(w, name, cfg)
     write_tokenizer(w)
@@ -617,6 +651,21 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
                                                  tiled=not name.startswith("qwen3_next"),
                                                  whole_qkvz=name == "qwen3_next-ssm_in")
                 continue
+            if module == "attention.query_key_value":  # its converter's rows: all q's, all k's, all v's
+                heads = cfg.num_attention_heads
+                by_head = arr.reshape(heads, 3, -1, *arr.shape[1:])              # [H, 3, D, ...]
+                stored = add(f"blk.{layer}.attn_qkv.{suffix}", np.swapaxes(by_head, 0, 1).reshape(arr.shape))
+                held[hf] = np.swapaxes(stored.reshape(3, heads, *by_head.shape[2:]), 0, 1).reshape(arr.shape)
+                continue
+            if name == "phi-qkv" and module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                if module == "self_attn.q_proj":  # older converters': q, k and v in one tensor
+                    parts = [model.state_dict()[hf.replace("q_proj", p)].numpy() for p in ("q_proj", "k_proj",
+                                                                                          "v_proj")]
+                    stored = np.split(add(f"blk.{layer}.attn_qkv.{suffix}", np.concatenate(parts)),
+                                      np.cumsum([len(p) for p in parts])[:2])
+                    for p, part in zip(("q_proj", "k_proj", "v_proj"), stored):
+                        held[hf.replace("q_proj", p)] = part
+                continue
             if name == "gpt_oss" and module in ("mlp.experts", "self_attn") and suffix != "o_proj":
                 held[hf] = _add_gpt_oss(add, f"blk.{layer}.", suffix, arr)
                 continue
@@ -645,7 +694,8 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
             held[hf][order] = stored
         elif kind == "ffn_gate_inp_shexp":  # llama.cpp's is a vector, HF's one row
             held[hf] = add(gname, arr[0])[None]
-        elif (arch.startswith("gemma") or name in HYBRID) and gname.endswith("norm.weight"):  # their norms: 1 + w
+        elif (arch.startswith("gemma") or name in HYBRID + ("nemotron",)) and gname.endswith("norm.weight"):
+            # their norms: 1 + w
             held[hf] = add(gname, arr + np.float32(1)) - np.float32(1)
         else:
             held[hf] = add(gname, arr, router=kind == "ffn_gate_inp")
@@ -832,12 +882,13 @@ def test_gguf_family_matches_hf(family_gguf, name):
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "granitemoehybrid", "granitemoehybrid-dense", "granitemoe",
                                   "nemotron_h", "nemotron_h-dense", "nemotron_h-latent", "falcon_h1", "jamba", "lfm2",
-                                  "lfm2_moe", "bamba"])
+                                  "lfm2_moe", "bamba", "phi", "starcoder2", "nemotron"])
 def test_gguf_as_an_hf_folder(tmp_path, name):
     """convert_gguf's HF folder of a file (what `pipellm bench` gives transformers) holds HF's tensors: for qwen3next
     and qwen35, norms less 1, A_log from -exp(A_log), the conv unsqueezed, qwen35's value heads grouped again; for
     Granite's, the experts stacked and the shared MLP's gate and up fused again, under its checkpoints' names; for
-    Nemotron-H's, its checkpoints' names (a mixer a layer), the Q/K rows as HF's."""
+    Nemotron-H's, its checkpoints' names (a mixer a layer), the Q/K rows as HF's; for Phi's and StarCoder2's, their
+    checkpoints' names, and Nemotron's norms less 1."""
     from transformers import AutoModelForCausalLM
 
     from pipellm.loader.gguf import convert_gguf
@@ -847,6 +898,18 @@ def test_gguf_as_an_hf_folder(tmp_path, name):
     assert set(state) == set(held)
     for key, value in held.items():
         torch.testing.assert_close(state[key], value, rtol=1e-6, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "phi-qkv"])
+def test_gguf_fused_qkv_has_no_hf_folder(tmp_path, name):
+    """gptneox files (and older phi2 ones) hold q, k and v in one tensor, which HF's checkpoints do not: converting
+    one to an HF folder is refused, naming the way that works."""
+    from pipellm.loader.gguf import convert_gguf
+
+    write_family_gguf(tmp_path / "tiny.gguf", name, random_model(name))
+    with pytest.raises(ValueError, match="attn_qkv.*run the file itself"):
+        convert_gguf(str(tmp_path / "tiny.gguf"), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
 
 
 def test_unsupported_architecture_names_it(tmp_path):

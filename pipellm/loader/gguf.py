@@ -66,7 +66,9 @@ def _entries(reader, path: str, arch: str, cfg: dict):
     """(tensor, HF name, shape, expert or None) for every weight, experts one by one; checks that every tensor the
     architecture needs is there with its shape (from the header; no data is read)."""
     expected = expected_shapes(cfg, split_kv_b=any(t.name.endswith(".attn_k_b.weight") for t in reader.tensors),
-                               fused_qkvz=any(t.name.endswith(".ssm_in.weight") for t in reader.tensors))
+                               fused_qkvz=any(t.name.endswith(".ssm_in.weight") for t in reader.tensors),
+                               fused_qkv=arch == "phi2" and any(t.name.endswith(".attn_qkv.weight")
+                                                                for t in reader.tensors))
     seen = set()
     for t in reader.tensors:
         block = BLOCK_INDEX.match(t.name)
@@ -189,6 +191,11 @@ def convert_gguf(gguf_path: str, out_dir: str, weights: bool = True) -> None:
         raise FileExistsError(f"{out_dir} already exists")
     reader = _open(path)
     arch, (_, model_type, permuted), cfg = _hf_config(reader, path)
+    if weights and arch in ("gptneox", "phi2") and any(t.name.endswith(".attn_qkv.weight") for t in reader.tensors):
+        how = "interleaves them by head" if arch == "gptneox" else "keeps them apart"
+        raise ValueError(f"{path}: a {arch} file's q, k and v in one tensor (attn_qkv) have no name in HF's "
+                         f"{model_type} checkpoints (HF's {how}); run the file itself, without an HF copy (no "
+                         "--compare-hf)")
     if weights:
         tensors = _tensors(reader, path, arch, cfg, permuted)
     else:
@@ -230,15 +237,16 @@ def _tokenizer_reads(arch: str):
     tokenizer (tokenizer.ggml.*) does not depend on them: for that call, it counts this one among them. For gpt-oss
     its reader also hides the rope scaling keys, which transformers' config parsing reads wrongly (it takes a key's
     length field for the value: float() of an array); the tokenizer needs none of them. A command-r, ernie4_5-moe,
-    hunyuan-dense, deepseek2, glm4moe, minimax-m2, qwen3next, granitehybrid, nemotron_h_moe, falcon-h1 or lfm2moe
-    file is shown as the model type transformers knows."""
+    hunyuan-dense, deepseek2, glm4moe, minimax-m2, qwen3next, granitehybrid, nemotron_h_moe, falcon-h1, lfm2moe,
+    gptneox or phi2 file is shown as the model type transformers knows."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as known
 
     shown = {"command-r": "cohere", "ernie4_5-moe": "ernie4_5_moe", "hunyuan-dense": "hunyuan_v1_dense",
              "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "minimax-m2": "minimax_m2",
              "qwen3next": "qwen3_next", "granitehybrid": "granitemoehybrid",
-             "nemotron_h_moe": "nemotron_h", "falcon-h1": "falcon_h1", "lfm2moe": "lfm2_moe"}.get(arch, arch)
+             "nemotron_h_moe": "nemotron_h", "falcon-h1": "falcon_h1", "lfm2moe": "lfm2_moe", "gptneox": "gpt_neox",
+             "phi2": "phi"}.get(arch, arch)
     added = shown not in known.GGUF_SUPPORTED_ARCHITECTURES
     if added:
         known.GGUF_SUPPORTED_ARCHITECTURES.append(shown)

@@ -7,6 +7,8 @@ import numpy as np
 from pipellm.loader.gguf_hybrid import (f32, falcon_h1, falcon_h1_shapes, granite_hybrid, jamba, jamba_shapes, lfm2,
                                        lfm2_shapes, linear_attention, linear_shapes, mamba_shapes, nemotron_h,
                                        nemotron_h_shapes)
+from pipellm.family_config import CLASSIC as CLASSIC_FAMILY
+from pipellm.family_config import PHI_NAMES, STARCODER2_NAMES, renamed
 from pipellm.model_config import ModelConfig
 
 # GGUF general.architecture -> (HF class, model_type, whether llama.cpp permuted the Q/K rows for its rotary).
@@ -56,10 +58,17 @@ ARCHITECTURES = {
     "jamba": ("JambaForCausalLM", "jamba", False),
     "lfm2": ("Lfm2ForCausalLM", "lfm2", False),  # short convolutions among attention layers
     "lfm2moe": ("Lfm2MoeForCausalLM", "lfm2_moe", False),  # and experts
+    # LayerNorms (the file's epsilon key), MLPs without a gate, rotary on part of each head (models/classic.py)
+    "gptneox": ("GPTNeoXForCausalLM", "gpt_neox", False),  # q, k, v rows as HF's Llama: all q's, all k's, all v's
+    "phi2": ("PhiForCausalLM", "phi", False),
+    "starcoder2": ("Starcoder2ForCausalLM", "starcoder2", False),
+    "nemotron": ("NemotronForCausalLM", "nemotron", False),  # its norms stored as 1 + w
 }
 LFM2 = ("lfm2", "lfm2moe")
 BAMBA = ("BambaForCausalLM", "bamba", True)  # "granitehybrid" with rotary on part of each head (below)
 NEMOTRON = ("nemotron_h", "nemotron_h_moe")
+CLASSIC = ("gptneox", "phi2", "starcoder2", "nemotron")
+CLASSIC_NAMES = {"phi2": PHI_NAMES, "starcoder2": STARCODER2_NAMES}  # their HF names, from Llama's
 HYBRID = ("qwen3next", "qwen35", "qwen35moe")  # linear-attention layers (gated delta nets) among full ones
 DEEPSEEK_V2 = ("DeepseekV2ForCausalLM", "deepseek_v2", False)  # "deepseek2" with a softmax router
 COHERE = ("command-r", "cohere2")  # a LayerNorm (its own epsilon key), attention and MLP side by side
@@ -69,7 +78,8 @@ GEMMA = ("gemma", "gemma2", "gemma3")  # store every norm weight as w + 1
 NORMS_AFTER = ("gemma2", "gemma3")  # also a norm after attention and after the MLP
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+                 "output.weight": "lm_head.weight", "output_norm.bias": "model.norm.bias",
+                 "output.bias": "lm_head.bias"}
 _BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -97,6 +107,8 @@ _FAMILY_NAMES = {
                   "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
                   "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj", **SHARED_EXPERTS},
     "llama4": SHARED_EXPERTS,
+    "gptneox": {"attn_qkv": "self_attn.qkv_proj"},  # the converter's rows: all q's, all k's, all v's
+    "phi2": {"attn_qkv": "self_attn.qkv_proj"},  # older converters': fused, as phi-2 first shipped
 }
 _FAMILY_NAMES["mistral4"] = _FAMILY_NAMES["deepseek2"]
 # a linear-attention layer's: attn_qkv and attn_gate are its q, k, v and z (Qwen3-Next's in_proj_qkvz, split; older
@@ -147,6 +159,13 @@ ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_s
 
 def hf_name(name: str, arch: str) -> str | None:
     """HF name of a GGUF tensor; for stacked experts, with {e} where the expert's number goes."""
+    if arch in CLASSIC_NAMES:
+        llama = _hf_name(name, arch)
+        return llama and renamed(llama, CLASSIC_NAMES[arch], back=True)
+    return _hf_name(name, arch)
+
+
+def _hf_name(name: str, arch: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_RENAMES.get(arch, {}).get(name, _GLOBAL_NAMES[name])
     if arch in LFM2 and name == "token_embd_norm.weight":  # its last norm, as llama.cpp names it
@@ -183,9 +202,11 @@ def hf_name(name: str, arch: str) -> str | None:
 
 
 def stored_as(arch: str, name: str) -> str | None:
-    """How the converter changed a tensor's values, to undo at load: "1 + w" (Gemma's norms, and Qwen3-Next's but
-    its gated one), "-exp(w)" (Qwen3-Next's and Mamba-2's A_log: the decay rate llama.cpp's graph takes), or None."""
-    if name.endswith("norm.weight") and (arch in GEMMA or arch in HYBRID and not name.endswith(".ssm_norm.weight")):
+    """How the converter changed a tensor's values, to undo at load: "1 + w" (Gemma's and Nemotron's norms,
+    Qwen3-Next's but its gated one), "-exp(w)" (Qwen3-Next's and Mamba-2's A_log: the decay rate llama.cpp's graph
+    takes), or None."""
+    if name.endswith("norm.weight") and (arch in GEMMA + ("nemotron",) or arch in HYBRID
+                                         and not name.endswith(".ssm_norm.weight")):
         return "1 + w"
     return "-exp(w)" if name.endswith(".ssm_a") else None
 
@@ -214,10 +235,10 @@ def grouped_v_heads(name: str, w: np.ndarray, cfg: dict) -> np.ndarray:
     return grouped(w, 0, 1) if name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")) else w
 
 
-def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = False) -> dict:
+def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = False, fused_qkv: bool = False) -> dict:
     """HF name -> shape of every tensor the model needs (experts one by one). split_kv_b: an MLA file's heads'
     up-projections as k_b and v_b (newer converters), not kv_b. fused_qkvz: a qwen3next file's in_proj_qkvz whole
-    (older converters)."""
+    (older converters). fused_qkv: q, k and v in one tensor (gptneox's, older phi2 files')."""
     mc = ModelConfig.from_hf_dict(cfg)
     if mc.architecture == "NemotronHForCausalLM":
         return nemotron_h_shapes(mc)
@@ -232,7 +253,8 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
     is_gemma = mc.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # its norms after attention and MLP
     is_phi3 = mc.architecture == "Phi3ForCausalLM"
     is_glm = mc.architecture == "Glm4ForCausalLM"  # norms before and after attention and MLP
-    is_cohere = mc.architecture in ("CohereForCausalLM", "Cohere2ForCausalLM")  # one norm a layer
+    is_cohere = mc.architecture in ("CohereForCausalLM", "Cohere2ForCausalLM", "PhiForCausalLM")  # one norm a layer
+    fused_qkv = fused_qkv or is_phi3 or mc.architecture == "GPTNeoXForCausalLM"
     norms_after = mc.architecture in ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM")  # after only
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not mc.tie_word_embeddings:
@@ -245,14 +267,16 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
             shapes[p + "post_attention_layernorm.weight"] = (h,)
         if is_glm:
             shapes.update({p + "post_self_attn_layernorm.weight": (h,), p + "post_mlp_layernorm.weight": (h,)})
-        if is_phi3:
+        if fused_qkv:
             shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+            if mc.qkv_bias:
+                shapes[p + "self_attn.qkv_proj.bias"] = (q + 2 * kv,)
         elif mc.is_mla:
             shapes.update(_mla_shapes(mc, p, split_kv_b))
         else:  # Qwen3-Next's q_proj holds the output gate too
             shapes.update({p + "self_attn.q_proj.weight": (q * (1 + mc.attention_output_gate), h),
                            p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h)})
-        if mc.qkv_bias and not mc.is_mla:
+        if mc.qkv_bias and not mc.is_mla and not fused_qkv:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
         if mc.o_bias:
@@ -295,15 +319,22 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
         ff = mc.intermediate_size
         if is_phi3 or is_glm:
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * ff, h)
-        elif mc.hidden_act == "relu2":  # Arcee's MLP has no gate
+        elif not mc.gated_mlp:  # Arcee's MLP, and the classic families', have no gate
             shapes[p + "mlp.up_proj.weight"] = (ff, h)
         else:
             shapes.update({p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h)})
         shapes[p + "mlp.down_proj.weight"] = (h, ff)
         if mc.mlp_bias:
-            shapes.update({p + "mlp.gate_proj.bias": (ff,), p + "mlp.up_proj.bias": (ff,),
-                           p + "mlp.down_proj.bias": (h,)})
-    return shapes
+            shapes.update({p + "mlp.up_proj.bias": (ff,), p + "mlp.down_proj.bias": (h,)})
+            if mc.gated_mlp:
+                shapes[p + "mlp.gate_proj.bias"] = (ff,)
+    if mc.architecture in CLASSIC_FAMILY:  # LayerNorms: a bias beside each weight
+        shapes |= {name.removesuffix("weight") + "bias": shape for name, shape in shapes.items()
+                   if name.endswith("layernorm.weight") or name == "model.norm.weight"}
+    if mc.lm_head_bias:
+        shapes["lm_head.bias"] = (v,)
+    names = {"PhiForCausalLM": PHI_NAMES, "Starcoder2ForCausalLM": STARCODER2_NAMES}.get(mc.architecture)
+    return {renamed(name, names, back=True): shape for name, shape in shapes.items()} if names else shapes
 
 
 def _mla_shapes(mc: ModelConfig, p: str, split_kv_b: bool) -> dict:
@@ -371,6 +402,22 @@ def _llama4(m, experts: int, layers: int) -> dict:
                 layer_types=["full_attention" if d else "chunked_attention" for d in dense])
 
 
+def _classic(m, arch: str, tensors: dict) -> dict:
+    """HF config fields of a gptneox, phi2, starcoder2 or nemotron file, as llama.cpp reads it: the MLP's
+    activation (llama.cpp's: GPT-NeoX's exact GELU, the others' tanh one, Nemotron's relu^2); biases where the file
+    has them; GPT-NeoX's parallel residual; phi2's MLP as wide as its tensors (its converter writes 4 x hidden);
+    StarCoder2's layers over the whole context (llama.cpp reads no window for it)."""
+    qkv = "blk.0.attn_qkv.bias" in tensors or "blk.0.attn_q.bias" in tensors
+    cfg = dict(hidden_act={"gptneox": "gelu", "phi2": "gelu_new", "starcoder2": "gelu_pytorch_tanh",
+                           "nemotron": "relu2"}[arch], attention_bias=qkv, use_bias=qkv,
+               mlp_bias="blk.0.ffn_up.bias" in tensors, sliding_window=None)
+    if arch == "gptneox":
+        cfg["use_parallel_residual"] = bool(m("use_parallel_residual", True))
+    if arch == "phi2":
+        cfg["intermediate_size"] = int(tensors["blk.0.ffn_up.weight"][0][0])
+    return cfg
+
+
 def _mla_config(m, rotated: int) -> dict:
     """HF config fields of a deepseek2 file's latent attention. Newer converters write the MLA widths apart (and
     one KV head); older ones as key_length and value_length."""
@@ -408,7 +455,8 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         "num_attention_heads": heads,
         "num_key_value_heads": m("attention.head_count_kv", heads),
         "head_dim": head_dim,
-        **({"layer_norm_eps": f32(m("attention.layer_norm_epsilon"))} if arch in COHERE else {} if arch in NEMOTRON
+        **({"layer_norm_eps": f32(m("attention.layer_norm_epsilon"))} if arch in COHERE + CLASSIC else {}
+           if arch in NEMOTRON
            else {"rms_norm_eps": f32(m("attention.layer_norm_rms_epsilon"))}),
         "max_position_embeddings": m("context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -419,9 +467,11 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
     rope = _rope(m, arch, tensors, head_dim, path)
     rotated = m("rope.dimension_count", head_dim)
     if rotated != head_dim and arch not in MLA_ARCHS + NEMOTRON:  # whose rotary dims are qk_rope_head_dim's (below)
-        if arch not in ("phi3", "glm4", "glm4moe", "minimax-m2", "granitehybrid") + HYBRID:
+        if arch not in ("phi3", "glm4", "glm4moe", "minimax-m2", "granitehybrid", "gptneox", "phi2", "nemotron") \
+                + HYBRID:
             raise ValueError(f"{path}: partial rotary (rope.dimension_count={rotated}, head_dim={head_dim}) is "
-                             "supported for phi3, glm4, glm4moe, minimax-m2 and granitehybrid (Bamba) only")
+                             "supported for phi3, glm4, glm4moe, minimax-m2, granitehybrid (Bamba), gptneox, phi2 "
+                             "and nemotron only")
         rope["partial_rotary_factor"] = rotated / head_dim
     window = m("attention.sliding_window", None)
     if arch == "mistral" or (arch == "llama" and not experts):  # llama.cpp attends to the whole context otherwise
@@ -528,6 +578,8 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         cfg.update(linear_attention(m, arch, layers - m("nextn_predict_layers", 0)))
     if arch == "arcee":  # an ungated relu(x)**2 MLP
         cfg["hidden_act"] = "relu2"
+    if arch in CLASSIC:
+        cfg.update(_classic(m, arch, tensors))
     if arch in ("ernie4_5", "ernie4_5-moe"):  # on every linear layer
         cfg["use_bias"] = "blk.0.attn_q.bias" in tensors
     if arch in COHERE:

@@ -6,25 +6,10 @@ LayerNorms and a relu^2 MLP."""
 import torch
 from torch import nn
 
+from pipellm.family_config import NEOX_NAMES, PHI_NAMES, STARCODER2_NAMES, renamed
 from pipellm.models.cohere import CohereLayer
 from pipellm.models.layers import LayerNorm1p
 from pipellm.models.llama import LlamaLayer, LlamaStage
-
-# checkpoint names -> Llama's, in turn
-NEOX_NAMES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
-              ("embed_out.", "lm_head."), ("gpt_neox.layers.", "model.layers."),
-              (".attention.query_key_value.", ".self_attn.qkv_proj."), (".attention.dense.", ".self_attn.o_proj."),
-              (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj."))
-PHI_NAMES = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.up_proj."),
-             (".mlp.fc2.", ".mlp.down_proj."), ("model.final_layernorm.", "model.norm."))
-STARCODER2_NAMES = ((".mlp.c_fc.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj."))
-
-
-def _renamed(name: str, names: tuple) -> str:
-    for theirs, ours in names:
-        name = name.replace(theirs, ours)
-    return name
-
 
 class NeoXLayer(LlamaLayer):
     def __init__(self, cfg, layer, norm=nn.LayerNorm):
@@ -44,7 +29,7 @@ class NeoXStage(LlamaStage):
     def map_weight(self, name: str) -> list[tuple[str, int]]:
         if name.endswith((".attention.bias", ".attention.masked_bias")):  # older checkpoints' causal masks
             return []
-        return super().map_weight(_renamed(name, NEOX_NAMES))
+        return super().map_weight(renamed(name, NEOX_NAMES))
 
     def row_order(self, name: str) -> torch.Tensor | None:
         """query_key_value's rows [H, 3, D] (each head's q, k, v) in qkv_proj's order [3, H, D]."""
@@ -59,14 +44,14 @@ class PhiStage(LlamaStage):
     layer_class, norm_class = CohereLayer, nn.LayerNorm
 
     def map_weight(self, name: str) -> list[tuple[str, int]]:
-        return super().map_weight(_renamed(name, PHI_NAMES))
+        return super().map_weight(renamed(name, PHI_NAMES))
 
 
 class Starcoder2Stage(LlamaStage):
     norm_class = nn.LayerNorm
 
     def map_weight(self, name: str) -> list[tuple[str, int]]:
-        return super().map_weight(_renamed(name, STARCODER2_NAMES))
+        return super().map_weight(renamed(name, STARCODER2_NAMES))
 
 
 class NemotronStage(LlamaStage):
