@@ -15,9 +15,9 @@ LFM2 = "Lfm2ForCausalLM"  # gated short convolutions among attention layers
 LFM2_MOE = "Lfm2MoeForCausalLM"  # and experts in all but the first layers
 PHIMOE = "PhimoeForCausalLM"  # Phi-3.5-MoE: LayerNorms with biases, a sparsemixer router, an LM head with a bias
 # LayerNorms, MLPs without a gate, rotary on part of each head (models/classic.py)
-GPT_NEOX, PHI, STARCODER2, NEMOTRON = "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM", \
-    "NemotronForCausalLM"
-CLASSIC = (GPT_NEOX, PHI, STARCODER2, NEMOTRON)
+GPT_NEOX, PHI, STARCODER2, NEMOTRON, STABLELM = "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM", \
+    "NemotronForCausalLM", "StableLmForCausalLM"
+CLASSIC = (GPT_NEOX, PHI, STARCODER2, NEMOTRON, STABLELM)
 GELUS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")  # exact; the others HF's names of its tanh form
 # their checkpoints' names -> Llama's, in turn (models/classic.py; the GGUF loader the other way)
 NEOX_NAMES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
@@ -158,15 +158,18 @@ def phimoe(d: dict, source: str) -> dict:
 
 
 def classic(d: dict, arch: str, source: str) -> tuple[dict, dict]:
-    """A GPT-NeoX, Phi, StarCoder2 or Nemotron config.json in the keys from_hf_dict reads, and ModelConfig's fields
-    of its own, as HF reads it: its norms' epsilon, its rotary's share of a head and base (GPT-NeoX's rotary_pct and
-    rotary_emb_base), its biases."""
+    """A GPT-NeoX, Phi, StarCoder2, Nemotron or StableLM config.json in the keys from_hf_dict reads, and
+    ModelConfig's fields of its own, as HF reads it: its norms' epsilon, its rotary's share of a head and base
+    (GPT-NeoX's rotary_pct and rotary_emb_base), its biases, its residual's form."""
     if d.get("qk_layernorm"):
-        raise ValueError(f"{source}: Phi's qk_layernorm=true (LayerNorms over each head's q and k) is not supported")
-    partial = {GPT_NEOX: d.get("rotary_pct", 0.25), PHI: 0.5, NEMOTRON: 0.5, STARCODER2: 1.0}[arch]
+        raise ValueError(f"{source}: qk_layernorm=true (LayerNorms over each head's q and k) is not supported")
+    partial = {GPT_NEOX: d.get("rotary_pct", 0.25), PHI: 0.5, NEMOTRON: 0.5, STARCODER2: 1.0, STABLELM: 0.25}[arch]
     eps = next((d[k] for k in ("layer_norm_eps", "norm_epsilon", "norm_eps") if d.get(k) is not None), 1e-5)
     d = {"partial_rotary_factor": partial, "rope_theta": d.get("rotary_emb_base", 10000.0),
          "tie_word_embeddings": arch == STARCODER2} | d | {"rms_norm_eps": eps}
+    if arch == STABLELM:  # Llama's MLP; biases on q, k and v only, where use_qkv_bias says
+        return d, dict(qkv_bias=bool(d.get("use_qkv_bias")), o_bias=False, mlp_bias=False,
+                       parallel_residual=bool(d.get("use_parallel_residual")))
     bias = bool(d.get("use_bias", True)) if arch == STARCODER2 else bool(d.get("attention_bias", arch != NEMOTRON))
     family = dict(qkv_bias=bias, o_bias=bias, mlp_bias=bias if arch != NEMOTRON else bool(d.get("mlp_bias")),
                   gated_mlp=False, lm_head_bias=arch == PHI, parallel_residual=bool(d.get("use_parallel_residual",

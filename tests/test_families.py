@@ -316,6 +316,10 @@ def family_config(name: str):
         return tf.Starcoder2Config(**COMMON, sliding_window=24)
     if name == "nemotron":  # 1 + w LayerNorms, relu^2 without a gate, half of each head rotated
         return tf.NemotronConfig(**COMMON)
+    if name in ("stablelm", "stablelm-parallel"):  # LayerNorms, a quarter of each head rotated; q/k/v biases and
+        # attention and MLP on one norm (-parallel)
+        return tf.StableLmConfig(**COMMON, use_qkv_bias=name == "stablelm-parallel",
+                                 use_parallel_residual=name == "stablelm-parallel")
     raise ValueError(name)
 
 
@@ -330,7 +334,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "qwen3_5_moe-vl", "granitemoehybrid", "granitemoehybrid-dense", "nemotron_h", "nemotron_h-dense",
             "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated",
             "jamba", "lfm2", "lfm2_moe", "lfm2-vl", "bamba", "gpt_neox", "gpt_neox-sequential", "phi", "starcoder2",
-            "nemotron"]
+            "nemotron", "stablelm", "stablelm-parallel"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4", "starcoder2")  # and Llama 4's chunked layers

@@ -2,7 +2,7 @@
 on part of each head. GPT-NeoX (Pythia): attention and MLP side by side on two norms of the same input (or one after
 the other), q, k and v rows interleaved by head; Phi (phi-1.5, phi-2): side by side on one norm; StarCoder2: Llama's
 block, its layers all windowed when it gives a window; Nemotron (Nemotron-4, Minitron): Llama's block with 1 + w
-LayerNorms and a relu^2 MLP."""
+LayerNorms and a relu^2 MLP; StableLM: Llama's block with LayerNorms, or attention and MLP side by side on one."""
 import torch
 from torch import nn
 
@@ -56,3 +56,21 @@ class Starcoder2Stage(LlamaStage):
 
 class NemotronStage(LlamaStage):
     norm_class = LayerNorm1p
+
+
+class StableLmLayer(LlamaLayer):
+    def __init__(self, cfg, layer, norm=nn.LayerNorm):
+        super().__init__(cfg, layer, norm)
+        self.parallel = cfg.parallel_residual
+        if self.parallel:  # one norm: its input's
+            del self.post_attention_layernorm
+
+    def forward(self, x, ropes, meta, cache):
+        if not self.parallel:
+            return super().forward(x, ropes, meta, cache)
+        h = self.input_layernorm(x)
+        return x + self.self_attn(h, ropes, meta, cache) + self.mlp(h)
+
+
+class StableLmStage(LlamaStage):
+    layer_class, norm_class = StableLmLayer, nn.LayerNorm

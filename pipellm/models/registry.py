@@ -5,7 +5,7 @@ from torch import nn
 
 from pipellm.model_config import ModelConfig
 from pipellm.models.apertus import ApertusStage
-from pipellm.models.classic import NemotronStage, NeoXStage, PhiStage, Starcoder2Stage
+from pipellm.models.classic import NemotronStage, NeoXStage, PhiStage, StableLmStage, Starcoder2Stage
 from pipellm.models.cohere import CohereStage
 from pipellm.models.falcon_h1 import FalconH1Stage
 from pipellm.models.jamba import JambaStage
@@ -82,6 +82,7 @@ STAGE_CLASSES = {
     "PhiForCausalLM": PhiStage,
     "Starcoder2ForCausalLM": Starcoder2Stage,
     "NemotronForCausalLM": NemotronStage,
+    "StableLmForCausalLM": StableLmStage,
 }
 
 
