@@ -124,7 +124,9 @@ def targets(model: nn.Module, adapter: Adapter) -> list[tuple[str, int, str]]:
                     fan_in != linear.in_features or found[0][1] + fan_out > linear.out_features):
             raise ValueError(f"{adapter.path}: {module} ([{fan_out}, {fan_in}] in the adapter) is not a linear layer "
                              "of this model's decoder layers that pipellm can add it to (an adapter of another "
-                             "model, of its embedding or LM head, or of experts, which run a subset of the rows?)")
+                             "model, of its embedding or LM head, of experts, which run a subset of the rows, or of "
+                             "a layer whose rows pipellm reorders at load: GPT-NeoX's query_key_value, GLM's and "
+                             "DeepSeek's q and k?)")
         out.append((path, found[0][1], module))
     return out
 

@@ -139,6 +139,25 @@ def test_mistakes_are_refused_before_anything_runs(lora_setup, tmp_path):
         assert _ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)) == base_ids
 
 
+def test_a_gpt_neox_adapter_matches_peft_and_one_on_its_fused_qkv_is_refused(tmp_path):
+    """GPT-NeoX's own names reach its adapters: one on its attention output and MLP (dense, dense_h_to_4h,
+    dense_4h_to_h) equals PEFT's, over two stages; one on query_key_value, whose rows pipellm reorders, is refused by
+    name before anything runs."""
+    from tests.test_families import make_family_checkpoint
+
+    base = make_family_checkpoint("gpt_neox", str(tmp_path / "base"))
+    expected = hf_greedy_ids(save_adapter(base, str(tmp_path / "out"), 1, ["dense", "dense_h_to_4h",
+                                                                          "dense_4h_to_h"], r=4), PROMPTS, N)
+    save_adapter(base, str(tmp_path / "qkv"), 2, ["query_key_value"], r=4)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    with LLM(str(tmp_path / "base"), dtype=FP32, enable_lora=True, max_lora_rank=4, pipeline_parallel_size=2) as llm:
+        out = llm.generate(prompts, GREEDY, lora_request=LoRARequest("out", 1, str(tmp_path / "out")), use_tqdm=False)
+        assert _ids(out) == expected
+        with pytest.raises(ValueError, match=r"query_key_value \(\[192, 64\] in the adapter\) is not a linear "
+                           "layer.*rows pipellm reorders"):
+            llm.generate(prompts, GREEDY, lora_request=LoRARequest("qkv", 2, str(tmp_path / "qkv")), use_tqdm=False)
+
+
 def test_served_adapters_are_models_of_their_own(lora_setup, tmp_path):
     base_dir, adapters, base_ids = lora_setup
     lora, ids = adapters["all"]
