@@ -32,8 +32,9 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "falcon_h1": "falcon-h1", "falcon_h1-ungated": "falcon-h1", "jamba": "jamba", "lfm2": "lfm2",
         "lfm2_moe": "lfm2moe", "bamba": "granitehybrid",  # Bamba's: with rotary on half of each head
         "gpt_neox": "gptneox", "gpt_neox-sequential": "gptneox", "phi": "phi2", "phi-qkv": "phi2",
-        "starcoder2": "starcoder2", "nemotron": "nemotron"}
-CLASSIC = ("gpt_neox", "gpt_neox-sequential", "phi", "phi-qkv", "starcoder2", "nemotron")
+        "starcoder2": "starcoder2", "nemotron": "nemotron", "stablelm": "stablelm", "stablelm-parallel": "stablelm"}
+CLASSIC = ("gpt_neox", "gpt_neox-sequential", "phi", "phi-qkv", "starcoder2", "nemotron", "stablelm",
+           "stablelm-parallel")
 GRANITE_HYBRID = ("granitemoehybrid", "granitemoehybrid-dense")
 NEMOTRON_H = ("nemotron_h", "nemotron_h-dense", "nemotron_h-latent")
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_next-ssm_in")  # linear-attention layers
@@ -268,6 +269,9 @@ def gguf_family_config(name: str):
         return tf.Starcoder2Config(**BASE, sliding_window=None)
     if name == "nemotron":  # 1 + w LayerNorms, stored as such; relu^2; half of each head rotated
         return tf.NemotronConfig(**BASE)
+    if name.startswith("stablelm"):  # q/k/v biases and one norm a layer (-parallel: its layers without ffn_norm)
+        return tf.StableLmConfig(**BASE, use_qkv_bias=name == "stablelm-parallel",
+                                 use_parallel_residual=name == "stablelm-parallel")
     if name in HYBRID:  # two value heads a key head (which qwen35 files tile); llama.cpp's: key and value heads as
         # wide, every 4th layer full, a quarter of each head rotated, experts in every layer
         linear = dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -341,7 +345,7 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
                              cfg.layer_norm_eps)
         rotated = _rope_parameters(cfg).get("partial_rotary_factor", 1.0)
         w.add_rope_dimension_count(int(rotated * cfg.hidden_size) // cfg.num_attention_heads)
-        if name.startswith("gpt_neox"):
+        if name.startswith(("gpt_neox", "stablelm")):
             w.add_parallel_residual(cfg.use_parallel_residual)
     else:
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -882,7 +886,7 @@ def test_gguf_family_matches_hf(family_gguf, name):
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "granitemoehybrid", "granitemoehybrid-dense", "granitemoe",
                                   "nemotron_h", "nemotron_h-dense", "nemotron_h-latent", "falcon_h1", "jamba", "lfm2",
-                                  "lfm2_moe", "bamba", "phi", "starcoder2", "nemotron"])
+                                  "lfm2_moe", "bamba", "phi", "starcoder2", "nemotron", "stablelm-parallel"])
 def test_gguf_as_an_hf_folder(tmp_path, name):
     """convert_gguf's HF folder of a file (what `pipellm bench` gives transformers) holds HF's tensors: for qwen3next
     and qwen35, norms less 1, A_log from -exp(A_log), the conv unsqueezed, qwen35's value heads grouped again; for

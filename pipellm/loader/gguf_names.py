@@ -63,11 +63,12 @@ ARCHITECTURES = {
     "phi2": ("PhiForCausalLM", "phi", False),
     "starcoder2": ("Starcoder2ForCausalLM", "starcoder2", False),
     "nemotron": ("NemotronForCausalLM", "nemotron", False),  # its norms stored as 1 + w
+    "stablelm": ("StableLmForCausalLM", "stablelm", False),  # parallel where a layer has no ffn_norm (llama.cpp's)
 }
 LFM2 = ("lfm2", "lfm2moe")
 BAMBA = ("BambaForCausalLM", "bamba", True)  # "granitehybrid" with rotary on part of each head (below)
 NEMOTRON = ("nemotron_h", "nemotron_h_moe")
-CLASSIC = ("gptneox", "phi2", "starcoder2", "nemotron")
+CLASSIC = ("gptneox", "phi2", "starcoder2", "nemotron", "stablelm")
 CLASSIC_NAMES = {"phi2": PHI_NAMES, "starcoder2": STARCODER2_NAMES}  # their HF names, from Llama's
 HYBRID = ("qwen3next", "qwen35", "qwen35moe")  # linear-attention layers (gated delta nets) among full ones
 DEEPSEEK_V2 = ("DeepseekV2ForCausalLM", "deepseek_v2", False)  # "deepseek2" with a softmax router
@@ -253,7 +254,8 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
     is_gemma = mc.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # its norms after attention and MLP
     is_phi3 = mc.architecture == "Phi3ForCausalLM"
     is_glm = mc.architecture == "Glm4ForCausalLM"  # norms before and after attention and MLP
-    is_cohere = mc.architecture in ("CohereForCausalLM", "Cohere2ForCausalLM", "PhiForCausalLM")  # one norm a layer
+    is_cohere = mc.architecture in ("CohereForCausalLM", "Cohere2ForCausalLM", "PhiForCausalLM") or (
+        mc.architecture == "StableLmForCausalLM" and mc.parallel_residual)  # one norm a layer
     fused_qkv = fused_qkv or is_phi3 or mc.architecture == "GPTNeoXForCausalLM"
     norms_after = mc.architecture in ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM")  # after only
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
@@ -403,14 +405,18 @@ def _llama4(m, experts: int, layers: int) -> dict:
 
 
 def _classic(m, arch: str, tensors: dict) -> dict:
-    """HF config fields of a gptneox, phi2, starcoder2 or nemotron file, as llama.cpp reads it: the MLP's
-    activation (llama.cpp's: GPT-NeoX's exact GELU, the others' tanh one, Nemotron's relu^2); biases where the file
-    has them; GPT-NeoX's parallel residual; phi2's MLP as wide as its tensors (its converter writes 4 x hidden);
-    StarCoder2's layers over the whole context (llama.cpp reads no window for it)."""
+    """HF config fields of a gptneox, phi2, starcoder2, nemotron or stablelm file, as llama.cpp reads it: the MLP's
+    activation (llama.cpp's: GPT-NeoX's exact GELU, Phi's and StarCoder2's tanh one, Nemotron's relu^2, StableLM's
+    SwiGLU); biases where the file has them; GPT-NeoX's parallel residual, StableLM's where its layers have no
+    ffn_norm; phi2's MLP as wide as its tensors (its converter writes 4 x hidden); StarCoder2's layers over the whole
+    context (llama.cpp reads no window for it)."""
     qkv = "blk.0.attn_qkv.bias" in tensors or "blk.0.attn_q.bias" in tensors
     cfg = dict(hidden_act={"gptneox": "gelu", "phi2": "gelu_new", "starcoder2": "gelu_pytorch_tanh",
-                           "nemotron": "relu2"}[arch], attention_bias=qkv, use_bias=qkv,
-               mlp_bias="blk.0.ffn_up.bias" in tensors, sliding_window=None)
+                           "nemotron": "relu2", "stablelm": "silu"}[arch], attention_bias=qkv, use_bias=qkv,
+               use_qkv_bias=qkv, mlp_bias="blk.0.ffn_up.bias" in tensors, sliding_window=None)
+    if arch == "stablelm":
+        cfg.update(use_parallel_residual="blk.0.ffn_norm.weight" not in tensors,
+                   qk_layernorm="blk.0.attn_q_norm.weight" in tensors)
     if arch == "gptneox":
         cfg["use_parallel_residual"] = bool(m("use_parallel_residual", True))
     if arch == "phi2":
@@ -467,11 +473,10 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
     rope = _rope(m, arch, tensors, head_dim, path)
     rotated = m("rope.dimension_count", head_dim)
     if rotated != head_dim and arch not in MLA_ARCHS + NEMOTRON:  # whose rotary dims are qk_rope_head_dim's (below)
-        if arch not in ("phi3", "glm4", "glm4moe", "minimax-m2", "granitehybrid", "gptneox", "phi2", "nemotron") \
-                + HYBRID:
+        if arch not in ("phi3", "glm4", "glm4moe", "minimax-m2", "granitehybrid") + CLASSIC + HYBRID:
             raise ValueError(f"{path}: partial rotary (rope.dimension_count={rotated}, head_dim={head_dim}) is "
-                             "supported for phi3, glm4, glm4moe, minimax-m2, granitehybrid (Bamba), gptneox, phi2 "
-                             "and nemotron only")
+                             "supported for phi3, glm4, glm4moe, minimax-m2, granitehybrid (Bamba), gptneox, phi2, "
+                             "nemotron and stablelm only")
         rope["partial_rotary_factor"] = rotated / head_dim
     window = m("attention.sliding_window", None)
     if arch == "mistral" or (arch == "llama" and not experts):  # llama.cpp attends to the whole context otherwise
