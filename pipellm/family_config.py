@@ -34,6 +34,8 @@ def renamed(name: str, names: tuple, back: bool = False) -> str:
     for theirs, ours in names:
         name = name.replace(ours, theirs) if back else name.replace(theirs, ours)
     return name
+
+
 # older configs' layer names, and Nemotron-H's hybrid_override_pattern letters: HF's layer types
 MAMBA_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention",
                      "M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}

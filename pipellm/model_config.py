@@ -60,7 +60,7 @@ class ModelConfig:
     o_bias: bool = False            # Llama with attention_bias
     mlp_bias: bool = False          # Llama with mlp_bias, ERNIE 4.5 with use_bias
     gated_mlp: bool = True          # False: down(act(up(x))) (GPT-NeoX, Phi, StarCoder2; relu2 and xielu always)
-    parallel_residual: bool = False  # GPT-NeoX: x + attention(norm1(x)) + mlp(norm2(x))
+    parallel_residual: bool = False  # x + attention(norm1(x)) + mlp(norm2(x)) (GPT-NeoX; StableLM's: one norm)
     sliding_window: int | None = None  # sliding layers attend to the last sliding_window keys only
     eos_token_ids: tuple[int, ...] = ()
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" | LOCAL_LAYER_TYPES; () = all full, or all

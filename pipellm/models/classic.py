@@ -11,6 +11,7 @@ from pipellm.models.cohere import CohereLayer
 from pipellm.models.layers import LayerNorm1p
 from pipellm.models.llama import LlamaLayer, LlamaStage
 
+
 class NeoXLayer(LlamaLayer):
     def __init__(self, cfg, layer, norm=nn.LayerNorm):
         super().__init__(cfg, layer, norm)
