@@ -18,7 +18,7 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM",
                 "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "HunYuanDenseV1ForCausalLM",
                 "ArceeForCausalLM", "ApertusForCausalLM", "Ministral3ForCausalLM", "Llama4ForCausalLM",
-                "Qwen3_5ForCausalLM")
+                "Qwen3_5ForCausalLM", "HeliumForCausalLM")
 # linear-attention layers (gated delta nets) among gated full-attention ones
 HYBRID_FAMILY = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 # latent attention (GLM-4.7-Flash's Glm4MoeLite is DeepSeek V3's model; Mistral 4 is too, with a softmax router)
@@ -36,7 +36,7 @@ MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"
               "Qwen3_5MoeForCausalLM", GRANITE_HYBRID) + GROUP_ROUTED
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
                   GRANITE_HYBRID)  # scaled
-GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM")
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel", NEMOTRON_H, FALCON_H1,
                                                                        JAMBA, LFM2, LFM2_MOE, BAMBA, PHIMOE) + CLASSIC
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
@@ -334,7 +334,7 @@ class ModelConfig:
             pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
             layer_types = tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                                 for i in range(layers))
-        if arch == "Gemma2ForCausalLM" and not layer_types:
+        if arch in ("Gemma2ForCausalLM", "VaultGemmaForCausalLM") and not layer_types:
             layer_types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
         llama4 = arch == "Llama4ForCausalLM"
         uses_rope = d.get("no_rope_layers") or [int((i + 1) % (d.get("no_rope_layer_interval") or 4) != 0)
@@ -371,8 +371,9 @@ class ModelConfig:
         heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
         attention_bias = bool(d.get("attention_bias", arch in ("SeedOssForCausalLM", "GptOssForCausalLM")))
+        # GLM's and Helium's attention_bias: on q, k and v only
         o_bias = bool(d.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM" else \
-            attention_bias and arch not in ("Glm4ForCausalLM", "Glm4MoeForCausalLM")  # GLM: on q, k and v only
+            attention_bias and arch not in ("Glm4ForCausalLM", "Glm4MoeForCausalLM", "HeliumForCausalLM")
         mlp_bias = bool(d.get("mlp_bias", False))
         if arch in ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM"):  # one switch for every linear layer's bias
             attention_bias = o_bias = mlp_bias = bool(d.get("use_bias", False))

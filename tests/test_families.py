@@ -320,6 +320,11 @@ def family_config(name: str):
         # attention and MLP on one norm (-parallel)
         return tf.StableLmConfig(**COMMON, use_qkv_bias=name == "stablelm-parallel",
                                  use_parallel_residual=name == "stablelm-parallel")
+    if name == "helium":  # rotary pairs interleaved; norms scaled in fp32; biases on q, k and v
+        return tf.HeliumConfig(**COMMON, head_dim=16, attention_bias=True)
+    if name == "vaultgemma":  # Gemma 1's block with Gemma 2's soft caps and sliding layers
+        return tf.VaultGemmaConfig(**COMMON, head_dim=16, sliding_window=24, query_pre_attn_scalar=24,
+                                   attn_logit_softcapping=20.0, final_logit_softcapping=10.0)
     raise ValueError(name)
 
 
@@ -334,10 +339,10 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "qwen3_5_moe-vl", "granitemoehybrid", "granitemoehybrid-dense", "nemotron_h", "nemotron_h-dense",
             "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated",
             "jamba", "lfm2", "lfm2_moe", "lfm2-vl", "bamba", "gpt_neox", "gpt_neox-sequential", "phi", "starcoder2",
-            "nemotron", "stablelm", "stablelm-parallel"]
+            "nemotron", "stablelm", "stablelm-parallel", "helium", "vaultgemma"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
-            "aya_vision-vl", "llama4", "starcoder2")  # and Llama 4's chunked layers
+            "aya_vision-vl", "llama4", "starcoder2", "vaultgemma")  # and Llama 4's chunked layers
 # the log-probabilities' tolerance where fp32 rounding alone moves them further: on these checkpoints HF's own fp32
 # ones are up to 1.7e-4 from its fp64 ones, ours up to 3.6e-4 (the delta nets' norms magnify a small head's rounding)
 TOLERANCE = dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl", "qwen3_5_moe-vl"), 1e-3)

@@ -1,7 +1,8 @@
 """Gemma 2 and Gemma 3 (text): the Llama block with norms after attention and MLP too, 1 + w RMSNorms, a scaled
 embedding, GeGLU, and for Gemma 2 soft-capped attention scores and logits. Gemma 3 adds q/k norms and gives its
 sliding (local) and full (global) layers rotary positions of their own. Gemma 1: Llama's block with these norms,
-embedding and GeGLU."""
+embedding and GeGLU; VaultGemma: Gemma 1's block (its MLP's norm named pre_feedforward_layernorm) with Gemma 2's
+soft caps and sliding layers."""
 import torch
 from torch import nn
 
@@ -47,3 +48,8 @@ class GemmaStage(LlamaStage):
 
 class Gemma1Stage(GemmaStage):
     layer_class = LlamaLayer  # with GemmaStage's 1 + w norms
+
+
+class VaultGemmaStage(Gemma1Stage):
+    def map_weight(self, name: str) -> list[tuple[str, int]]:
+        return super().map_weight(name.replace(".pre_feedforward_layernorm.", ".post_attention_layernorm."))

@@ -5,12 +5,14 @@ products of q and k, which one reordering of both leaves as they were.
 GLM-4 (Glm4ForCausalLM): Gemma's layer order (norms after attention and MLP too) with plain RMSNorms, biases on q, k
 and v, and rotary on half of each head. ERNIE 4.5 (Ernie4_5ForCausalLM): Llama's block, rotary on all of each head,
 and with use_bias a bias on every linear layer; its MoE (Ernie4_5_MoeForCausalLM) names its shared experts and its
-router's selection bias (moe.py) its own way."""
+router's selection bias (moe.py) its own way. Helium (HeliumForCausalLM): Llama's block, rotary on all of each head,
+OLMo's norms (scaled in fp32), biases on q, k and v with attention_bias."""
 import re
 
 import torch
 
 from pipellm.models.gemma import GemmaLayer
+from pipellm.models.layers import Fp32ScaledRMSNorm
 from pipellm.models.llama import LlamaStage
 
 # GLM-4's norm names -> GemmaLayer's: after attention, before the MLP, after it
@@ -48,3 +50,7 @@ class Ernie45MoeStage(InterleavedRotaryStage):
         if name.endswith(".e_score_correction_bias"):
             return tensor.reshape(-1)                                                   # [1, E] -> [E]
         return super().to_param_layout(name, tensor)
+
+
+class HeliumStage(InterleavedRotaryStage):
+    norm_class = Fp32ScaledRMSNorm

@@ -11,8 +11,8 @@ from pipellm.models.falcon_h1 import FalconH1Stage
 from pipellm.models.jamba import JambaStage
 from pipellm.models.lfm2 import Lfm2Stage
 from pipellm.models.deepseek import DeepseekStage, BiasedRouterStage
-from pipellm.models.gemma import Gemma1Stage, GemmaStage
-from pipellm.models.glm import Ernie45MoeStage, Glm4Stage, InterleavedRotaryStage
+from pipellm.models.gemma import Gemma1Stage, GemmaStage, VaultGemmaStage
+from pipellm.models.glm import Ernie45MoeStage, Glm4Stage, HeliumStage, InterleavedRotaryStage
 from pipellm.models.gpt2 import GPT2Stage
 from pipellm.models.gpt_oss import GptOssStage
 from pipellm.models.granite import BambaStage, GraniteHybridStage, GraniteMoeStage
@@ -83,6 +83,8 @@ STAGE_CLASSES = {
     "Starcoder2ForCausalLM": Starcoder2Stage,
     "NemotronForCausalLM": NemotronStage,
     "StableLmForCausalLM": StableLmStage,
+    "HeliumForCausalLM": HeliumStage,
+    "VaultGemmaForCausalLM": VaultGemmaStage,
 }
 
 
