@@ -254,7 +254,7 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
     is_gemma = mc.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # its norms after attention and MLP
     is_phi3 = mc.architecture == "Phi3ForCausalLM"
     is_glm = mc.architecture == "Glm4ForCausalLM"  # norms before and after attention and MLP
-    is_cohere = mc.architecture in ("CohereForCausalLM", "Cohere2ForCausalLM", "PhiForCausalLM") or (
+    one_norm = mc.architecture in ("CohereForCausalLM", "Cohere2ForCausalLM", "PhiForCausalLM") or (
         mc.architecture == "StableLmForCausalLM" and mc.parallel_residual)  # one norm a layer
     fused_qkv = fused_qkv or is_phi3 or mc.architecture == "GPTNeoXForCausalLM"
     norms_after = mc.architecture in ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM")  # after only
@@ -265,7 +265,7 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
         p = f"model.layers.{i}."
         shapes.update({p + ("post_feedforward_layernorm.weight" if norms_after else "input_layernorm.weight"): (h,),
                        p + "self_attn.o_proj.weight": (h, mc.num_heads * mc.v_head_dim if mc.is_mla else q)})
-        if not is_cohere:
+        if not one_norm:
             shapes[p + "post_attention_layernorm.weight"] = (h,)
         if is_glm:
             shapes.update({p + "post_self_attn_layernorm.weight": (h,), p + "post_mlp_layernorm.weight": (h,)})
