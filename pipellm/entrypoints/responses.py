@@ -400,13 +400,13 @@ class ResponseStore:
         """The items of the conversation up to and with a kept response: each turn's input and output, in order."""
         turns = []
         while response_id is not None:
-            reply = self.get(response_id, "previous_response_id").reply
-            status = reply.now()["status"]
+            kept = self.get(response_id, "previous_response_id")
+            status = (kept.reply.final or kept.reply.head)["status"]
             if status not in ("completed", "incomplete"):
                 raise APIError(400, f"previous_response_id: response {response_id!r} is {status}; continue a "
                                "completed or incomplete one", param="previous_response_id")
-            turns.append((response_id, self.kept[response_id].items + reply.final["output"]))
-            response_id = reply.head["previous_response_id"]
+            turns.append((response_id, kept.items + kept.reply.final["output"]))
+            response_id = kept.reply.head["previous_response_id"]
         turns.reverse()
         for response_id, _ in turns:  # the conversation's oldest turn goes first
             self.kept.move_to_end(response_id)

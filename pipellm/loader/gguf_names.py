@@ -69,7 +69,8 @@ LFM2 = ("lfm2", "lfm2moe")
 BAMBA = ("BambaForCausalLM", "bamba", True)  # "granitehybrid" with rotary on part of each head (below)
 NEMOTRON = ("nemotron_h", "nemotron_h_moe")
 CLASSIC = ("gptneox", "phi2", "starcoder2", "nemotron", "stablelm")
-CLASSIC_NAMES = {"phi2": PHI_NAMES, "starcoder2": STARCODER2_NAMES}  # their HF names, from Llama's
+CLASSIC_NAMES = {"PhiForCausalLM": PHI_NAMES, "Starcoder2ForCausalLM": STARCODER2_NAMES}  # their HF names, from
+# Llama's
 HYBRID = ("qwen3next", "qwen35", "qwen35moe")  # linear-attention layers (gated delta nets) among full ones
 DEEPSEEK_V2 = ("DeepseekV2ForCausalLM", "deepseek_v2", False)  # "deepseek2" with a softmax router
 COHERE = ("command-r", "cohere2")  # a LayerNorm (its own epsilon key), attention and MLP side by side
@@ -160,10 +161,9 @@ ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_s
 
 def hf_name(name: str, arch: str) -> str | None:
     """HF name of a GGUF tensor; for stacked experts, with {e} where the expert's number goes."""
-    if arch in CLASSIC_NAMES:
-        llama = _hf_name(name, arch)
-        return llama and renamed(llama, CLASSIC_NAMES[arch], back=True)
-    return _hf_name(name, arch)
+    names = CLASSIC_NAMES.get(ARCHITECTURES[arch][0])
+    llama = _hf_name(name, arch)
+    return llama and renamed(llama, names, back=True) if names else llama
 
 
 def _hf_name(name: str, arch: str) -> str | None:
@@ -335,7 +335,7 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
                    if name.endswith("layernorm.weight") or name == "model.norm.weight"}
     if mc.lm_head_bias:
         shapes["lm_head.bias"] = (v,)
-    names = {"PhiForCausalLM": PHI_NAMES, "Starcoder2ForCausalLM": STARCODER2_NAMES}.get(mc.architecture)
+    names = CLASSIC_NAMES.get(mc.architecture)
     return {renamed(name, names, back=True): shape for name, shape in shapes.items()} if names else shapes
 
 

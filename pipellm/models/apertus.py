@@ -2,16 +2,15 @@
 its own names for the two norms."""
 import torch
 
+from pipellm.family_config import renamed
 from pipellm.models.llama import LlamaStage
 
-NORMS = {".attention_layernorm.": ".input_layernorm.", ".feedforward_layernorm.": ".post_attention_layernorm."}
+NORMS = ((".attention_layernorm.", ".input_layernorm."), (".feedforward_layernorm.", ".post_attention_layernorm."))
 
 
 class ApertusStage(LlamaStage):
     def map_weight(self, name: str) -> list[tuple[str, int]]:
-        for theirs, ours in NORMS.items():
-            name = name.replace(theirs, ours)
-        return super().map_weight(name)
+        return super().map_weight(renamed(name, NORMS))
 
     @staticmethod
     def to_param_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:
