@@ -605,7 +605,8 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
     held = {}
-    for hf, tensor in model.state_dict().items():
+    state = model.state_dict()
+    for hf, tensor in state.items():
         arr = tensor.numpy()
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # the converter writes the embedding once
@@ -663,8 +664,7 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
                 continue
             if name == "phi-qkv" and module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
                 if module == "self_attn.q_proj":  # older converters': q, k and v in one tensor
-                    parts = [model.state_dict()[hf.replace("q_proj", p)].numpy() for p in ("q_proj", "k_proj",
-                                                                                          "v_proj")]
+                    parts = [state[hf.replace("q_proj", p)].numpy() for p in ("q_proj", "k_proj", "v_proj")]
                     stored = np.split(add(f"blk.{layer}.attn_qkv.{suffix}", np.concatenate(parts)),
                                       np.cumsum([len(p) for p in parts])[:2])
                     for p, part in zip(("q_proj", "k_proj", "v_proj"), stored):
