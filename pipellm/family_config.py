@@ -13,6 +13,9 @@ FALCON_H1 = "FalconH1ForCausalLM"  # attention and Mamba-2 side by side in every
 JAMBA = "JambaForCausalLM"  # Mamba (-1) layers among attention ones, experts every other layer
 LFM2 = "Lfm2ForCausalLM"  # gated short convolutions among attention layers
 LFM2_MOE = "Lfm2MoeForCausalLM"  # and experts in all but the first layers
+# Gemma 4: full-attention layers with heads of their own width (and values that are their keys' projection), experts
+# beside the MLP (models/gemma.py)
+GEMMA4 = "Gemma4ForCausalLM"
 PHIMOE = "PhimoeForCausalLM"  # Phi-3.5-MoE: LayerNorms with biases, a sparsemixer router, an LM head with a bias
 # LayerNorms, MLPs without a gate, rotary on part of each head (models/classic.py)
 GPT_NEOX, PHI, STARCODER2, NEMOTRON, STABLELM = "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM", \
@@ -157,6 +160,43 @@ def phimoe(d: dict, source: str) -> dict:
                          f"{d['num_experts_per_tok']} is not supported")
     return dict(num_experts=d.get("num_local_experts", 16), num_experts_per_tok=2,
                 router_jitter_eps=float(d.get("router_jitter_noise", 0.01)), lm_head_bias=bool(d.get("lm_head_bias")))
+
+
+def gemma4(d: dict, source: str) -> tuple[dict, dict]:
+    """A Gemma 4 config.json with its layer types as HF makes them (every 6th layer full, and the last), and
+    ModelConfig's fields of its own, as HF reads it: its full-attention layers' head width and KV
+    heads (per_layer_config, or the global_* keys HF's config takes), their values as their keys' projection
+    (attention_k_eq_v), attention unscaled, experts beside each layer's MLP (enable_moe_block)."""
+    for key, what in (("hidden_size_per_layer_input", "per-layer input embeddings (Gemma 4 E2B's and E4B's)"),
+                      ("num_kv_shared_layers", "layers that reuse another layer's keys and values")):
+        if d.get(key):
+            raise ValueError(f"{source}: {key}={d[key]} ({what}) is not supported; the dense and the MoE Gemma 4 "
+                             "models are")
+    if d.get("use_bidirectional_attention") == "all":
+        raise ValueError(f"{source}: use_bidirectional_attention='all' is not supported (a causal model is)")
+    layers = d["num_hidden_layers"]
+    types = list(d.get("layer_types") or ("sliding_attention" if (i + 1) % 6 else "full_attention"
+                                          for i in range(layers)))
+    types[-1] = "full_attention"
+    full = {i for i, t in enumerate(types) if t == "full_attention"}
+    overrides = {int(i): o for i, o in (d.get("per_layer_config") or {}).items()}
+    if not overrides:  # as HF's config builds it from the global_* keys
+        global_kv = d.get("num_global_key_value_heads") if d.get("attention_k_eq_v", True) else None
+        overrides = {i: {"head_dim": d.get("global_head_dim", 512)} | ({"num_key_value_heads": global_kv}
+                                                                       if global_kv else {}) for i in full}
+    shapes = {tuple(sorted(o.items())) for o in overrides.values()}
+    if set(overrides) != full or len(shapes) > 1 or not set(next(iter(overrides.values()), {})) <= {
+            "head_dim", "num_key_value_heads"}:
+        raise ValueError(f"{source}: per_layer_config {overrides} is not supported: the full-attention layers "
+                         f"{sorted(full)} alike, in head_dim and num_key_value_heads only")
+    shape = next(iter(overrides.values()), {})
+    family = dict(global_head_dim=shape.get("head_dim", 0), num_global_kv_heads=shape.get("num_key_value_heads", 0),
+                  k_eq_v=bool(d.get("attention_k_eq_v")), attention_multiplier=1.0, qk_norm=True)
+    if d.get("enable_moe_block"):  # every layer's MLP beside its experts: as an unweighted shared expert
+        family |= dict(num_experts=d["num_experts"], num_experts_per_tok=d["top_k_experts"],
+                       moe_intermediate_size=d["moe_intermediate_size"], norm_topk_prob=True,
+                       shared_expert_intermediate_size=d["intermediate_size"], shared_expert_gated=False)
+    return d | {"layer_types": types}, family
 
 
 def classic(d: dict, arch: str, source: str) -> tuple[dict, dict]:

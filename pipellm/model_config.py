@@ -6,10 +6,10 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from pipellm.family_config import (BAMBA, CLASSIC, FALCON_H1, GELUS, GRANITE_HYBRID, JAMBA, LFM2, LFM2_MOE,
-                                   MAMBA_LAYER_TYPES, NEMOTRON_H, PHIMOE, bamba, classic, falcon_h1, fp8_weight_block,
-                                   granite_hybrid, group_router, jamba, latent_attention, lfm2, nemotron_h, phimoe,
-                                   same_each_layer)
+from pipellm.family_config import (BAMBA, CLASSIC, FALCON_H1, GELUS, GEMMA4, GRANITE_HYBRID, JAMBA, LFM2,
+                                   LFM2_MOE, MAMBA_LAYER_TYPES, NEMOTRON_H, PHIMOE, bamba, classic, falcon_h1,
+                                   fp8_weight_block, gemma4, granite_hybrid, group_router, jamba, latent_attention,
+                                   lfm2, nemotron_h, phimoe, same_each_layer)
 from pipellm.rope_config import RopeConfig
 from pipellm.vision_language import VISION_LANGUAGE, text_config
 
@@ -36,7 +36,7 @@ MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"
               "Qwen3_5MoeForCausalLM", GRANITE_HYBRID) + GROUP_ROUTED
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
                   GRANITE_HYBRID)  # scaled
-GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM")
+GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM", GEMMA4)
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel", NEMOTRON_H, FALCON_H1,
                                                                        JAMBA, LFM2, LFM2_MOE, BAMBA, PHIMOE) + CLASSIC
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
@@ -148,6 +148,11 @@ class ModelConfig:
     short_conv: int = 0  # LFM2: its "linear_attention" layers are gated short convolutions of this many taps
     attention_output_gate: bool = False
     text_of: str = ""  # the vision-language checkpoint whose text model this is (vision_language.py); "" none
+    # Gemma 4: its full-attention layers' head width and KV heads (0: head_dim's, num_kv_heads), and their values
+    # the projection of their keys (k_eq_v: no v_proj)
+    global_head_dim: int = 0
+    num_global_kv_heads: int = 0
+    k_eq_v: bool = False
 
     def __post_init__(self):
         if self.hidden_act in ("relu2", "xielu"):
@@ -158,6 +163,9 @@ class ModelConfig:
         if self.linear_attention and self.linear_attention[1] % self.linear_attention[0]:
             raise ValueError(f"the model's linear_num_value_heads={self.linear_attention[1]} is not a multiple of its "
                              f"linear_num_key_heads={self.linear_attention[0]}")
+        if self.num_heads % (self.num_global_kv_heads or 1):
+            raise ValueError(f"the model's num_attention_heads={self.num_heads} is not a multiple of its "
+                             f"num_global_key_value_heads={self.num_global_kv_heads}")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(f"the model's layer_types has {len(self.layer_types)} entries for its "
                              f"{self.num_layers} layers")
@@ -166,17 +174,24 @@ class ModelConfig:
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
 
-    @property
-    def cache_shape(self) -> tuple[int, int]:
-        """(heads, width) a layer caches per token: MLA's one latent with its rotary key, which K and V share."""
-        return (1, self.kv_lora_rank + self.qk_rope_head_dim) if self.is_mla else (self.num_kv_heads, self.head_dim)
+    def attention_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head width) of the layer's attention: Gemma 4's full-attention layers have their own."""
+        if self.global_head_dim and self.layer_types[layer] == "full_attention":
+            return self.num_global_kv_heads or self.num_kv_heads, self.global_head_dim
+        return self.num_kv_heads, self.head_dim
 
-    @property
-    def attention_params(self) -> int:
-        """Weights of one layer's attention, biases and norms aside."""
-        h, q = self.hidden_size, self.num_heads * self.head_dim
+    def cache_shape(self, layer: int) -> tuple[int, int]:
+        """(heads, width) the layer caches per token: MLA's one latent with its rotary key, which K and V share."""
+        return (1, self.kv_lora_rank + self.qk_rope_head_dim) if self.is_mla else self.attention_shape(layer)
+
+    def attention_params(self, layer: int) -> int:
+        """Weights of the layer's attention, biases and norms aside."""
         if not self.is_mla:
-            return h * (q + 2 * self.num_kv_heads * self.head_dim) + q * h
+            kv_heads, head_dim = self.attention_shape(layer)
+            h, q = self.hidden_size, self.num_heads * head_dim
+            values = 0 if self.k_eq_v and self.layer_types[layer] == "full_attention" else kv_heads * head_dim
+            return h * (q + kv_heads * head_dim + values) + q * h
+        h, q = self.hidden_size, self.num_heads * self.head_dim
         nope, rank = self.head_dim - self.qk_rope_head_dim, self.kv_lora_rank
         q_params = (h + q) * self.q_lora_rank if self.q_lora_rank else h * q
         return q_params + h * (rank + self.qk_rope_head_dim) + rank * self.num_heads * (nope + self.v_head_dim) \
@@ -189,7 +204,7 @@ class ModelConfig:
         if self.is_linear(layer) and self.mamba:  # in_proj: z, x, B, C and dt; out_proj (Falcon-H1's: attention too)
             heads, head_dim, groups, state, _ = self.mamba
             mixer = h * (2 * heads * head_dim + 2 * groups * state + heads) + heads * head_dim * h \
-                + self.attention_params * (kind == "hybrid")
+                + self.attention_params(layer) * (kind == "hybrid")
         elif self.is_linear(layer) and self.mamba1:  # in_proj: x and z; x_proj: dt, B and C; dt_proj; out_proj
             inner, state, _, rank = self.mamba1
             mixer = h * 2 * inner + inner * (rank + 2 * state) + rank * inner + inner * h
@@ -201,7 +216,7 @@ class ModelConfig:
         elif kind in ("mlp", "moe"):  # Nemotron-H's MLP and experts layers
             mixer = 0
         else:
-            mixer = self.attention_params + self.attention_output_gate * h * self.num_heads * self.head_dim
+            mixer = self.attention_params(layer) + self.attention_output_gate * h * self.num_heads * self.head_dim
         if self.architecture == NEMOTRON_H and kind not in ("mlp", "moe"):
             return mixer  # each of its layers one mixer
         matrices = 2 if self.is_gpt2 or not self.gated_mlp else 3  # an MLP's: no gate, or one
@@ -314,6 +329,8 @@ class ModelConfig:
             family = phimoe(d, source)
         elif arch in CLASSIC:
             d, family = classic(d, arch, source)
+        elif arch == GEMMA4:
+            d, family = gemma4(d, source)
         is_gemma = arch in GEMMA_FAMILY
         act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
         classic_act = arch in CLASSIC and act in (("relu2",) if arch == "NemotronForCausalLM" else GELUS)

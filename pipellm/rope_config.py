@@ -2,7 +2,7 @@
 model_config.py's ModelConfig and turned by models/rotary.py."""
 from dataclasses import dataclass
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
 
 @dataclass
@@ -10,8 +10,9 @@ class RopeConfig:
     """Rotary positions of one kind of layer, as HF's rope_parameters (rope_scaling) give them."""
     rope_type: str = "default"      # one of ROPE_TYPES
     theta: float = 10000.0          # base
-    partial_rotary_factor: float = 1.0  # share of head_dim that is rotated (Phi-4-mini: 0.75)
-    factor: float = 1.0             # linear, dynamic, llama3, yarn, longrope
+    partial_rotary_factor: float = 1.0  # share of head_dim that is rotated (Phi-4-mini: 0.75; proportional: see
+    #                                     models/rotary.py)
+    factor: float = 1.0             # linear, dynamic, llama3, yarn, longrope, proportional
     original_max_position_embeddings: int = 0  # llama3, yarn, longrope: the pretraining context
     low_freq_factor: float = 1.0    # llama3
     high_freq_factor: float = 4.0   # llama3

@@ -8,6 +8,7 @@ VISION_LANGUAGE = {"LlavaForConditionalGeneration": (), "LlavaNextForConditional
                    "AyaVisionForConditionalGeneration": (),
                    "Mistral3ForConditionalGeneration": ("mistral", "ministral3", "mistral4"),
                    "Gemma3ForConditionalGeneration": ("gemma3_text",),
+                   "Gemma4ForConditionalGeneration": ("gemma4_text",),
                    "Llama4ForConditionalGeneration": ("llama4_text",),
                    "Qwen2VLForConditionalGeneration": ("qwen2_vl_text",),
                    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl_text",),

@@ -230,6 +230,10 @@ def family_config(name: str):
         return tf.Gemma3Config(text_config=family_config("gemma3").to_dict(), mm_tokens_per_image=4, vision_config=dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
             patch_size=14))
+    if name == "gemma4-vl":  # Gemma 4's in its vision-language checkpoint, run alone
+        return tf.Gemma4Config(text_config=family_config("gemma4").to_dict(), vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+            head_dim=16, patch_size=14), audio_config=None)
     if name == "mistral3-vl":  # Ministral 3's in Mistral 3's (head untied)
         return tf.Mistral3Config(text_config=family_config("ministral3").to_dict(), tie_word_embeddings=False,
                                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -325,6 +329,13 @@ def family_config(name: str):
     if name == "vaultgemma":  # Gemma 1's block with Gemma 2's soft caps and sliding layers
         return tf.VaultGemmaConfig(**COMMON, head_dim=16, sliding_window=24, query_pre_attn_scalar=24,
                                    attn_logit_softcapping=20.0, final_logit_softcapping=10.0)
+    if name in ("gemma4", "gemma4_moe"):  # full-attention layers 1 and 4: one KV head of 32 (their values their
+        # keys' projection), rotary on a quarter of each head; the others two of 16; MoE: experts beside the MLP
+        moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+        return tf.Gemma4TextConfig(**COMMON, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                                   attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=24,
+                                   layer_types=SLIDING_TYPES, final_logit_softcapping=10.0,
+                                   **(moe if name == "gemma4_moe" else {}))
     raise ValueError(name)
 
 
@@ -339,10 +350,10 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "qwen3_5_moe-vl", "granitemoehybrid", "granitemoehybrid-dense", "nemotron_h", "nemotron_h-dense",
             "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated",
             "jamba", "lfm2", "lfm2_moe", "lfm2-vl", "bamba", "gpt_neox", "gpt_neox-sequential", "phi", "starcoder2",
-            "nemotron", "stablelm", "stablelm-parallel", "helium", "vaultgemma"]
+            "nemotron", "stablelm", "stablelm-parallel", "helium", "vaultgemma", "gemma4", "gemma4_moe", "gemma4-vl"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
-            "aya_vision-vl", "llama4", "starcoder2", "vaultgemma")  # and Llama 4's chunked layers
+            "aya_vision-vl", "llama4", "starcoder2", "vaultgemma", "gemma4", "gemma4_moe", "gemma4-vl")  # and Llama 4's chunked layers
 # the log-probabilities' tolerance where fp32 rounding alone moves them further: on these checkpoints HF's own fp32
 # ones are up to 1.7e-4 from its fp64 ones, ours up to 3.6e-4 (the delta nets' norms magnify a small head's rounding)
 TOLERANCE = dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl", "qwen3_5_moe-vl"), 1e-3)
@@ -382,15 +393,17 @@ def make_family_checkpoint(name: str, folder: str):
     auto = transformers.AutoModelForImageTextToText if "-vl" in name else transformers.AutoModelForCausalLM
     model = (transformers.Mistral4ForCausalLM(config) if name == "mistral4" else auto.from_config(config)).eval()
     with torch.no_grad():  # biases not at their initial 0, so loading them is tested; sinks that weigh; q/k norms
+        # whose weights differ within a head; Gemma 4's scales of a layer's output and its router's off 1
         selection_biases = [(n, b) for n, b in model.named_buffers()
-                            if n.endswith((".e_score_correction_bias", ".expert_bias"))]
-        for param_name, p in [*model.named_parameters(), *selection_biases]:  # whose weights differ within a head
+                            if n.endswith((".e_score_correction_bias", ".expert_bias", ".layer_scalar"))]
+        for param_name, p in [*model.named_parameters(), *selection_biases]:
             if param_name.endswith((".bias", "_bias")):
                 torch.nn.init.normal_(p, std=0.2)
             elif param_name.endswith((".sinks", ".alpha_p", ".alpha_n")):  # and xIELU's alphas differ a layer
                 torch.nn.init.normal_(p, std=2.0)
             elif param_name.endswith(("q_norm.weight", "k_norm.weight", "query_layernorm.weight",
-                                      "key_layernorm.weight", "q_layernorm.weight", "k_layernorm.weight")):
+                                      "key_layernorm.weight", "q_layernorm.weight", "k_layernorm.weight",
+                                      ".layer_scalar", "router.scale", ".per_expert_scale")):
                 p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(folder)
     save_tokenizer(folder)
@@ -731,3 +744,47 @@ def test_gpt_oss_mxfp4_checkpoint(tmp_path):
     assert sum(h["MXFP4"] for h in held) == expert_weights * 5.5 / 8
     dense = sum(n for h in held for f, n in h.items() if f.startswith("F32"))  # the embedding left in the file too
     assert dense == 4 * (sum(p.numel() for p in model.parameters()) - expert_weights)
+
+
+def test_gemma4_kv_cache_fits_its_budget_with_wider_full_attention_layers(tmp_path):
+    """Gemma 4's full-attention layers cache 4x the bytes a token of its sliding ones do here: the blocks each stage
+    holds are counted at each layer's own width, so the caches of the stage they fill first fill the budget, and
+    every stage's stay within it."""
+    import transformers
+
+    config = family_config("gemma4")
+    config.per_layer_config = {i: {"head_dim": 64, "num_key_value_heads": 2} for i in (1, 4)}
+    transformers.Gemma4ForCausalLM(config).save_pretrained(tmp_path)
+    save_tokenizer(str(tmp_path))
+    budget = 2 ** -11  # 512 KiB a stage
+    with LLM(str(tmp_path), pipeline_parallel_size=2, dtype="float32", kv_cache_gib=budget, max_model_len=64) as llm:
+        out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=4, temperature=0),
+                           use_tqdm=False)[0]
+        used = [r.kv_cache_bytes for r in llm.engine.inspect()]
+    assert len(out.outputs[0].token_ids) == 4
+    assert 0.9 * budget * 2 ** 30 < max(used) <= budget * 2 ** 30, used
+
+
+def test_gemma4_release_config_keys():
+    """A config.json with the global_* keys HF's Gemma 4 config takes, and no layer_types: every 6th layer and the
+    last full, each layer's heads as HF's per_layer_config makes them."""
+    from transformers import Gemma4TextConfig
+
+    release = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                   attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=24)
+    ours = ModelConfig.from_hf_dict({"architectures": ["Gemma4ForCausalLM"], **release})
+    theirs = Gemma4TextConfig(**release)
+    assert list(ours.layer_types) == theirs.layer_types
+    assert [ours.attention_shape(i) for i in range(8)] == [
+        (theirs.per_layer_config[i].num_key_value_heads, theirs.per_layer_config[i].head_dim) for i in range(8)]
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("hidden_size_per_layer_input", 256, "hidden_size_per_layer_input=256 .per-layer input embeddings"),
+    ("num_kv_shared_layers", 2, "num_kv_shared_layers=2 .layers that reuse another layer's keys"),
+    ("per_layer_config", {"1": {"head_dim": 32}, "4": {"head_dim": 64}}, "the full-attention layers .1, 4. alike")])
+def test_gemma4_options_it_cannot_run_are_refused(key, value, message):
+    d = family_config("gemma4").to_dict() | {"architectures": ["Gemma4ForCausalLM"], key: value}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(d)

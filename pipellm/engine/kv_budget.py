@@ -39,19 +39,19 @@ def kv_budget(mc: ModelConfig, cfg: EngineConfig, stages: list[StageLayers], dev
     either way."""
     needed = -(-max_model_len // cfg.block_size)  # one full-length sequence
     ring, ring_blocks = window_ring(mc, cfg, max_model_len), 0
-    size = block_bytes(cache_dtype(cfg.kv_cache_dtype, cfg.torch_dtype), cfg.block_size, *mc.cache_shape, mc.is_mla)
+    dtype = cache_dtype(cfg.kv_cache_dtype, cfg.torch_dtype)
+    sizes = [block_bytes(dtype, cfg.block_size, *mc.cache_shape(i), mc.is_mla) for i in range(mc.num_layers)]
     if cfg.num_kv_blocks is not None:
         num_blocks, source, ring = cfg.num_kv_blocks, f"num_kv_blocks={cfg.num_kv_blocks}", 0
     else:
         gib = (cfg.kv_cache_gib if cfg.kv_cache_gib is not None else DEFAULT_KV_CACHE_GIB if dev == "cpu"
                else device.gpu_kv_cache_gib(dev, mc, stages, cfg.torch_dtype.itemsize, cfg.gpu_memory_utilization,
                                             cfg.nnodes))
-        budget = int(gib * 2 ** 30) // size  # blocks of one layer
-        num_blocks = min(budget // max(1, kv_layers(mc, s)) for s in stages)
+        budget = int(gib * 2 ** 30)
+        num_blocks = min(budget // max(1, stage_bytes(mc, s, sizes, 1, 1)) for s in stages)
         source = f"kv_cache_gib={gib:g}"
         if ring and num_blocks < needed:  # full-length sequences that fit with rings, on every stage
-            per_seq = [stage_blocks(mc, s, needed, ring) for s in stages]
-            num_seqs = min(min(budget // n for n in per_seq), cfg.max_num_seqs)
+            num_seqs = min(min(budget // stage_bytes(mc, s, sizes, needed, ring) for s in stages), cfg.max_num_seqs)
             if num_seqs:
                 num_blocks, ring_blocks = num_seqs * needed, num_seqs * ring
         ring = ring if ring_blocks else 0
@@ -68,7 +68,7 @@ def kv_budget(mc: ModelConfig, cfg: EngineConfig, stages: list[StageLayers], dev
                          f"max_model_len={max_model_len}; give more KV cache or lower max_model_len")
     if dev == "cpu" and cfg.nnodes == 1:
         # without rings a sliding layer's cache holds num_blocks too
-        need = size * sum(stage_blocks(mc, s, num_blocks, ring_blocks or num_blocks) for s in stages)
+        need = sum(stage_bytes(mc, s, sizes, num_blocks, ring_blocks or num_blocks) for s in stages)
         # linear-attention layers' states, grown as sequences run: at most max_num_seqs of them, and as many saved
         # for prefix caching
         if mc.keeps_states:
@@ -78,15 +78,11 @@ def kv_budget(mc: ModelConfig, cfg: EngineConfig, stages: list[StageLayers], dev
     return KVBudget(ring, num_blocks, ring_blocks, max_model_len)
 
 
-def kv_layers(mc: ModelConfig, stage: StageLayers) -> int:
-    """The stage's layers with blocks: not its linear-attention ones (a state per sequence), nor its MLP ones."""
-    return sum(mc.has_kv_cache(i) for i in range(stage.start, stage.end))
-
-
-def stage_blocks(mc: ModelConfig, stage: StageLayers, full: int, ring: int) -> int:
-    """Blocks of all of a stage's layers' caches: full blocks a full-attention layer, ring a sliding one."""
-    sliding = sum(mc.is_sliding(i) for i in range(stage.start, stage.end))
-    return (kv_layers(mc, stage) - sliding) * full + sliding * ring
+def stage_bytes(mc: ModelConfig, stage: StageLayers, sizes: list[int], full: int, ring: int) -> int:
+    """Bytes of a stage's layers' caches of full blocks a full-attention layer and ring a sliding one, sizes[i] the
+    bytes of a block of layer i; none for a linear-attention layer (a state per sequence) nor an MLP one."""
+    return sum(sizes[i] * (ring if mc.is_sliding(i) else full) for i in range(stage.start, stage.end)
+               if mc.has_kv_cache(i))
 
 
 def check_host_memory(source: str, need: int, num_blocks: int, num_stages: int) -> None:

@@ -2,13 +2,23 @@
 embedding, GeGLU, and for Gemma 2 soft-capped attention scores and logits. Gemma 3 adds q/k norms and gives its
 sliding (local) and full (global) layers rotary positions of their own. Gemma 1: Llama's block with these norms,
 embedding and GeGLU; VaultGemma: Gemma 1's block (its MLP's norm named pre_feedforward_layernorm) with Gemma 2's
-soft caps and sliding layers."""
+soft caps and sliding layers. Gemma 4: Gemma 3's layer with plain norms, weightless-normed values, unscaled
+attention, full-attention layers of wider heads (their values their keys' projection, where k_eq_v says) whose rotary
+turns a quarter of each, a learned scale on each layer's output, and experts beside the MLP in its MoE models."""
+import re
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pipellm.model_config import ModelConfig
-from pipellm.models.layers import GatedMLP, GemmaRMSNorm
-from pipellm.models.llama import LlamaAttention, LlamaLayer, LlamaStage
+from pipellm.models.attention import paged_attention
+from pipellm.models.layers import Fp32ScaledRMSNorm, GatedMLP, GemmaRMSNorm
+from pipellm.models.llama import LAYER_NAME, LlamaAttention, LlamaLayer, LlamaStage
+from pipellm.models.rotary import apply_rotary
+
+STACKED = re.compile(r"^experts\.(gate_up_proj|down_proj)$")  # Gemma 4's experts, [E, out, in]
+EXPERT_HALF = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj)\.weight$")  # one expert's, from a GGUF file
 
 
 class GemmaLayer(nn.Module):
@@ -53,3 +63,91 @@ class Gemma1Stage(GemmaStage):
 class VaultGemmaStage(Gemma1Stage):
     def map_weight(self, name: str) -> list[tuple[str, int]]:
         return super().map_weight(name.replace(".pre_feedforward_layernorm.", ".post_attention_layernorm."))
+
+
+class Gemma4Attention(LlamaAttention):
+    def __init__(self, cfg: ModelConfig, layer: int, norm=Fp32ScaledRMSNorm):
+        super().__init__(cfg, layer, norm)
+        self.values_are_keys = cfg.k_eq_v and cfg.layer_types[layer] == "full_attention"
+        if self.values_are_keys:  # q and k only
+            self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + self.kv_size, bias=cfg.qkv_bias)
+
+    def forward(self, x, ropes, meta, cache):
+        qkv = self.qkv_proj(x)                             # [T, (H + 2 KV) * D], or [T, (H + KV) * D]
+        q = qkv[..., :self.q_size].view(-1, self.num_heads, self.head_dim)                          # [T, H, D]
+        k = qkv[..., self.q_size:self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        v = k if self.values_are_keys else qkv[..., self.q_size + self.kv_size:].view_as(k)     # [T, KV, D]
+        v = F.rms_norm(v.float(), v.shape[-1:], eps=self.eps).to(v.dtype)  # no weight, in fp32 (as HF)
+        q, k = apply_rotary(*self.qk_norm(q, k), *ropes[self.is_sliding])
+        out = paged_attention(q, k, v, cache, meta.local if self.is_sliding else meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))  # [T, H * D] -> [T, hidden]
+
+
+class Gemma4Router(nn.Module):
+    """Top-k experts of each token by the softmax of its weightless-normed residual, scaled per channel; their
+    weights renormalised to sum to 1, then scaled per expert."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.eps = cfg.num_experts_per_tok, cfg.norm_eps
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        probs = torch.softmax(self.proj(h * self.scale * x.shape[-1] ** -0.5), -1, dtype=torch.float32)  # [T, E]
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)                                         # [T, k]
+        return weights / weights.sum(-1, keepdim=True) * self.per_expert_scale[chosen], chosen
+
+
+class Gemma4Layer(GemmaLayer):
+    def __init__(self, cfg: ModelConfig, layer: int, norm=Fp32ScaledRMSNorm):
+        super().__init__(cfg, layer, norm)
+        self.self_attn = Gemma4Attention(cfg, layer, norm)
+        self.layer_scalar = nn.Parameter(torch.ones(1))
+        if cfg.num_experts:
+            size, eps = cfg.hidden_size, cfg.norm_eps
+            self.router = Gemma4Router(cfg)
+            self.experts = nn.ModuleList(GatedMLP(size, cfg.moe_intermediate_size, cfg.hidden_act)
+                                         for _ in range(cfg.num_experts))
+            self.pre_feedforward_layernorm_2 = norm(size, eps)
+            self.post_feedforward_layernorm_1 = norm(size, eps)
+            self.post_feedforward_layernorm_2 = norm(size, eps)
+
+    def forward(self, x, ropes, meta, cache):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ropes, meta, cache))
+        m = self.mlp(self.pre_feedforward_layernorm(x))
+        if hasattr(self, "router"):  # the experts take the residual, beside the MLP
+            m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(self.routed(x))
+        return (x + self.post_feedforward_layernorm(m)) * self.layer_scalar
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted sum for each token; tokens batched per expert, one matmul per expert hit."""
+        weights, chosen = self.router(x)                                                 # [T, k]
+        h = self.pre_feedforward_layernorm_2(x)
+        order = chosen.flatten().argsort(stable=True)                                    # [T * k]
+        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
+        tokens, weights = order // chosen.shape[1], weights.flatten()[order]
+        out, start = torch.zeros_like(h), 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                rows = tokens[start:start + count]
+                out.index_add_(0, rows, (expert(h[rows]) * weights[start:start + count, None]).to(h.dtype))
+                start += count
+        return out
+
+
+class Gemma4Stage(GemmaStage):
+    layer_class, norm_class = Gemma4Layer, Fp32ScaledRMSNorm
+
+    def map_weight(self, name: str) -> list[tuple[str, int]]:
+        m = LAYER_NAME.match(name)
+        if not m or not self.stage.start <= int(m[1]) < self.stage.end:
+            return super().map_weight(name)
+        prefix = f"layers.{int(m[1]) - self.stage.start}.experts."
+        if stacked := STACKED.match(m[2]):  # each expert's slice fills its own layer
+            return [(f"{prefix}{e}.{stacked[1]}.weight", 0, e) for e in range(self.cfg.num_experts)]
+        if half := EXPERT_HALF.match(m[2]):
+            return [(f"{prefix}{half[1]}.gate_up_proj.weight", self.cfg.moe_intermediate_size * (half[2] == "up_proj"))]
+        return super().map_weight(name)

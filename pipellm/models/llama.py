@@ -29,21 +29,21 @@ IN_OUT_EXPERTS = re.compile(r"\.(?:mlp|feed_forward)\.experts\.(?:gate_up_proj|d
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, norm=RMSNorm):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, (self.num_kv_heads, self.head_dim) = cfg.num_heads, cfg.attention_shape(layer)
+        self.q_size, self.kv_size = cfg.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.gate_size = self.q_size if cfg.attention_output_gate else 0  # Qwen3-Next's: rows after q's
         # q, k and v in one matmul: one weight read and one kernel call instead of three.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + self.gate_size + 2 * self.kv_size,
                                   bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:  # over each head's values, or (OLMo) over all of a token's q and all of its k
-            q_n, k_n = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm_per_head else (self.q_size, self.kv_size)
+            q_n, k_n = (self.head_dim, self.head_dim) if cfg.qk_norm_per_head else (self.q_size, self.kv_size)
             self.q_norm, self.k_norm = norm(q_n, cfg.norm_eps), norm(k_n, cfg.norm_eps)
         self.norm_after_rope = cfg.qk_norm_after_rope
         self.is_sliding = cfg.is_sliding(layer)
         self.rotary = layer not in cfg.nope_layers
         self.l2_qk_norm, self.eps = cfg.qk_l2_norm and self.rotary, cfg.norm_eps
-        self.scale = cfg.attention_multiplier or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.scale = cfg.attention_multiplier or (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.softcap = cfg.attn_logit_softcapping
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None  # GPT-OSS
 
@@ -145,7 +145,7 @@ class LlamaStage(nn.Module):
         if stage.is_last:
             self.norm = self.norm_class(cfg.hidden_size, cfg.norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.global_head_dim or cfg.head_dim, cfg.max_position_embeddings)
         self.rotary_local = None if cfg.rope_local is None else \
             RotaryEmbedding(cfg.rope_local, cfg.head_dim, cfg.max_position_embeddings)
         self._fused = None  # (the caches it was built for, the kernels' DecoderStack or None): decode steps
@@ -223,7 +223,8 @@ class LlamaStage(nn.Module):
         if not m or not stage.start <= int(m[1]) < stage.end:
             return []
         prefix, rest = f"layers.{int(m[1]) - stage.start}.", m[2]
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        kv_heads, head_dim = cfg.attention_shape(int(m[1]))
+        q, kv, inter = cfg.num_heads * head_dim, kv_heads * head_dim, cfg.intermediate_size
         fused = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", q),
                  "self_attn.v_proj": ("self_attn.qkv_proj", q + kv), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
                  "mlp.up_proj": ("mlp.gate_up_proj", inter),

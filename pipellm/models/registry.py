@@ -11,7 +11,7 @@ from pipellm.models.falcon_h1 import FalconH1Stage
 from pipellm.models.jamba import JambaStage
 from pipellm.models.lfm2 import Lfm2Stage
 from pipellm.models.deepseek import DeepseekStage, BiasedRouterStage
-from pipellm.models.gemma import Gemma1Stage, GemmaStage, VaultGemmaStage
+from pipellm.models.gemma import Gemma1Stage, Gemma4Stage, GemmaStage, VaultGemmaStage
 from pipellm.models.glm import Ernie45MoeStage, Glm4Stage, HeliumStage, InterleavedRotaryStage
 from pipellm.models.gpt2 import GPT2Stage
 from pipellm.models.gpt_oss import GptOssStage
@@ -68,6 +68,7 @@ STAGE_CLASSES = {
     "GemmaForCausalLM": Gemma1Stage,
     "Gemma2ForCausalLM": GemmaStage,
     "Gemma3ForCausalLM": GemmaStage,
+    "Gemma4ForCausalLM": Gemma4Stage,
     "GPT2LMHeadModel": GPT2Stage,
     "Qwen3NextForCausalLM": Qwen3NextStage,
     "Qwen3_5ForCausalLM": Qwen3NextStage,

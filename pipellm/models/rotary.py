@@ -1,4 +1,5 @@
-"""Rotary positions, every variant HF's rope utilities know: default, linear, dynamic (NTK), llama3, yarn, longrope.
+"""Rotary positions, every variant HF's rope utilities know: default, linear, dynamic (NTK), llama3, yarn, longrope,
+proportional.
 The inverse frequencies follow transformers' modeling_rope_utils; cos and sin are computed per step for the step's
 positions (no table as long as the context), once for all the layers of a stage."""
 import math
@@ -15,6 +16,11 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, max_positions: int,
                         seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """[rotated_dim / 2] inverse frequencies and the factor on cos/sin. seq_len: the context dynamic and longrope
     scale for (None: the short, unscaled form)."""
+    if rope.rope_type == "proportional":  # Gemma 4's: the whole head's pairs, the first share of them turning at
+        # head_dim's frequencies, the rest not at all
+        turning = int(rope.partial_rotary_factor * head_dim // 2)
+        inv_freq = 1.0 / (rope.theta ** (torch.arange(0, 2 * turning, 2, dtype=torch.int64).float() / head_dim))
+        return torch.cat((inv_freq, torch.zeros(head_dim // 2 - turning))) / rope.factor, 1.0
     dim = int(head_dim * rope.partial_rotary_factor)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     base, factor, kind = rope.theta, rope.factor, rope.rope_type

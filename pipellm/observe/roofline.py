@@ -61,15 +61,16 @@ def analyze(limits: dict, cfg: ModelConfig, stages: list[StageLayers], seq_lens:
     a step, plus the K/V each decode token reads) over the time it was busy, as shares of the measured limits."""
     tokens = sum(p + g - 1 for p, g in seq_lens)
     sampled = sum(g for _, g in seq_lens)
-    heads, width = cfg.cache_shape
-    kv_token_bytes = (1 if cfg.is_mla else 2) * heads * width * dtype_bytes
-    qk_width = width if cfg.is_mla else cfg.head_dim  # MLA: attention over the latent, its up-projection absorbed
     out = []
     for stage, busy, n_steps, w_bytes in zip(stages, busy_s, steps, weight_bytes):
         flops, kv_bytes = 0, 0
         for layer in range(stage.start, stage.end):
             flops += 2 * cfg.layer_weights(layer, picked=True) * tokens
             if cfg.has_kv_cache(layer):  # a layer with a state (or none) attends over no keys
+                heads, width = cfg.cache_shape(layer)
+                kv_token_bytes = (1 if cfg.is_mla else 2) * heads * width * dtype_bytes
+                # MLA: attention over the latent, its up-projection absorbed
+                qk_width = width if cfg.is_mla else cfg.attention_shape(layer)[1]
                 keys = _context_sum(cfg, layer, seq_lens)
                 flops += 4 * cfg.num_heads * qk_width * keys
                 kv_bytes += (keys - _context_sum(cfg, layer, [(p, 1) for p, _ in seq_lens])) * kv_token_bytes

@@ -127,8 +127,9 @@ def _measure(cfg: ModelConfig, ecfg: EngineConfig, num_tokens: int, repeats: int
     try:
         # each kind of layer timed once, weighed by how many the model has: with experts or a dense MLP (DeepSeek's
         # first layers, Jamba's every other); linear-attention, Mamba or full-attention (Qwen3-Next's, Jamba's;
-        # Nemotron-H's MLP ones too); sliding and full layers as one kind
-        kinds = [(cfg.layer_types[i] if cfg.keeps_states else "", cfg.is_moe(i)) for i in range(cfg.num_layers)]
+        # Nemotron-H's MLP ones too); sliding and full layers as one kind where their heads are alike (Gemma 4's not)
+        kinds = [(cfg.layer_types[i] if cfg.keeps_states else "", cfg.is_moe(i), cfg.attention_shape(i))
+                 for i in range(cfg.num_layers)]
         timed = {kind: _time_layer(cfg, ecfg, kinds.index(kind), num_tokens, repeats, compact)
                  for kind in dict.fromkeys(kinds)}
         return {**timed[kinds[0]], **{key: sum(kinds.count(kind) / len(kinds) * t[key] for kind, t in timed.items())
@@ -151,7 +152,7 @@ def _time_layer(cfg: ModelConfig, ecfg: EngineConfig, layer: int, num_tokens: in
 
     def cache(blocks: int):  # the layer's (a linear-attention one's: its state; an MLP one's: none)
         return layer_cache(cfg, layer, ecfg.torch_dtype, "cpu",
-                           partial(KVCache.allocate, blocks, bs, *cfg.cache_shape, kv_dtype, shared=cfg.is_mla))
+                           partial(KVCache.allocate, blocks, bs, *cfg.cache_shape(layer), kv_dtype, shared=cfg.is_mla))
     caches = [cache(num_tokens * blocks_per_seq)]
     tables = torch.arange(num_tokens * blocks_per_seq, dtype=torch.int32).view(num_tokens, blocks_per_seq)
     positions = torch.full((num_tokens,), CONTEXT - 1)

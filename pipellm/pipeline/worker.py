@@ -61,7 +61,7 @@ class StageWorker:
         # graphs' padding rows write to a block past the driver's; linear-attention layers hold states instead
         self.kv_caches = [layer_cache(cfg, i, ecfg.torch_dtype, device, partial(
             KVCache.allocate, args.num_window_blocks if sliding and args.num_window_blocks
-            else args.num_blocks + (eager_why is None), ecfg.block_size, *cfg.cache_shape, kv_dtype, device,
+            else args.num_blocks + (eager_why is None), ecfg.block_size, *cfg.cache_shape(i), kv_dtype, device,
             shared=cfg.is_mla)) for i, sliding in zip(range(self.stage.start, self.stage.end), self.is_sliding)]
         self.attention_caches = [c.kv if isinstance(c, KVAndState) else c for c in self.kv_caches
                                  if isinstance(c, (KVCache, KVAndState))]
@@ -292,7 +292,8 @@ class StageWorker:
             earlier = self.chan.recv_tensor((self.stage.start, batch.num_tokens, cfg.hidden_size), dtype,
                                             self.world_rank - 1)
             outputs = torch.cat([earlier, outputs])                              # [layers so far, T, hidden]
-        fields = recorder.report_fields(self.kv_caches, cfg.cache_shape[0], int(batch.seq_lens[0]))
+        # Gemma 4's full-attention layers, of fewer KV heads, grouped as its others are
+        fields = recorder.report_fields(self.kv_caches, cfg.cache_shape(self.stage.start)[0], int(batch.seq_lens[0]))
         if self.stage.is_last:
             fields |= probe.logit_lens(self.model, outputs, torch.from_numpy(batch.logits_indices),
                                        [t.token_id for t in tokens])
