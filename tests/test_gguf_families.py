@@ -32,7 +32,9 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "falcon_h1": "falcon-h1", "falcon_h1-ungated": "falcon-h1", "jamba": "jamba", "lfm2": "lfm2",
         "lfm2_moe": "lfm2moe", "bamba": "granitehybrid",  # Bamba's: with rotary on half of each head
         "gpt_neox": "gptneox", "gpt_neox-sequential": "gptneox", "phi": "phi2", "phi-qkv": "phi2",
-        "starcoder2": "starcoder2", "nemotron": "nemotron", "stablelm": "stablelm", "stablelm-parallel": "stablelm"}
+        "starcoder2": "starcoder2", "nemotron": "nemotron", "stablelm": "stablelm", "stablelm-parallel": "stablelm",
+        "gemma4": "gemma4", "gemma4_moe": "gemma4"}
+GEMMA4 = ("gemma4", "gemma4_moe")
 CLASSIC = ("gpt_neox", "gpt_neox-sequential", "phi", "phi-qkv", "starcoder2", "nemotron", "stablelm",
            "stablelm-parallel")
 GRANITE_HYBRID = ("granitemoehybrid", "granitemoehybrid-dense")
@@ -56,6 +58,13 @@ HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
 GEMMA_TO_GGUF = HF_TO_GGUF | {"pre_feedforward_layernorm": "ffn_norm",
                               "post_attention_layernorm": "post_attention_norm",
                               "post_feedforward_layernorm": "post_ffw_norm"}
+GEMMA4_TO_GGUF = GEMMA_TO_GGUF | {"router.proj": "ffn_gate_inp", "pre_feedforward_layernorm_2": "pre_ffw_norm_2",
+                                  "post_feedforward_layernorm_1": "post_ffw_norm_1",
+                                  "post_feedforward_layernorm_2": "post_ffw_norm_2"}
+# Gemma 4's layer output scale, its router's scales (vectors, F32) and its stacked experts
+GEMMA4_OWN = {"layer_scalar": "layer_output_scale.weight", "router.scale": "ffn_gate_inp.scale",
+              "router.per_expert_scale": "ffn_down_exps.scale", "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+              "experts.down_proj": "ffn_down_exps.weight"}
 PHI3_TO_GGUF = HF_TO_GGUF | {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 OLMO_TO_GGUF = HF_TO_GGUF | {"post_attention_layernorm": "post_attention_norm",
                              "post_feedforward_layernorm": "post_ffw_norm"}
@@ -137,6 +146,15 @@ def gguf_family_config(name: str):
                                                   long_factor=[2.0 + 0.5 * i for i in range(rotated_half)]))
     if name == "gemma":  # Gemma 1: Llama's order, Gemma's norms (stored as 1 + w)
         return tf.GemmaConfig(**BASE, head_dim=32)
+    if name in GEMMA4:  # full layers 1 and 4: heads of 32, their values their keys' projection (one KV head) or
+        # their own (MoE: two), rotary on a quarter of each; sliding layers: two KV heads of 16
+        moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+        return tf.Gemma4TextConfig(**BASE, head_dim=16, global_head_dim=32, hidden_size_per_layer_input=0,
+                                   sliding_window=24, final_logit_softcapping=15.0, layer_types=[
+                                       "sliding_attention", "full_attention", "sliding_attention",
+                                       "sliding_attention", "full_attention"],
+                                   **(moe if name == "gemma4_moe" else dict(attention_k_eq_v=True,
+                                                                            num_global_key_value_heads=1)))
     if name == "qwen2moe":  # a shared expert; llama.cpp never renormalises the chosen experts' weights
         return tf.Qwen2MoeConfig(**BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                  shared_expert_intermediate_size=96, norm_topk_prob=False)
@@ -313,6 +331,8 @@ def llama3_rope_freqs(cfg) -> np.ndarray:
 def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     if name in NEMOTRON_H:
         return write_nemotron_h_metadata(w, cfg)
+    if name in GEMMA4:  # its head_dim and num_key_value_heads: the sliding layers'
+        cfg.allow_global_per_layer_attribute_access = True
     w.add_block_count(cfg.num_hidden_layers + (name == "glm4_moe"))  # and its MTP layer
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -331,6 +351,8 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     types = cfg.layers_block_type if name == "bamba" else getattr(cfg, "layer_types", None)
     if name.startswith("gpt_neox"):  # its converter writes no KV heads
         pass
+    elif name in GEMMA4:
+        write_gemma4_metadata(w, cfg)
     else:
         w.add_head_count_kv([cfg.num_key_value_heads * (t == "full_attention") for t in types]
                             if stateful else cfg.num_key_value_heads)
@@ -353,7 +375,7 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
     head_dim = None if name in CLASSIC else getattr(cfg, "head_dim", None)
     if name.startswith("deepseek") or name == "mistral4":
         write_deepseek_metadata(w, name, cfg)
-    elif head_dim is not None and name != "phi3":  # written when the config names it
+    elif head_dim is not None and name not in ("phi3",) + GEMMA4:  # written when the config names it
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if name == "hunyuan":
@@ -478,6 +500,38 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
 
 
+def write_gemma4_metadata(w: gguf.GGUFWriter, cfg) -> None:
+    """As the converter's Gemma4Model: the full layers' head width as key_length, the sliding ones' as
+    key_length_swa; KV heads per layer where the config names the full layers' own; the sliding pattern."""
+    sliding = [t == "sliding_attention" for t in cfg.layer_types]
+    full = cfg.per_layer_config[cfg.layer_types.index("full_attention")]
+    w.add_head_count_kv([cfg.num_key_value_heads if s else full.num_key_value_heads for s in sliding]
+                        if full.num_key_value_heads != cfg.num_key_value_heads else cfg.num_key_value_heads)
+    w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_shared_kv_layers(0)
+    w.add_embedding_length_per_layer_input(0)
+    w.add_sliding_window_pattern(sliding)
+    w.add_key_length(full.head_dim)
+    w.add_value_length(full.head_dim)
+    w.add_key_length_swa(cfg.head_dim)
+    w.add_value_length_swa(cfg.head_dim)
+    w.add_rope_dimension_count(full.head_dim)
+    w.add_rope_dimension_count_swa(cfg.head_dim)
+    if cfg.enable_moe_block:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.top_k_experts)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+
+def gemma4_rope_freqs(cfg) -> np.ndarray:
+    """The converter's rope_freqs for Gemma 4's full layers: 1 for each pair its proportional rotary turns, 1e30 (no
+    turn) for the others."""
+    width = cfg.per_layer_config[cfg.layer_types.index("full_attention")].head_dim
+    turning = int(width * cfg.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    return np.array([1.0] * turning + [1e30] * (width // 2 - turning), dtype=np.float32)
+
+
 def write_ssm(w: gguf.GGUFWriter, kernel: int, state: int, rank: int, inner: int, groups: int | None = None) -> None:
     """The converter's Mamba keys: its time step rank is Mamba-2's heads (Jamba's: dt's rank)."""
     w.add_ssm_conv_kernel(kernel)
@@ -581,7 +635,8 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
              "deepseek_v3": DEEPSEEK_TO_GGUF, "glm4_moe": GLM4_MOE_TO_GGUF, "mistral4": DEEPSEEK_TO_GGUF,
              "llama4": LLAMA4_TO_GGUF, **dict.fromkeys(HYBRID, SEED_OSS_TO_GGUF), "falcon_h1": FALCON_H1_TO_GGUF,
              "falcon_h1-ungated": FALCON_H1_TO_GGUF, "jamba": JAMBA_TO_GGUF, "lfm2": LFM2_TO_GGUF,
-             "lfm2_moe": LFM2_TO_GGUF, "bamba": JAMBA_TO_GGUF, **dict.fromkeys(CLASSIC, CLASSIC_TO_GGUF)}.get(
+             "lfm2_moe": LFM2_TO_GGUF, "bamba": JAMBA_TO_GGUF, **dict.fromkeys(CLASSIC, CLASSIC_TO_GGUF),
+             **dict.fromkeys(GEMMA4, GEMMA4_TO_GGUF)}.get(
                  name, HF_TO_GGUF)
     w = gguf.GGUFWriter(str(path), arch)
     write_metadata(w, name, cfg)
@@ -599,6 +654,8 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
 
     if name in ("llama3", "exaone4", "llama4"):
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
+    if name in GEMMA4:
+        w.add_tensor("rope_freqs.weight", gemma4_rope_freqs(cfg))
     if name == "phi3":
         rope = _rope_parameters(cfg)
         w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
@@ -614,6 +671,9 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
             gname = GLOBAL_TO_GGUF[hf]
         else:
             _, _, layer, rest = hf.split(".", 3)
+            if name in GEMMA4 and rest in GEMMA4_OWN:  # the converter's names of Gemma 4's own tensors
+                held[hf] = add(f"blk.{layer}.{GEMMA4_OWN[rest]}", arr, router=not rest.startswith("experts"))
+                continue
             module, suffix = rest.rsplit(".", 1)
             if suffix == "e_score_correction_bias":  # ERNIE's [1, E], DeepSeek's and GLM's [E]
                 held[hf] = add(f"blk.{layer}.exp_probs_b.bias", arr, router=True)
@@ -698,8 +758,8 @@ def write_family_gguf(path, name: str, model, edit=None) -> dict:
             held[hf][order] = stored
         elif kind == "ffn_gate_inp_shexp":  # llama.cpp's is a vector, HF's one row
             held[hf] = add(gname, arr[0])[None]
-        elif (arch.startswith("gemma") or name in HYBRID + ("nemotron",)) and gname.endswith("norm.weight"):
-            # their norms: 1 + w
+        elif (arch in ("gemma", "gemma2", "gemma3") or name in HYBRID + ("nemotron",)) \
+                and gname.endswith("norm.weight"):  # their norms: 1 + w (Gemma 4's as they are)
             held[hf] = add(gname, arr + np.float32(1)) - np.float32(1)
         else:
             held[hf] = add(gname, arr, router=kind == "ffn_gate_inp")
@@ -843,7 +903,8 @@ def random_model(name: str):
     model = (transformers.Mistral4ForCausalLM(config) if name == "mistral4"  # not among the auto classes
              else transformers.AutoModelForCausalLM.from_config(config)).eval()
     with torch.no_grad():  # norms not at their initial 1 (or Gemma's 0), so a wrong offset shows; biases not 0
-        selection_biases = [(n, b) for n, b in model.named_buffers() if n.endswith(".e_score_correction_bias")]
+        selection_biases = [(n, b) for n, b in model.named_buffers()
+                            if n.endswith((".e_score_correction_bias", ".layer_scalar"))]  # and Gemma 4's scales
         for param_name, p in [*model.named_parameters(), *selection_biases]:
             if p.ndim == 1 or param_name.endswith("_bias"):
                 p.add_(torch.randn_like(p) * 0.2)
@@ -886,13 +947,14 @@ def test_gguf_family_matches_hf(family_gguf, name):
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "granitemoehybrid", "granitemoehybrid-dense", "granitemoe",
                                   "nemotron_h", "nemotron_h-dense", "nemotron_h-latent", "falcon_h1", "jamba", "lfm2",
-                                  "lfm2_moe", "bamba", "phi", "starcoder2", "nemotron", "stablelm-parallel"])
+                                  "lfm2_moe", "bamba", "phi", "starcoder2", "nemotron", "stablelm-parallel",
+                                  "gemma4", "gemma4_moe"])
 def test_gguf_as_an_hf_folder(tmp_path, name):
     """convert_gguf's HF folder of a file (what `pipellm bench` gives transformers) holds HF's tensors: for qwen3next
     and qwen35, norms less 1, A_log from -exp(A_log), the conv unsqueezed, qwen35's value heads grouped again; for
     Granite's, the experts stacked and the shared MLP's gate and up fused again, under its checkpoints' names; for
     Nemotron-H's, its checkpoints' names (a mixer a layer), the Q/K rows as HF's; for Phi's and StarCoder2's, their
-    checkpoints' names, and Nemotron's norms less 1."""
+    checkpoints' names, and Nemotron's norms less 1; for Gemma 4's, its layers' own scales and its experts stacked."""
     from transformers import AutoModelForCausalLM
 
     from pipellm.loader.gguf import convert_gguf

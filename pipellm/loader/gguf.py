@@ -142,7 +142,20 @@ def _tensors(reader, path: str, arch: str, cfg: dict, permuted: bool) -> dict:
         _bamba_names(out)
     elif arch in ("granitemoe", "granitehybrid"):
         _granite_names(out, cfg)
+    elif arch == "gemma4":
+        _gemma4_names(out, cfg)
     return out
+
+
+def _gemma4_names(out: dict, cfg: dict) -> None:
+    """Gemma 4's experts stacked, as its HF checkpoints hold them: gate_up_proj [E, 2 * width, hidden] (an expert's
+    gate rows, then its up rows), down_proj [E, hidden, width]."""
+    for i in range(cfg["num_hidden_layers"] if cfg.get("enable_moe_block") else 0):
+        p = f"model.layers.{i}.experts."
+        experts = range(cfg["num_experts"])
+        out[p + "gate_up_proj"] = np.stack([np.concatenate([out.pop(f"{p}{e}.gate_proj.weight"),
+                                                            out.pop(f"{p}{e}.up_proj.weight")]) for e in experts])
+        out[p + "down_proj"] = np.stack([out.pop(f"{p}{e}.down_proj.weight") for e in experts])
 
 
 def _bamba_names(out: dict) -> None:
@@ -236,7 +249,8 @@ def _tokenizer_reads(arch: str):
     """transformers builds a GGUF file's tokenizer only for the architectures whose weights it also maps, though the
     tokenizer (tokenizer.ggml.*) does not depend on them: for that call, it counts this one among them. For gpt-oss
     its reader also hides the rope scaling keys, which transformers' config parsing reads wrongly (it takes a key's
-    length field for the value: float() of an array); the tokenizer needs none of them. A command-r, ernie4_5-moe,
+    length field for the value: float() of an array), for gemma4 the KV heads of each layer, which its config
+    refuses as a list; the tokenizer needs none of them. A command-r, ernie4_5-moe,
     hunyuan-dense, deepseek2, glm4moe, minimax-m2, qwen3next, granitehybrid, nemotron_h_moe, falcon-h1, lfm2moe,
     gptneox or phi2 file is shown as the model type transformers knows."""
     import gguf
@@ -251,17 +265,19 @@ def _tokenizer_reads(arch: str):
     if added:
         known.GGUF_SUPPORTED_ARCHITECTURES.append(shown)
     reader = gguf.GGUFReader
+    hidden = tuple(f"{arch}.{key}" for key in {"gpt-oss": ["rope.scaling."],
+                                               "gemma4": ["attention.head_count_kv"]}.get(arch, []))
 
     class ReaderForTokenizer(reader):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            for key in [k for k in self.fields if k.startswith(f"{arch}.rope.scaling.")]:
+            for key in [k for k in self.fields if hidden and k.startswith(hidden)]:
                 del self.fields[key]
             if shown != arch:
                 field = self.fields["general.architecture"]
                 field.parts[field.data[0]] = np.frombuffer(shown.encode(), dtype=np.uint8)
 
-    if arch == "gpt-oss" or shown != arch:
+    if hidden or shown != arch:
         gguf.GGUFReader = ReaderForTokenizer  # transformers imports it from gguf as it reads
     try:
         yield

@@ -23,6 +23,7 @@ ARCHITECTURES = {
     "gemma": ("GemmaForCausalLM", "gemma", False),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
+    "gemma4": ("Gemma4ForCausalLM", "gemma4_text", False),  # its norms as they are
     "phi3": ("Phi3ForCausalLM", "phi3", False),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),
     "granite": ("GraniteForCausalLM", "granite", True),
@@ -77,7 +78,16 @@ COHERE = ("command-r", "cohere2")  # a LayerNorm (its own epsilon key), attentio
 OLMO3 = ("Olmo3ForCausalLM", "olmo3", False)  # "olmo2" with sliding layers
 MIXTRAL = ("MixtralForCausalLM", "mixtral", True)  # "llama" with expert tensors
 GEMMA = ("gemma", "gemma2", "gemma3")  # store every norm weight as w + 1
-NORMS_AFTER = ("gemma2", "gemma3")  # also a norm after attention and after the MLP
+NORMS_AFTER = ("gemma2", "gemma3", "gemma4")  # also a norm after attention and after the MLP
+# Gemma 4's tensors of its own (a layer's, after blk.N.): its output's scale, its router's, its experts' (stacked) and
+# their norms
+GEMMA4_NAMES = {"layer_output_scale.weight": "layer_scalar", "ffn_gate_inp.weight": "router.proj.weight",
+                "ffn_gate_inp.scale": "router.scale", "ffn_down_exps.scale": "router.per_expert_scale",
+                "ffn_gate_up_exps.weight": "experts.{e}.gate_up_proj.weight",
+                "ffn_down_exps.weight": "experts.{e}.down_proj.weight",
+                **{f"{g}.weight": f"{h}.weight" for g, h in (("pre_ffw_norm_2", "pre_feedforward_layernorm_2"),
+                                                            ("post_ffw_norm_1", "post_feedforward_layernorm_1"),
+                                                            ("post_ffw_norm_2", "post_feedforward_layernorm_2"))}}
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight", "output_norm.bias": "model.norm.bias",
@@ -156,6 +166,7 @@ MLA_ARCHS = ("deepseek2", "mistral4")
 BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 SSM_PARAMS = re.compile(r"blk\.(\d+)\.ssm_([ad])")  # A (stored as -exp(A_log)) and Mamba-2's D: no .weight
 BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
+BLOCK_REST = re.compile(r"blk\.(\d+)\.(.+)")
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # read into config
 
 
@@ -169,6 +180,8 @@ def hf_name(name: str, arch: str) -> str | None:
 def _hf_name(name: str, arch: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_RENAMES.get(arch, {}).get(name, _GLOBAL_NAMES[name])
+    if arch == "gemma4" and (match := BLOCK_REST.fullmatch(name)) and match[2] in GEMMA4_NAMES:
+        return f"model.layers.{match[1]}.{GEMMA4_NAMES[match[2]]}"
     if arch in LFM2 and name == "token_embd_norm.weight":  # its last norm, as llama.cpp names it
         return "model.embedding_norm.weight"
     if arch in LFM2 and (match := SHORTCONV.fullmatch(name)):
@@ -249,6 +262,8 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
         return jamba_shapes(mc)
     if mc.architecture in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):
         return lfm2_shapes(mc)
+    if mc.architecture == "Gemma4ForCausalLM":
+        return _gemma4_shapes(mc)
     h, v, d = mc.hidden_size, mc.vocab_size, mc.head_dim
     q, kv = mc.num_heads * d, mc.num_kv_heads * d
     is_gemma = mc.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # its norms after attention and MLP
@@ -339,6 +354,35 @@ def expected_shapes(cfg: dict, split_kv_b: bool = False, fused_qkvz: bool = Fals
     return {renamed(name, names, back=True): shape for name, shape in shapes.items()} if names else shapes
 
 
+def _gemma4_shapes(mc: ModelConfig) -> dict:
+    """Gemma 4's tensors and their shapes: each layer's heads as wide as its kind's, no v_proj where the values are
+    the keys' projection; with experts, each expert's gate and up apart (as the file's are read)."""
+    h, heads, ff, moe_ff = mc.hidden_size, mc.num_heads, mc.intermediate_size, mc.moe_intermediate_size
+    shapes = {"model.embed_tokens.weight": (mc.vocab_size, h), "model.norm.weight": (h,)}
+    if not mc.tie_word_embeddings:
+        shapes["lm_head.weight"] = (mc.vocab_size, h)
+    norms = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    if mc.num_experts:
+        norms += ["pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"]
+    for i in range(mc.num_layers):
+        p, (kv, d) = f"model.layers.{i}.", mc.attention_shape(i)
+        shapes.update({f"{p}{n}.weight": (h,) for n in norms})
+        projections = ("q", "k") if mc.k_eq_v and mc.layer_types[i] == "full_attention" else ("q", "k", "v")
+        shapes.update({f"{p}self_attn.{x}_proj.weight": ((heads if x == "q" else kv) * d, h) for x in projections})
+        shapes.update({p + "layer_scalar": (1,), p + "self_attn.o_proj.weight": (h, heads * d),
+                       p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                       p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
+                       p + "mlp.down_proj.weight": (h, ff)})
+        if mc.num_experts:
+            shapes.update({p + "router.proj.weight": (mc.num_experts, h), p + "router.scale": (h,),
+                           p + "router.per_expert_scale": (mc.num_experts,)})
+            for e in range(mc.num_experts):
+                shapes.update({f"{p}experts.{e}.gate_proj.weight": (moe_ff, h),
+                               f"{p}experts.{e}.up_proj.weight": (moe_ff, h),
+                               f"{p}experts.{e}.down_proj.weight": (h, moe_ff)})
+    return shapes
+
+
 def _mla_shapes(mc: ModelConfig, p: str, split_kv_b: bool) -> dict:
     """DeepSeek's MLA tensors of one layer (prefix p), and their shapes."""
     h, heads, rank, rope = mc.hidden_size, mc.num_heads, mc.kv_lora_rank, mc.qk_rope_head_dim
@@ -402,6 +446,33 @@ def _llama4(m, experts: int, layers: int) -> dict:
                 attention_chunk_size=8192 if chunked else None, attn_temperature_tuning=chunked, floor_scale=8192,
                 attn_scale=0.1, no_rope_layers=[int((i + 1) % nope_step != 0) for i in range(layers)],
                 layer_types=["full_attention" if d else "chunked_attention" for d in dense])
+
+
+def _gemma4(m, tensors: dict, full_theta: float) -> tuple[dict, dict]:
+    """(HF config fields, rope_parameters) of a gemma4 file, as llama.cpp reads it: its sliding layers (the
+    pattern), their head width (key_length_swa; key_length the full layers') and base; KV heads per kind of layer;
+    the full layers' proportional rotary (rope_freqs: 1 for each pair that turns, 1e30 for those that do not), their
+    values the keys' projection where they have no attn_v; experts beside the MLP."""
+    types = ["sliding_attention" if s else "full_attention" for s in m("attention.sliding_window_pattern")]
+    kv = m("attention.head_count_kv")
+    heads = {kind: kv[types.index(kind)] if isinstance(kv, list) and kind in types else kv
+             for kind in ("sliding_attention", "full_attention")}
+    width = m("attention.key_length")
+    experts = m("expert_count", 0)
+    turning = sum(f == 1.0 for f in tensors["rope_freqs.weight"][1]) if "rope_freqs.weight" in tensors else width // 2
+    cfg = dict(head_dim=m("attention.key_length_swa"), global_head_dim=width,
+               num_key_value_heads=heads["sliding_attention"], num_global_key_value_heads=heads["full_attention"],
+               attention_k_eq_v=f"blk.{types.index('full_attention')}.attn_v.weight" not in tensors,
+               layer_types=types, sliding_window=m("attention.sliding_window"), hidden_activation="gelu_pytorch_tanh",
+               final_logit_softcapping=m("final_logit_softcapping", None),
+               hidden_size_per_layer_input=m("embedding_length_per_layer_input", 0),
+               num_kv_shared_layers=m("attention.shared_kv_layers", 0))
+    if experts:
+        cfg.update(enable_moe_block=True, num_experts=experts, top_k_experts=m("expert_used_count"),
+                   moe_intermediate_size=m("expert_feed_forward_length"))
+    return cfg, {"full_attention": {"rope_type": "proportional", "rope_theta": full_theta,
+                                    "partial_rotary_factor": 2 * turning / width},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": f32(m("rope.freq_base_swa", 10000.0))}}
 
 
 def _classic(m, arch: str, tensors: dict) -> dict:
@@ -529,6 +600,9 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
         elif arch == "gemma3":  # global layers: the file's base and scaling; local ones their own (llama.cpp: 10000)
             local = {"rope_type": "default", "rope_theta": f32(m("rope.freq_base_swa", 10000.0))}
             rope = {"full_attention": rope, "sliding_attention": local}
+    if arch == "gemma4":
+        extra, rope = _gemma4(m, tensors, rope["rope_theta"])
+        cfg.update(extra)
     if arch == "smollm3":  # llama.cpp's rule, not in the file: every 4th layer without rotary
         cfg["no_rope_layer_interval"] = 4
     if arch == "granitehybrid":
