@@ -26,19 +26,25 @@ DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLit
 SOFTMAX_GROUP_ROUTED = ("DeepseekV2ForCausalLM", "Mistral4ForCausalLM")
 # DeepSeek's router: experts in groups, shared experts; all but V2's and Mistral 4's by sigmoid scores with a
 # selection bias
-GROUP_ROUTED = DEEPSEEK_FAMILY + ("Glm4MoeForCausalLM", "Dots1ForCausalLM")
+# (Solar Open: Llama's attention, GLM-4.5's experts in every layer; K-EXAONE: EXAONE 4's attention before Llama's
+# norms)
+EXAONE_MOE = "ExaoneMoeForCausalLM"
+GROUP_ROUTED = DEEPSEEK_FAMILY + ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM", EXAONE_MOE)
 COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM")
-OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")  # q/k norms over all heads at once
+# q/k norms over all heads at once (FlexOlmo: OLMo 2's layers with OLMoE's experts)
+OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM", "FlexOlmoForCausalLM")
 ALL_HEADS_QK_NORM = OLMO_FAMILY + ("MiniMaxM2ForCausalLM",)
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
               "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "OlmoeForCausalLM",
               "MiniMaxM2ForCausalLM", "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM", "Qwen3NextForCausalLM",
-              "Qwen3_5MoeForCausalLM", GRANITE_HYBRID) + GROUP_ROUTED
+              "Qwen3_5MoeForCausalLM", GRANITE_HYBRID, "FlexOlmoForCausalLM") + GROUP_ROUTED
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
                   GRANITE_HYBRID)  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM", GEMMA4)
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel", NEMOTRON_H, FALCON_H1,
                                                                        JAMBA, LFM2, LFM2_MOE, BAMBA, PHIMOE) + CLASSIC
+# the names some releases give an architecture pipellm runs: Phi-3.5-MoE's, InternLM3's (Llama's model, as HF runs it)
+ALIASES = {"PhiMoEForCausalLM": PHIMOE, "InternLM3ForCausalLM": "LlamaForCausalLM"}
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
 
 
@@ -180,6 +186,10 @@ class ModelConfig:
             return self.num_global_kv_heads or self.num_kv_heads, self.global_head_dim
         return self.num_kv_heads, self.head_dim
 
+    def values_are_keys(self, layer: int) -> bool:
+        """Whether the layer's values are its keys' projection (Gemma 4's full-attention layers with k_eq_v)."""
+        return self.k_eq_v and self.layer_types[layer] == "full_attention"
+
     def cache_shape(self, layer: int) -> tuple[int, int]:
         """(heads, width) the layer caches per token: MLA's one latent with its rotary key, which K and V share."""
         return (1, self.kv_lora_rank + self.qk_rope_head_dim) if self.is_mla else self.attention_shape(layer)
@@ -189,7 +199,7 @@ class ModelConfig:
         if not self.is_mla:
             kv_heads, head_dim = self.attention_shape(layer)
             h, q = self.hidden_size, self.num_heads * head_dim
-            values = 0 if self.k_eq_v and self.layer_types[layer] == "full_attention" else kv_heads * head_dim
+            values = 0 if self.values_are_keys(layer) else kv_heads * head_dim
             return h * (q + kv_heads * head_dim + values) + q * h
         h, q = self.hidden_size, self.num_heads * self.head_dim
         nope, rank = self.head_dim - self.qk_rope_head_dim, self.kv_lora_rank
@@ -284,7 +294,12 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
         archs = d.get("architectures") or []
         archs = [archs] if isinstance(archs, str) else archs
-        archs = [PHIMOE if a == "PhiMoEForCausalLM" else a for a in archs]  # Phi-3.5-MoE's release spells it so
+        if "InternLM3ForCausalLM" in archs:  # HF reads its biases so: q, k, v and o's, and the MLP's
+            d = {"attention_bias": d.get("qkv_bias", False), "mlp_bias": d.get("bias", False)} | d
+            if d["attention_bias"] != d["mlp_bias"]:
+                raise ValueError(f"{source}: InternLM3 with qkv_bias={d['attention_bias']} and bias={d['mlp_bias']} "
+                                 "is not supported (HF's neither: one setting for both)")
+        archs = [ALIASES.get(a, a) for a in archs]
         wrapper = next((a for a in archs if a in VISION_LANGUAGE), None)
         if wrapper is not None:
             d = text_config(d, wrapper, source)
@@ -331,6 +346,11 @@ class ModelConfig:
             d, family = classic(d, arch, source)
         elif arch == GEMMA4:
             d, family = gemma4(d, source)
+        elif arch == "SolarOpenForCausalLM":  # experts in every layer: no dense MLP's width; HF's default base
+            d = {"intermediate_size": d["moe_intermediate_size"], "rope_theta": 1e6} | d
+        elif arch == EXAONE_MOE:  # DeepSeek's router under its own keys (HF's defaults)
+            d = {"n_routed_experts": d.get("num_experts", 64), "n_shared_experts": d.get("num_shared_experts", 1),
+                 "first_k_dense_replace": 1, "routed_scaling_factor": 2.5} | d
         is_gemma = arch in GEMMA_FAMILY
         act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
         classic_act = arch in CLASSIC and act in (("relu2",) if arch == "NemotronForCausalLM" else GELUS)
@@ -390,7 +410,8 @@ class ModelConfig:
         attention_bias = bool(d.get("attention_bias", arch in ("SeedOssForCausalLM", "GptOssForCausalLM")))
         # GLM's and Helium's attention_bias: on q, k and v only
         o_bias = bool(d.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM" else \
-            attention_bias and arch not in ("Glm4ForCausalLM", "Glm4MoeForCausalLM", "HeliumForCausalLM")
+            attention_bias and arch not in ("Glm4ForCausalLM", "Glm4MoeForCausalLM", "HeliumForCausalLM",
+                                            "SolarOpenForCausalLM")
         mlp_bias = bool(d.get("mlp_bias", False))
         if arch in ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM"):  # one switch for every linear layer's bias
             attention_bias = o_bias = mlp_bias = bool(d.get("use_bias", False))
@@ -437,7 +458,8 @@ class ModelConfig:
                 if d.get("attn_temperature_tuning", True) else ())
         if arch == GRANITE_HYBRID and d.get("position_embedding_type") != "rope":  # Granite 4.0-H's: no rotary
             nope_layers = tuple(range(layers))
-        if (arch == "Exaone4ForCausalLM" and d.get("sliding_window") is not None) or arch == "Cohere2ForCausalLM":
+        if (arch in ("Exaone4ForCausalLM", EXAONE_MOE) and d.get("sliding_window") is not None) \
+                or arch == "Cohere2ForCausalLM":
             nope_layers = tuple(i for i, t in enumerate(d.get("layer_types") or ()) if t == "full_attention")
         if arch in COHERE_FAMILY and d.get("use_qk_norm"):
             raise ValueError(f"{source}: Cohere's use_qk_norm=true (per-head LayerNorms) is not supported")
@@ -470,7 +492,8 @@ class ModelConfig:
                    mlp_bias=mlp_bias,
                    sliding_window=window, eos_token_ids=eos_ids, layer_types=layer_types, rope_local=rope_local,
                    qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                                    "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM",
+                                    "Exaone4ForCausalLM", EXAONE_MOE, "HunYuanDenseV1ForCausalLM",
+                                    "HunYuanMoEV1ForCausalLM",
                                     "Dots1ForCausalLM", "ApertusForCausalLM") + ALL_HEADS_QK_NORM + HYBRID_FAMILY
                    or (arch == "Glm4MoeForCausalLM" and bool(d.get("use_qk_norm"))),
                    qk_norm_after_rope=arch in ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM"),
@@ -484,7 +507,8 @@ class ModelConfig:
                    norm_topk_prob=arch in ("MixtralForCausalLM", "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM",
                                            "HunYuanMoEV1ForCausalLM", "Qwen3_5MoeForCausalLM")
                    or bool(d.get("norm_topk_prob", arch in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
-                                                            "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM"))),
+                                                            "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",
+                                                            "SolarOpenForCausalLM"))),
                    dense_layers=dense_layers, nope_layers=nope_layers,
                    shared_expert_intermediate_size=shared,
                    shared_expert_gated=arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"),

@@ -129,6 +129,8 @@ def family_config(name: str):
                                          residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
     if name == "olmoe":  # Llama's block, q/k norms over all heads, experts' weights not renormalised
         return tf.OlmoeConfig(**COMMON | dict(intermediate_size=48), num_experts=4, num_experts_per_tok=2)
+    if name == "flex_olmo":  # OLMo 2's layers (norms after attention and MLP) with OLMoE's experts
+        return tf.FlexOlmoConfig(**COMMON | dict(intermediate_size=48), num_experts=4, num_experts_per_tok=2)
     if name == "arcee":  # Llama's block with an ungated relu(x)**2 MLP; yarn rotary
         return tf.ArceeConfig(**COMMON | dict(max_position_embeddings=SHORT * 8), rope_parameters=dict(
             rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=SHORT))
@@ -155,6 +157,17 @@ def family_config(name: str):
         return tf.Glm4MoeConfig(**COMMON | dict(intermediate_size=48), head_dim=16, attention_bias=True,
                                 use_qk_norm=True, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                                 n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.5)
+    if name == "solar_open":  # Llama's attention (biases on q, k and v), GLM-4.5's experts in every layer
+        return tf.SolarOpenConfig(**{k: v for k, v in COMMON.items() if k != "intermediate_size"}, head_dim=16,
+                                  attention_bias=True, moe_intermediate_size=32, n_routed_experts=8,
+                                  num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                                  routed_scaling_factor=1.5)
+    if name == "exaone_moe":  # EXAONE 4's attention (full layers without rotary) before Llama's norms; DeepSeek V3's
+        # experts after a dense layer
+        return tf.ExaoneMoeConfig(**COMMON | dict(intermediate_size=48), head_dim=16, moe_intermediate_size=32,
+                                  num_experts=8, num_experts_per_tok=2, num_shared_experts=1, n_group=2, topk_group=1,
+                                  first_k_dense_replace=1, routed_scaling_factor=1.5, sliding_window=24,
+                                  layer_types=SLIDING_TYPES)
     if name == "dots1":  # Qwen3's attention (q/k norms, sliding layers), DeepSeek V3's experts
         return tf.Dots1Config(**COMMON | dict(intermediate_size=48), head_dim=16, moe_intermediate_size=32,
                               n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
@@ -350,10 +363,11 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "qwen3_5_moe-vl", "granitemoehybrid", "granitemoehybrid-dense", "nemotron_h", "nemotron_h-dense",
             "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated",
             "jamba", "lfm2", "lfm2_moe", "lfm2-vl", "bamba", "gpt_neox", "gpt_neox-sequential", "phi", "starcoder2",
-            "nemotron", "stablelm", "stablelm-parallel", "helium", "vaultgemma", "gemma4", "gemma4_moe", "gemma4-vl"]
+            "nemotron", "stablelm", "stablelm-parallel", "helium", "vaultgemma", "gemma4", "gemma4_moe", "gemma4-vl", "flex_olmo", "solar_open", "exaone_moe"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
-            "aya_vision-vl", "llama4", "starcoder2", "vaultgemma", "gemma4", "gemma4_moe", "gemma4-vl")  # and Llama 4's chunked layers
+            "aya_vision-vl", "llama4", "starcoder2", "vaultgemma", "gemma4", "gemma4_moe",
+            "gemma4-vl", "exaone_moe")  # and Llama 4's chunked layers
 # the log-probabilities' tolerance where fp32 rounding alone moves them further: on these checkpoints HF's own fp32
 # ones are up to 1.7e-4 from its fp64 ones, ours up to 3.6e-4 (the delta nets' norms magnify a small head's rounding)
 TOLERANCE = dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl", "qwen3_5_moe-vl"), 1e-3)
@@ -788,3 +802,19 @@ def test_gemma4_options_it_cannot_run_are_refused(key, value, message):
     d = family_config("gemma4").to_dict() | {"architectures": ["Gemma4ForCausalLM"], key: value}
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_dict(d)
+
+
+def test_internlm3_release_config_reads_as_hf_reads_it():
+    """InternLM3's releases name InternLM3ForCausalLM and qkv_bias/bias; HF runs them as Llama with attention_bias
+    (q, k, v and o) and mlp_bias. A release with the two apart is refused, as HF refuses it."""
+    from transformers import InternLM3Config
+
+    release = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, qkv_bias=True, bias=True)
+    ours = ModelConfig.from_hf_dict({"architectures": ["InternLM3ForCausalLM"], **release})
+    theirs = InternLM3Config(**release)
+    assert ours.architecture == "LlamaForCausalLM"
+    assert (ours.qkv_bias, ours.o_bias, ours.mlp_bias) == (theirs.attention_bias, theirs.attention_bias,
+                                                           theirs.mlp_bias) == (True, True, True)
+    with pytest.raises(ValueError, match="InternLM3 with qkv_bias=True and bias=False is not supported"):
+        ModelConfig.from_hf_dict({"architectures": ["InternLM3ForCausalLM"], **release, "bias": False})

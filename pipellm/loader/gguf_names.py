@@ -367,7 +367,7 @@ def _gemma4_shapes(mc: ModelConfig) -> dict:
     for i in range(mc.num_layers):
         p, (kv, d) = f"model.layers.{i}.", mc.attention_shape(i)
         shapes.update({f"{p}{n}.weight": (h,) for n in norms})
-        projections = ("q", "k") if mc.k_eq_v and mc.layer_types[i] == "full_attention" else ("q", "k", "v")
+        projections = ("q", "k") if mc.values_are_keys(i) else ("q", "k", "v")
         shapes.update({f"{p}self_attn.{x}_proj.weight": ((heads if x == "q" else kv) * d, h) for x in projections})
         shapes.update({p + "layer_scalar": (1,), p + "self_attn.o_proj.weight": (h, heads * d),
                        p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),

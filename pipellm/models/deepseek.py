@@ -25,7 +25,8 @@ from pipellm.models.layers import RMSNorm
 from pipellm.models.llama import LlamaLayer, LlamaStage
 from pipellm.models.rotary import RotaryEmbedding, apply_rotary
 
-SELECTION_BIAS = re.compile(r"\.(mlp\.gate|block_sparse_moe)\.e_score_correction_bias$")  # DeepSeek's, MiniMax's
+# DeepSeek's, MiniMax's, K-EXAONE's
+SELECTION_BIAS = re.compile(r"\.(mlp\.gate|block_sparse_moe|mlp)\.e_score_correction_bias$")
 SPLIT_UP = re.compile(r"\.self_attn\.(k|v)_b_proj\.weight$")  # llama.cpp's kv_b_proj, split
 ROTARY_ROWS = re.compile(r"\.self_attn\.(q_proj|q_b_proj|kv_a_proj_with_mqa)\.(weight|bias)$")
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's, whatever rms_norm_eps says (as HF and DeepSeek's)

@@ -15,6 +15,7 @@ from pipellm.model_config import ModelConfig
 from pipellm.models.attention import paged_attention
 from pipellm.models.layers import Fp32ScaledRMSNorm, GatedMLP, GemmaRMSNorm
 from pipellm.models.llama import LAYER_NAME, LlamaAttention, LlamaLayer, LlamaStage
+from pipellm.models.moe import run_experts
 from pipellm.models.rotary import apply_rotary
 
 STACKED = re.compile(r"^experts\.(gate_up_proj|down_proj)$")  # Gemma 4's experts, [E, out, in]
@@ -68,7 +69,7 @@ class VaultGemmaStage(Gemma1Stage):
 class Gemma4Attention(LlamaAttention):
     def __init__(self, cfg: ModelConfig, layer: int, norm=Fp32ScaledRMSNorm):
         super().__init__(cfg, layer, norm)
-        self.values_are_keys = cfg.k_eq_v and cfg.layer_types[layer] == "full_attention"
+        self.values_are_keys = cfg.values_are_keys(layer)
         if self.values_are_keys:  # q and k only
             self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + self.kv_size, bias=cfg.qkv_bias)
 
@@ -119,23 +120,9 @@ class Gemma4Layer(GemmaLayer):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ropes, meta, cache))
         m = self.mlp(self.pre_feedforward_layernorm(x))
         if hasattr(self, "router"):  # the experts take the residual, beside the MLP
-            m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(self.routed(x))
+            routed = run_experts(self.experts, self.pre_feedforward_layernorm_2(x), *self.router(x))
+            m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(routed)
         return (x + self.post_feedforward_layernorm(m)) * self.layer_scalar
-
-    def routed(self, x: torch.Tensor) -> torch.Tensor:
-        """The experts' weighted sum for each token; tokens batched per expert, one matmul per expert hit."""
-        weights, chosen = self.router(x)                                                 # [T, k]
-        h = self.pre_feedforward_layernorm_2(x)
-        order = chosen.flatten().argsort(stable=True)                                    # [T * k]
-        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
-        tokens, weights = order // chosen.shape[1], weights.flatten()[order]
-        out, start = torch.zeros_like(h), 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                rows = tokens[start:start + count]
-                out.index_add_(0, rows, (expert(h[rows]) * weights[start:start + count, None]).to(h.dtype))
-                start += count
-        return out
 
 
 class Gemma4Stage(GemmaStage):

@@ -90,21 +90,8 @@ class SparseMoE(nn.Module):
                 weights = weights * self.scaling
             if not self.weights_in_fp32:
                 weights = weights.to(x.dtype)
-        # Tokens batched per expert: the (token, slot) pairs sorted by expert, one matmul per expert hit.
-        order = chosen.flatten().argsort(stable=True)                                    # [T * k]
-        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
-        tokens, weights = order // self.top_k, weights.flatten()[order]
         latent = hasattr(self, "fc1_latent_proj")
-        routed = self.fc1_latent_proj(x) if latent else x
-        out = torch.zeros_like(routed)
-        start = 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                rows = tokens[start:start + count]
-                w = weights[start:start + count, None]
-                out.index_add_(0, rows, expert(routed[rows] * w) if self.weigh_inputs
-                               else (expert(routed[rows]) * w).to(x.dtype))
-                start += count
+        out = run_experts(self.experts, self.fc1_latent_proj(x) if latent else x, weights, chosen, self.weigh_inputs)
         if latent:
             out = self.fc2_latent_proj(out)
         if hasattr(self, "shared_expert_gate"):
@@ -123,6 +110,23 @@ class SparseMoE(nn.Module):
         dropped = torch.ones_like(score, dtype=torch.bool).scatter_(
             1, torch.topk(score, self.groups_kept, dim=-1)[1], False)                   # [T, G]
         return grouped.masked_fill(dropped[..., None], float("-inf")).view_as(choice)
+
+
+def run_experts(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                weigh_inputs: bool = False) -> torch.Tensor:
+    """x [T, width] through each token's chosen experts [T, k], their outputs (with weigh_inputs their inputs)
+    weighed [T, k] and summed. Tokens batched per expert: the (token, slot) pairs sorted by expert, one matmul per
+    expert hit."""
+    order = chosen.flatten().argsort(stable=True)                                        # [T * k]
+    counts = torch.bincount(chosen.flatten(), minlength=len(experts)).tolist()
+    tokens, weights = order // chosen.shape[1], weights.flatten()[order]
+    out, start = torch.zeros_like(x), 0
+    for expert, count in zip(experts, counts):
+        if count:
+            rows, w = tokens[start:start + count], weights[start:start + count, None]
+            out.index_add_(0, rows, expert(x[rows] * w) if weigh_inputs else (expert(x[rows]) * w).to(x.dtype))
+            start += count
+    return out
 
 
 def sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
