@@ -296,11 +296,13 @@ def group_router(d: dict, source: str, arch: str) -> dict:
 
 
 def latent_attention(d: dict, arch: str) -> dict:
-    """ModelConfig's MLA fields of a DeepSeek V2/V3 (or Mistral 4) config.json: V2's rotary pairs always
-    interleaved."""
+    """ModelConfig's MLA fields of a DeepSeek V2/V3 (or Mistral 4, Youtu, MiniCPM3) config.json: V2's rotary pairs
+    always interleaved, MiniCPM3's never; MiniCPM3's values as wide as hidden / heads by default."""
+    default_v = d["hidden_size"] // d["num_attention_heads"] if arch == "MiniCPM3ForCausalLM" else 128
     return dict(q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=d["kv_lora_rank"],
-                qk_rope_head_dim=d.get("qk_rope_head_dim", 64), v_head_dim=d.get("v_head_dim") or 128,
-                rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(d.get("rope_interleave", True)))
+                qk_rope_head_dim=d.get("qk_rope_head_dim", 64), v_head_dim=d.get("v_head_dim") or default_v,
+                rope_interleave=arch == "DeepseekV2ForCausalLM" or arch != "MiniCPM3ForCausalLM"
+                and bool(d.get("rope_interleave", True)))
 
 
 def fp8_weight_block(quant: dict, source: str) -> tuple[int, int]:

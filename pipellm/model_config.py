@@ -22,7 +22,8 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
 # linear-attention layers (gated delta nets) among gated full-attention ones
 HYBRID_FAMILY = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 # latent attention (GLM-4.7-Flash's Glm4MoeLite is DeepSeek V3's model; Mistral 4 is too, with a softmax router)
-DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM")
+DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",
+                   "YoutuForCausalLM", "MiniCPM3ForCausalLM")  # (Youtu, MiniCPM3: dense MLPs in every layer)
 SOFTMAX_GROUP_ROUTED = ("DeepseekV2ForCausalLM", "Mistral4ForCausalLM")
 # DeepSeek's router: experts in groups, shared experts; all but V2's and Mistral 4's by sigmoid scores with a
 # selection bias
@@ -465,6 +466,10 @@ class ModelConfig:
             raise ValueError(f"{source}: Cohere's use_qk_norm=true (per-head LayerNorms) is not supported")
         scales = {k: float(d.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling",
                                                     "attention_multiplier")} if arch in GRANITE_FAMILY else {}
+        if arch == "MiniCPM3ForCausalLM":  # µP: the embedding, each block's output, the last hidden state scaled
+            scales = {"embedding_multiplier": float(d.get("scale_emb", 12)),
+                      "residual_multiplier": float(d.get("scale_depth", 1.4)) / math.sqrt(layers),
+                      "logits_scaling": d["hidden_size"] / (d.get("dim_model_base") or d["hidden_size"])}
         if arch in COHERE_FAMILY:  # logits * logit_scale, a power of two in Cohere's releases: exact as a divisor
             scales = {"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))}
         v3_router = arch in GROUP_ROUTED and arch not in SOFTMAX_GROUP_ROUTED
@@ -476,7 +481,7 @@ class ModelConfig:
             kinds = d.get("mlp_layer_types") or ["dense" if i < d.get("first_k_dense_replace", 0)
                                                  or i % d.get("moe_layer_freq", 1) else "sparse" for i in range(layers)]
             dense_layers = tuple(i for i, kind in enumerate(kinds) if kind == "dense")
-            shared = (d.get("n_shared_experts") or 0) * d["moe_intermediate_size"]
+            shared = (d.get("n_shared_experts") or 0) * (d.get("moe_intermediate_size") or 0)
         hybrid_fields = dict(attention_output_gate=True, linear_heads_tiled=bool(d.get("linear_heads_tiled")),
                              linear_attention=tuple(d[k] for k in (
             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",

@@ -139,6 +139,12 @@ def family_config(name: str):
         mla = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                    n_group=4, topk_group=2, first_k_dense_replace=1)
+    if name in ("youtu", "minicpm3"):  # latent attention (its rotary pairs interleaved in Youtu's checkpoints, not in
+        # MiniCPM3's) before a dense MLP in every layer; MiniCPM3's embedding, blocks and last hidden state scaled
+        latent = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, q_lora_rank=48)
+        if name == "youtu":
+            return tf.YoutuConfig(**COMMON | latent, v_head_dim=12)
+        return tf.MiniCPM3Config(**COMMON | latent, scale_emb=4.0, scale_depth=1.2, dim_model_base=32)
     if name == "deepseek_v2":  # one q_proj, experts from the groups of the best expert, biases, yarn scaling q.k
         return tf.DeepseekV2Config(**COMMON | mla | dict(max_position_embeddings=SHORT * 8), q_lora_rank=None,
                                    topk_method="group_limited_greedy", routed_scaling_factor=1.5,
@@ -363,7 +369,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "qwen3_5_moe-vl", "granitemoehybrid", "granitemoehybrid-dense", "nemotron_h", "nemotron_h-dense",
             "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated",
             "jamba", "lfm2", "lfm2_moe", "lfm2-vl", "bamba", "gpt_neox", "gpt_neox-sequential", "phi", "starcoder2",
-            "nemotron", "stablelm", "stablelm-parallel", "helium", "vaultgemma", "gemma4", "gemma4_moe", "gemma4-vl", "flex_olmo", "solar_open", "exaone_moe"]
+            "nemotron", "stablelm", "stablelm-parallel", "helium", "vaultgemma", "gemma4", "gemma4_moe", "gemma4-vl", "flex_olmo", "solar_open", "exaone_moe", "youtu", "minicpm3"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4", "starcoder2", "vaultgemma", "gemma4", "gemma4_moe",

@@ -63,6 +63,8 @@ STAGE_CLASSES = {
     "DeepseekV3ForCausalLM": DeepseekStage,
     "Glm4MoeLiteForCausalLM": DeepseekStage,
     "Mistral4ForCausalLM": DeepseekStage,
+    "YoutuForCausalLM": DeepseekStage,
+    "MiniCPM3ForCausalLM": DeepseekStage,
     "Glm4MoeForCausalLM": BiasedRouterStage,
     "SolarOpenForCausalLM": BiasedRouterStage,
     "ExaoneMoeForCausalLM": BiasedRouterStage,
