@@ -16,6 +16,8 @@ LFM2_MOE = "Lfm2MoeForCausalLM"  # and experts in all but the first layers
 # Gemma 4: full-attention layers with heads of their own width (and values that are their keys' projection), experts
 # beside the MLP (models/gemma.py)
 GEMMA4 = "Gemma4ForCausalLM"
+# Granite's and Granite MoE Shared's with sliding layers, attention sinks and a rotary base per layer
+GRANITE_SWA, GRANITE_MOE_SWA = "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"
 PHIMOE = "PhimoeForCausalLM"  # Phi-3.5-MoE: LayerNorms with biases, a sparsemixer router, an LM head with a bias
 # LayerNorms, MLPs without a gate, rotary on part of each head (models/classic.py)
 GPT_NEOX, PHI, STARCODER2, NEMOTRON, STABLELM = "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM", \
@@ -197,6 +199,25 @@ def gemma4(d: dict, source: str) -> tuple[dict, dict]:
                        moe_intermediate_size=d["moe_intermediate_size"], norm_topk_prob=True,
                        shared_expert_intermediate_size=d["intermediate_size"], shared_expert_gated=False)
     return d | {"layer_types": types}, family
+
+
+def granite_swa(d: dict, source: str) -> tuple[dict, dict]:
+    """A Granite SWA (or Granite MoE SWA) config.json with its layer types as HF makes them (every 4th layer from the
+    first full, the others sliding) and its layers' rotary bases (layer_rope_theta, 0: no rotary) as each kind's, and
+    ModelConfig's fields of its own: attention sinks, the layers without rotary."""
+    layers = d["num_hidden_layers"]
+    types = d.get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers)]
+    params = d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
+    thetas = d.get("layer_rope_theta") or [params.get("rope_theta", 10000.0)] * layers
+    rope = {}
+    for kind in ("full_attention", "sliding_attention"):
+        bases = {t for t, k in zip(thetas, types) if k == kind and t}
+        if len(bases) > 1:
+            raise ValueError(f"{source}: layer_rope_theta gives the {kind} layers the bases {sorted(bases)}; one base "
+                             "a kind of layer is supported")
+        rope[kind] = params | {"rope_theta": bases.pop() if bases else params.get("rope_theta", 10000.0)}
+    d = {"tie_word_embeddings": True, "sliding_window": 128} | d | {"layer_types": types, "rope_parameters": rope}
+    return d, dict(attention_sinks=True, nope_layers=tuple(i for i, t in enumerate(thetas) if not t))
 
 
 def classic(d: dict, arch: str, source: str) -> tuple[dict, dict]:

@@ -6,10 +6,10 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from pipellm.family_config import (BAMBA, CLASSIC, FALCON_H1, GELUS, GEMMA4, GRANITE_HYBRID, JAMBA, LFM2,
-                                   LFM2_MOE, MAMBA_LAYER_TYPES, NEMOTRON_H, PHIMOE, bamba, classic, falcon_h1,
-                                   fp8_weight_block, gemma4, granite_hybrid, group_router, jamba, latent_attention,
-                                   lfm2, nemotron_h, phimoe, same_each_layer)
+from pipellm.family_config import (BAMBA, CLASSIC, FALCON_H1, GELUS, GEMMA4, GRANITE_HYBRID, GRANITE_MOE_SWA,
+                                   GRANITE_SWA, JAMBA, LFM2, LFM2_MOE, MAMBA_LAYER_TYPES, NEMOTRON_H, PHIMOE, bamba,
+                                   classic, falcon_h1, fp8_weight_block, gemma4, granite_hybrid, granite_swa,
+                                   group_router, jamba, latent_attention, lfm2, nemotron_h, phimoe, same_each_layer)
 from pipellm.rope_config import RopeConfig
 from pipellm.vision_language import VISION_LANGUAGE, text_config
 
@@ -18,7 +18,7 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
                 "Exaone4ForCausalLM", "SeedOssForCausalLM", "MinistralForCausalLM", "Glm4ForCausalLM",
                 "Ernie4_5ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "HunYuanDenseV1ForCausalLM",
                 "ArceeForCausalLM", "ApertusForCausalLM", "Ministral3ForCausalLM", "Llama4ForCausalLM",
-                "Qwen3_5ForCausalLM", "HeliumForCausalLM")
+                "Qwen3_5ForCausalLM", "HeliumForCausalLM", GRANITE_SWA)
 # linear-attention layers (gated delta nets) among gated full-attention ones
 HYBRID_FAMILY = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 # latent attention (GLM-4.7-Flash's Glm4MoeLite is DeepSeek V3's model; Mistral 4 is too, with a softmax router)
@@ -36,10 +36,12 @@ COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM")
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM", "FlexOlmoForCausalLM")
 ALL_HEADS_QK_NORM = OLMO_FAMILY + ("MiniMaxM2ForCausalLM",)
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
-              "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "OlmoeForCausalLM",
+              "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", GRANITE_MOE_SWA,
+              "OlmoeForCausalLM",
               "MiniMaxM2ForCausalLM", "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM", "Qwen3NextForCausalLM",
               "Qwen3_5MoeForCausalLM", GRANITE_HYBRID, "FlexOlmoForCausalLM") + GROUP_ROUTED
-GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", GRANITE_SWA,
+                  GRANITE_MOE_SWA,
                   GRANITE_HYBRID)  # scaled
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM", GEMMA4)
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel", NEMOTRON_H, FALCON_H1,
@@ -347,6 +349,8 @@ class ModelConfig:
             d, family = classic(d, arch, source)
         elif arch == GEMMA4:
             d, family = gemma4(d, source)
+        elif arch in (GRANITE_SWA, GRANITE_MOE_SWA):
+            d, family = granite_swa(d, source)
         elif arch == "SolarOpenForCausalLM":  # experts in every layer: no dense MLP's width; HF's default base
             d = {"intermediate_size": d["moe_intermediate_size"], "rope_theta": 1e6} | d
         elif arch == EXAONE_MOE:  # DeepSeek's router under its own keys (HF's defaults)
@@ -420,7 +424,7 @@ class ModelConfig:
             or d.get("n_routed_experts") or 0
         dense_layers = ()
         shared = (d.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
-        if arch in ("GraniteMoeSharedForCausalLM", GRANITE_HYBRID):
+        if arch in ("GraniteMoeSharedForCausalLM", GRANITE_HYBRID, GRANITE_MOE_SWA):
             shared = d.get("shared_intermediate_size") or 0
         if arch == GRANITE_HYBRID:
             family = granite_hybrid(d, source)
@@ -519,7 +523,8 @@ class ModelConfig:
                    shared_expert_gated=arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"),
                    router_selection_bias=arch in ("Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM") or v3_router,
                    router_softmax_after_topk=arch in ("GptOssForCausalLM", "GraniteMoeForCausalLM",
-                                                      "GraniteMoeSharedForCausalLM", GRANITE_HYBRID),
+                                                      "GraniteMoeSharedForCausalLM", GRANITE_HYBRID,
+                                                      GRANITE_MOE_SWA),
                    qk_norm_per_head=arch not in ALL_HEADS_QK_NORM,
                    fp8_block=fp8_block, text_of=wrapper or "", **scales, **gpt_oss,
                    experts_in_out=llama4,

@@ -127,6 +127,14 @@ def family_config(name: str):
         return tf.GraniteMoeSharedConfig(**COMMON | dict(intermediate_size=48), num_local_experts=4,
                                          num_experts_per_tok=2, shared_intermediate_size=40, embedding_multiplier=4.0,
                                          residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
+    if name in ("granite_swa", "granitemoe_swa"):  # and sliding layers, attention sinks, a rotary base per layer:
+        # full layer 1 without rotary, full layer 4 on its own base
+        swa = dict(sliding_window=24, layer_types=SLIDING_TYPES, layer_rope_theta=[1e4, 0, 1e4, 1e4, 5e5],
+                   embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
+        if name == "granite_swa":
+            return tf.GraniteSWAConfig(**COMMON, **swa)
+        return tf.GraniteMoeSWAConfig(**COMMON | dict(intermediate_size=48), num_local_experts=4,
+                                      num_experts_per_tok=2, shared_intermediate_size=40, **swa)
     if name == "olmoe":  # Llama's block, q/k norms over all heads, experts' weights not renormalised
         return tf.OlmoeConfig(**COMMON | dict(intermediate_size=48), num_experts=4, num_experts_per_tok=2)
     if name == "flex_olmo":  # OLMo 2's layers (norms after attention and MLP) with OLMoE's experts
@@ -369,11 +377,12 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "qwen3_5_moe-vl", "granitemoehybrid", "granitemoehybrid-dense", "nemotron_h", "nemotron_h-dense",
             "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated",
             "jamba", "lfm2", "lfm2_moe", "lfm2-vl", "bamba", "gpt_neox", "gpt_neox-sequential", "phi", "starcoder2",
-            "nemotron", "stablelm", "stablelm-parallel", "helium", "vaultgemma", "gemma4", "gemma4_moe", "gemma4-vl", "flex_olmo", "solar_open", "exaone_moe", "youtu", "minicpm3"]
+            "nemotron", "stablelm", "stablelm-parallel", "helium", "vaultgemma", "gemma4", "gemma4_moe", "gemma4-vl", "flex_olmo", "solar_open", "exaone_moe", "youtu", "minicpm3",
+            "granite_swa", "granitemoe_swa"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4", "starcoder2", "vaultgemma", "gemma4", "gemma4_moe",
-            "gemma4-vl", "exaone_moe")  # and Llama 4's chunked layers
+            "gemma4-vl", "exaone_moe", "granite_swa", "granitemoe_swa")  # and Llama 4's chunked layers
 # the log-probabilities' tolerance where fp32 rounding alone moves them further: on these checkpoints HF's own fp32
 # ones are up to 1.7e-4 from its fp64 ones, ours up to 3.6e-4 (the delta nets' norms magnify a small head's rounding)
 TOLERANCE = dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl", "qwen3_5_moe-vl"), 1e-3)
@@ -824,3 +833,10 @@ def test_internlm3_release_config_reads_as_hf_reads_it():
                                                            theirs.mlp_bias) == (True, True, True)
     with pytest.raises(ValueError, match="InternLM3 with qkv_bias=True and bias=False is not supported"):
         ModelConfig.from_hf_dict({"architectures": ["InternLM3ForCausalLM"], **release, "bias": False})
+
+
+def test_granite_swa_bases_apart_within_a_kind_of_layer_are_refused():
+    d = family_config("granite_swa").to_dict() | {"architectures": ["GraniteSWAForCausalLM"],
+                                                   "layer_rope_theta": [1e4, 0, 2e4, 1e4, 5e5]}
+    with pytest.raises(ValueError, match=r"gives the sliding_attention layers the bases \[10000.0, 20000.0\]"):
+        ModelConfig.from_hf_dict(d)

@@ -14,6 +14,7 @@ from pipellm.models.llama import LlamaStage, StateLayer, feed_forward_names
 class GraniteMoeStage(LlamaStage):
     def map_weight(self, name: str) -> list[tuple]:
         return super().map_weight(name.replace(".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj")
+                                  .replace(".block_sparse_moe.experts.", ".mlp.experts.")  # Granite MoE SWA's
                                   .replace(".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj")
                                   .replace(".block_sparse_moe.router.layer.", ".mlp.gate.")
                                   .replace(".block_sparse_moe.router.", ".mlp.gate.")

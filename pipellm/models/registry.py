@@ -50,6 +50,8 @@ STAGE_CLASSES = {
     "HunYuanMoEV1ForCausalLM": HunyuanStage,
     "GraniteMoeForCausalLM": GraniteMoeStage,
     "GraniteMoeSharedForCausalLM": GraniteMoeStage,
+    "GraniteSWAForCausalLM": LlamaStage,
+    "GraniteMoeSWAForCausalLM": GraniteMoeStage,
     "GraniteMoeHybridForCausalLM": GraniteHybridStage,
     "OlmoeForCausalLM": LlamaStage,
     "ArceeForCausalLM": LlamaStage,
