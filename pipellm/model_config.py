@@ -30,7 +30,9 @@ SOFTMAX_GROUP_ROUTED = ("DeepseekV2ForCausalLM", "Mistral4ForCausalLM")
 # (Solar Open: Llama's attention, GLM-4.5's experts in every layer; K-EXAONE: EXAONE 4's attention before Llama's
 # norms)
 EXAONE_MOE = "ExaoneMoeForCausalLM"
-GROUP_ROUTED = DEEPSEEK_FAMILY + ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM", EXAONE_MOE)
+MINICPM5_MOE = "MiniCPM5MoeForCausalLM"  # Llama's attention with Qwen3-Next's output gate
+GROUP_ROUTED = DEEPSEEK_FAMILY + ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM", EXAONE_MOE,
+                                  MINICPM5_MOE)
 COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # q/k norms over all heads at once (FlexOlmo: OLMo 2's layers with OLMoE's experts)
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM", "FlexOlmoForCausalLM")
@@ -47,7 +49,8 @@ GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "V
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHeadModel", NEMOTRON_H, FALCON_H1,
                                                                        JAMBA, LFM2, LFM2_MOE, BAMBA, PHIMOE) + CLASSIC
 # the names some releases give an architecture pipellm runs: Phi-3.5-MoE's, InternLM3's (Llama's model, as HF runs it)
-ALIASES = {"PhiMoEForCausalLM": PHIMOE, "InternLM3ForCausalLM": "LlamaForCausalLM"}
+ALIASES = {"PhiMoEForCausalLM": PHIMOE, "InternLM3ForCausalLM": "LlamaForCausalLM",
+           "MiniCPM5MoEForCausalLM": MINICPM5_MOE}
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
 
 
@@ -353,6 +356,9 @@ class ModelConfig:
             d, family = granite_swa(d, source)
         elif arch == "SolarOpenForCausalLM":  # experts in every layer: no dense MLP's width; HF's default base
             d = {"intermediate_size": d["moe_intermediate_size"], "rope_theta": 1e6} | d
+        elif arch == MINICPM5_MOE:  # HF's defaults
+            d = {"rope_theta": 5e6, "first_k_dense_replace": 1, "routed_scaling_factor": 3.66} | d
+            family = dict(attention_output_gate=True)
         elif arch == EXAONE_MOE:  # DeepSeek's router under its own keys (HF's defaults)
             d = {"n_routed_experts": d.get("num_experts", 64), "n_shared_experts": d.get("num_shared_experts", 1),
                  "first_k_dense_replace": 1, "routed_scaling_factor": 2.5} | d
@@ -517,7 +523,7 @@ class ModelConfig:
                                            "HunYuanMoEV1ForCausalLM", "Qwen3_5MoeForCausalLM")
                    or bool(d.get("norm_topk_prob", arch in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
                                                             "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",
-                                                            "SolarOpenForCausalLM"))),
+                                                            "SolarOpenForCausalLM", MINICPM5_MOE))),
                    dense_layers=dense_layers, nope_layers=nope_layers,
                    shared_expert_intermediate_size=shared,
                    shared_expert_gated=arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"),

@@ -176,6 +176,11 @@ def family_config(name: str):
                                   attention_bias=True, moe_intermediate_size=32, n_routed_experts=8,
                                   num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
                                   routed_scaling_factor=1.5)
+    if name == "minicpm5_moe":  # Llama's attention, its output gated by a sigmoid of a second query; DeepSeek V3's
+        # experts after a dense layer
+        return tf.MiniCPM5MoeConfig(**COMMON | dict(intermediate_size=48), head_dim=16, moe_intermediate_size=32,
+                                    n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+                                    topk_group=1, routed_scaling_factor=1.5)
     if name == "exaone_moe":  # EXAONE 4's attention (full layers without rotary) before Llama's norms; DeepSeek V3's
         # experts after a dense layer
         return tf.ExaoneMoeConfig(**COMMON | dict(intermediate_size=48), head_dim=16, moe_intermediate_size=32,
@@ -378,7 +383,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated",
             "jamba", "lfm2", "lfm2_moe", "lfm2-vl", "bamba", "gpt_neox", "gpt_neox-sequential", "phi", "starcoder2",
             "nemotron", "stablelm", "stablelm-parallel", "helium", "vaultgemma", "gemma4", "gemma4_moe", "gemma4-vl", "flex_olmo", "solar_open", "exaone_moe", "youtu", "minicpm3",
-            "granite_swa", "granitemoe_swa"]
+            "granite_swa", "granitemoe_swa", "minicpm5_moe"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4", "starcoder2", "vaultgemma", "gemma4", "gemma4_moe",

@@ -22,7 +22,7 @@ from pipellm.model_config import ModelConfig
 from pipellm.models.attention import AttentionMetadata, paged_attention
 from pipellm.models.kv_cache import KVCache
 from pipellm.models.layers import RMSNorm
-from pipellm.models.llama import LlamaLayer, LlamaStage
+from pipellm.models.llama import LlamaLayer, LlamaStage, gated_q_rows
 from pipellm.models.rotary import RotaryEmbedding, apply_rotary
 
 # DeepSeek's, MiniMax's, K-EXAONE's
@@ -97,6 +97,14 @@ class BiasedRouterStage(LlamaStage):
     def map_weight(self, name: str) -> list[tuple[str, int]]:
         return super().map_weight(SELECTION_BIAS.sub(".mlp.selection_bias",
                                                      name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")))
+
+
+class GatedAttentionStage(BiasedRouterStage):
+    """MiniCPM5-MoE: Llama's attention whose output a sigmoid of a second query gates (Qwen3-Next's, its q_proj
+    laid out as Qwen3-Next's), DeepSeek V3's experts."""
+
+    def row_order(self, name: str) -> torch.Tensor | None:
+        return gated_q_rows(self.cfg) if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")) else None
 
 
 class DeepseekStage(BiasedRouterStage):

@@ -76,6 +76,12 @@ class LlamaAttention(nn.Module):
         return q, k
 
 
+def gated_q_rows(cfg: ModelConfig) -> torch.Tensor:
+    """q_proj's rows of an attention with an output gate, as [q of every head, then the gate of every head], from the
+    checkpoints' (per head, its q then its gate)."""
+    return torch.arange(2 * cfg.num_heads * cfg.head_dim).view(cfg.num_heads, 2, -1).transpose(0, 1).flatten()
+
+
 def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     if cfg.is_moe(layer):
         return SparseMoE(cfg)
@@ -224,7 +230,9 @@ class LlamaStage(nn.Module):
             return []
         prefix, rest = f"layers.{int(m[1]) - stage.start}.", m[2]
         kv_heads, head_dim = cfg.attention_shape(int(m[1]))
-        q, kv, inter = cfg.num_heads * head_dim, kv_heads * head_dim, cfg.intermediate_size
+        # q_proj's rows hold the output gate's after q's, where there is one (gated_q_rows)
+        q, kv, inter = cfg.num_heads * head_dim * (1 + cfg.attention_output_gate), kv_heads * head_dim, \
+            cfg.intermediate_size
         fused = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", q),
                  "self_attn.v_proj": ("self_attn.qkv_proj", q + kv), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
                  "mlp.up_proj": ("mlp.gate_up_proj", inter),

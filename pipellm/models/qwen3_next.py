@@ -5,7 +5,7 @@ import torch
 
 from pipellm.models.layers import GemmaRMSNorm
 from pipellm.models.linear_attention import GatedDeltaNet
-from pipellm.models.llama import LAYER_NAME, LlamaStage, StateLayer
+from pipellm.models.llama import LAYER_NAME, LlamaStage, StateLayer, gated_q_rows
 
 
 class Qwen3NextLayer(StateLayer):
@@ -40,7 +40,7 @@ class Qwen3NextStage(LlamaStage):
         its q, k and its value heads' v, z; its value heads' b, a)."""
         cfg = self.cfg
         if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
-            return torch.arange(2 * cfg.num_heads * cfg.head_dim).view(cfg.num_heads, 2, -1).transpose(0, 1).flatten()
+            return gated_q_rows(cfg)
         hk, hv, dk, dv, _ = cfg.linear_attention
         r = hv // hk
         if ".linear_attn.in_proj_qkvz." in name:

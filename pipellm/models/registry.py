@@ -10,7 +10,7 @@ from pipellm.models.cohere import CohereStage
 from pipellm.models.falcon_h1 import FalconH1Stage
 from pipellm.models.jamba import JambaStage
 from pipellm.models.lfm2 import Lfm2Stage
-from pipellm.models.deepseek import DeepseekStage, BiasedRouterStage
+from pipellm.models.deepseek import DeepseekStage, BiasedRouterStage, GatedAttentionStage
 from pipellm.models.gemma import Gemma1Stage, Gemma4Stage, GemmaStage, VaultGemmaStage
 from pipellm.models.glm import Ernie45MoeStage, Glm4Stage, HeliumStage, InterleavedRotaryStage
 from pipellm.models.gpt2 import GPT2Stage
@@ -70,6 +70,7 @@ STAGE_CLASSES = {
     "Glm4MoeForCausalLM": BiasedRouterStage,
     "SolarOpenForCausalLM": BiasedRouterStage,
     "ExaoneMoeForCausalLM": BiasedRouterStage,
+    "MiniCPM5MoeForCausalLM": GatedAttentionStage,
     "Dots1ForCausalLM": BiasedRouterStage,
     "MiniMaxM2ForCausalLM": BiasedRouterStage,
     "GemmaForCausalLM": Gemma1Stage,
