@@ -9,6 +9,7 @@ VISION_LANGUAGE = {"LlavaForConditionalGeneration": (), "LlavaNextForConditional
                    "Mistral3ForConditionalGeneration": ("mistral", "ministral3", "mistral4"),
                    "Gemma3ForConditionalGeneration": ("gemma3_text",),
                    "Gemma4ForConditionalGeneration": ("gemma4_text",),
+                   "Exaone4_5_ForConditionalGeneration": ("exaone4", "exaone4_5_text"),
                    "Llama4ForConditionalGeneration": ("llama4_text",),
                    "Qwen2VLForConditionalGeneration": ("qwen2_vl_text",),
                    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl_text",),
@@ -24,7 +25,7 @@ VISION_LANGUAGE = {"LlavaForConditionalGeneration": (), "LlavaNextForConditional
 TEXT_MODELS = {"mistral4": "Mistral4ForCausalLM", "qwen2_vl_text": "Qwen2ForCausalLM",
                "qwen2_5_vl_text": "Qwen2ForCausalLM", "qwen3_vl_text": "Qwen3ForCausalLM",
                "qwen3_vl_moe_text": "Qwen3MoeForCausalLM", "glm4v_text": "Glm4ForCausalLM",
-               "glm4v_moe_text": "Glm4MoeForCausalLM"}
+               "glm4v_moe_text": "Glm4MoeForCausalLM", "exaone4_5_text": "Exaone4ForCausalLM"}
 # what HF's text model does whatever its config says: Qwen3-VL-MoE's router renormalizes its top k, GLM-4.1V's q, k
 # and v have biases, GLM-4.5V's q and k no norms
 AS_HF_RUNS = {"qwen3_vl_moe_text": {"norm_topk_prob": True}, "glm4v_text": {"attention_bias": True},

@@ -266,6 +266,11 @@ def family_config(name: str):
         return tf.Gemma4Config(text_config=family_config("gemma4").to_dict(), vision_config=dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
             head_dim=16, patch_size=14), audio_config=None)
+    if name == "exaone4_5-vl":  # EXAONE 4's in EXAONE 4.5's
+        return tf.Exaone4_5_Config(text_config=family_config("exaone4").to_dict(), image_token_id=300,
+                                   video_token_id=301, vision_config=dict(
+                                       depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                       fullatt_block_indexes=[1]))
     if name == "mistral3-vl":  # Ministral 3's in Mistral 3's (head untied)
         return tf.Mistral3Config(text_config=family_config("ministral3").to_dict(), tie_word_embeddings=False,
                                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -383,11 +388,11 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated",
             "jamba", "lfm2", "lfm2_moe", "lfm2-vl", "bamba", "gpt_neox", "gpt_neox-sequential", "phi", "starcoder2",
             "nemotron", "stablelm", "stablelm-parallel", "helium", "vaultgemma", "gemma4", "gemma4_moe", "gemma4-vl", "flex_olmo", "solar_open", "exaone_moe", "youtu", "minicpm3",
-            "granite_swa", "granitemoe_swa", "minicpm5_moe"]
+            "granite_swa", "granitemoe_swa", "minicpm5_moe", "exaone4_5-vl"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4", "starcoder2", "vaultgemma", "gemma4", "gemma4_moe",
-            "gemma4-vl", "exaone_moe", "granite_swa", "granitemoe_swa")  # and Llama 4's chunked layers
+            "gemma4-vl", "exaone_moe", "granite_swa", "granitemoe_swa", "exaone4_5-vl")  # and Llama 4's chunked layers
 # the log-probabilities' tolerance where fp32 rounding alone moves them further: on these checkpoints HF's own fp32
 # ones are up to 1.7e-4 from its fp64 ones, ours up to 3.6e-4 (the delta nets' norms magnify a small head's rounding)
 TOLERANCE = dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-vl", "qwen3_5_moe-vl"), 1e-3)
