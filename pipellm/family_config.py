@@ -220,6 +220,37 @@ def granite_swa(d: dict, source: str) -> tuple[dict, dict]:
     return d, dict(attention_sinks=True, nope_layers=tuple(i for i, t in enumerate(thetas) if not t))
 
 
+def cohere2_moe(d: dict, source: str) -> tuple[dict, dict]:
+    """A Cohere 2 MoE config.json with its layer types as HF makes them, its dense MLPs' width as intermediate_size
+    (prefix_dense_intermediate_size), and ModelConfig's fields of its own, as HF reads it: experts intermediate_size
+    wide after the dense layers, weighed by a softmax of the top-k logits or by their sigmoids; shared experts summed
+    with the routed ones or averaged with them; the full layers without rotary, but the dense ones where
+    prefix_dense_sliding_window_pattern is 1."""
+    if d.get("rms_norm_eps") is not None:
+        raise ValueError(f"{source}: Cohere 2 MoE with rms_norm_eps (RMSNorms for its LayerNorms) is not supported")
+    layers, width = d["num_hidden_layers"], d.get("intermediate_size", 22528)
+    dense = d.get("first_k_dense_replace", 0)
+    kinds = d.get("mlp_layer_types") or ["dense" if i < dense else "sparse" for i in range(layers)]
+    prefix_pattern, pattern = d.get("prefix_dense_sliding_window_pattern", 1), d.get("sliding_window_pattern", 4)
+    types = d.get("layer_types") or [  # each kind's pattern counted from its first layer
+        "full_attention" if (i + 1) % p == 0 else "sliding_attention"
+        for p, n in ((prefix_pattern, dense), (pattern, layers - dense)) for i in range(n)]
+    strategy, selection = d.get("shared_expert_combination_strategy", "average"), d.get("expert_selection_fn",
+                                                                                          "softmax")
+    if strategy not in ("sum", "average") or selection not in ("softmax", "sigmoid"):
+        raise ValueError(f"{source}: shared_expert_combination_strategy={strategy!r} (sum, average) or "
+                         f"expert_selection_fn={selection!r} (softmax, sigmoid) is not supported")
+    d = {k: v for k, v in d.items() if k != "rms_norm_eps"} | {
+        "layer_types": types, "intermediate_size": d.get("prefix_dense_intermediate_size") or width}
+    return d, dict(num_experts=d.get("num_experts", 8), num_experts_per_tok=d.get("num_experts_per_tok", 2),
+                   moe_intermediate_size=width, dense_layers=tuple(i for i, k in enumerate(kinds) if k == "dense"),
+                   shared_expert_intermediate_size=width * d.get("num_shared_experts", 0), shared_expert_gated=False,
+                   shared_expert_average=strategy == "average", router_softmax_after_topk=selection == "softmax",
+                   router_sigmoid=selection == "sigmoid", norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                   nope_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"
+                                     and not (prefix_pattern == 1 and kinds[i] == "dense")))
+
+
 def classic(d: dict, arch: str, source: str) -> tuple[dict, dict]:
     """A GPT-NeoX, Phi, StarCoder2, Nemotron or StableLM config.json in the keys from_hf_dict reads, and
     ModelConfig's fields of its own, as HF reads it: its norms' epsilon, its rotary's share of a head and base

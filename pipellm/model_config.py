@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from pipellm.family_config import (BAMBA, CLASSIC, FALCON_H1, GELUS, GEMMA4, GRANITE_HYBRID, GRANITE_MOE_SWA,
                                    GRANITE_SWA, JAMBA, LFM2, LFM2_MOE, MAMBA_LAYER_TYPES, NEMOTRON_H, PHIMOE, bamba,
-                                   classic, falcon_h1, fp8_weight_block, gemma4, granite_hybrid, granite_swa,
+                                   classic, cohere2_moe, falcon_h1, fp8_weight_block, gemma4, granite_hybrid,
+                                   granite_swa,
                                    group_router, jamba, latent_attention, lfm2, nemotron_h, phimoe, same_each_layer)
 from pipellm.rope_config import RopeConfig
 from pipellm.vision_language import VISION_LANGUAGE, text_config
@@ -33,13 +34,13 @@ EXAONE_MOE = "ExaoneMoeForCausalLM"
 MINICPM5_MOE = "MiniCPM5MoeForCausalLM"  # Llama's attention with Qwen3-Next's output gate
 GROUP_ROUTED = DEEPSEEK_FAMILY + ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM", EXAONE_MOE,
                                   MINICPM5_MOE)
-COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM")
+COHERE_FAMILY = ("CohereForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM")
 # q/k norms over all heads at once (FlexOlmo: OLMo 2's layers with OLMoE's experts)
 OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM", "FlexOlmoForCausalLM")
 ALL_HEADS_QK_NORM = OLMO_FAMILY + ("MiniMaxM2ForCausalLM",)
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
               "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", GRANITE_MOE_SWA,
-              "OlmoeForCausalLM",
+              "OlmoeForCausalLM", "Cohere2MoeForCausalLM",
               "MiniMaxM2ForCausalLM", "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM", "Qwen3NextForCausalLM",
               "Qwen3_5MoeForCausalLM", GRANITE_HYBRID, "FlexOlmoForCausalLM") + GROUP_ROUTED
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", GRANITE_SWA,
@@ -91,6 +92,7 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with a dense MLP among the MoE ones
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token takes, weighted by a sigmoid gate
     shared_expert_gated: bool = True    # ERNIE 4.5 MoE: its shared experts (one MLP) added as they are
+    shared_expert_average: bool = False  # Cohere 2 MoE: the shared experts' output averaged with the routed ones
     router_selection_bias: bool = False  # ERNIE 4.5 MoE: experts picked by softmax + a bias, weighed without it
     router_softmax_after_topk: bool = False  # GPT-OSS, Granite MoE: the top-k logits softmaxed among themselves
     nope_layers: tuple[int, ...] = ()   # SmolLM3: layers whose q and k take no rotary positions
@@ -354,6 +356,8 @@ class ModelConfig:
             d, family = gemma4(d, source)
         elif arch in (GRANITE_SWA, GRANITE_MOE_SWA):
             d, family = granite_swa(d, source)
+        elif arch == "Cohere2MoeForCausalLM":
+            d, family = cohere2_moe(d, source)
         elif arch == "SolarOpenForCausalLM":  # experts in every layer: no dense MLP's width; HF's default base
             d = {"intermediate_size": d["moe_intermediate_size"], "rope_theta": 1e6} | d
         elif arch == MINICPM5_MOE:  # HF's defaults

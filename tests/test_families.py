@@ -109,6 +109,15 @@ def family_config(name: str):
         return tf.CohereConfig(**COMMON, logit_scale=0.25)
     if name == "cohere2":  # and sliding layers, the full ones without rotary
         return tf.Cohere2Config(**COMMON, logit_scale=0.25, sliding_window=24, layer_types=SLIDING_TYPES)
+    if name in ("cohere2_moe", "cohere2_moe-sigmoid"):  # and experts after two dense layers (full, with rotary), every
+        # 2nd layer after them full (without): the top-k logits softmaxed, a shared expert averaged with the routed
+        # ones; or (-sigmoid) their sigmoids renormalised, the shared expert summed
+        sigmoid = name.endswith("sigmoid")
+        return tf.Cohere2MoeConfig(**COMMON | dict(intermediate_size=48), head_dim=16, logit_scale=0.25,
+                                   sliding_window=24, sliding_window_pattern=2, num_experts=4, num_experts_per_tok=2,
+                                   num_shared_experts=1, first_k_dense_replace=2, prefix_dense_intermediate_size=96,
+                                   expert_selection_fn="sigmoid" if sigmoid else "softmax",
+                                   shared_expert_combination_strategy="sum" if sigmoid else "average")
     if name == "ernie4_5_moe":  # MoE layers 1 and 3 (every 2nd from 1), a shared expert, experts picked with a bias
         return tf.Ernie4_5_MoeConfig(**COMMON, head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=48,
                                      moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_interval=2)
@@ -388,7 +397,7 @@ FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "qwen2-yarn", "phi3-longr
             "nemotron_h-latent", "falcon_h1", "falcon_h1-gated", "falcon_h1-ungated",
             "jamba", "lfm2", "lfm2_moe", "lfm2-vl", "bamba", "gpt_neox", "gpt_neox-sequential", "phi", "starcoder2",
             "nemotron", "stablelm", "stablelm-parallel", "helium", "vaultgemma", "gemma4", "gemma4_moe", "gemma4-vl", "flex_olmo", "solar_open", "exaone_moe", "youtu", "minicpm3",
-            "granite_swa", "granitemoe_swa", "minicpm5_moe", "exaone4_5-vl"]
+            "granite_swa", "granitemoe_swa", "minicpm5_moe", "exaone4_5-vl", "cohere2_moe", "cohere2_moe-sigmoid"]
 # sliding layers
 WINDOWED = ("gemma2", "gemma3", "gemma3-vl", "olmo3", "exaone4", "ministral", "gpt_oss", "cohere2", "dots1",
             "aya_vision-vl", "llama4", "starcoder2", "vaultgemma", "gemma4", "gemma4_moe",
@@ -850,3 +859,20 @@ def test_granite_swa_bases_apart_within_a_kind_of_layer_are_refused():
                                                    "layer_rope_theta": [1e4, 0, 2e4, 1e4, 5e5]}
     with pytest.raises(ValueError, match=r"gives the sliding_attention layers the bases \[10000.0, 20000.0\]"):
         ModelConfig.from_hf_dict(d)
+
+
+def test_cohere2_moe_release_config_keys():
+    """A config.json without layer_types and mlp_layer_types: the dense layers first_k_dense_replace says, each kind
+    of layer its own sliding pattern, as HF's config makes them."""
+    from transformers import Cohere2MoeConfig
+
+    release = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=9, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, num_experts=4, first_k_dense_replace=3,
+                   prefix_dense_sliding_window_pattern=2, sliding_window_pattern=3)
+    ours = ModelConfig.from_hf_dict({"architectures": ["Cohere2MoeForCausalLM"], **release})
+    theirs = Cohere2MoeConfig(**release)
+    assert list(ours.layer_types) == theirs.layer_types
+    assert [i for i in range(9) if not ours.is_moe(i)] == [i for i, k in enumerate(theirs.mlp_layer_types)
+                                                            if k == "dense"]
+    with pytest.raises(ValueError, match="Cohere 2 MoE with rms_norm_eps .RMSNorms for its LayerNorms. is not supported"):
+        ModelConfig.from_hf_dict({"architectures": ["Cohere2MoeForCausalLM"], **release, "rms_norm_eps": 1e-5})

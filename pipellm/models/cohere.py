@@ -1,6 +1,6 @@
 """Cohere's Command R (CohereForCausalLM) and Command R7B/A (Cohere2ForCausalLM): attention and MLP side by side on
 one LayerNorm's output (no bias), rotary pairs interleaved, logits scaled; Cohere 2's full layers (among sliding
-ones) take no rotary positions."""
+ones) take no rotary positions. Cohere 2 MoE: experts after its first dense layers, with shared ones (moe.py)."""
 from torch import nn
 
 from pipellm.model_config import ModelConfig
@@ -23,3 +23,6 @@ class CohereLayer(nn.Module):
 
 class CohereStage(InterleavedRotaryStage):
     layer_class, norm_class = CohereLayer, CohereLayerNorm
+
+    def map_weight(self, name: str) -> list[tuple[str, int]]:
+        return super().map_weight(name.replace(".mlp.shared_experts.", ".mlp.shared_expert."))  # Cohere 2 MoE's

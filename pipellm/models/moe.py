@@ -39,6 +39,7 @@ class SparseMoE(nn.Module):
                                                     "HunYuanMoEV1ForCausalLM", NEMOTRON_H) + GROUP_ROUTED
         self.sigmoid, self.scaling, self.norm_eps = cfg.router_sigmoid, cfg.routed_scaling_factor, cfg.router_norm_eps
         self.sparsemixer_eps = cfg.router_jitter_eps  # Phi-MoE's router
+        self.average_shared = cfg.shared_expert_average
         self.weigh_inputs = cfg.router_weights_input  # Llama 4: an expert runs on its token times its weight
         self.groups, self.groups_kept, self.by_top_expert = cfg.expert_groups, cfg.expert_groups_kept, \
             cfg.group_by_top_expert
@@ -98,6 +99,8 @@ class SparseMoE(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif hasattr(self, "shared_expert"):
             out = out + self.shared_expert(x)
+            if self.average_shared:  # Cohere 2 MoE's
+                out = out / 2
         return out
 
     def best_groups(self, choice: torch.Tensor) -> torch.Tensor:

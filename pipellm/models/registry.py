@@ -46,6 +46,7 @@ STAGE_CLASSES = {
     "Ernie4_5_MoeForCausalLM": Ernie45MoeStage,
     "CohereForCausalLM": CohereStage,
     "Cohere2ForCausalLM": CohereStage,
+    "Cohere2MoeForCausalLM": CohereStage,
     "HunYuanDenseV1ForCausalLM": HunyuanStage,
     "HunYuanMoEV1ForCausalLM": HunyuanStage,
     "GraniteMoeForCausalLM": GraniteMoeStage,
