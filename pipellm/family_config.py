@@ -18,6 +18,7 @@ LFM2_MOE = "Lfm2MoeForCausalLM"  # and experts in all but the first layers
 GEMMA4 = "Gemma4ForCausalLM"
 # Granite's and Granite MoE Shared's with sliding layers, attention sinks and a rotary base per layer
 GRANITE_SWA, GRANITE_MOE_SWA = "GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"
+AFMOE = "AfmoeForCausalLM"  # Arcee's Trinity (models/afmoe.py)
 PHIMOE = "PhimoeForCausalLM"  # Phi-3.5-MoE: LayerNorms with biases, a sparsemixer router, an LM head with a bias
 # LayerNorms, MLPs without a gate, rotary on part of each head (models/classic.py)
 GPT_NEOX, PHI, STARCODER2, NEMOTRON, STABLELM = "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM", \
@@ -249,6 +250,25 @@ def cohere2_moe(d: dict, source: str) -> tuple[dict, dict]:
                    router_sigmoid=selection == "sigmoid", norm_topk_prob=bool(d.get("norm_topk_prob", True)),
                    nope_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"
                                      and not (prefix_pattern == 1 and kinds[i] == "dense")))
+
+
+def afmoe(d: dict, source: str) -> tuple[dict, dict]:
+    """An AFMoE config.json with its layer types as HF makes them (every global_attn_every_n_layers-th full), and
+    ModelConfig's fields of its own, as HF reads it: the full layers without rotary, an output gate, experts after
+    num_dense_layers dense ones, by sigmoid scores plus a selection bias, renormalised and scaled by route_scale,
+    beside a shared MLP num_shared_experts experts wide; the embedding scaled with mup_enabled."""
+    layers, every = d["num_hidden_layers"], d.get("global_attn_every_n_layers") or 4
+    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
+                                     for i in range(layers)]
+    width = d["moe_intermediate_size"]
+    return d | {"layer_types": types}, dict(
+        num_experts=d["num_experts"], num_experts_per_tok=d["num_experts_per_tok"], moe_intermediate_size=width,
+        dense_layers=tuple(range(d.get("num_dense_layers", 1))),
+        shared_expert_intermediate_size=width * d.get("num_shared_experts", 2), shared_expert_gated=False,
+        router_sigmoid=True, router_selection_bias=True, norm_topk_prob=True, router_norm_eps=1e-20,
+        routed_scaling_factor=float(d.get("route_scale") or 1.0), attention_output_gate=True, qk_norm=True,
+        nope_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"),
+        embedding_multiplier=d["hidden_size"] ** 0.5 if d.get("mup_enabled") else 1.0)
 
 
 def classic(d: dict, arch: str, source: str) -> tuple[dict, dict]:

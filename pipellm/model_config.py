@@ -6,11 +6,11 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from pipellm.family_config import (BAMBA, CLASSIC, FALCON_H1, GELUS, GEMMA4, GRANITE_HYBRID, GRANITE_MOE_SWA,
-                                   GRANITE_SWA, JAMBA, LFM2, LFM2_MOE, MAMBA_LAYER_TYPES, NEMOTRON_H, PHIMOE, bamba,
-                                   classic, cohere2_moe, falcon_h1, fp8_weight_block, gemma4, granite_hybrid,
-                                   granite_swa,
-                                   group_router, jamba, latent_attention, lfm2, nemotron_h, phimoe, same_each_layer)
+from pipellm.family_config import (AFMOE, BAMBA, CLASSIC, FALCON_H1, GELUS, GEMMA4, GRANITE_HYBRID, GRANITE_MOE_SWA,
+                                   GRANITE_SWA, JAMBA, LFM2, LFM2_MOE, MAMBA_LAYER_TYPES, NEMOTRON_H, PHIMOE, afmoe,
+                                   bamba, classic, cohere2_moe, falcon_h1, fp8_weight_block, gemma4, granite_hybrid,
+                                   granite_swa, group_router, jamba, latent_attention, lfm2, nemotron_h, phimoe,
+                                   same_each_layer)
 from pipellm.rope_config import RopeConfig
 from pipellm.vision_language import VISION_LANGUAGE, text_config
 
@@ -40,7 +40,7 @@ OLMO_FAMILY = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM", "Flex
 ALL_HEADS_QK_NORM = OLMO_FAMILY + ("MiniMaxM2ForCausalLM",)
 MOE_FAMILY = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GptOssForCausalLM",
               "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", GRANITE_MOE_SWA,
-              "OlmoeForCausalLM", "Cohere2MoeForCausalLM",
+              "OlmoeForCausalLM", "Cohere2MoeForCausalLM", AFMOE,
               "MiniMaxM2ForCausalLM", "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM", "Qwen3NextForCausalLM",
               "Qwen3_5MoeForCausalLM", GRANITE_HYBRID, "FlexOlmoForCausalLM") + GROUP_ROUTED
 GRANITE_FAMILY = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", GRANITE_SWA,
@@ -358,6 +358,8 @@ class ModelConfig:
             d, family = granite_swa(d, source)
         elif arch == "Cohere2MoeForCausalLM":
             d, family = cohere2_moe(d, source)
+        elif arch == AFMOE:
+            d, family = afmoe(d, source)
         elif arch == "SolarOpenForCausalLM":  # experts in every layer: no dense MLP's width; HF's default base
             d = {"intermediate_size": d["moe_intermediate_size"], "rope_theta": 1e6} | d
         elif arch == MINICPM5_MOE:  # HF's defaults

@@ -23,7 +23,7 @@ EXPERT_HALF = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj)\.weight$")  # on
 
 
 class GemmaLayer(nn.Module):
-    """Also GLM-4's layer (glm.py), with plain RMSNorms."""
+    """Also GLM-4's layer (glm.py), with plain RMSNorms, and AFMoE's (afmoe.py) with its experts."""
 
     def __init__(self, cfg: ModelConfig, layer: int, norm=GemmaRMSNorm):
         super().__init__()
@@ -32,8 +32,11 @@ class GemmaLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer, norm=norm)
         self.post_attention_layernorm = norm(size, eps)
         self.pre_feedforward_layernorm = norm(size, eps)
-        self.mlp = GatedMLP(size, cfg.intermediate_size, cfg.hidden_act)
+        self.mlp = self.build_mlp(cfg, layer)
         self.post_feedforward_layernorm = norm(size, eps)
+
+    def build_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x, ropes, meta, cache):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ropes, meta, cache))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipellm.model_config import GROUP_ROUTED, ModelConfig
-from pipellm.family_config import NEMOTRON_H
+from pipellm.family_config import AFMOE, NEMOTRON_H
 from pipellm.models.layers import GatedMLP, dense_mlp
 
 
@@ -36,7 +36,7 @@ class SparseMoE(nn.Module):
         # Mixtral, MiniMax, Hunyuan, DeepSeek and GLM-4.5 multiply by fp32 router weights, Qwen3-MoE by the model's
         # dtype's
         self.weights_in_fp32 = cfg.architecture in ("MixtralForCausalLM", "MiniMaxM2ForCausalLM",
-                                                    "HunYuanMoEV1ForCausalLM", NEMOTRON_H) + GROUP_ROUTED
+                                                    "HunYuanMoEV1ForCausalLM", NEMOTRON_H, AFMOE) + GROUP_ROUTED
         self.sigmoid, self.scaling, self.norm_eps = cfg.router_sigmoid, cfg.routed_scaling_factor, cfg.router_norm_eps
         self.sparsemixer_eps = cfg.router_jitter_eps  # Phi-MoE's router
         self.average_shared = cfg.shared_expert_average

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from pipellm.model_config import ModelConfig
+from pipellm.models.afmoe import AfmoeStage
 from pipellm.models.apertus import ApertusStage
 from pipellm.models.classic import NemotronStage, NeoXStage, PhiStage, StableLmStage, Starcoder2Stage
 from pipellm.models.cohere import CohereStage
@@ -47,6 +48,7 @@ STAGE_CLASSES = {
     "CohereForCausalLM": CohereStage,
     "Cohere2ForCausalLM": CohereStage,
     "Cohere2MoeForCausalLM": CohereStage,
+    "AfmoeForCausalLM": AfmoeStage,
     "HunYuanDenseV1ForCausalLM": HunyuanStage,
     "HunYuanMoEV1ForCausalLM": HunyuanStage,
     "GraniteMoeForCausalLM": GraniteMoeStage,
