@@ -360,6 +360,8 @@ class ModelConfig:
             d, family = cohere2_moe(d, source)
         elif arch == AFMOE:
             d, family = afmoe(d, source)
+        elif arch in ("Glm4ForCausalLM", "Glm4MoeForCausalLM"):  # HF's default: half of each head rotated
+            d = {"partial_rotary_factor": 0.5} | d
         elif arch == "SolarOpenForCausalLM":  # experts in every layer: no dense MLP's width; HF's default base
             d = {"intermediate_size": d["moe_intermediate_size"], "rope_theta": 1e6} | d
         elif arch == MINICPM5_MOE:  # HF's defaults

@@ -882,3 +882,15 @@ def test_cohere2_moe_release_config_keys():
                                                             if k == "dense"]
     with pytest.raises(ValueError, match="Cohere 2 MoE with rms_norm_eps .RMSNorms for its LayerNorms. is not "):
         ModelConfig.from_hf_dict({"architectures": ["Cohere2MoeForCausalLM"], **release, "rms_norm_eps": 1e-5})
+
+
+@pytest.mark.parametrize("arch", ["Glm4ForCausalLM", "Glm4MoeForCausalLM"])
+def test_glm_config_without_partial_rotary_rotates_half_as_hf(arch):
+    """A GLM-4 or GLM-4.5 config.json that leaves partial_rotary_factor out: half of each head turns, HF's default."""
+    import transformers
+
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16)
+    theirs = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**fields)
+    ours = ModelConfig.from_hf_dict({"architectures": [arch], **fields})
+    assert ours.rope.partial_rotary_factor == theirs.rope_parameters["partial_rotary_factor"] == 0.5
