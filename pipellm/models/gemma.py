@@ -24,12 +24,13 @@ EXPERT_HALF = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj)\.weight$")  # on
 
 class GemmaLayer(nn.Module):
     """Also GLM-4's layer (glm.py), with plain RMSNorms, and AFMoE's (afmoe.py) with its experts."""
+    attention_class = LlamaAttention
 
     def __init__(self, cfg: ModelConfig, layer: int, norm=GemmaRMSNorm):
         super().__init__()
         size, eps = cfg.hidden_size, cfg.norm_eps
         self.input_layernorm = norm(size, eps)
-        self.self_attn = LlamaAttention(cfg, layer, norm=norm)
+        self.self_attn = self.attention_class(cfg, layer, norm=norm)
         self.post_attention_layernorm = norm(size, eps)
         self.pre_feedforward_layernorm = norm(size, eps)
         self.mlp = self.build_mlp(cfg, layer)
@@ -106,9 +107,10 @@ class Gemma4Router(nn.Module):
 
 
 class Gemma4Layer(GemmaLayer):
+    attention_class = Gemma4Attention
+
     def __init__(self, cfg: ModelConfig, layer: int, norm=Fp32ScaledRMSNorm):
         super().__init__(cfg, layer, norm)
-        self.self_attn = Gemma4Attention(cfg, layer, norm)
         self.layer_scalar = nn.Parameter(torch.ones(1))
         if cfg.num_experts:
             size, eps = cfg.hidden_size, cfg.norm_eps
