@@ -271,6 +271,22 @@ def afmoe(d: dict, source: str) -> tuple[dict, dict]:
         embedding_multiplier=d["hidden_size"] ** 0.5 if d.get("mup_enabled") else 1.0)
 
 
+def exaone_layer_types(d: dict, source: str) -> dict:
+    """An EXAONE 4 or K-EXAONE config.json with its layer types where it names none but a sliding window:
+    sliding_window_pattern, every n-th layer full (HF's, default 4) or a pattern of L (sliding) and G (full) layers
+    repeated ("LLLG", as llama.cpp's converter reads it; HF's config refuses it)."""
+    if d.get("layer_types") or d.get("sliding_window") is None:
+        return d
+    pattern = d.get("sliding_window_pattern", 4)
+    if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+        full = [pattern[i % len(pattern)] == "G" for i in range(d["num_hidden_layers"])]
+    elif isinstance(pattern, int) and pattern > 0:
+        full = [(i + 1) % pattern == 0 for i in range(d["num_hidden_layers"])]
+    else:
+        raise ValueError(f"{source}: sliding_window_pattern={pattern!r} is not supported (a period, or L and G)")
+    return d | {"layer_types": ["full_attention" if f else "sliding_attention" for f in full]}
+
+
 def classic(d: dict, arch: str, source: str) -> tuple[dict, dict]:
     """A GPT-NeoX, Phi, StarCoder2, Nemotron or StableLM config.json in the keys from_hf_dict reads, and
     ModelConfig's fields of its own, as HF reads it: its norms' epsilon, its rotary's share of a head and base

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from pipellm.family_config import (AFMOE, BAMBA, CLASSIC, FALCON_H1, GELUS, GEMMA4, GRANITE_HYBRID, GRANITE_MOE_SWA,
                                    GRANITE_SWA, JAMBA, LFM2, LFM2_MOE, MAMBA_LAYER_TYPES, NEMOTRON_H, PHIMOE, afmoe,
-                                   bamba, classic, cohere2_moe, falcon_h1, fp8_weight_block, gemma4, granite_hybrid,
-                                   granite_swa, group_router, jamba, latent_attention, lfm2, nemotron_h, phimoe,
-                                   same_each_layer)
+                                   bamba, classic, cohere2_moe, exaone_layer_types, falcon_h1, fp8_weight_block,
+                                   gemma4, granite_hybrid, granite_swa, group_router, jamba, latent_attention, lfm2,
+                                   nemotron_h, phimoe, same_each_layer)
 from pipellm.rope_config import RopeConfig
 from pipellm.vision_language import VISION_LANGUAGE, text_config
 
@@ -51,7 +51,7 @@ SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + GEMMA_FAMILY + ("GPT2LMHea
                                                                        JAMBA, LFM2, LFM2_MOE, BAMBA, PHIMOE) + CLASSIC
 # the names some releases give an architecture pipellm runs: Phi-3.5-MoE's, InternLM3's (Llama's model, as HF runs it)
 ALIASES = {"PhiMoEForCausalLM": PHIMOE, "InternLM3ForCausalLM": "LlamaForCausalLM",
-           "MiniCPM5MoEForCausalLM": MINICPM5_MOE}
+           "MiniCPM5MoEForCausalLM": MINICPM5_MOE, "ExaoneMoEForCausalLM": EXAONE_MOE}
 LOCAL_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # layers that attend over part of the context
 
 
@@ -369,7 +369,9 @@ class ModelConfig:
             family = dict(attention_output_gate=True)
         elif arch == EXAONE_MOE:  # DeepSeek's router under its own keys (HF's defaults)
             d = {"n_routed_experts": d.get("num_experts", 64), "n_shared_experts": d.get("num_shared_experts", 1),
-                 "first_k_dense_replace": 1, "routed_scaling_factor": 2.5} | d
+                 "first_k_dense_replace": 1, "routed_scaling_factor": 2.5} | exaone_layer_types(d, source)
+        elif arch == "Exaone4ForCausalLM":
+            d = exaone_layer_types(d, source)
         is_gemma = arch in GEMMA_FAMILY
         act = d.get("hidden_activation" if is_gemma else "hidden_act") or d.get("hidden_act") or "silu"
         classic_act = arch in CLASSIC and act in (("relu2",) if arch == "NemotronForCausalLM" else GELUS)

@@ -894,3 +894,19 @@ def test_glm_config_without_partial_rotary_rotates_half_as_hf(arch):
     theirs = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**fields)
     ours = ModelConfig.from_hf_dict({"architectures": [arch], **fields})
     assert ours.rope.partial_rotary_factor == theirs.rope_parameters["partial_rotary_factor"] == 0.5
+
+
+@pytest.mark.parametrize("arch", ["Exaone4ForCausalLM", "ExaoneMoEForCausalLM"])
+def test_exaone_config_without_layer_types_reads_its_sliding_pattern(arch):
+    """EXAONE 4 and K-EXAONE configs that name a sliding window but no layer_types: every sliding_window_pattern-th
+    layer full, as HF's config makes them, and "LLLG" the same pattern, as llama.cpp's converter reads it (HF's config
+    refuses a string); K-EXAONE's release spelling of its class read as HF's."""
+    from transformers import Exaone4Config
+
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, sliding_window=24, sliding_window_pattern=4)
+    theirs = Exaone4Config(**fields).layer_types
+    for pattern in (4, "LLLG"):
+        ours = ModelConfig.from_hf_dict({"architectures": [arch], **fields, "sliding_window_pattern": pattern})
+        assert list(ours.layer_types) == theirs and ours.architecture == arch.replace("MoE", "Moe")
+        assert ours.nope_layers == (3, 7)  # the full layers take no rotary
