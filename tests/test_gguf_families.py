@@ -33,7 +33,7 @@ ARCH = {"llama3": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3moe": "qw
         "lfm2_moe": "lfm2moe", "bamba": "granitehybrid",  # Bamba's: with rotary on half of each head
         "gpt_neox": "gptneox", "gpt_neox-sequential": "gptneox", "phi": "phi2", "phi-qkv": "phi2",
         "starcoder2": "starcoder2", "nemotron": "nemotron", "stablelm": "stablelm", "stablelm-parallel": "stablelm",
-        "gemma4": "gemma4", "gemma4_moe": "gemma4"}
+        "gemma4": "gemma4", "gemma4_moe": "gemma4", "exaone_moe": "exaone-moe"}
 GEMMA4 = ("gemma4", "gemma4_moe")
 CLASSIC = ("gpt_neox", "gpt_neox-sequential", "phi", "phi-qkv", "starcoder2", "nemotron", "stablelm",
            "stablelm-parallel")
@@ -146,6 +146,13 @@ def gguf_family_config(name: str):
                                                   long_factor=[2.0 + 0.5 * i for i in range(rotated_half)]))
     if name == "gemma":  # Gemma 1: Llama's order, Gemma's norms (stored as 1 + w)
         return tf.GemmaConfig(**BASE, head_dim=32)
+    if name == "exaone_moe":  # EXAONE 4's attention before Llama's norms, sliding layers; DeepSeek V3's experts after
+        # a dense layer (no groups: its converter writes none)
+        return tf.ExaoneMoeConfig(**BASE | dict(intermediate_size=48), head_dim=16, moe_intermediate_size=32,
+                                  num_experts=8, num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1,
+                                  routed_scaling_factor=1.5, sliding_window=24, layer_types=[
+                                      "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                                      "full_attention"])
     if name in GEMMA4:  # full layers 1 and 4: heads of 32, their values their keys' projection (one KV head) or
         # their own (MoE: two), rotary on a quarter of each; sliding layers: two KV heads of 16
         moe = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
@@ -451,6 +458,16 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if name == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if name == "exaone_moe":  # its converter's: no groups, no gating function (llama.cpp's: sigmoid)
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_count(cfg.num_shared_experts)
+        w.add_expert_shared_feed_forward_length(cfg.moe_intermediate_size * cfg.num_shared_experts)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        w.add_leading_dense_block_count(1)
+        w.add_nextn_predict_layers(0)
     if name == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
@@ -486,9 +503,9 @@ def write_metadata(w: gguf.GGUFWriter, name: str, cfg) -> None:
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
         w.add_logit_scale(cfg.logits_scaling)
-    if name in ("olmo3", "exaone4", "cohere2"):
+    if name in ("olmo3", "exaone4", "cohere2", "exaone_moe"):
         w.add_sliding_window(cfg.sliding_window)
-    if name in ("olmo3", "exaone4"):  # cohere2's converter writes no pattern
+    if name in ("olmo3", "exaone4", "exaone_moe"):  # cohere2's converter writes no pattern
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     if name == "phi3":
         rope = _rope_parameters(cfg)

@@ -72,7 +72,7 @@ def _entries(reader, path: str, arch: str, cfg: dict):
     seen = set()
     for t in reader.tensors:
         block = BLOCK_INDEX.match(t.name)
-        mtp = arch in ("glm4moe", "deepseek2") + HYBRID + NEMOTRON and block \
+        mtp = arch in ("glm4moe", "deepseek2", "exaone-moe") + HYBRID + NEMOTRON and block \
             and int(block[1]) >= cfg["num_hidden_layers"]
         if t.name in ROPE_TENSORS or mtp:  # the multi-token prediction layer after the last: left unread
             continue
@@ -252,7 +252,7 @@ def _tokenizer_reads(arch: str):
     length field for the value: float() of an array), for gemma4 the KV heads of each layer, which its config
     refuses as a list; the tokenizer needs none of them. A command-r, ernie4_5-moe,
     hunyuan-dense, deepseek2, glm4moe, minimax-m2, qwen3next, granitehybrid, nemotron_h_moe, falcon-h1, lfm2moe,
-    gptneox or phi2 file is shown as the model type transformers knows."""
+    gptneox, phi2 or exaone-moe file is shown as the model type transformers knows."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as known
 
@@ -260,7 +260,7 @@ def _tokenizer_reads(arch: str):
              "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "minimax-m2": "minimax_m2",
              "qwen3next": "qwen3_next", "granitehybrid": "granitemoehybrid",
              "nemotron_h_moe": "nemotron_h", "falcon-h1": "falcon_h1", "lfm2moe": "lfm2_moe", "gptneox": "gpt_neox",
-             "phi2": "phi"}.get(arch, arch)
+             "phi2": "phi", "exaone-moe": "exaone_moe"}.get(arch, arch)
     added = shown not in known.GGUF_SUPPORTED_ARCHITECTURES
     if added:
         known.GGUF_SUPPORTED_ARCHITECTURES.append(shown)

@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "olmo2": ("Olmo2ForCausalLM", "olmo2", False),
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss", False),
     "exaone4": ("Exaone4ForCausalLM", "exaone4", False),
+    "exaone-moe": ("ExaoneMoeForCausalLM", "exaone_moe", False),  # K-EXAONE: DeepSeek V3's experts
     "seed_oss": ("SeedOssForCausalLM", "seed_oss", False),
     "glm4": ("Glm4ForCausalLM", "glm4", False),  # rotary pairs interleaved, as HF's: llama.cpp's NORM rope
     "ernie4_5": ("Ernie4_5ForCausalLM", "ernie4_5", False),  # and these three too
@@ -111,6 +112,7 @@ _FAMILY_NAMES = {
     "glm4": {"post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm",
              "ffn_up": "mlp.gate_up_proj"},  # gate and up kept fused, as HF's
     "glm4moe": {"post_attention_norm": "post_attention_layernorm", **SHARED_EXPERTS},
+    "exaone-moe": SHARED_EXPERTS,
     "ernie4_5-moe": SHARED_EXPERTS,
     "dots1": SHARED_EXPERTS,
     # newer converters split kv_b_proj into each head's k_b (transposed) and v_b, as llama.cpp's MLA reads them
@@ -408,10 +410,10 @@ def _mla_shapes(mc: ModelConfig, p: str, split_kv_b: bool) -> dict:
 
 
 def _group_routed(m, arch: str, tensors: dict, path: str) -> tuple[tuple, dict]:
-    """(ARCHITECTURES entry, HF config fields) of a deepseek2, glm4moe, dots1 or mistral4 file's experts: a softmax
-    router (DeepSeek V2, Mistral 4) or a sigmoid one with a selection bias (V3, GLM-4.5, dots.llm1), in groups, with
-    shared experts; the first layers dense. glm4moe files hold a multi-token prediction layer after the last
-    (block_count counts it), left unread."""
+    """(ARCHITECTURES entry, HF config fields) of a deepseek2, glm4moe, dots1, mistral4 or exaone-moe file's experts:
+    a softmax router (DeepSeek V2, Mistral 4) or a sigmoid one with a selection bias (V3, GLM-4.5, dots.llm1,
+    K-EXAONE), in groups, with shared experts; the first layers dense. glm4moe and exaone-moe files hold multi-token
+    prediction layers after the last (block_count counts them), left unread."""
     # HF's routers: softmax alone (V2, Mistral 4), sigmoid with a bias (the others); a deepseek2 file holds either
     routers = {"deepseek2": ("softmax", "sigmoid"), "mistral4": ("softmax",)}.get(arch, ("sigmoid",))
     sigmoid = m("expert_gating_func", 2 if routers[0] == "sigmoid" else 1) == 2
@@ -567,7 +569,7 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
             cfg.update(moe_num_experts=experts, moe_k=m("expert_used_count"), moe_intermediate_size=ff,
                        moe_num_shared_experts=shexp // ff, moe_layer_start_index=m("leading_dense_block_count", 0),
                        moe_layer_interval=m("interleave_moe_layer_step", 1))
-        elif arch in ("deepseek2", "glm4moe", "dots1", "mistral4"):
+        elif arch in ("deepseek2", "glm4moe", "dots1", "mistral4", "exaone-moe"):
             entry, extra = _group_routed(m, arch, tensors, path)
             cfg.update(extra)
         elif arch == "llama4":
@@ -668,8 +670,10 @@ def hf_config(meta, tensors: dict, path: str) -> tuple[str, tuple, dict]:
                                                        for i in range(layers)])
     if arch == "seed_oss":  # and on the output, where the file has one
         cfg["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
-    if arch == "exaone4":  # the file's sliding layers, else llama.cpp's rule: the 64-layer model's every 4th is full
-        pattern = m("attention.sliding_window_pattern", [i % 4 != 3 for i in range(layers)] if layers == 64 else [])
+    if arch in ("exaone4", "exaone-moe"):  # the file's sliding layers, else llama.cpp's rule: the 64-layer EXAONE
+        # 4's every 4th is full
+        pattern = m("attention.sliding_window_pattern",
+                    [i % 4 != 3 for i in range(layers)] if layers == 64 and arch == "exaone4" else [])
         cfg["sliding_window"] = None  # no sliding layer: every layer takes rotary (HF's and llama.cpp's rule)
         if any(pattern):
             cfg.update(sliding_window=window or 4096,
