@@ -148,14 +148,19 @@ def _tensors(reader, path: str, arch: str, cfg: dict, permuted: bool) -> dict:
 
 
 def _gemma4_names(out: dict, cfg: dict) -> None:
-    """Gemma 4's experts stacked, as its HF checkpoints hold them: gate_up_proj [E, 2 * width, hidden] (an expert's
-    gate rows, then its up rows), down_proj [E, hidden, width]."""
+    """Gemma 4's experts stacked, as its HF checkpoints hold them (gate_up_proj, down_proj)."""
     for i in range(cfg["num_hidden_layers"] if cfg.get("enable_moe_block") else 0):
         p = f"model.layers.{i}.experts."
-        experts = range(cfg["num_experts"])
-        out[p + "gate_up_proj"] = np.stack([np.concatenate([out.pop(f"{p}{e}.gate_proj.weight"),
-                                                            out.pop(f"{p}{e}.up_proj.weight")]) for e in experts])
-        out[p + "down_proj"] = np.stack([out.pop(f"{p}{e}.down_proj.weight") for e in experts])
+        out[p + "gate_up_proj"], out[p + "down_proj"] = _stacked_experts(out, p, cfg["num_experts"])
+
+
+def _stacked_experts(out: dict, prefix: str, experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """The experts under prefix (prefix + "E.gate_proj.weight" and so on), taken out of out and stacked as HF's
+    checkpoints hold them: gate and up [E, 2 * width, hidden] (an expert's gate rows, then its up rows), down
+    [E, hidden, width]."""
+    gate_up = np.stack([np.concatenate([out.pop(f"{prefix}{e}.{proj}.weight") for proj in ("gate_proj", "up_proj")])
+                        for e in range(experts)])
+    return gate_up, np.stack([out.pop(f"{prefix}{e}.down_proj.weight") for e in range(experts)])
 
 
 def _bamba_names(out: dict) -> None:
@@ -175,11 +180,8 @@ def _granite_names(out: dict, cfg: dict) -> None:
         p = f"model.layers.{i}."
         if experts:
             out[p + "block_sparse_moe.router.layer.weight"] = out.pop(p + "mlp.gate.weight")
-            out[p + "block_sparse_moe.input_linear.weight"] = np.stack([np.concatenate(
-                [out.pop(f"{p}mlp.experts.{e}.{proj}.weight") for proj in ("gate_proj", "up_proj")])
-                for e in range(experts)])
-            out[p + "block_sparse_moe.output_linear.weight"] = np.stack(
-                [out.pop(f"{p}mlp.experts.{e}.down_proj.weight") for e in range(experts)])
+            out[p + "block_sparse_moe.input_linear.weight"], out[p + "block_sparse_moe.output_linear.weight"] = \
+                _stacked_experts(out, p + "mlp.experts.", experts)
         mlp = p + ("mlp.shared_expert." if experts else "mlp.")
         if mlp + "gate_proj.weight" in out and cfg["architectures"][0] != "GraniteMoeForCausalLM":
             out[p + "shared_mlp.input_linear.weight"] = np.concatenate(

@@ -73,9 +73,7 @@ class VaultGemmaStage(Gemma1Stage):
 class Gemma4Attention(LlamaAttention):
     def __init__(self, cfg: ModelConfig, layer: int, norm=Fp32ScaledRMSNorm):
         super().__init__(cfg, layer, norm)
-        self.values_are_keys = cfg.values_are_keys(layer)
-        if self.values_are_keys:  # q and k only
-            self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + self.kv_size, bias=cfg.qkv_bias)
+        self.values_are_keys = cfg.values_are_keys(layer)  # then qkv_proj holds q and k only
 
     def forward(self, x, ropes, meta, cache):
         qkv = self.qkv_proj(x)                             # [T, (H + 2 KV) * D], or [T, (H + KV) * D]

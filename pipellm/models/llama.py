@@ -32,9 +32,10 @@ class LlamaAttention(nn.Module):
         self.num_heads, (self.num_kv_heads, self.head_dim) = cfg.num_heads, cfg.attention_shape(layer)
         self.q_size, self.kv_size = cfg.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.gate_size = self.q_size if cfg.attention_output_gate else 0  # Qwen3-Next's: rows after q's
-        # q, k and v in one matmul: one weight read and one kernel call instead of three.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + self.gate_size + 2 * self.kv_size,
-                                  bias=cfg.qkv_bias)
+        # q, k and v in one matmul: one weight read and one kernel call instead of three (v none where the values
+        # are the keys' projection: Gemma 4's, gemma.py)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + self.gate_size
+                                  + (1 + (not cfg.values_are_keys(layer))) * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:  # over each head's values, or (OLMo) over all of a token's q and all of its k
             q_n, k_n = (self.head_dim, self.head_dim) if cfg.qk_norm_per_head else (self.q_size, self.kv_size)
